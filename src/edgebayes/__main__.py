@@ -1,0 +1,5 @@
+import sys
+
+from edgebayes.cli import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""Command line: `edgebayes <stage> --config pipeline.yaml --device local`.
+
+Exit codes: 0 done; 1 a stage failed (its message says why; artifacts of finished stages are kept);
+2 bad input (config, device profile, data), reported before any work with one message naming the file
+and key.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from edgebayes.config import ConfigError, load_device_profile, load_pipeline_config
+from edgebayes.stages import STAGES
+
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="edgebayes", description="Compressible Bayesian nets, from training to the edge.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in STAGES + ("pipeline",):
+        p = sub.add_parser(name, help="run all stages" if name == "pipeline" else f"run the {name} stage")
+        p.add_argument("--config", default="pipeline.yaml", help="pipeline config (default: pipeline.yaml)")
+        p.add_argument("--device", default="local", help="device profile name in devices/, or a YAML path")
+        p.add_argument("--runs-dir", default="runs", help="where artifacts go (default: runs)")
+        p.add_argument("--force", action="store_true", help="re-run even if the stage is up to date")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_pipeline_config(args.config)
+        profile = load_device_profile(args.device)
+    except ConfigError as e:
+        print(f"edgebayes: config error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    from edgebayes.data import DataError
+    from edgebayes.stages import Context, StageError, run_pipeline, run_stage
+
+    ctx = Context(cfg, profile, runs_dir=Path(args.runs_dir), force=args.force)
+    try:
+        if args.command == "pipeline":
+            run_pipeline(ctx)
+        else:
+            run_stage(ctx, args.command)
+    except DataError as e:
+        print(f"edgebayes: data error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (StageError, RuntimeError, ValueError) as e:
+        print(f"edgebayes: {args.command} failed: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""Validated configuration: `pipeline.yaml` (the run) and `devices/<name>.yaml` (a device profile).
+
+Each file is parsed into dataclasses. Any problem (a missing file, YAML that does not parse, an unknown
+key, a wrong type, a value out of range, an unknown device) raises `ConfigError` with one message naming
+the file and the key; the CLI prints it and exits with code 2 before any work is done.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICES_DIR = Path(os.environ.get("EDGEBAYES_DEVICES", ROOT / "devices"))
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message names the file and the key."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: pipeline.yaml
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    dataset: Literal["digits", "mnist", "fashion-mnist", "cifar10"] = "digits"
+    root: Optional[str] = None          # default: $EDGEBAYES_DATA, else ./data
+    download: bool = False              # only download when the user allows it
+    val_fraction: float = 0.2
+    test_fraction: float = 0.2          # digits only; the torchvision sets have an official test split
+    ood: Optional[str] = None           # null | noise | a dataset name with the same input shape
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["ss-ig", "ss-gl", "dnn"] = "ss-gl"
+    arch: Literal["mlp"] = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [400, 400])
+    activation: Literal["silu", "relu", "tanh"] = "silu"
+
+
+@dataclass
+class PriorConfig:
+    sigma0_sq: float = 1.0              # slab variance sigma0^2 (1 for MLP / LeNet in paper 000)
+    inclusion_constant: float = 1e-9    # C_l of the layer-wise prior inclusion probability
+    a0: float = 4.0                     # SS-GL: varsigma^2 ~ Gamma(a0, b0)
+    b0: float = 2.0
+    temperature: float = 0.5            # relaxed Bernoulli temperature
+    gamma_init: float = 0.99            # initial inclusion probability ("close to 1", appendix A.2)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 100
+    batch_size: int = 1024
+    lr: float = 1e-3
+    kl_weight: float = 1.0              # 1 = the exact ELBO; < 1 tempers the KL (see trainer docstring)
+    mc_samples_eval: int = 10           # paper 000 evaluates with 10 MC samples
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class SelectConfig:
+    thresholds: list[float] = field(default_factory=lambda: [0.5])
+    mc_samples: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    objective: Literal["accuracy", "nll"] = "accuracy"
+
+
+@dataclass
+class ExportConfig:
+    opset: int = 17
+    fidelity_tolerance: float = 1e-4
+
+
+@dataclass
+class BenchmarkConfig:
+    warmup: int = 20
+    min_runs: int = 200
+    min_seconds: float = 1.0
+
+
+@dataclass
+class PipelineConfig:
+    name: str = "run"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prior: PriorConfig = field(default_factory=PriorConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# A device: devices/<name>.yaml
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class RuntimeConfig:
+    name: Literal["onnxruntime"] = "onnxruntime"
+    threads: int = 0                    # 0: the runtime's default
+    precision: Literal["fp32"] = "fp32"
+
+
+@dataclass
+class Budgets:
+    latency_ms: Optional[float] = None  # at `percentile`, for `batch_size` inputs
+    percentile: Literal[50, 90, 99] = 90
+    batch_size: int = 1
+    memory_mb: Optional[float] = None   # peak RSS of the runner on the device
+    model_mb: Optional[float] = None    # size of the model file
+
+
+@dataclass
+class Connection:
+    kind: Literal["local"] = "local"
+    python: Optional[str] = None        # interpreter on the device; null: the one running edgebayes
+    workdir: Optional[str] = None       # where the bundle is copied; null: inside the run folder
+
+
+@dataclass
+class LatencyModel:
+    kind: Literal["measure", "flops"] = "measure"
+    flops_per_second: Optional[float] = None   # for kind: flops
+    overhead_ms: float = 0.0
+
+
+@dataclass
+class DeviceProfile:
+    name: str
+    description: str = ""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    budgets: Budgets = field(default_factory=Budgets)
+    connection: Connection = field(default_factory=Connection)
+    latency_model: LatencyModel = field(default_factory=LatencyModel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(tp, value, where):
+    """Check `value` against the annotation `tp`; return the converted value or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f"{where}: expected a non-empty list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _join(where, key):
+    """'file.yaml' + 'train' -> 'file.yaml: train'; 'file.yaml: train' + 'epochs' -> 'file.yaml: train.epochs'."""
+    return f"{where}.{key}" if ": " in where else f"{where}: {key}"
+
+
+def _build(cls, data, where):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"{_join(where, key)}: unknown key (allowed: {', '.join(fields)})")
+    kwargs = {}
+    for name, f in fields.items():
+        key_where = _join(where, name)
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], key_where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{key_where}: required key is missing")
+    return cls(**kwargs)
+
+
+def _load_yaml(path: Path):
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
+
+
+def _check(condition, where, message):
+    if not condition:
+        raise ConfigError(f"{where}: {message}")
+
+
+def load_pipeline_config(path) -> PipelineConfig:
+    path = Path(path)
+    cfg = _build(PipelineConfig, _load_yaml(path), str(path))
+    p = str(path)
+    _check(cfg.name and all(c.isalnum() or c in "-_." for c in cfg.name), f"{p}: name",
+           f"expected letters, digits, '-', '_' or '.', got {cfg.name!r}")
+    _check(0 < cfg.data.val_fraction < 1, f"{p}: data.val_fraction", "expected a number in (0, 1)")
+    _check(0 < cfg.data.test_fraction < 1, f"{p}: data.test_fraction", "expected a number in (0, 1)")
+    _check(all(h > 0 for h in cfg.model.hidden), f"{p}: model.hidden", "expected positive layer widths")
+    _check(cfg.prior.sigma0_sq > 0, f"{p}: prior.sigma0_sq", "expected a positive number")
+    _check(0 < cfg.prior.gamma_init < 1, f"{p}: prior.gamma_init", "expected a number in (0, 1)")
+    _check(cfg.prior.temperature > 0, f"{p}: prior.temperature", "expected a positive number")
+    _check(cfg.train.epochs > 0, f"{p}: train.epochs", "expected a positive integer")
+    _check(cfg.train.batch_size > 0, f"{p}: train.batch_size", "expected a positive integer")
+    _check(cfg.train.kl_weight > 0, f"{p}: train.kl_weight", "expected a positive number")
+    _check(cfg.train.lr > 0, f"{p}: train.lr", "expected a positive number")
+    _check(cfg.train.mc_samples_eval > 0, f"{p}: train.mc_samples_eval", "expected a positive integer")
+    _check(all(0 < t < 1 for t in cfg.select.thresholds), f"{p}: select.thresholds", "expected numbers in (0, 1)")
+    _check(all(m > 0 for m in cfg.select.mc_samples), f"{p}: select.mc_samples", "expected positive integers")
+    _check(cfg.export.fidelity_tolerance > 0, f"{p}: export.fidelity_tolerance", "expected a positive number")
+    _check(cfg.benchmark.min_runs > 0, f"{p}: benchmark.min_runs", "expected a positive integer")
+    return cfg
+
+
+def known_devices() -> list[str]:
+    return sorted(p.stem for p in DEVICES_DIR.glob("*.yaml"))
+
+
+def load_device_profile(name: str) -> DeviceProfile:
+    """Load devices/<name>.yaml; `name` may also be a path to a YAML file."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else DEVICES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown device {name!r}: no {path} (known devices: {', '.join(known_devices()) or 'none'})")
+    profile = _build(DeviceProfile, _load_yaml(path), str(path))
+    p = str(path)
+    b = profile.budgets
+    _check(b.batch_size > 0, f"{p}: budgets.batch_size", "expected a positive integer")
+    for key in ("latency_ms", "memory_mb", "model_mb"):
+        value = getattr(b, key)
+        _check(value is None or value > 0, f"{p}: budgets.{key}", "expected a positive number or null")
+    lm = profile.latency_model
+    _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
+           "a positive number is required when latency_model.kind is flops")
+    return profile
+
+
+def as_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def fingerprint(*parts) -> str:
+    """A stable hash of JSON-able parts (config sections, upstream fingerprints)."""
+    blob = json.dumps([as_dict(p) if dataclasses.is_dataclass(p) else p for p in parts], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

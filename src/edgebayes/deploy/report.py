@@ -1,0 +1,751 @@
+"""Benchmark report writer: one JSON + one self-contained HTML page per run.
+
+`write_report(inputs, out_dir)` takes what the earlier stages produced
+(training metrics, candidate operating points, the chosen point, export
+facts, the device runner's results) and writes
+
+* ``report.json``  - a computed ``summary`` block followed by the inputs verbatim,
+* ``report.html``  - a single page with every plot embedded as a data URI,
+* ``*.png``        - the same plots as separate files.
+
+Every file is written to a temp file in ``out_dir`` and moved into place with
+``os.replace``, so a crash never leaves a half-written report behind.
+Missing optional inputs are shown as "n/a" on the page and stored as null in
+the JSON summary.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as _dt
+import html
+import io
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_report"]
+
+NA = "n/a"
+# Model size in MB = 10^6 bytes, as the selection stage computes candidates' model_mb,
+# so "fits" in selection and the verdict here agree.
+BYTES_PER_MB = 1_000_000
+# Budget key in device.budgets -> (label on the page, unit).
+BUDGETS = {
+    "latency_ms": ("latency", "ms"),
+    "memory_mb": ("memory (peak RSS)", "MB"),
+    "model_mb": ("model size", "MB"),
+}
+METRICS = ("accuracy", "nll", "ece", "brier")
+METRIC_LABELS = {"accuracy": "accuracy", "nll": "NLL", "ece": "ECE", "brier": "Brier", "n": "n"}
+
+
+# ----------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------
+
+def _jsonable(x: Any) -> Any:
+    """Deep copy into plain JSON types; NaN/inf become None so the file is strict JSON."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (bool, str)) or x is None:
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, Path):
+        return str(x)
+    # numpy scalars/arrays (and anything else exposing tolist/item) without importing numpy
+    for attr in ("tolist", "item"):
+        if hasattr(x, attr):
+            return _jsonable(getattr(x, attr)())
+    return str(x)
+
+
+def _get(d: Any, *keys: Any) -> Any:
+    """d[k1][k2]... or None when any level is absent."""
+    for k in keys:
+        if isinstance(d, dict):
+            d = d.get(k)
+        elif isinstance(d, list) and isinstance(k, int) and -len(d) <= k < len(d):
+            d = d[k]
+        else:
+            return None
+    return d
+
+
+def _num(x: Any) -> float | None:
+    """A finite number as float, else None (bools are not numbers here)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def _diff(a: Any, b: Any) -> float | None:
+    a, b = _num(a), _num(b)
+    return None if a is None or b is None else a - b
+
+
+def _fmt(x: Any, unit: str = "") -> str:
+    """Human formatting; None -> 'n/a'. Tiny values (fidelity ~1e-7) go scientific."""
+    if x is None:
+        return NA
+    if isinstance(x, bool):
+        s = "yes" if x else "no"
+    elif isinstance(x, int):
+        s = f"{x:,}"
+    elif isinstance(x, float):
+        if x == 0:
+            s = "0"
+        elif abs(x) >= 1000:
+            s = f"{x:,.0f}"
+        elif abs(x) < 1e-3:
+            s = f"{x:.2e}"
+        else:
+            s = f"{x:.4g}"
+    else:
+        s = str(x)
+    return f"{s} {unit}" if unit else s
+
+
+def _fmt_diff(x: float | None) -> str:
+    if x is None:
+        return NA
+    if x == 0:
+        return "0"
+    return f"{x:+.2e}" if abs(x) < 1e-3 else f"{x:+.4f}"
+
+
+def _pct(x: float | None) -> str:
+    return NA if x is None else f"{100 * x:.1f} %"
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _same_point(cand: dict, threshold: Any, m: Any) -> bool:
+    t1, t2 = _num(cand.get("threshold")), _num(threshold)
+    return (t1 is not None and t2 is not None and math.isclose(t1, t2, rel_tol=1e-9, abs_tol=1e-12)
+            and cand.get("mc_samples") == m)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same directory, then os.replace (atomic on POSIX)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        # mkstemp creates 0600; give the report the usual umask-based permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _wilson(p: float | None, n: float | None, z: float = 1.96) -> list[float] | None:
+    """95% Wilson interval for an accuracy measured on n examples (how much is noise)."""
+    if p is None or n is None or n <= 0 or not 0 <= p <= 1:
+        return None
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return [max(0.0, mid - half), min(1.0, mid + half)]
+
+
+# ----------------------------------------------------------------------------
+# summary
+# ----------------------------------------------------------------------------
+
+def _latency_key(lat: dict, percentile: Any) -> str | None:
+    """Reported latency statistic to judge the budget with: p<percentile> if reported,
+    else the nearest reported percentile above it (conservative), else max."""
+    pct = _num(percentile)
+    if pct is None:
+        pct = 90.0
+    exact = f"p{pct:g}"
+    if _num(lat.get(exact)) is not None:
+        return exact
+    reported = sorted(
+        (float(k[1:]), k) for k in lat
+        if k.startswith("p") and k[1:].replace(".", "", 1).isdigit() and _num(lat[k]) is not None
+    )
+    for value, key in reported:
+        if value >= pct:
+            return key
+    if _num(lat.get("max")) is not None:
+        return "max"
+    return reported[-1][1] if reported else None
+
+
+def _verdict(limit: float | None, measured: float | None) -> str:
+    if limit is None:
+        return "not set"
+    if measured is None:
+        return NA
+    return "pass" if measured <= limit else "fail"
+
+
+def _pruned_fraction(layers: Any) -> float | None:
+    """1 - kept/total over hidden layers; the output layer (named 'output', else the last) is excluded."""
+    if not isinstance(layers, list) or not layers:
+        return None
+    layers = [l for l in layers if isinstance(l, dict)]
+    hidden = [l for l in layers if l.get("name") != "output"]
+    if len(hidden) == len(layers):
+        hidden = layers[:-1]
+    kept = [_num(l.get("kept")) for l in hidden]
+    total = [_num(l.get("total")) for l in hidden]
+    if not hidden or None in kept or None in total or sum(total) <= 0:
+        return None
+    return 1.0 - sum(kept) / sum(total)
+
+
+def _summarize(d: dict) -> dict:
+    """Compute the summary block from the (JSON-clean) inputs."""
+    device = d.get("device") if isinstance(d.get("device"), dict) else {}
+    budgets = device.get("budgets") if isinstance(device.get("budgets"), dict) else {}
+    results = d.get("results") if isinstance(d.get("results"), dict) else {}
+    export = d.get("export") if isinstance(d.get("export"), dict) else {}
+    train = d.get("train") if isinstance(d.get("train"), dict) else {}
+    choice = d.get("choice") if isinstance(d.get("choice"), dict) else {}
+    candidates = [c for c in (d.get("candidates") or []) if isinstance(c, dict)]
+    lat = results.get("latency_ms") if isinstance(results.get("latency_ms"), dict) else {}
+    warnings: list[str] = []
+
+    metrics = {}
+    for m in METRICS:
+        dev, ref = _get(results, "metrics", m), _get(results, "reference", m)
+        metrics[m] = {"device": dev, "reference": ref, "diff": _diff(dev, ref)}
+    n_eval = _get(results, "metrics", "n")
+    ci = _wilson(_num(metrics["accuracy"]["device"]), _num(n_eval))
+
+    # Budget verdicts.
+    lat_key = _latency_key(lat, budgets.get("percentile"))
+    lat_measured = _num(lat.get(lat_key)) if lat_key else None
+    model_bytes = _num(export.get("model_bytes"))
+    chosen = next((c for c in candidates
+                   if _same_point(c, choice.get("threshold"), choice.get("mc_samples"))), None)
+    if model_bytes is not None:
+        model_mb, model_src = model_bytes / BYTES_PER_MB, "export.model_bytes"
+    else:  # fall back to the selection stage's estimate for the chosen point
+        model_mb, model_src = _num(_get(chosen, "cost", "model_mb")), "candidate cost estimate"
+    measured = {
+        "latency_ms": (lat_measured, f"{lat_key} latency" if lat_key else "latency"),
+        "memory_mb": (_num(results.get("peak_rss_mb")), "peak RSS"),
+        "model_mb": (model_mb, model_src),
+    }
+    budget_rows = {}
+    for key, (label, unit) in BUDGETS.items():
+        limit = _num(budgets.get(key))
+        value, source = measured[key]
+        budget_rows[key] = {"label": label, "unit": unit, "limit": limit, "measured": value,
+                            "measured_as": source, "verdict": _verdict(limit, value)}
+    verdicts = [r["verdict"] for r in budget_rows.values() if r["verdict"] != "not set"]
+    overall = ("fail" if "fail" in verdicts else NA if NA in verdicts
+               else "pass" if verdicts else "not set")
+
+    onnx_params, kept_total = export.get("onnx_params"), export.get("kept_weights_total")
+    params_match = (None if _num(onnx_params) is None or _num(kept_total) is None
+                    else onnx_params == kept_total)
+
+    # Things an engineer should not miss when trusting the numbers.
+    if params_match is False:
+        warnings.append(f"ONNX parameter count {onnx_params} != kept weights {kept_total}: "
+                        "the exported graph does not match the pruned model.")
+    b_bs, r_bs = budgets.get("batch_size"), results.get("batch_size")
+    if b_bs is not None and r_bs is not None and b_bs != r_bs:
+        warnings.append(f"latency measured at batch size {r_bs}, budget is for batch size {b_bs}.")
+    if choice and chosen is None:
+        warnings.append("chosen operating point is not among the candidates.")
+    elif chosen is not None and chosen.get("fits") is False:
+        warnings.append("chosen operating point did not fit the budget during selection.")
+    pct = _num(budgets.get("percentile"))
+    if lat_key and pct is not None and lat_key != f"p{pct:g}":
+        warnings.append(f"p{pct:g} latency not reported; judged with {lat_key} (conservative).")
+
+    return {
+        "run_name": d.get("run_name"),
+        "device": device.get("name"),
+        "runtime": device.get("runtime"),
+        "threshold": choice.get("threshold"),
+        "mc_samples": choice.get("mc_samples"),
+        "objective": d.get("objective"),
+        "choice_reason": choice.get("reason"),
+        "metrics": metrics,
+        "n_eval": n_eval,
+        "accuracy_ci95": ci,
+        "max_abs_prob_diff": results.get("max_abs_prob_diff"),
+        "latency_ms": {k: lat.get(k) for k in ("p50", "p90", "p99")},
+        "latency_percentile": budgets.get("percentile"),
+        "latency_stat": lat_key,
+        "latency_at_percentile_ms": lat_measured,
+        "latency_budget_ms": _num(budgets.get("latency_ms")),
+        "budgets": budget_rows,
+        "overall_verdict": overall,
+        "pruned_fraction_hidden": _pruned_fraction(_get(train, "sparsity", "layers")),
+        "compression_ratio": train.get("compression_ratio"),
+        "flops_ratio": train.get("flops_ratio"),
+        "onnx_params": onnx_params,
+        "kept_weights_total": kept_total,
+        "kept_weights_per_sample": export.get("kept_weights_per_sample"),
+        "params_match": params_match,
+        "fidelity_max_abs_prob_diff": export.get("fidelity_max_abs_prob_diff"),
+        "warnings": warnings,
+        "report_created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ----------------------------------------------------------------------------
+# plots (Figure + Agg canvas: no pyplot state, never touches a display)
+# ----------------------------------------------------------------------------
+
+def _new_fig(w: float, h: float, **kw: Any):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110, layout="constrained", **kw)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None) -> bytes | None:
+    """Val accuracy vs latency for every candidate; colour = M, marker = fits or not."""
+    pts = [(c, _num(_get(c, "cost", "latency_ms")), _num(_get(c, "val", "accuracy")))
+           for c in candidates]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None]
+    if not pts:
+        return None
+    from matplotlib.lines import Line2D
+
+    fig = _new_fig(8.5, 5.0)
+    ax = fig.add_subplot()
+    ms = sorted({c.get("mc_samples") for c, _, _ in pts}, key=lambda m: (_num(m) is None, _num(m) or 0, str(m)))
+    # Sequential colours: more posterior samples = darker, and no red (red means "violates").
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    colours = {m: cmap(0.85 * i / max(1, len(ms) - 1)) for i, m in enumerate(ms)}
+    for c, x, y in pts:
+        col = colours[c.get("mc_samples")]
+        if c.get("fits"):
+            ax.scatter(x, y, s=46, marker="o", color=col, edgecolor="black", linewidth=0.5, zorder=3)
+        else:
+            ax.scatter(x, y, s=46, marker="X", color=col, alpha=0.55, zorder=2)
+    chosen = [(x, y) for c, x, y in pts if _same_point(c, choice.get("threshold"), choice.get("mc_samples"))]
+    for x, y in chosen[:1]:
+        ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
+        ax.annotate(f"chosen: t={_fmt(choice.get('threshold'))}, M={choice.get('mc_samples')}",
+                    (x, y), xytext=(12, -18), textcoords="offset points", color="crimson",
+                    fontsize=9, fontweight="bold")
+    xs = [x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else [])
+    if min(xs) > 0 and max(xs) / min(xs) > 10:  # wide spread: linear axis would squash the points
+        ax.set_xscale("log")
+    if budget_ms is not None:
+        ax.axvline(budget_ms, color="crimson", linestyle="--", linewidth=1.3)
+    ax.set_xlabel("latency per batch (ms)" + (", log scale" if ax.get_xscale() == "log" else ""))
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("Candidate operating points: accuracy vs latency")
+    ax.grid(True, alpha=0.3)
+    handles = [Line2D([], [], marker="o", linestyle="", color=colours[m], markeredgecolor="black",
+                      markeredgewidth=0.5, label=f"M = {m}") for m in ms]
+    handles += [Line2D([], [], marker="o", linestyle="", color="grey", label="fits budget"),
+                Line2D([], [], marker="X", linestyle="", color="grey", alpha=0.55, label="violates budget")]
+    if chosen:
+        handles.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none",
+                              markeredgecolor="crimson", markersize=12, label="chosen"))
+    if budget_ms is not None:
+        handles.append(Line2D([], [], color="crimson", linestyle="--", label=f"latency budget {_fmt(budget_ms)} ms"))
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def _plot_sparsity(layers: Any) -> bytes | None:
+    rows = [l for l in (layers or []) if isinstance(l, dict)
+            and _num(l.get("kept")) is not None and _num(l.get("total")) is not None]
+    if not rows:
+        return None
+    fig = _new_fig(7.0, 0.9 + 0.55 * max(3, len(rows)))
+    ax = fig.add_subplot()
+    names = [str(l.get("name", f"layer {i + 1}")) for i, l in enumerate(rows)]
+    y = list(range(len(rows)))[::-1]  # first layer on top
+    totals = [_num(l["total"]) for l in rows]
+    kept = [_num(l["kept"]) for l in rows]
+    ax.barh(y, totals, color="#d9d9d9", label="total nodes")
+    ax.barh(y, kept, color="#2c7fb8", height=0.55, label="kept nodes")
+    for yi, k, t in zip(y, kept, totals):
+        ax.text(t, yi, f"  {k:g}/{t:g}", va="center", fontsize=9)
+    ax.set_yticks(y, names)
+    ax.set_xlim(0, max(totals) * 1.18)
+    ax.set_xlabel("nodes (units)")
+    ax.set_title("Kept nodes per layer after pruning")
+    ax.legend(loc="lower right", fontsize=8)
+    return _png(fig)
+
+
+def _plot_latency_hist(samples: Any, lat: dict, budget_ms: float | None) -> bytes | None:
+    xs = [v for v in (_num(s) for s in (samples or [])) if v is not None]
+    if not xs:
+        return None
+    fig = _new_fig(4.8, 3.4)
+    ax = fig.add_subplot()
+    ax.hist(xs, bins=min(60, max(10, len(xs) // 20)), color="#74a9cf", edgecolor="white", linewidth=0.3)
+    for key, style in (("p50", ":"), ("p90", "--"), ("p99", "-.")):
+        v = _num(lat.get(key))
+        if v is not None:
+            ax.axvline(v, color="black", linestyle=style, linewidth=1, label=f"{key} {_fmt(v)} ms")
+    title = "Latency distribution on device"
+    # Only draw the budget if it stays on a readable scale; otherwise say where it is.
+    if budget_ms is not None and budget_ms <= 1.5 * max(xs):
+        ax.axvline(budget_ms, color="crimson", linestyle="--", linewidth=1.3, label=f"budget {_fmt(budget_ms)} ms")
+    elif budget_ms is not None:
+        title += f" (budget {_fmt(budget_ms)} ms is off-scale)"
+    ax.set_title(title)
+    ax.set_xlabel("latency per batch (ms)")
+    ax.set_ylabel("runs")
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def _plot_reliability(rel: Any, ece: Any) -> bytes | None:
+    acc = rel.get("bin_accuracy") if isinstance(rel, dict) else None
+    if not isinstance(acc, list) or not acc:
+        return None
+    conf = rel.get("bin_confidence") or [None] * len(acc)
+    count = rel.get("bin_count") or [None] * len(acc)
+    nb = len(acc)
+    width = 1.0 / nb
+    centers = [(i + 0.5) * width for i in range(nb)]
+    fig = _new_fig(4.7, 4.7)
+    gs = fig.add_gridspec(2, 1, height_ratios=[4, 1])
+    ax = fig.add_subplot(gs[0])
+    axc = fig.add_subplot(gs[1], sharex=ax)
+    # Empty bins (count 0 or no value) are left blank rather than drawn as zero accuracy.
+    bx, bh, cx, cy = [], [], [], []
+    for c, a, v, n in zip(centers, acc, conf, count):
+        if n == 0:
+            continue
+        if _num(a) is not None:
+            bx.append(c)
+            bh.append(_num(a))
+        if _num(v) is not None:
+            cx.append(c)
+            cy.append(_num(v))
+    ax.bar(bx, bh, width=width * 0.95, color="#2c7fb8", edgecolor="white", label="accuracy in bin")
+    ax.scatter(cx, cy, color="black", s=14, zorder=3, label="mean confidence in bin")
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfect calibration")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy")
+    ax.set_title("Reliability diagram" + (f" (ECE = {_fmt(_num(ece))})" if _num(ece) is not None else ""))
+    ax.legend(loc="upper left", fontsize=8)
+    ax.tick_params(labelbottom=False)
+    axc.bar(centers, [_num(n) or 0 for n in count], width=width * 0.95, color="#bdbdbd")
+    axc.set_xlabel("confidence (max predicted probability)")
+    axc.set_ylabel("examples")
+    return _png(fig)
+
+
+def _plot_history(history: Any, layer_names: list[str]) -> bytes | None:
+    hist = [h for h in (history or []) if isinstance(h, dict)]
+    ep = [(_num(h.get("epoch")) if _num(h.get("epoch")) is not None else i + 1) for i, h in enumerate(hist)]
+    acc = [(e, _num(h.get("val_accuracy"))) for e, h in zip(ep, hist) if _num(h.get("val_accuracy")) is not None]
+    kept = [(e, h["kept_nodes"]) for e, h in zip(ep, hist) if isinstance(h.get("kept_nodes"), list)]
+    if not acc and not kept:
+        return None
+    fig = _new_fig(9.0, 3.4)
+    a1, a2 = fig.subplots(1, 2)
+    if acc:
+        a1.plot(*zip(*acc), color="#2c7fb8")
+    a1.set_title("Validation accuracy during training")
+    a1.set_xlabel("epoch")
+    a1.set_ylabel("val accuracy")
+    a1.grid(True, alpha=0.3)
+    width = max((len(k) for _, k in kept), default=0)
+    for j in range(width):
+        pts = [(e, _num(k[j])) for e, k in kept if j < len(k) and _num(k[j]) is not None]
+        if pts:
+            a2.plot(*zip(*pts), label=layer_names[j] if j < len(layer_names) else f"layer {j + 1}")
+    a2.set_title("Kept nodes per hidden layer")
+    a2.set_xlabel("epoch")
+    a2.set_ylabel("kept nodes")
+    a2.grid(True, alpha=0.3)
+    if width:
+        a2.legend(fontsize=8)
+    return _png(fig)
+
+
+# ----------------------------------------------------------------------------
+# HTML
+# ----------------------------------------------------------------------------
+
+CSS = """
+body{font-family:-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:0;background:#f4f5f7;color:#222}
+main{max-width:1100px;margin:0 auto;padding:20px 28px 48px;background:#fff}
+h1{font-size:1.55em;margin:0 0 6px;word-break:break-word}
+h2{font-size:1.18em;margin:30px 0 10px;padding-bottom:4px;border-bottom:2px solid #e3e6ea}
+h3{font-size:1em;margin:18px 0 6px}
+table{border-collapse:collapse;margin:6px 0 12px;font-size:.9em}
+th,td{border:1px solid #dde1e6;padding:4px 9px;text-align:left;vertical-align:top}
+th{background:#f0f2f5}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+tr.chosen td{background:#fff4d6;font-weight:600}
+.badge{display:inline-block;padding:3px 9px;margin:2px 6px 2px 0;border-radius:11px;font-size:.85em;font-weight:600;color:#fff}
+.pass{background:#2e8540}.fail{background:#c62828}.na{background:#8a8f98}
+.headline{background:#f7f9fc;border:1px solid #dde3ea;border-radius:8px;padding:14px 18px;margin-top:10px}
+.cards{display:flex;flex-wrap:wrap;gap:12px;margin-top:12px}
+.card{background:#fff;border:1px solid #dde3ea;border-radius:6px;padding:8px 14px;min-width:150px}
+.card .v{font-size:1.35em;font-weight:700}.card .l{font-size:.8em;color:#555}
+.muted{color:#666;font-size:.88em}
+.warn{background:#fff3e0;border-left:4px solid #ef6c00;padding:6px 12px;margin:8px 0}
+img{max-width:100%;height:auto;display:block;margin:8px 0}
+.row{display:flex;flex-wrap:wrap;gap:18px;align-items:flex-start}
+.row img{max-width:520px}
+ul.violations{margin:0;padding-left:16px}
+"""
+
+
+def _badge(verdict: str, text: str) -> str:
+    cls = {"pass": "pass", "fail": "fail"}.get(verdict, "na")
+    return f'<span class="badge {cls}">{_e(text)}</span>'
+
+
+def _table(header: list[str], rows: list[list[Any]], num_cols: set[int] = frozenset(),
+           row_classes: list[str] | None = None) -> str:
+    """rows hold already-escaped HTML strings (cells built with _e/_fmt)."""
+    out = ["<table><thead><tr>", *(f"<th>{_e(h)}</th>" for h in header), "</tr></thead><tbody>"]
+    for i, row in enumerate(rows):
+        cls = row_classes[i] if row_classes and row_classes[i] else ""
+        out.append(f'<tr class="{cls}">' if cls else "<tr>")
+        out += [f'<td class="num">{c}</td>' if j in num_cols else f"<td>{c}</td>" for j, c in enumerate(row)]
+        out.append("</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _kv_table(d: Any) -> str:
+    if not isinstance(d, dict) or not d:
+        return f'<p class="muted">{NA}</p>'
+    rows = [[_e(k), _e(json.dumps(v) if isinstance(v, (dict, list)) else _fmt(v))] for k, v in d.items()]
+    return _table(["key", "value"], rows)
+
+
+def _img(png: bytes | None, alt: str) -> str:
+    if png is None:
+        return f'<p class="muted">{_e(alt)}: {NA} (no data)</p>'
+    return f'<img src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}" alt="{_e(alt)}">'
+
+
+def _budget_text(row: dict) -> str:
+    if row["verdict"] == "not set":
+        return f"{row['label']}: not set"
+    return f"{row['label']} {_fmt(row['measured'], row['unit'])} / {_fmt(row['limit'], row['unit'])}: {row['verdict']}"
+
+
+def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
+    results = d.get("results") if isinstance(d.get("results"), dict) else {}
+    train = d.get("train") if isinstance(d.get("train"), dict) else {}
+    choice = d.get("choice") if isinstance(d.get("choice"), dict) else {}
+    lat = results.get("latency_ms") if isinstance(results.get("latency_ms"), dict) else {}
+    title = f"edgebayes report: {s['run_name'] or NA} on {s['device'] or NA}"
+    p = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+         f"<meta name='viewport' content='width=device-width,initial-scale=1'>"
+         f"<title>{_e(title)}</title><style>{CSS}</style></head><body><main>"]
+
+    # 1. headline
+    acc = _num(s["metrics"]["accuracy"]["device"])
+    ci = s["accuracy_ci95"]
+    ci_txt = f"95% CI {_fmt(ci[0])}-{_fmt(ci[1])} (n={_fmt(s['n_eval'])})" if ci else f"n={_fmt(s['n_eval'])}"
+    p.append(f"<h1>{_e(title)}</h1><div class='headline'>")
+    p.append(f"<div><b>Chosen operating point:</b> inclusion threshold {_e(_fmt(s['threshold']))}, "
+             f"M = {_e(_fmt(s['mc_samples']))} posterior samples averaged"
+             f" &middot; objective: {_e(_fmt(s['objective']))}</div>")
+    p.append("<div style='margin-top:8px'>" + _badge(s["overall_verdict"], f"overall: {s['overall_verdict']}")
+             + "".join(_badge(r["verdict"], _budget_text(r)) for r in s["budgets"].values()) + "</div>")
+    cards = [(_fmt(acc), "on-device accuracy", ci_txt),
+             (_fmt(_num(s["metrics"]["ece"]["device"])), "ECE (calibration error)", "lower is better"),
+             (_fmt(_num(lat.get("p90")), "ms"), "p90 latency", f"batch size {_fmt(results.get('batch_size'))}"),
+             (_pct(s["pruned_fraction_hidden"]), "hidden nodes pruned", f"compression {_fmt(_num(s['compression_ratio']))}")]
+    p.append("<div class='cards'>" + "".join(
+        f"<div class='card'><div class='v'>{_e(v)}</div><div class='l'>{_e(l)}</div>"
+        f"<div class='muted'>{_e(sub)}</div></div>" for v, l, sub in cards) + "</div>")
+    if s["choice_reason"]:
+        p.append(f"<p class='muted'>Why this point: {_e(s['choice_reason'])}</p>")
+    p.append("</div>")
+    p += [f"<div class='warn'>&#9888; {_e(w)}</div>" for w in s["warnings"]]
+
+    # 2. budget table
+    p.append("<h2>Chosen point against the budget</h2>")
+    rows = []
+    for r in s["budgets"].values():
+        rows.append([_e(r["label"]), _e("not set" if r["limit"] is None else f"≤ {_fmt(r['limit'], r['unit'])}"),
+                     _e(f"{_fmt(r['measured'], r['unit'])} ({r['measured_as']})"),
+                     _badge(r["verdict"], r["verdict"])])
+    p.append(_table(["budget", "limit", "measured", "verdict"], rows))
+    used = f"p{_fmt(s['latency_percentile'])}"
+    if s["latency_stat"] and s["latency_stat"] != used:
+        used += f", judged with {s['latency_stat']} because p{_fmt(s['latency_percentile'])} was not reported"
+    p.append(f"<p class='muted'>Latency is judged at the budget's percentile ({_e(used)}); "
+             f"pass means measured &le; limit; model size uses 1 MB = 10<sup>6</sup> bytes.</p>")
+
+    # 3-4. plots
+    p.append("<h2>Accuracy vs latency of all candidates</h2>" + _img(pngs["tradeoff.png"], "accuracy vs latency"))
+    p.append("<h2>Kept nodes per layer</h2>" + _img(pngs["sparsity.png"], "kept nodes per layer"))
+
+    # 5. device vs reference
+    p.append("<h2>On-device metrics vs PyTorch reference</h2>")
+    rows = []
+    for m in METRICS:
+        r = s["metrics"][m]
+        rows.append([_e(METRIC_LABELS[m]), _e(_fmt(_num(r["device"]))), _e(_fmt(_num(r["reference"]))),
+                     _e(_fmt_diff(r["diff"]))])
+    n_dev, n_ref = _get(results, "metrics", "n"), _get(results, "reference", "n")
+    rows.append(["n", _e(_fmt(n_dev)), _e(_fmt(n_ref)), _e(_fmt_diff(_diff(n_dev, n_ref)))])
+    p.append(_table(["metric", "device", "PyTorch reference", "device - reference"], rows, {1, 2, 3}))
+    tol = _num(_get(d, "export", "fidelity_tolerance"))
+    tol_txt = f" (tolerance {_fmt(tol)})" if tol is not None else ""
+    p.append(f"<p>Max |p<sub>device</sub> - p<sub>torch</sub>| over all test probabilities: "
+             f"<b>{_e(_fmt(_num(s['max_abs_prob_diff'])))}</b>; export-time fidelity check: "
+             f"{_e(_fmt(_num(s['fidelity_max_abs_prob_diff'])) + tol_txt)}.</p>")
+
+    # 6. latency + calibration
+    p.append("<h2>Latency and calibration on device</h2>")
+    rows = [[_e(k), _e(_fmt(_num(lat.get(k)), "ms"))] for k in ("p50", "p90", "p99", "mean", "min", "max")]
+    rows += [[_e(label), _e(_fmt(results.get(k), unit))] for k, label, unit in (
+        ("runs", "timed runs", ""), ("warmup", "warm-up runs", ""), ("seconds", "wall time", "s"),
+        ("batch_size", "batch size", ""), ("throughput_per_s", "throughput", "examples/s"),
+        ("peak_rss_mb", "peak RSS", "MB"))]
+    rt, hw = results.get("runtime") or {}, results.get("device") or {}
+    measured_on = {
+        "runtime": " ".join(str(x) for x in (_get(rt, "name"), _get(rt, "version")) if x) or None,
+        "providers": ", ".join(map(str, _get(rt, "providers") or [])) or None,
+        "threads": _get(rt, "threads"),
+        "host": _get(hw, "hostname"), "platform": _get(hw, "platform"), "machine": _get(hw, "machine"),
+        "processor": _get(hw, "processor") or None, "cpu count": _get(hw, "cpu_count"),
+        "python": _get(hw, "python"), "numpy": _get(hw, "numpy"),
+    }
+    p.append("<div class='row'><div><h3>Latency</h3>" + _table(["statistic", "value"], rows, {1})
+             + "</div><div><h3>Measured on</h3>" + _kv_table(measured_on) + "</div></div>")
+    figs = [_img(pngs[k], alt) for k, alt in (("latency_hist.png", "latency histogram"),
+                                               ("reliability.png", "reliability diagram")) if pngs.get(k)]
+    if figs:
+        p.append("<div class='row'>" + "".join(figs) + "</div>")
+
+    # 7. training
+    p.append("<h2>Training</h2>")
+    model = train.get("model") if isinstance(train.get("model"), dict) else {}
+    arch = NA
+    if model:
+        hidden = model.get("hidden") or []
+        arch = f"{model.get('arch', NA)}: " + " → ".join(
+            str(x) for x in [model.get("in_features", "?"), *hidden, model.get("classes", "?")])
+    info = [["family", _e(_fmt(train.get("family")))], ["model", _e(arch)],
+            ["epochs", _e(_fmt(train.get("epochs")))],
+            ["compression ratio (kept / dense weights)", _e(_fmt(_num(train.get("compression_ratio"))))],
+            ["FLOPs ratio (kept / dense)", _e(_fmt(_num(train.get("flops_ratio"))))],
+            ["hidden nodes pruned", _e(_pct(s["pruned_fraction_hidden"]))],
+            ["ONNX parameters", _e(_fmt(s["onnx_params"]))],
+            ["kept weights total (all M samples)", _e(_fmt(s["kept_weights_total"]))],
+            ["kept weights per sample", _e(_fmt(s["kept_weights_per_sample"]))],
+            ["ONNX params match kept weights", _badge({True: "pass", False: "fail"}.get(s["params_match"], NA),
+                                                      _fmt(s["params_match"]))]]
+    test = train.get("test") if isinstance(train.get("test"), dict) else {}
+    test_rows = [[_e(METRIC_LABELS.get(k, k)), _e(_fmt(test.get(k)))] for k in (*METRICS, "n", "mc_samples")]
+    p.append("<div class='row'><div>" + _table(["", "value"], info) + "</div><div><h3 style='margin-top:6px'>"
+             "Test metrics (PyTorch)</h3>" + _table(["metric", "value"], test_rows, {1}) + "</div></div>")
+    if pngs.get("training.png"):
+        p.append(_img(pngs["training.png"], "training history"))
+
+    # 8. candidates
+    p.append("<h2>All candidates</h2>")
+    rows, classes = [], []
+    for c in d.get("candidates") or []:
+        if not isinstance(c, dict):
+            continue
+        viol = c.get("violations") or []
+        fits = c.get("fits")
+        fit_cell = _badge({True: "pass", False: "fail"}.get(fits, NA), {True: "fits", False: "no"}.get(fits, NA))
+        if viol:
+            fit_cell += "<ul class='violations'>" + "".join(f"<li>{_e(v)}</li>" for v in viol) + "</ul>"
+        src = _get(c, "cost", "latency_source")
+        rows.append([_e(_fmt(c.get("threshold"))), _e(_fmt(c.get("mc_samples"))),
+                     _e(_fmt(_num(_get(c, "val", "accuracy")))), _e(_fmt(_num(_get(c, "val", "nll")))),
+                     _e(_fmt(_num(_get(c, "val", "ece")))),
+                     _e(_fmt(_num(_get(c, "cost", "latency_ms")), "ms") + (f" ({src})" if src else "")),
+                     _e(_fmt(_num(_get(c, "cost", "model_mb")))), fit_cell])
+        classes.append("chosen" if _same_point(c, choice.get("threshold"), choice.get("mc_samples")) else "")
+    if rows:
+        p.append(_table(["threshold", "M", "val acc", "val NLL", "val ECE", "latency (source)", "model MB",
+                         "fits / violations"], rows, {0, 1, 2, 3, 4, 5, 6}, classes))
+        p.append("<p class='muted'>Highlighted row: chosen point.</p>")
+    else:
+        p.append(f"<p class='muted'>{NA}</p>")
+
+    # 9. provenance
+    prov = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
+    p.append("<h2>Provenance</h2>")
+    p.append(_kv_table({"git commit": prov.get("git_commit"), "config hash": prov.get("config_hash"),
+                        "run created at": prov.get("created_at"), "report created at": s["report_created_at"]}))
+    p.append("<div class='row'><div><h3>Versions</h3>" + _kv_table(prov.get("versions"))
+             + "</div><div><h3>Machine</h3>" + _kv_table(prov.get("machine")) + "</div></div>")
+    p.append("</main></body></html>\n")
+    return "".join(p)
+
+
+# ----------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------
+
+def write_report(inputs: dict, out_dir: Path) -> dict:
+    """Write report.json, report.html and the PNG plots into out_dir; return the report dict.
+
+    Everything is rendered in memory first and then written atomically, so a
+    failure while plotting leaves no partial report.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    d = _jsonable(dict(inputs))  # numpy/NaN-safe copy; the page and the JSON see the same values
+    s = _summarize(d)
+    report = {"summary": s, **{k: v for k, v in d.items() if k != "summary"}}
+
+    results = d.get("results") if isinstance(d.get("results"), dict) else {}
+    train = d.get("train") if isinstance(d.get("train"), dict) else {}
+    layers = _get(train, "sparsity", "layers") or []
+    hidden_names = [str(l.get("name")) for l in layers if isinstance(l, dict) and l.get("name") != "output"]
+    pngs = {
+        "tradeoff.png": _plot_tradeoff([c for c in d.get("candidates") or [] if isinstance(c, dict)],
+                                       d.get("choice") or {}, s["latency_budget_ms"]),
+        "sparsity.png": _plot_sparsity(layers),
+        "latency_hist.png": _plot_latency_hist(results.get("latency_samples_ms"),
+                                               results.get("latency_ms") or {}, s["latency_budget_ms"]),
+        "reliability.png": _plot_reliability(d.get("reliability"), s["metrics"]["ece"]["device"]),
+        "training.png": _plot_history(train.get("history"), hidden_names),
+    }
+    page = _render_html(d, s, pngs)
+    blob = json.dumps(report, indent=2, allow_nan=False) + "\n"
+
+    for name, png in pngs.items():
+        if png is not None:
+            _atomic_write(out_dir / name, png)
+    _atomic_write(out_dir / "report.json", blob.encode("utf-8"))
+    _atomic_write(out_dir / "report.html", page.encode("utf-8"))
+    return report

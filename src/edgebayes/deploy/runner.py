@@ -1,0 +1,664 @@
+#!/usr/bin/env python3
+"""On-device benchmark runner for an edgebayes deployment bundle.
+
+This one file is copied to an edge device (Jetson, Raspberry Pi, ...) next to
+a bundle directory and run there:
+
+    python runner.py --bundle ./bundle --out results.json
+
+It does four things, in this order:
+
+1. verifies the bundle (manifest keys, file sizes, sha256 hashes);
+2. runs the whole evaluation set through the model and computes accuracy,
+   NLL, ECE, Brier score, and the largest difference from the PyTorch
+   reference probabilities;
+3. times single-batch inference (warm-up, then at least --min-runs runs AND
+   at least --min-seconds seconds, in the spirit of MLPerf "single stream");
+4. writes one JSON results file, atomically.
+
+Self-containment rule: this file imports only the standard library, numpy and
+(lazily, inside a Backend) the inference runtime it uses.  It never imports
+torch or edgebayes, and never unpickles anything, because the device usually
+has neither PyTorch nor the edgebayes package installed, and a bundle is data
+that should not be able to run code.  The edgebayes package imports the
+metric functions and `verify_bundle` from here, so they are defined once.
+
+Exit codes: 0 success, 1 could not write the results, 2 invalid bundle (or
+bad command line), 3 runtime problem (unknown/unavailable runtime, model
+failed to load or run).
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+REQUIRED_KEYS = (
+    "schema", "format", "precision", "model_file", "eval_file", "input",
+    "output", "classes", "mc_samples", "knob", "reference", "files",
+)
+EVAL_ARRAYS = ("x", "y", "reference_probs")
+ACCURACY_BATCH = 256  # big enough to be fast, small enough for a Pi's memory
+NLL_CLIP = 1e-12      # log(0) would make one bad example dominate the mean
+
+EXIT_OK, EXIT_WRITE, EXIT_BUNDLE, EXIT_RUNTIME = 0, 1, 2, 3
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+class BundleError(Exception):
+    """The bundle is missing, malformed, corrupted or inconsistent.
+
+    The message names the bundle and the offending file, e.g.
+    ``bundle /x/b: model.onnx: sha256 mismatch (...)``.
+    """
+
+
+class RuntimeProblem(Exception):
+    """The requested runtime is unknown, not installed, or failed on the model."""
+
+
+# --------------------------------------------------------------------------
+# Metrics: plain numpy, shared with the rest of edgebayes.
+# `probs` is [N, C] predictive probabilities (already MC-averaged), `y` is
+# [N] integer labels.  All sums are done in float64 so that fp16/fp32 model
+# outputs do not change the metric definitions.
+# --------------------------------------------------------------------------
+
+def _check_probs_labels(probs, y):
+    probs = np.asarray(probs, dtype=np.float64)
+    y = np.asarray(y)
+    if probs.ndim != 2:
+        raise ValueError(f"probs must be 2-D [N, C], got shape {probs.shape}")
+    if y.ndim != 1 or y.shape[0] != probs.shape[0]:
+        raise ValueError(f"y must be 1-D with N={probs.shape[0]} entries, got shape {y.shape}")
+    if probs.shape[0] == 0:
+        raise ValueError("metrics of an empty set are undefined")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
+    if y.min() < 0 or y.max() >= probs.shape[1]:
+        raise ValueError(f"labels must lie in [0, {probs.shape[1]}), got [{y.min()}, {y.max()}]")
+    return probs, y.astype(np.int64)
+
+
+def accuracy(probs, y):
+    """Fraction of examples whose argmax class equals the label: mean(argmax_c p = y)."""
+    probs, y = _check_probs_labels(probs, y)
+    return float(np.mean(probs.argmax(axis=1) == y))
+
+
+def negative_log_likelihood(probs, y):
+    """Mean negative log-likelihood: mean_i -log(max(p_i[y_i], 1e-12)), natural log."""
+    probs, y = _check_probs_labels(probs, y)
+    p_true = probs[np.arange(len(y)), y]
+    return float(np.mean(-np.log(np.clip(p_true, NLL_CLIP, 1.0))))
+
+
+def expected_calibration_error(probs, y, n_bins=15):
+    """Expected calibration error with `n_bins` equal-width confidence bins.
+
+    confidence_i = max_c p_i[c]; bins are (k/n, (k+1)/n] (the first also holds
+    0).  ECE = sum_b |b|/N * |accuracy(b) - mean confidence(b)|, empty bins
+    contribute 0 (Guo et al., 2017).
+    """
+    probs, y = _check_probs_labels(probs, y)
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    conf = probs.max(axis=1)
+    correct = (probs.argmax(axis=1) == y).astype(np.float64)
+    # searchsorted on the inner edges puts conf into (lo, hi] bins, exactly
+    # like the usual `lo < conf <= hi` loop, but in one vectorised step.
+    inner_edges = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
+    bin_idx = np.searchsorted(inner_edges, conf, side="left")
+    counts = np.bincount(bin_idx, minlength=n_bins)
+    sum_conf = np.bincount(bin_idx, weights=conf, minlength=n_bins)
+    sum_correct = np.bincount(bin_idx, weights=correct, minlength=n_bins)
+    # |bin|/N * |acc - conf| == |sum_correct - sum_conf| / N per bin.
+    return float(np.sum(np.abs(sum_correct - sum_conf)) / len(y))
+
+
+def brier_score(probs, y):
+    """Multi-class Brier score: mean_i sum_c (p_i[c] - onehot(y_i)[c])^2 (range 0..2)."""
+    probs, y = _check_probs_labels(probs, y)
+    onehot = np.zeros_like(probs)
+    onehot[np.arange(len(y)), y] = 1.0
+    return float(np.mean(np.sum((probs - onehot) ** 2, axis=1)))
+
+
+def classification_metrics(probs, y):
+    """All metrics above as a dict: accuracy, nll, ece (15 bins), brier, n."""
+    return {
+        "accuracy": accuracy(probs, y),
+        "nll": negative_log_likelihood(probs, y),
+        "ece": expected_calibration_error(probs, y, n_bins=15),
+        "brier": brier_score(probs, y),
+        "n": int(len(y)),
+    }
+
+
+# --------------------------------------------------------------------------
+# Bundle verification and loading
+# --------------------------------------------------------------------------
+
+def _sha256_file(path, chunk_size=1 << 20):
+    """Hex sha256 of a file, read in chunks so large models fit in small RAM."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(chunk_size), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _safe_relative(name):
+    """True if `name` is a relative path that stays inside the bundle."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        return False
+    parts = name.replace("\\", "/").split("/")
+    return ".." not in parts
+
+
+def verify_bundle(bundle_dir):
+    """Check a bundle directory and return its manifest (a dict).
+
+    Checks: manifest.json exists and is a JSON object with every required
+    key and schema 1; model_file and eval_file are listed in `files`; every
+    listed file exists with the listed byte size and sha256.  Raises
+    BundleError with a one-line message naming the bundle and the file.
+    """
+    bundle_dir = os.fspath(bundle_dir)
+
+    def fail(what, detail):
+        raise BundleError(f"bundle {bundle_dir}: {what}: {detail}")
+
+    if not os.path.isdir(bundle_dir):
+        raise BundleError(f"bundle {bundle_dir}: does not exist or is not a directory")
+    manifest_path = os.path.join(bundle_dir, MANIFEST_NAME)
+    if not os.path.isfile(manifest_path):
+        fail(MANIFEST_NAME, "missing; this directory is not an edgebayes bundle")
+    try:
+        with open(manifest_path, "r", encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        fail(MANIFEST_NAME, f"not valid JSON ({exc})")
+    if not isinstance(manifest, dict):
+        fail(MANIFEST_NAME, f"must be a JSON object, got {type(manifest).__name__}")
+
+    missing = [key for key in REQUIRED_KEYS if key not in manifest]
+    if missing:
+        fail(MANIFEST_NAME, f"missing required key(s): {', '.join(missing)}")
+    if manifest["schema"] != SCHEMA_VERSION:
+        fail(MANIFEST_NAME, f"unsupported schema {manifest['schema']!r} "
+                            f"(this runner reads schema {SCHEMA_VERSION}); use a matching runner.py")
+    for key, kind in (("files", dict), ("input", dict), ("output", dict),
+                      ("classes", list), ("knob", dict), ("reference", dict)):
+        if not isinstance(manifest[key], kind):
+            fail(MANIFEST_NAME, f"key {key!r} must be a JSON {'object' if kind is dict else 'array'}")
+
+    files = manifest["files"]
+    for key in ("model_file", "eval_file"):
+        if manifest[key] not in files:
+            fail(MANIFEST_NAME, f"{key} {manifest[key]!r} is not listed in 'files', so it cannot be verified")
+
+    for name, entry in files.items():
+        # A manifest must not be able to point outside its own directory.
+        if not _safe_relative(name):
+            fail(MANIFEST_NAME, f"file name {name!r} must be a relative path inside the bundle")
+        if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
+                or not isinstance(entry.get("bytes"), int) or isinstance(entry.get("bytes"), bool)):
+            fail(MANIFEST_NAME, f"files[{name!r}] must be an object with 'sha256' (hex string) and 'bytes' (integer)")
+        path = os.path.join(bundle_dir, name)
+        if not os.path.isfile(path):
+            fail(name, "missing (listed in manifest.json); the bundle is incomplete")
+        size = os.path.getsize(path)
+        # Size first: it is free, and a truncated copy is the common failure.
+        if size != entry["bytes"]:
+            fail(name, f"size mismatch (manifest says {entry['bytes']} bytes, file has {size}); "
+                       "the bundle is truncated, corrupted or was altered")
+        actual = _sha256_file(path)
+        expected = entry["sha256"].lower()
+        if actual != expected:
+            fail(name, f"sha256 mismatch (manifest says {expected[:12]}..., file has {actual[:12]}...); "
+                       "the bundle is corrupted or was altered")
+    return manifest
+
+
+def load_eval_set(bundle_dir, manifest):
+    """Load and sanity-check eval.npz; returns (x, y, reference_probs).
+
+    allow_pickle=False: an npz is otherwise able to carry pickled objects,
+    i.e. arbitrary code.  Raises BundleError on any inconsistency.
+    """
+    name = manifest["eval_file"]
+    path = os.path.join(os.fspath(bundle_dir), name)
+
+    def fail(detail):
+        raise BundleError(f"bundle {os.fspath(bundle_dir)}: {name}: {detail}")
+
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [key for key in EVAL_ARRAYS if key not in data.files]
+            if missing:
+                fail(f"missing array(s): {', '.join(missing)}")
+            x, y, ref = (data[key] for key in EVAL_ARRAYS)
+    except BundleError:
+        raise
+    except ValueError as exc:  # includes "Object arrays cannot be loaded when allow_pickle=False"
+        fail(f"cannot be read without unpickling or is malformed ({exc})")
+    except (OSError, EOFError) as exc:
+        fail(f"not a readable .npz file ({exc})")
+
+    if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
+        fail(f"'y' must be a 1-D integer array, got dtype {y.dtype} shape {y.shape}")
+    n = y.shape[0]
+    if n == 0:
+        fail("the evaluation set is empty")
+    if x.shape[0] != n or ref.ndim != 2 or ref.shape[0] != n:
+        fail(f"inconsistent lengths: x {x.shape}, y {y.shape}, reference_probs {ref.shape}")
+    n_classes = len(manifest["classes"])
+    if n_classes and ref.shape[1] != n_classes:
+        fail(f"reference_probs has {ref.shape[1]} columns but the manifest lists {n_classes} classes")
+    if y.min() < 0 or y.max() >= ref.shape[1]:
+        fail(f"labels must lie in [0, {ref.shape[1]}), got [{y.min()}, {y.max()}]")
+    # Compare per-example shape with the manifest, ignoring dynamic (null) dims.
+    declared = manifest["input"].get("shape")
+    if isinstance(declared, list) and len(declared) >= 1:
+        expected = declared[1:]
+        if len(expected) != x.ndim - 1 or any(
+                d is not None and d != actual for d, actual in zip(expected, x.shape[1:])):
+            fail(f"'x' rows have shape {list(x.shape[1:])} but manifest input shape is {declared}")
+    dtype = manifest["input"].get("dtype", "float32")
+    try:
+        x = np.ascontiguousarray(x, dtype=np.dtype(dtype))
+    except TypeError:
+        raise BundleError(f"bundle {os.fspath(bundle_dir)}: {MANIFEST_NAME}: unknown input dtype {dtype!r}")
+    return x, y.astype(np.int64), ref
+
+
+# --------------------------------------------------------------------------
+# Runtime backends.  Each backend imports its runtime lazily, in __init__, so
+# that this file imports fine on a device that only has one runtime.
+# To add a runtime: subclass Backend, implement __init__/run/version/info,
+# and register it in BACKENDS (and FORMAT_TO_RUNTIME for its bundle format).
+# Planned: "tflite" (try ai_edge_litert, then tflite_runtime, then
+# tensorflow.lite) and "tensorrt".
+# --------------------------------------------------------------------------
+
+class Backend:
+    """Interface: load a model once, then run(x) -> class probabilities."""
+
+    name = "base"
+
+    def __init__(self, model_path, threads=0):
+        self.model_path = model_path
+        self.threads = threads
+
+    @property
+    def version(self):
+        raise NotImplementedError
+
+    def run(self, x):
+        """Run one batch `x` (np.ndarray) and return probabilities [batch, C]."""
+        raise NotImplementedError
+
+    def info(self):
+        """JSON-ready description of the runtime for the results file."""
+        return {"name": self.name, "version": self.version, "threads": self.threads}
+
+
+class OnnxRuntimeBackend(Backend):
+    """ONNX Runtime on CPU by default; other execution providers on request."""
+
+    name = "onnxruntime"
+
+    def __init__(self, model_path, threads=0, providers=None):
+        super().__init__(model_path, threads)
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise RuntimeProblem(f"onnxruntime is not installed ({exc}); "
+                                 "install it with: pip install onnxruntime") from exc
+        self._ort = ort
+        providers = list(providers) if providers else ["CPUExecutionProvider"]
+        available = ort.get_available_providers()
+        unknown = [p for p in providers if p not in available]
+        if unknown:
+            # ORT would silently fall back to CPU; a benchmark must not.
+            raise RuntimeProblem(f"onnxruntime execution provider(s) not available: {', '.join(unknown)} "
+                                 f"(available: {', '.join(available)})")
+        options = ort.SessionOptions()
+        if threads > 0:
+            options.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(model_path, sess_options=options, providers=providers)
+        except Exception as exc:  # ORT raises its own exception types
+            raise RuntimeProblem(f"onnxruntime could not load {model_path}: {exc}") from exc
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+        if len(inputs) != 1 or len(outputs) != 1:
+            raise RuntimeProblem(f"{model_path}: expected one input and one output, "
+                                 f"got {len(inputs)} and {len(outputs)}")
+        self.input_name = inputs[0].name
+        self.output_name = outputs[0].name
+
+    @property
+    def version(self):
+        return self._ort.__version__
+
+    def run(self, x):
+        return self.session.run([self.output_name], {self.input_name: x})[0]
+
+    def info(self):
+        info = super().info()
+        info["providers"] = self.session.get_providers()  # what ORT actually uses
+        return info
+
+
+BACKENDS = {"onnxruntime": OnnxRuntimeBackend}
+FORMAT_TO_RUNTIME = {"onnx": "onnxruntime", "tflite": "tflite", "tensorrt": "tensorrt"}
+
+
+def make_backend(runtime, model_path, threads=0, providers=None):
+    """Instantiate the backend registered under `runtime`, or raise RuntimeProblem."""
+    if runtime not in BACKENDS:
+        raise RuntimeProblem(f"runtime {runtime!r} is not supported by this runner "
+                             f"(supported: {', '.join(sorted(BACKENDS))})")
+    cls = BACKENDS[runtime]
+    if providers:
+        if cls is not OnnxRuntimeBackend:
+            raise RuntimeProblem(f"--providers only applies to onnxruntime, not {runtime!r}")
+        return cls(model_path, threads, providers=providers)
+    return cls(model_path, threads)
+
+
+# --------------------------------------------------------------------------
+# Passes
+# --------------------------------------------------------------------------
+
+def predict_all(backend, x, batch_size=ACCURACY_BATCH):
+    """Run the whole array through the backend in batches; returns [N, C] float64."""
+    chunks = []
+    for start in range(0, len(x), batch_size):
+        try:
+            out = backend.run(x[start:start + batch_size])
+        except Exception as exc:
+            raise RuntimeProblem(f"{backend.name} failed on eval rows {start}..: {exc}") from exc
+        chunks.append(np.asarray(out, dtype=np.float64))
+    return np.concatenate(chunks, axis=0)
+
+
+class _Progress:
+    """Progress on stderr: tqdm if installed, else a throttled percentage line."""
+
+    def __init__(self, enabled, desc):
+        self.enabled, self.desc, self.shown, self.bar = enabled, desc, 0, None
+        self.last_draw = 0.0
+        if enabled:
+            try:
+                from tqdm import tqdm
+                # Rate/ETA would be misleading: the target is runs AND seconds.
+                self.bar = tqdm(total=100, desc=desc, file=sys.stderr, leave=False,
+                                bar_format="{desc}: {percentage:3.0f}%|{bar}|")
+            except ImportError:
+                self.bar = None
+
+    def update(self, fraction, runs):
+        if not self.enabled:
+            return
+        pct = int(min(fraction, 1.0) * 100)
+        now = time.monotonic()
+        # Redrawing costs time between timed runs; keep it rare.
+        if pct == self.shown or (now - self.last_draw < 0.1 and pct < 100):
+            return
+        self.last_draw = now
+        if self.bar is not None:
+            self.bar.set_description_str(f"{self.desc} ({runs} runs)", refresh=False)
+            self.bar.update(pct - self.shown)  # also redraws
+        else:
+            sys.stderr.write(f"\r{self.desc}: {pct:3d}% ({runs} runs)")
+            sys.stderr.flush()
+        self.shown = pct
+
+    def close(self):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def measure_latency(backend, batch, warmup=10, min_runs=100, min_seconds=2.0, progress=True):
+    """Time backend.run(batch): `warmup` untimed runs, then timed runs until
+    at least `min_runs` runs AND `min_seconds` seconds have passed.
+
+    Returns a dict: latency_ms (p50, p90, p99, mean, min, max), runs,
+    seconds (wall time of the timed loop), throughput_per_s.
+    """
+    for _ in range(warmup):  # caches, lazy allocations, JIT/graph setup, CPU clocks
+        backend.run(batch)
+    latencies = []
+    bar = _Progress(progress, "runner: timing")
+    clock = time.perf_counter
+    loop_start = clock()
+    try:
+        while True:
+            t0 = clock()
+            backend.run(batch)
+            t1 = clock()
+            latencies.append(t1 - t0)
+            elapsed = t1 - loop_start
+            if len(latencies) >= min_runs and elapsed >= min_seconds:
+                bar.update(1.0, len(latencies))
+                break
+            frac_runs = len(latencies) / min_runs if min_runs > 0 else 1.0
+            frac_time = elapsed / min_seconds if min_seconds > 0 else 1.0
+            bar.update(min(frac_runs, frac_time), len(latencies))
+    finally:
+        bar.close()
+    seconds = clock() - loop_start
+    ms = np.asarray(latencies) * 1000.0
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return {
+        "latency_ms": {"p50": float(p50), "p90": float(p90), "p99": float(p99),
+                       "mean": float(ms.mean()), "min": float(ms.min()), "max": float(ms.max())},
+        "runs": len(latencies),
+        "seconds": float(seconds),
+        "throughput_per_s": float(len(batch) * len(latencies) / seconds),
+    }
+
+
+def peak_rss_mb():
+    """Peak resident set size of this process in MB (None where unsupported)."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS reports bytes.
+    divisor = 1024.0 * 1024.0 if sys.platform == "darwin" else 1024.0
+    return float(peak / divisor)
+
+
+def device_info():
+    """Where the numbers came from; the board model helps on Jetson/Pi."""
+    board = None
+    try:
+        with open("/proc/device-tree/model", "rb") as fh:
+            board = fh.read().rstrip(b"\x00\n").decode("utf-8", "replace")
+    except OSError:
+        pass
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "numpy": np.__version__,
+        "board": board,
+    }
+
+
+def write_json_atomic(path, obj):
+    """Write JSON via a temp file in the same directory + os.replace, so a
+    crash never leaves a half-written results file behind."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".runner-", suffix=".json.tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _utc_now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------
+
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text):
+    value = float(text)
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="runner.py", description="Verify an edgebayes bundle, measure its accuracy/calibration "
+                                      "and latency on this device, and write a JSON report.")
+    parser.add_argument("--bundle", required=True, help="bundle directory (holds manifest.json)")
+    parser.add_argument("--out", required=True, help="results JSON path (written atomically)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=10, help="untimed warm-up runs")
+    parser.add_argument("--min-runs", type=_positive_int, default=100, help="minimum timed runs")
+    parser.add_argument("--min-seconds", type=_non_negative_float, default=2.0, help="minimum timed seconds")
+    parser.add_argument("--batch-size", type=_positive_int, default=1, help="rows per timed run")
+    parser.add_argument("--threads", type=_non_negative_int, default=0, help="intra-op threads, 0 = runtime default")
+    parser.add_argument("--runtime", default=None,
+                        help=f"runtime to use ({', '.join(sorted(BACKENDS))}); default: from the manifest's format")
+    parser.add_argument("--providers", default=None,
+                        help="onnxruntime execution providers, comma-separated in priority order "
+                             "(e.g. CUDAExecutionProvider,CPUExecutionProvider); default CPU only")
+    parser.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
+    return parser
+
+
+def main(argv=None):
+    """Run the benchmark; returns the process exit code (see module docstring)."""
+    args = build_parser().parse_args(argv)
+    started_at = _utc_now()
+
+    def say(message):
+        if not args.quiet:
+            print(f"runner: {message}", file=sys.stderr)
+
+    try:
+        manifest = verify_bundle(args.bundle)
+        x, y, reference_probs = load_eval_set(args.bundle, manifest)
+    except BundleError as exc:
+        print(f"runner: {exc}", file=sys.stderr)
+        return EXIT_BUNDLE
+    say(f"bundle {args.bundle} verified ({manifest['format']}/{manifest['precision']}, {len(y)} eval rows)")
+
+    runtime = args.runtime or FORMAT_TO_RUNTIME.get(manifest["format"], manifest["format"])
+    providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
+    model_path = os.path.join(args.bundle, manifest["model_file"])
+    try:
+        backend = make_backend(runtime, model_path, args.threads, providers)
+        probs = predict_all(backend, x)
+        if probs.shape != reference_probs.shape:
+            print(f"runner: bundle {args.bundle}: {manifest['model_file']}: model output shape "
+                  f"{list(probs.shape)} does not match reference_probs {list(reference_probs.shape)}",
+                  file=sys.stderr)
+            return EXIT_BUNDLE
+        metrics = classification_metrics(probs, y)
+        max_diff = float(np.max(np.abs(probs - reference_probs.astype(np.float64))))
+        say(f"accuracy {metrics['accuracy']:.4f}  nll {metrics['nll']:.4f}  ece {metrics['ece']:.4f}  "
+            f"max |p - p_ref| {max_diff:.2e}")
+
+        # A fixed batch, reused every run; wrap around if the eval set is smaller.
+        batch = np.ascontiguousarray(x[np.arange(args.batch_size) % len(x)])
+        timing = measure_latency(backend, batch, warmup=args.warmup, min_runs=args.min_runs,
+                                 min_seconds=args.min_seconds, progress=not args.quiet)
+    except RuntimeProblem as exc:
+        print(f"runner: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+
+    runtime_info = backend.info()
+    runtime_info["threads"] = args.threads
+    results = {
+        "schema": SCHEMA_VERSION,
+        "bundle": {
+            "format": manifest["format"],
+            "precision": manifest["precision"],
+            "mc_samples": manifest["mc_samples"],
+            "knob": manifest["knob"],
+            "model_file": manifest["model_file"],
+            "model_sha256": manifest["files"][manifest["model_file"]]["sha256"],
+        },
+        "runtime": runtime_info,
+        "device": device_info(),
+        "latency_ms": timing["latency_ms"],
+        "runs": timing["runs"],
+        "seconds": timing["seconds"],
+        "warmup": args.warmup,
+        "batch_size": args.batch_size,
+        "throughput_per_s": timing["throughput_per_s"],
+        "peak_rss_mb": peak_rss_mb(),  # read last, so it covers everything above
+        "metrics": metrics,
+        "reference": manifest["reference"],
+        "max_abs_prob_diff": max_diff,
+        "started_at": started_at,
+        "finished_at": _utc_now(),
+    }
+    try:
+        write_json_atomic(args.out, results)
+    except OSError as exc:
+        print(f"runner: cannot write results to {args.out}: {exc}", file=sys.stderr)
+        return EXIT_WRITE
+    lat = timing["latency_ms"]
+    say(f"p50 {lat['p50']:.3f} ms  p90 {lat['p90']:.3f} ms  p99 {lat['p99']:.3f} ms  "
+        f"({timing['runs']} runs, {timing['throughput_per_s']:.1f}/s)  -> {args.out}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Transports: how a bundle and the runner reach a device, run there, and how results come back.
+
+A transport has three verbs: `put` (copy a local file or folder to the device), `run` (run an argument
+list on the device, never through a shell), `get` (copy a device file back). `LocalTransport` is this
+machine, with a work folder standing in for the device's disk. The SSH transport (issue 7) implements the
+same three verbs with the system OpenSSH client.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+RUNNER = Path(__file__).with_name("runner.py")
+
+
+class TransportError(Exception):
+    pass
+
+
+class LocalTransport:
+    def __init__(self, workdir, python=None):
+        self.workdir = Path(workdir)
+        self.python = python or sys.executable
+
+    def put(self, local, remote_name):
+        dest = self.workdir / remote_name
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if dest.is_dir():
+            shutil.rmtree(dest)
+        if Path(local).is_dir():
+            shutil.copytree(local, dest)
+        else:
+            shutil.copyfile(local, dest)
+        return dest
+
+    def run(self, args, timeout=None):
+        """Run [python, *args] in the work folder; stdout/stderr stream to the user's terminal."""
+        return subprocess.run([self.python, *map(str, args)], cwd=self.workdir, timeout=timeout)
+
+    def get(self, remote_name, local):
+        src = self.workdir / remote_name
+        if not src.is_file():
+            raise TransportError(f"the device did not produce {remote_name} in {self.workdir}")
+        Path(local).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, local)
+
+
+def transport_for(profile, default_workdir):
+    if profile.connection.kind == "local":
+        return LocalTransport(profile.connection.workdir or default_workdir, profile.connection.python)
+    raise TransportError(f"device {profile.name}: connection kind {profile.connection.kind!r} is not supported yet")

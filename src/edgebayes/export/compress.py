@@ -1,0 +1,70 @@
+"""Compress: draw M posterior samples at a knob value and make each a small plain module.
+
+Every family ends here in the same form (../shared/DESIGN.md): a deterministic architecture (the kept
+widths) plus M posterior samples of its weights. `MCAverage` turns the M samples into one module whose
+output is the average of their softmax outputs: the graph that export writes and the device runs.
+
+Samples are drawn from one generator seeded by the run's seed, so sample s is the same whatever M is
+(the M = 4 samples are the first four of the M = 8 ones) and select, export and the report agree.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edgebayes.export.surgery import remove_dead_units
+
+
+class MCAverage(nn.Module):
+    """Average of the softmax outputs of M plain modules: the MC predictive distribution.
+
+    The posterior samples are baked in as constants: no random op is in the graph, because ONNX tools
+    and TFLite converters freeze or drop them (../shared/DEPENDENCIES.md).
+    """
+
+    def __init__(self, samples):
+        super().__init__()
+        self.samples = nn.ModuleList(samples)
+
+    def forward(self, x):
+        total = None
+        for sample in self.samples:
+            p = torch.softmax(sample(x), dim=-1)
+            total = p if total is None else total + p
+        return total / len(self.samples)
+
+
+@dataclass
+class Compressed:
+    knob: float
+    samples: list           # M pruned plain modules
+    dense_sample: nn.Module  # the first sample before surgery (dense shapes, dead rows zeroed)
+    kept: dict               # name of each Linear in the plain module -> boolean mask of kept outputs
+
+    def mc_model(self, m=None):
+        return MCAverage(self.samples[: m or len(self.samples)]).eval()
+
+
+def sample_generator(seed: int) -> torch.Generator:
+    # An offset keeps posterior-sample draws apart from the data split stream of the same seed.
+    return torch.Generator().manual_seed(10_000 + seed)
+
+
+@torch.no_grad()
+def compress(model, knob: float, m: int, seed: int) -> Compressed:
+    """Draw m posterior samples at `knob` and physically remove their dead units."""
+    gen = sample_generator(seed)
+    samples, dense0, kept = [], None, None
+    for _ in range(m):
+        dense, kept = model.posterior_sample(knob, gen)
+        dense0 = dense if dense0 is None else dense0
+        samples.append(remove_dead_units(dense, kept))
+    return Compressed(knob, samples, dense0, kept)
+
+
+@torch.no_grad()
+def predict(module: nn.Module, x: torch.Tensor, batch_size: int = 2048) -> torch.Tensor:
+    """Run a (probability-valued) module over x in batches on the CPU."""
+    module = module.eval()
+    return torch.cat([module(x[i: i + batch_size]) for i in range(0, len(x), batch_size)])

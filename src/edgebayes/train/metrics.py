@@ -1,0 +1,94 @@
+"""Metrics: predictive (from the device runner, so they are defined once) and structural (paper 000).
+
+Predictive metrics (accuracy, NLL, ECE with 15 equal-width bins, Brier) live in the standalone device
+runner, which must not import this package; everything here reuses them.
+
+Structural metrics follow paper 000 exactly:
+  - node sparsity (eq. 17) = O_pr / O, kept units over units, per layer;
+  - compression ratio = non-zero weights of the compressed net / weights of the dense net (biases count);
+  - FLOPs ratio with appendix A.1's formula, multiplies only:
+      linear  (I_pr + 1) O_pr;     conv  (C_in,pr Kw Kh + 1) Ow Oh C_out,pr.
+"""
+
+import numpy as np
+import torch
+from sklearn.metrics import average_precision_score, roc_auc_score
+from torch import nn
+
+from edgebayes.deploy.runner import classification_metrics, expected_calibration_error  # noqa: F401
+
+
+def paper_flops(module: nn.Module, input_shape) -> int:
+    """FLOPs of a plain module for one example, by appendix A.1 (counted over Linear and Conv2d)."""
+    total = 0
+
+    def linear_hook(m, inputs, output):
+        nonlocal total
+        total += (m.in_features + 1) * m.out_features
+
+    def conv_hook(m, inputs, output):
+        nonlocal total
+        oh, ow = output.shape[-2:]
+        kh, kw = m.kernel_size
+        total += ((m.in_channels // m.groups) * kw * kh + 1) * ow * oh * m.out_channels
+
+    handles = []
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            handles.append(m.register_forward_hook(linear_hook))
+        elif isinstance(m, nn.Conv2d):
+            handles.append(m.register_forward_hook(conv_hook))
+    try:
+        with torch.no_grad():
+            module(torch.zeros((1,) + tuple(input_shape)))
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+def count_weights(module: nn.Module, nonzero_only=False) -> int:
+    """Weights and biases of the Linear / Conv2d layers of a plain module."""
+    total = 0
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            for p in (m.weight, m.bias):
+                if p is not None:
+                    total += int((p != 0).sum()) if nonzero_only else p.numel()
+    return total
+
+
+def structure_report(dense: nn.Module, pruned: nn.Module, kept_masks, layer_names, input_shape) -> dict:
+    """Per-layer node sparsity, compression ratio and FLOPs ratio of a pruned sample against its dense net."""
+    layers = [{"name": n, "kept": int(m.sum()), "total": int(m.numel()),
+               "node_sparsity": float(m.sum()) / m.numel()} for n, m in zip(layer_names, kept_masks)]
+    dense_flops, pruned_flops = paper_flops(dense, input_shape), paper_flops(pruned, input_shape)
+    dense_w, kept_w = count_weights(dense), count_weights(pruned)
+    return {
+        "layers": layers,
+        "dense_weights": dense_w, "kept_weights": kept_w, "compression_ratio": kept_w / dense_w,
+        "dense_flops": dense_flops, "pruned_flops": pruned_flops, "flops_ratio": pruned_flops / dense_flops,
+    }
+
+
+def reliability_bins(probs: np.ndarray, y: np.ndarray, n_bins=15) -> dict:
+    """Per-bin confidence, accuracy and count for a reliability diagram (the bins of the ECE)."""
+    conf, pred = probs.max(1), probs.argmax(1)
+    edges = np.linspace(0, 1, n_bins + 1)
+    idx = np.clip(np.digitize(conf, edges[1:-1], right=True), 0, n_bins - 1)
+    out = {"bin_confidence": [], "bin_accuracy": [], "bin_count": []}
+    for b in range(n_bins):
+        sel = idx == b
+        out["bin_count"].append(int(sel.sum()))
+        out["bin_confidence"].append(float(conf[sel].mean()) if sel.any() else None)
+        out["bin_accuracy"].append(float((pred[sel] == y[sel]).mean()) if sel.any() else None)
+    return out
+
+
+def ood_scores(probs_in: np.ndarray, probs_out: np.ndarray) -> dict:
+    """OOD detection with predictive entropy as the score, the OOD set as positives: AUROC and AUPR."""
+    def entropy(p):
+        return -(p * np.log(np.clip(p, 1e-12, 1))).sum(1)
+    scores = np.concatenate([entropy(probs_in), entropy(probs_out)])
+    labels = np.concatenate([np.zeros(len(probs_in)), np.ones(len(probs_out))])
+    return {"auroc": float(roc_auc_score(labels, scores)), "aupr": float(average_precision_score(labels, scores))}

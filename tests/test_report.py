@@ -1,0 +1,238 @@
+"""Tests for edgebayes.deploy.report (loaded from its file so no install is needed)."""
+
+import base64
+import copy
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+REPORT_PY = Path(__file__).resolve().parents[1] / "src" / "edgebayes" / "deploy" / "report.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("edgebayes_report_under_test", REPORT_PY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+report_mod = _load()
+
+
+def _candidate(t, m, acc, lat, fits, violations=()):
+    return {"threshold": t, "mc_samples": m,
+            "val": {"accuracy": acc, "nll": 0.12 + 0.01 * m, "ece": 0.03, "n": 360},
+            "cost": {"latency_ms": lat, "latency_source": "measured", "model_mb": 0.02 * m,
+                     "flops": 12345 * m, "kept_weights": 3000},
+            "fits": fits, "violations": list(violations)}
+
+
+def make_inputs():
+    """A realistic run: 6 candidates, two of them over the latency budget."""
+    history = [{"epoch": e, "loss": 2.3 / e, "nll": 2.2 / e, "kl": 0.1, "val_accuracy": min(0.97, 0.5 + 0.05 * e),
+                "kept_nodes": [64 - 2 * e, 64 - 3 * e]} for e in range(1, 11)]
+    rng = random.Random(0)  # right-skewed like real latencies
+    samples = [0.03 + rng.lognormvariate(math.log(0.01), 0.6) for _ in range(1000)]
+    return {
+        "run_name": "digits-ssgl",
+        "device": {"name": "local", "runtime": "onnxruntime",
+                   "budgets": {"latency_ms": 5.0, "percentile": 90, "batch_size": 1,
+                               "memory_mb": 512.0, "model_mb": 10.0}},
+        "train": {
+            "family": "ss-gl", "model": {"arch": "mlp", "in_features": 64, "hidden": [64, 64], "classes": 10},
+            "epochs": 150,
+            "test": {"accuracy": 0.97, "nll": 0.1, "ece": 0.02, "brier": 0.05, "n": 360, "mc_samples": 10},
+            "sparsity": {"layers": [{"name": "hidden1", "kept": 40, "total": 64},
+                                    {"name": "hidden2", "kept": 30, "total": 64},
+                                    {"name": "output", "kept": 10, "total": 10}]},
+            "compression_ratio": 0.45, "flops_ratio": 0.46, "history": history,
+        },
+        "candidates": [
+            _candidate(0.3, 1, 0.950, 0.02, True),
+            _candidate(0.3, 4, 0.958, 0.06, True),
+            _candidate(0.5, 4, 0.960, 0.05, True),
+            _candidate(0.5, 16, 0.962, 7.1, False, ["latency_ms 7.1 > budget 5.0"]),
+            _candidate(0.7, 1, 0.940, 0.015, True),
+            _candidate(0.7, 32, 0.955, 12.0, False, ["latency_ms 12.0 > budget 5.0", "model_mb 11 > budget 10.0"]),
+        ],
+        "objective": "accuracy",
+        "choice": {"threshold": 0.5, "mc_samples": 4,
+                   "reason": "highest val accuracy among 4 of 6 candidates within budget; "
+                             "ties broken by NLL then latency"},
+        "export": {"onnx_params": 12000, "kept_weights_total": 12000, "kept_weights_per_sample": 3000,
+                   "fidelity_max_abs_prob_diff": 3e-7, "model_bytes": 50000, "format": "onnx", "precision": "fp32"},
+        "results": {
+            "runtime": {"name": "onnxruntime", "version": "1.31.1", "providers": ["CPUExecutionProvider"],
+                        "threads": 0},
+            "device": {"hostname": "h", "platform": "Linux-6.1-x86_64", "machine": "x86_64", "processor": "",
+                       "python": "3.11.7", "cpu_count": 2, "numpy": "2.4.6"},
+            "latency_ms": {"p50": 0.04, "p90": 0.05, "p99": 0.08, "mean": 0.045, "min": 0.03, "max": 0.2},
+            "latency_samples_ms": samples,
+            "runs": 1000, "seconds": 2.0, "warmup": 10, "batch_size": 1, "throughput_per_s": 20000.0,
+            "peak_rss_mb": 80.0,
+            "metrics": {"accuracy": 0.9694, "nll": 0.1012, "ece": 0.021, "brier": 0.0501, "n": 360},
+            "reference": {"accuracy": 0.9722, "nll": 0.1, "ece": 0.02, "brier": 0.05, "n": 360},
+            "max_abs_prob_diff": 2e-7,
+        },
+        "reliability": {"bin_confidence": [None] * 10 + [0.72, 0.79, 0.86, 0.93, 0.99],
+                        "bin_accuracy": [None] * 10 + [0.6, 0.75, 0.85, 0.95, 0.99],
+                        "bin_count": [0] * 10 + [5, 8, 15, 40, 292]},
+        "provenance": {"git_commit": "abc1234", "config_hash": "sha256:deadbeef",
+                       "versions": {"torch": "2.9.0", "onnxruntime": "1.31.1"},
+                       "machine": {"hostname": "trainbox", "gpu": "none"}, "created_at": "2025-01-01T00:00:00Z"},
+    }
+
+
+def _images(html_text):
+    return re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html_text)
+
+
+def test_full_report(tmp_path):
+    inputs = make_inputs()
+    original = copy.deepcopy(inputs)
+    rep = report_mod.write_report(inputs, tmp_path)
+    assert inputs == original  # the caller's dict is not mutated
+
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk == rep
+    for key in original:  # inputs verbatim beside the summary
+        assert on_disk[key] == original[key]
+
+    s = on_disk["summary"]
+    assert s["device"] == "local"
+    assert s["threshold"] == 0.5 and s["mc_samples"] == 4
+    assert s["pruned_fraction_hidden"] == pytest.approx(1 - 70 / 128)
+    assert s["metrics"]["accuracy"]["device"] == 0.9694
+    assert s["metrics"]["accuracy"]["reference"] == 0.9722
+    assert s["metrics"]["accuracy"]["diff"] == pytest.approx(0.9694 - 0.9722)
+    assert s["metrics"]["nll"]["diff"] == pytest.approx(0.0012)
+    assert s["latency_ms"] == {"p50": 0.04, "p90": 0.05, "p99": 0.08}
+    assert s["latency_stat"] == "p90" and s["latency_at_percentile_ms"] == 0.05
+    assert {k: v["verdict"] for k, v in s["budgets"].items()} == {
+        "latency_ms": "pass", "memory_mb": "pass", "model_mb": "pass"}
+    assert s["budgets"]["model_mb"]["measured"] == pytest.approx(0.05)
+    assert s["overall_verdict"] == "pass"
+    assert s["params_match"] is True
+    assert s["compression_ratio"] == 0.45 and s["flops_ratio"] == 0.46
+    assert s["onnx_params"] == 12000 and s["kept_weights_total"] == 12000
+    assert s["fidelity_max_abs_prob_diff"] == 3e-7
+    lo, hi = s["accuracy_ci95"]
+    assert lo < 0.9694 < hi
+    assert s["warnings"] == []
+
+    html_text = (tmp_path / "report.html").read_text()
+    assert "edgebayes report: digits-ssgl on local" in html_text
+    assert "digits-ssgl" in html_text and "0.5" in html_text
+    imgs = _images(html_text)
+    assert len(imgs) >= 3
+    for b64 in imgs:
+        assert base64.b64decode(b64).startswith(PNG_MAGIC)
+    for name in ("tradeoff.png", "sparsity.png", "latency_hist.png", "reliability.png", "training.png"):
+        assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC), name
+    assert 'class="chosen"' in html_text  # chosen candidate row highlighted
+    assert "http://" not in html_text and "https://" not in html_text and "<script" not in html_text
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+
+
+def test_latency_fails_memory_passes_and_params_mismatch(tmp_path):
+    inputs = make_inputs()
+    inputs["device"]["budgets"]["latency_ms"] = 0.045  # p90 = 0.05 > 0.045
+    inputs["device"]["budgets"]["percentile"] = 99      # judged at p99 = 0.08
+    inputs["results"]["peak_rss_mb"] = 300.0           # < 512
+    inputs["export"]["onnx_params"] = 12001
+    s = report_mod.write_report(inputs, tmp_path)["summary"]
+    assert s["latency_stat"] == "p99" and s["latency_at_percentile_ms"] == 0.08
+    assert s["budgets"]["latency_ms"]["verdict"] == "fail"
+    assert s["budgets"]["memory_mb"]["verdict"] == "pass"
+    assert s["budgets"]["model_mb"]["verdict"] == "pass"
+    assert s["overall_verdict"] == "fail"
+    assert s["params_match"] is False
+    assert any("12001" in w for w in s["warnings"])
+    html_text = (tmp_path / "report.html").read_text()
+    assert 'class="badge fail"' in html_text and 'class="badge pass"' in html_text
+
+
+def test_percentile_not_reported_uses_next_higher():
+    inputs = make_inputs()
+    inputs["device"]["budgets"]["percentile"] = 95
+    s = report_mod._summarize(report_mod._jsonable(inputs))
+    assert s["latency_stat"] == "p99"
+    assert any("p95" in w for w in s["warnings"])
+
+
+def test_html_escaping(tmp_path):
+    inputs = make_inputs()
+    inputs["run_name"] = "<script>alert('x')</script>"
+    inputs["candidates"][3]["violations"] = ["latency <b>7.1</b> > 5"]
+    rep = report_mod.write_report(inputs, tmp_path)
+    html_text = (tmp_path / "report.html").read_text()
+    assert "<script>" not in html_text
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in html_text
+    assert "<b>7.1</b>" not in html_text
+    assert rep["run_name"] == "<script>alert('x')</script>"  # JSON keeps the raw value
+
+
+def test_missing_optional_parts(tmp_path):
+    inputs = make_inputs()
+    del inputs["train"]["history"]
+    del inputs["results"]["latency_samples_ms"]
+    del inputs["reliability"]
+    del inputs["provenance"]
+    inputs["device"]["budgets"] = {"latency_ms": None, "percentile": 90, "memory_mb": None}
+    inputs["export"].pop("onnx_params")
+    rep = report_mod.write_report(inputs, tmp_path / "nested" / "out")
+    out = tmp_path / "nested" / "out"
+    s = json.loads((out / "report.json").read_text())["summary"]
+    assert s == rep["summary"]
+    assert {k: v["verdict"] for k, v in s["budgets"].items()} == {
+        "latency_ms": "not set", "memory_mb": "not set", "model_mb": "not set"}
+    assert s["overall_verdict"] == "not set"
+    assert s["params_match"] is None
+    html_text = (out / "report.html").read_text()
+    assert "n/a" in html_text
+    assert len(_images(html_text)) == 2  # trade-off and sparsity only
+    assert not (out / "training.png").exists() and not (out / "reliability.png").exists()
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_minimal_inputs(tmp_path):
+    """Only a run name and a device: nothing to plot, but a report is still written."""
+    rep = report_mod.write_report({"run_name": "bare", "device": {"name": "pi"}}, tmp_path)
+    assert rep["summary"]["pruned_fraction_hidden"] is None
+    assert rep["summary"]["metrics"]["accuracy"] == {"device": None, "reference": None, "diff": None}
+    assert "edgebayes report: bare on pi" in (tmp_path / "report.html").read_text()
+
+
+def test_numpy_and_nan_values_give_strict_json(tmp_path):
+    np = pytest.importorskip("numpy")
+    inputs = make_inputs()
+    inputs["results"]["latency_samples_ms"] = np.asarray(inputs["results"]["latency_samples_ms"])
+    inputs["results"]["peak_rss_mb"] = np.float64(80.0)
+    inputs["export"]["onnx_params"] = np.int64(12000)
+    inputs["results"]["metrics"]["ece"] = float("nan")
+    rep = report_mod.write_report(inputs, tmp_path)
+    text = (tmp_path / "report.json").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert rep["summary"]["params_match"] is True
+    assert rep["summary"]["metrics"]["ece"]["device"] is None
+    assert math.isclose(rep["summary"]["budgets"]["memory_mb"]["measured"], 80.0)
+
+
+def test_failed_write_leaves_no_temp_files(tmp_path, monkeypatch):
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report_mod.os, "replace", boom)
+    with pytest.raises(OSError):
+        report_mod.write_report(make_inputs(), tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,379 @@
+"""Tests for the self-contained on-device runner (src/edgebayes/deploy/runner.py).
+
+The runner is loaded from its file path, not as `edgebayes.deploy.runner`,
+because on a device it runs without the package; these tests must not depend
+on the package's install state either.
+"""
+
+import ast
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+RUNNER_PATH = Path(__file__).resolve().parents[1] / "src" / "edgebayes" / "deploy" / "runner.py"
+
+
+def _load_runner():
+    spec = importlib.util.spec_from_file_location("_edgebayes_runner_under_test", RUNNER_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+runner = _load_runner()
+
+FAST = ["--warmup", "2", "--min-runs", "5", "--min-seconds", "0.02", "--quiet"]
+
+
+def _sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _write_manifest(bundle, manifest):
+    (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+@pytest.fixture(scope="module")
+def pristine_bundle(tmp_path_factory):
+    """Build a tiny real ONNX bundle once; returns (dir, torch_probs, y)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.SiLU(), torch.nn.Linear(8, 3), torch.nn.Softmax(-1)
+    ).eval()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((50, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=50).astype(np.int64)
+    with torch.no_grad():
+        probs = model(torch.from_numpy(x)).numpy().astype(np.float32)
+
+    bundle = tmp_path_factory.mktemp("bundle")
+    with warnings.catch_warnings():  # the legacy exporter warns that it is legacy
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(model, torch.from_numpy(x[:2]), str(bundle / "model.onnx"),
+                          input_names=["input"], output_names=["probs"],
+                          dynamic_axes={"input": {0: "batch"}, "probs": {0: "batch"}}, dynamo=False)
+    np.savez(bundle / "eval.npz", x=x, y=y, reference_probs=probs)
+    manifest = {
+        "schema": 1,
+        "format": "onnx", "precision": "fp32",
+        "model_file": "model.onnx", "eval_file": "eval.npz",
+        "input": {"name": "input", "shape": [None, 4], "dtype": "float32"},
+        "output": {"name": "probs", "shape": [None, 3]},
+        "classes": ["a", "b", "c"],
+        "mc_samples": 1,
+        "knob": {"name": "inclusion_threshold", "value": 0.5},
+        "reference": runner.classification_metrics(probs, y),
+        "files": {name: {"sha256": _sha256(bundle / name), "bytes": (bundle / name).stat().st_size}
+                  for name in ("model.onnx", "eval.npz")},
+        "provenance": {"test": True},
+    }
+    _write_manifest(bundle, manifest)
+    return bundle, probs, y
+
+
+@pytest.fixture
+def bundle(pristine_bundle, tmp_path):
+    """A private copy of the bundle that a test may damage."""
+    src, probs, y = pristine_bundle
+    dst = tmp_path / "bundle"
+    shutil.copytree(src, dst)
+    return dst, probs, y
+
+
+def _manifest(bundle_dir):
+    return json.loads((bundle_dir / "manifest.json").read_text())
+
+
+# --------------------------------------------------------------------------
+# (a) a valid bundle end to end
+# --------------------------------------------------------------------------
+
+def test_valid_bundle_produces_complete_results(bundle, tmp_path):
+    bundle_dir, torch_probs, y = bundle
+    out = tmp_path / "results" / "results.json"
+    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--batch-size", "3", *FAST])
+    assert rc == 0
+    res = json.loads(out.read_text())
+
+    expected_top = {"schema", "bundle", "runtime", "device", "latency_ms", "runs", "seconds", "warmup",
+                    "batch_size", "throughput_per_s", "peak_rss_mb", "metrics", "reference",
+                    "max_abs_prob_diff", "started_at", "finished_at"}
+    assert expected_top <= res.keys()
+    assert set(res["bundle"]) == {"format", "precision", "mc_samples", "knob", "model_file", "model_sha256"}
+    assert res["bundle"]["model_sha256"] == _sha256(bundle_dir / "model.onnx")
+    assert {"name", "version", "providers", "threads"} <= res["runtime"].keys()
+    assert res["runtime"]["name"] == "onnxruntime" and res["runtime"]["providers"] == ["CPUExecutionProvider"]
+    assert {"hostname", "platform", "machine", "processor", "python", "cpu_count", "numpy"} <= res["device"].keys()
+    assert set(res["latency_ms"]) == {"p50", "p90", "p99", "mean", "min", "max"}
+    assert set(res["metrics"]) == {"accuracy", "nll", "ece", "brier", "n"}
+
+    lat = res["latency_ms"]
+    assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+    assert res["runs"] >= 5 and res["seconds"] >= 0.02
+    assert res["warmup"] == 2 and res["batch_size"] == 3
+    assert res["throughput_per_s"] == pytest.approx(3 * res["runs"] / res["seconds"])
+    assert res["peak_rss_mb"] > 1
+
+    torch_acc = float(np.mean(torch_probs.argmax(axis=1) == y))
+    assert res["metrics"]["accuracy"] == pytest.approx(torch_acc)
+    assert res["metrics"]["n"] == 50
+    assert res["metrics"]["nll"] == pytest.approx(res["reference"]["nll"], abs=1e-5)
+    assert res["max_abs_prob_diff"] < 1e-5
+    assert res["started_at"] <= res["finished_at"]
+    assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]  # atomic write cleaned up
+
+
+def test_progress_goes_to_stderr_unless_quiet(bundle, tmp_path, capsys):
+    bundle_dir, _, _ = bundle
+    args = ["--bundle", str(bundle_dir), "--out", str(tmp_path / "r.json"),
+            "--warmup", "0", "--min-runs", "3", "--min-seconds", "0.3"]
+    assert runner.main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "verified" in captured.err and "p50" in captured.err
+    assert runner.main(args + ["--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+# --------------------------------------------------------------------------
+# (b)-(d) broken bundles: exit 2, one clear line, no output file
+# --------------------------------------------------------------------------
+
+def _run_expect_bundle_error(bundle_dir, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), *FAST])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert not out.exists()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"runner: bundle {bundle_dir}: ")
+    return lines[0]
+
+
+def test_corrupted_model_is_rejected(bundle, tmp_path, capsys):
+    bundle_dir, _, _ = bundle
+    model = bundle_dir / "model.onnx"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different content
+    model.write_bytes(bytes(data))
+    msg = _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+    assert "model.onnx" in msg and "sha256 mismatch" in msg and "corrupted" in msg
+
+
+def test_truncated_model_reports_size(bundle, tmp_path, capsys):
+    bundle_dir, _, _ = bundle
+    model = bundle_dir / "model.onnx"
+    model.write_bytes(model.read_bytes()[:-10])
+    msg = _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+    assert "model.onnx" in msg and "size mismatch" in msg
+
+
+def test_missing_eval_file_is_rejected(bundle, tmp_path, capsys):
+    bundle_dir, _, _ = bundle
+    (bundle_dir / "eval.npz").unlink()
+    msg = _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+    assert "eval.npz" in msg and "missing" in msg
+
+
+@pytest.mark.parametrize("key", ["files", "model_file", "schema", "reference"])
+def test_manifest_missing_key_is_rejected(bundle, tmp_path, capsys, key):
+    bundle_dir, _, _ = bundle
+    manifest = _manifest(bundle_dir)
+    del manifest[key]
+    _write_manifest(bundle_dir, manifest)
+    msg = _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+    assert "manifest.json" in msg and "missing required key" in msg and key in msg
+
+
+def test_manifest_problems_are_rejected(bundle, tmp_path, capsys):
+    bundle_dir, _, _ = bundle
+    (bundle_dir / "manifest.json").write_text("{not json")
+    assert "not valid JSON" in _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+
+    (bundle_dir / "manifest.json").unlink()
+    assert "manifest.json: missing" in _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+
+
+def test_model_file_must_be_listed_and_inside_bundle(pristine_bundle, tmp_path):
+    src, _, _ = pristine_bundle
+    manifest = _manifest(src)
+    bundle_dir = tmp_path / "b"
+    shutil.copytree(src, bundle_dir)
+
+    unlisted = dict(manifest, files={"eval.npz": manifest["files"]["eval.npz"]})
+    _write_manifest(bundle_dir, unlisted)
+    with pytest.raises(runner.BundleError, match="model_file 'model.onnx' is not listed"):
+        runner.verify_bundle(bundle_dir)
+
+    escaping = dict(manifest, files=dict(manifest["files"], **{"../x": {"sha256": "0", "bytes": 1}}))
+    _write_manifest(bundle_dir, escaping)
+    with pytest.raises(runner.BundleError, match="relative path inside the bundle"):
+        runner.verify_bundle(bundle_dir)
+
+    _write_manifest(bundle_dir, dict(manifest, schema=2))
+    with pytest.raises(runner.BundleError, match="unsupported schema 2"):
+        runner.verify_bundle(bundle_dir)
+
+    _write_manifest(bundle_dir, manifest)
+    assert runner.verify_bundle(bundle_dir) == manifest
+
+
+def test_pickled_eval_arrays_are_refused(bundle, tmp_path, capsys):
+    bundle_dir, probs, y = bundle
+    evil = bundle_dir / "eval.npz"
+    np.savez(evil, x=np.array([{"a": 1}] * 50, dtype=object), y=y, reference_probs=probs)
+    manifest = _manifest(bundle_dir)
+    manifest["files"]["eval.npz"] = {"sha256": _sha256(evil), "bytes": evil.stat().st_size}
+    _write_manifest(bundle_dir, manifest)
+    msg = _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+    assert "eval.npz" in msg and "unpickling" in msg
+
+
+def test_unknown_runtime_fails_clearly(bundle, tmp_path, capsys):
+    bundle_dir, _, _ = bundle
+    out = tmp_path / "r.json"
+    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--runtime", "tflite", *FAST])
+    assert rc == 3 and not out.exists()
+    err = capsys.readouterr().err
+    assert "runtime 'tflite' is not supported" in err and "onnxruntime" in err
+
+    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out),
+                      "--providers", "NoSuchExecutionProvider", *FAST])
+    assert rc == 3 and not out.exists()
+    assert "NoSuchExecutionProvider" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# (e) metric functions against hand-computed values
+# --------------------------------------------------------------------------
+
+def test_accuracy_and_nll_known_values():
+    probs = np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]])
+    assert runner.accuracy(probs, np.array([0, 1, 1])) == pytest.approx(2 / 3)
+
+    probs = np.array([[0.5, 0.5], [0.25, 0.75]])
+    assert runner.negative_log_likelihood(probs, np.array([0, 1])) == pytest.approx(
+        (math.log(2) + math.log(4 / 3)) / 2)
+    # p[y] = 0 is clipped at 1e-12 instead of giving inf.
+    assert runner.negative_log_likelihood(np.array([[1.0, 0.0]]), np.array([1])) == pytest.approx(
+        -math.log(1e-12))
+
+
+def test_ece_known_values():
+    # Perfectly calibrated: confidence 0.8, 8 of 10 right.
+    probs = np.tile([0.8, 0.2], (10, 1))
+    y = np.array([0] * 8 + [1] * 2)
+    assert runner.expected_calibration_error(probs, y) == pytest.approx(0.0, abs=1e-12)
+    # Overconfident: confidence 0.9, half right -> |0.5 - 0.9| = 0.4.
+    probs = np.tile([0.9, 0.1], (10, 1))
+    y = np.array([0] * 5 + [1] * 5)
+    assert runner.expected_calibration_error(probs, y) == pytest.approx(0.4)
+    # Two bins: conf 0.95 both right (gap 0.05), conf 0.7 both wrong (gap 0.7).
+    probs = np.array([[0.95, 0.05], [0.95, 0.05], [0.7, 0.3], [0.7, 0.3]])
+    y = np.array([0, 0, 1, 1])
+    assert runner.expected_calibration_error(probs, y) == pytest.approx(0.5 * 0.05 + 0.5 * 0.7)
+    # With a single bin, ECE is |mean accuracy - mean confidence|.
+    assert runner.expected_calibration_error(probs, y, n_bins=1) == pytest.approx(abs(0.5 - 0.825))
+
+
+def test_brier_and_classification_metrics():
+    probs = np.array([[1.0, 0.0], [0.5, 0.5]])
+    y = np.array([0, 0])
+    assert runner.brier_score(probs, y) == pytest.approx(0.25)
+    m = runner.classification_metrics(probs, y)
+    assert set(m) == {"accuracy", "nll", "ece", "brier", "n"}
+    assert m["n"] == 2 and m["brier"] == pytest.approx(0.25)
+    assert m["accuracy"] == pytest.approx(1.0)  # argmax of a tie is class 0
+    assert m["nll"] == pytest.approx(math.log(2) / 2)
+    assert all(type(v) in (int, float) for v in m.values())  # JSON-ready
+
+
+def test_metrics_reject_bad_input():
+    with pytest.raises(ValueError):
+        runner.accuracy(np.array([0.5, 0.5]), np.array([0]))
+    with pytest.raises(ValueError):
+        runner.brier_score(np.array([[0.5, 0.5]]), np.array([2]))
+    with pytest.raises(ValueError):
+        runner.classification_metrics(np.zeros((0, 2)), np.zeros(0, dtype=int))
+
+
+# --------------------------------------------------------------------------
+# (f)-(g) self-containment
+# --------------------------------------------------------------------------
+
+def test_runner_runs_standalone_in_isolated_interpreter(pristine_bundle, tmp_path):
+    """Copy only runner.py, run it with `python -I` and with torch/edgebayes
+    made unimportable: it must still work."""
+    bundle_dir, _, _ = pristine_bundle
+    work = tmp_path / "device"
+    work.mkdir()
+    shutil.copy(RUNNER_PATH, work / "runner.py")
+    out = work / "results.json"
+    # Setting sys.modules[name] = None makes `import name` raise ImportError.
+    launcher = (
+        "import sys, runpy\n"
+        "for name in ('torch', 'edgebayes'):\n"
+        "    sys.modules[name] = None\n"
+        "sys.argv = ['runner.py'] + sys.argv[1:]\n"
+        "runpy.run_path('runner.py', run_name='__main__')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", launcher, "--bundle", str(bundle_dir), "--out", str(out), *FAST],
+        cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert res["max_abs_prob_diff"] < 1e-5 and res["metrics"]["n"] == 50
+
+    # And plainly, as it is run on a device.
+    proc = subprocess.run([sys.executable, "-I", "runner.py", "--help"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--bundle" in proc.stdout
+
+
+def _imports(tree_body_or_tree):
+    names = []
+    for node in ast.walk(tree_body_or_tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "runner.py must not use relative imports"
+            names.append(node.module.split(".")[0])
+    return names
+
+
+def test_runner_imports_only_stdlib_numpy_and_runtimes():
+    tree = ast.parse(RUNNER_PATH.read_text())
+    lazy_ok = {"onnxruntime", "ai_edge_litert", "tflite_runtime", "tensorflow", "tensorrt", "tqdm"}
+    allowed = set(sys.stdlib_module_names) | {"numpy"} | lazy_ok
+    names = set(_imports(tree))
+    assert names <= allowed, f"unexpected imports: {sorted(names - allowed)}"
+    assert "numpy" in names and not {"torch", "edgebayes"} & names
+
+    # Runtimes (and tqdm) must be imported lazily, never at module level.
+    top_level = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            top_level |= set(_imports(node))
+    assert not top_level & lazy_ok, f"import these lazily: {sorted(top_level & lazy_ok)}"
+
+    # np.load must always be called with allow_pickle=False.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "load" \
+                and getattr(node.func.value, "id", None) == "np":
+            kw = {k.arg: k.value for k in node.keywords}
+            assert isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value is False
