@@ -1,15 +1,15 @@
 """Command line: `edgebayes <stage> --config pipeline.yaml --device local`.
 
 Exit codes: 0 done; 1 a stage failed (its message says why; artifacts of finished stages are kept);
-2 bad input (config, device profile, data), reported before any work with one message naming the file
-and key.
+2 bad input (config, device profile, data files), reported with one message naming the file and key.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from edgebayes.config import ConfigError, load_device_profile, load_pipeline_config
+from edgebayes.config import load_device_profile, load_pipeline_config
+from edgebayes.errors import InputError, StageError
 from edgebayes.stages import STAGES
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
@@ -29,26 +29,19 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        cfg = load_pipeline_config(args.config)
-        profile = load_device_profile(args.device)
-    except ConfigError as e:
-        print(f"edgebayes: config error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    from edgebayes.stages import Context, run_pipeline, run_stage
 
-    from edgebayes.data import DataError
-    from edgebayes.stages import Context, StageError, run_pipeline, run_stage
-
-    ctx = Context(cfg, profile, runs_dir=Path(args.runs_dir), force=args.force)
     try:
+        ctx = Context(load_pipeline_config(args.config), load_device_profile(args.device),
+                      runs_dir=Path(args.runs_dir), force=args.force)
         if args.command == "pipeline":
             run_pipeline(ctx)
         else:
             run_stage(ctx, args.command)
-    except DataError as e:
-        print(f"edgebayes: data error: {e}", file=sys.stderr)
+    except InputError as e:
+        print(f"edgebayes: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (StageError, RuntimeError, ValueError) as e:
+    except StageError as e:
         print(f"edgebayes: {args.command} failed: {e}", file=sys.stderr)
         return EXIT_FAILED
     return 0

@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DEVICES_DIR = Path(os.environ.get("EDGEBAYES_DEVICES", ROOT / "devices"))
 
 
-class ConfigError(Exception):
+from edgebayes.errors import InputError
+
+
+class ConfigError(InputError):
     """A configuration problem; the message names the file and the key."""
 
 

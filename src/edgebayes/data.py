@@ -17,7 +17,10 @@ import numpy as np
 import torch
 
 
-class DataError(Exception):
+from edgebayes.errors import InputError
+
+
+class DataError(InputError):
     """The data set cannot be loaded; the message says which files and how to fix it."""
 
 

@@ -23,13 +23,10 @@ import torch
 
 from edgebayes.config import as_dict, fingerprint
 from edgebayes.data import load_data
+from edgebayes.errors import StageError
 from edgebayes.provenance import atomic_path, provenance, read_json, write_json
 
 STAGES = ("train", "select", "export", "deploy", "report")
-
-
-class StageError(Exception):
-    """A stage cannot run (missing upstream artifact, failed check); the message says what to do."""
 
 
 @dataclass
@@ -216,10 +213,10 @@ def run_deploy(ctx):
     args = ["runner.py", "--bundle", "bundle", "--out", "results.json", "--warmup", b.warmup,
             "--min-runs", b.min_runs, "--min-seconds", b.min_seconds, "--batch-size", r.budgets.batch_size,
             "--threads", r.runtime.threads, "--runtime", r.runtime.name]
-    proc = transport.run(args)
-    if proc.returncode != 0:
-        raise StageError(f"deploy: the runner failed on device {r.name} with exit code {proc.returncode} "
-                         f"(its message is above); local artifacts are kept, re-run `edgebayes deploy`")
+    code, last_line = transport.run(args)
+    if code != 0:
+        raise StageError(f"the runner failed on device {r.name} (exit code {code}): {last_line}; "
+                         f"local artifacts are kept, re-run `edgebayes deploy`")
     transport.get("results.json", out / "results.json")
     res = read_json(out / "results.json")
     lat = res["latency_ms"]

@@ -49,7 +49,8 @@ REQUIRED_KEYS = (
 )
 EVAL_ARRAYS = ("x", "y", "reference_probs")
 ACCURACY_BATCH = 256  # big enough to be fast, small enough for a Pi's memory
-NLL_CLIP = 1e-12      # log(0) would make one bad example dominate the mean
+NLL_CLIP = 1e-12
+MAX_SAMPLES = 2000    # latency samples kept in the results file      # log(0) would make one bad example dominate the mean
 
 EXIT_OK, EXIT_WRITE, EXIT_BUNDLE, EXIT_RUNTIME = 0, 1, 2, 3
 
@@ -106,12 +107,10 @@ def negative_log_likelihood(probs, y):
     return float(np.mean(-np.log(np.clip(p_true, NLL_CLIP, 1.0))))
 
 
-def expected_calibration_error(probs, y, n_bins=15):
-    """Expected calibration error with `n_bins` equal-width confidence bins.
+def _confidence_bins(probs, y, n_bins):
+    """Per-bin count, summed confidence and summed correctness over equal-width confidence bins.
 
-    confidence_i = max_c p_i[c]; bins are (k/n, (k+1)/n] (the first also holds
-    0).  ECE = sum_b |b|/N * |accuracy(b) - mean confidence(b)|, empty bins
-    contribute 0 (Guo et al., 2017).
+    confidence_i = max_c p_i[c]; bins are (k/n, (k+1)/n] (the first also holds 0).
     """
     probs, y = _check_probs_labels(probs, y)
     if n_bins < 1:
@@ -125,8 +124,30 @@ def expected_calibration_error(probs, y, n_bins=15):
     counts = np.bincount(bin_idx, minlength=n_bins)
     sum_conf = np.bincount(bin_idx, weights=conf, minlength=n_bins)
     sum_correct = np.bincount(bin_idx, weights=correct, minlength=n_bins)
+    return counts, sum_conf, sum_correct
+
+
+def expected_calibration_error(probs, y, n_bins=15):
+    """Expected calibration error with `n_bins` equal-width confidence bins.
+
+    ECE = sum_b |b|/N * |accuracy(b) - mean confidence(b)|, empty bins
+    contribute 0 (Guo et al., 2017); bins as in `_confidence_bins`.
+    """
+    counts, sum_conf, sum_correct = _confidence_bins(probs, y, n_bins)
     # |bin|/N * |acc - conf| == |sum_correct - sum_conf| / N per bin.
-    return float(np.sum(np.abs(sum_correct - sum_conf)) / len(y))
+    return float(np.sum(np.abs(sum_correct - sum_conf)) / counts.sum())
+
+
+def reliability_bins(probs, y, n_bins=15):
+    """The reliability diagram behind the ECE: per bin, mean confidence,
+    accuracy (None for an empty bin) and count."""
+    counts, sum_conf, sum_correct = _confidence_bins(probs, y, n_bins)
+    safe = np.maximum(counts, 1)
+    return {
+        "bin_confidence": [float(c) if n else None for c, n in zip(sum_conf / safe, counts)],
+        "bin_accuracy": [float(a) if n else None for a, n in zip(sum_correct / safe, counts)],
+        "bin_count": [int(n) for n in counts],
+    }
 
 
 def brier_score(probs, y):
@@ -476,6 +497,8 @@ def measure_latency(backend, batch, warmup=10, min_runs=100, min_seconds=2.0, pr
         "runs": len(latencies),
         "seconds": float(seconds),
         "throughput_per_s": float(len(batch) * len(latencies) / seconds),
+        # Every k-th latency (at most MAX_SAMPLES, in run order) for a histogram in the report.
+        "samples_ms": [float(v) for v in ms[:: max(1, len(ms) // MAX_SAMPLES)]],
     }
 
 
@@ -644,6 +667,8 @@ def main(argv=None):
         "throughput_per_s": timing["throughput_per_s"],
         "peak_rss_mb": peak_rss_mb(),  # read last, so it covers everything above
         "metrics": metrics,
+        "reliability": reliability_bins(probs, y),
+        "latency_samples_ms": timing["samples_ms"],
         "reference": manifest["reference"],
         "max_abs_prob_diff": max_diff,
         "started_at": started_at,

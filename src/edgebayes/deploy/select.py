@@ -19,12 +19,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from edgebayes.deploy.runner import make_backend, measure_latency
+from edgebayes.errors import StageError
 from edgebayes.export.compress import compress, predict
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.train.metrics import classification_metrics, paper_flops
 
 
-class SelectionError(Exception):
+class SelectionError(StageError):
     pass
 
 

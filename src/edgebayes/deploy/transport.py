@@ -11,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from edgebayes.errors import StageError
+
 RUNNER = Path(__file__).with_name("runner.py")
 
 
-class TransportError(Exception):
+class TransportError(StageError):
     pass
 
 
@@ -35,8 +37,17 @@ class LocalTransport:
         return dest
 
     def run(self, args, timeout=None):
-        """Run [python, *args] in the work folder; stdout/stderr stream to the user's terminal."""
-        return subprocess.run([self.python, *map(str, args)], cwd=self.workdir, timeout=timeout)
+        """Run [python, *args] in the work folder. Its stderr is shown live (progress bars) and its last
+        line kept, so a failure can be reported in one message. Returns (exit code, last stderr line)."""
+        proc = subprocess.Popen([self.python, *map(str, args)], cwd=self.workdir, stderr=subprocess.PIPE)
+        tail = b""
+        for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+            sys.stderr.write(chunk.decode(errors="replace"))
+            sys.stderr.flush()
+            tail = (tail + chunk)[-4096:]
+        code = proc.wait(timeout=timeout)
+        lines = [ln.strip() for ln in tail.decode(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
+        return code, (lines[-1] if lines else "")
 
     def get(self, remote_name, local):
         src = self.workdir / remote_name

@@ -17,10 +17,12 @@ import copy
 import torch
 from torch import nn
 
+from edgebayes.errors import StageError
+
 ELEMENTWISE = (nn.SiLU, nn.ReLU, nn.Tanh, nn.Identity, nn.Dropout, nn.Flatten)
 
 
-class SurgeryError(ValueError):
+class SurgeryError(StageError, ValueError):
     pass
 
 

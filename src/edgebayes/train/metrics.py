@@ -15,7 +15,7 @@ import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 from torch import nn
 
-from edgebayes.deploy.runner import classification_metrics, expected_calibration_error  # noqa: F401
+from edgebayes.deploy.runner import classification_metrics, reliability_bins  # noqa: F401
 
 
 def paper_flops(module: nn.Module, input_shape) -> int:
@@ -69,20 +69,6 @@ def structure_report(dense: nn.Module, pruned: nn.Module, kept_masks, layer_name
         "dense_weights": dense_w, "kept_weights": kept_w, "compression_ratio": kept_w / dense_w,
         "dense_flops": dense_flops, "pruned_flops": pruned_flops, "flops_ratio": pruned_flops / dense_flops,
     }
-
-
-def reliability_bins(probs: np.ndarray, y: np.ndarray, n_bins=15) -> dict:
-    """Per-bin confidence, accuracy and count for a reliability diagram (the bins of the ECE)."""
-    conf, pred = probs.max(1), probs.argmax(1)
-    edges = np.linspace(0, 1, n_bins + 1)
-    idx = np.clip(np.digitize(conf, edges[1:-1], right=True), 0, n_bins - 1)
-    out = {"bin_confidence": [], "bin_accuracy": [], "bin_count": []}
-    for b in range(n_bins):
-        sel = idx == b
-        out["bin_count"].append(int(sel.sum()))
-        out["bin_confidence"].append(float(conf[sel].mean()) if sel.any() else None)
-        out["bin_accuracy"].append(float((pred[sel] == y[sel]).mean()) if sel.any() else None)
-    return out
 
 
 def ood_scores(probs_in: np.ndarray, probs_out: np.ndarray) -> dict:

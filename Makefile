@@ -1,0 +1,32 @@
+# edgebayes: `make pipeline` sets everything up and runs all stages; `make test` runs the tests.
+#   make pipeline DEVICE=local CONFIG=pipeline.yaml
+PYTHON ?= python3
+VENV   ?= .venv
+DEVICE ?= local
+CONFIG ?= pipeline.yaml
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup pipeline train select export deploy report test clean distclean
+
+setup: $(STAMP)
+
+# The virtualenv is rebuilt whenever the lock file or the project metadata change.
+$(STAMP): requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --no-deps -r requirements.lock
+	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip check
+	touch $@
+
+pipeline train select export deploy report: $(STAMP)
+	$(BIN)/edgebayes $@ --config $(CONFIG) --device $(DEVICE)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf runs
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,14 @@
+"""Errors with a message meant for the user. The CLI prints the message and exits non-zero.
+
+InputError (exit 2): bad input found before any work (config, device profile, data files).
+StageError (exit 1): a stage could not finish (a failed check, no operating point fits, the device runner
+failed); artifacts of finished stages are kept and the stage can be re-run.
+"""
+
+
+class InputError(Exception):
+    pass
+
+
+class StageError(Exception):
+    pass

@@ -1,0 +1,100 @@
+"""End to end: the real pipeline on the embedded default (digits), its cache, and a corrupted bundle.
+
+The first test runs `edgebayes pipeline` on pipeline.yaml exactly as a user does (150 epochs, about half
+a minute on 2 cores) and checks the figures the foundation issue asks for. The others reuse its run folder.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgebayes.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    assert main(["pipeline", "--config", str(ROOT / "pipeline.yaml"), "--runs-dir", str(runs)]) == 0
+    return runs / "digits-ssgl"
+
+
+def test_pipeline_meets_the_foundation_targets(run):
+    report = json.loads((run / "report/local/report.json").read_text())
+    s = report["summary"]
+    results = report["results"]
+    assert results["metrics"]["accuracy"] >= 0.93
+    assert s["pruned_fraction_hidden"] > 0
+    assert s["fidelity_max_abs_prob_diff"] < 1e-4
+    assert results["max_abs_prob_diff"] < 1e-4
+    assert s["onnx_params"] == s["kept_weights_total"]
+    assert (run / "report/local/report.html").stat().st_size > 10_000
+    # The runner measured what the protocol asks for.
+    lat = results["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
+    assert results["runs"] >= 300
+    # The exported graph holds exactly M samples of the kept weights.
+    export = json.loads((run / "export/local/export.json").read_text())
+    kept = export["kept_nodes"]
+    widths = [64] + kept
+    assert export["kept_weights_per_sample"] == sum((i + 1) * o for i, o in zip(widths[:-1], widths[1:]))
+    assert export["onnx_params"] == export["mc_samples"] * export["kept_weights_per_sample"]
+
+
+def test_second_run_skips_every_stage(run, capsys):
+    checkpoint = run / "train/checkpoint.pt"
+    before = checkpoint.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["pipeline", "--config", str(ROOT / "pipeline.yaml"), "--runs-dir", str(run.parent)]) == 0
+    out = capsys.readouterr().out
+    for stage in ("train", "select", "export", "deploy", "report"):
+        assert f"{stage}: up to date" in out
+    assert checkpoint.stat().st_mtime_ns == before
+
+
+def test_changed_device_reruns_what_depends_on_it(run, tmp_path, capsys):
+    profile = yaml.safe_load((ROOT / "devices/local.yaml").read_text())
+    profile["name"] = "local-tight"
+    profile["budgets"]["model_mb"] = 0.1  # forces a smaller M than the default budget allows
+    device = tmp_path / "local-tight.yaml"
+    device.write_text(yaml.safe_dump(profile))
+    capsys.readouterr()
+    assert main(["pipeline", "--config", str(ROOT / "pipeline.yaml"), "--device", str(device),
+                 "--runs-dir", str(run.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "train: up to date" in out
+    for stage in ("select", "export", "deploy", "report"):
+        assert f"{stage}: running" in out
+    choice = json.loads((run / "select/local-tight/choice.json").read_text())
+    assert choice["candidate"]["cost"]["model_mb"] <= 0.1
+    assert (run / "report/local-tight/report.json").is_file()
+
+
+def test_budget_nothing_meets_lists_closest_candidates(run, tmp_path, capsys):
+    profile = yaml.safe_load((ROOT / "devices/local.yaml").read_text())
+    profile["name"] = "impossible"
+    profile["budgets"]["model_mb"] = 1e-6
+    device = tmp_path / "impossible.yaml"
+    device.write_text(yaml.safe_dump(profile))
+    assert main(["select", "--config", str(ROOT / "pipeline.yaml"), "--device", str(device),
+                 "--runs-dir", str(run.parent)]) == 1
+    err = capsys.readouterr().err
+    assert "no operating point fits" in err and "model" in err and "> budget" in err
+    assert not (run / "select/impossible/choice.json").exists()
+
+
+def test_deploy_refuses_a_corrupted_bundle(run, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    shutil.copytree(run, runs / run.name)
+    model = runs / run.name / "export/local/bundle/model.onnx"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    assert main(["deploy", "--force", "--config", str(ROOT / "pipeline.yaml"), "--runs-dir", str(runs)]) == 1
+    err = capsys.readouterr().err
+    assert "model.onnx" in err and "sha256" in err
+    assert "runner failed" in err
