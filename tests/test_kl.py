@@ -268,8 +268,6 @@ def test_relaxed_bernoulli_forward_is_binary_with_exact_zeros():
     assert is_zero.any() and near_one.any()
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: z_hard + z_soft - z_soft.detach() rounds 1 to 1 - 2^-24 "
-                   "in float32; (z_hard - z_soft.detach()) + z_soft is exact")
 def test_relaxed_bernoulli_forward_exactly_binary():
     """Forward values are exactly 0 or 1 (the straight-through sum must not perturb the hard sample)."""
     logit = torch.tensor(LOGITS, requires_grad=True)

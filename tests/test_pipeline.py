@@ -98,3 +98,13 @@ def test_deploy_refuses_a_corrupted_bundle(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.onnx" in err and "sha256" in err
     assert "runner failed" in err
+
+
+def test_runner_reports_its_own_peak_memory(run):
+    """The runner imports no torch, so its peak RSS is far below this (torch-loaded) process's: a runner
+    that inherited its parent's high-water mark across fork/exec would report at least the parent's."""
+    import resource
+
+    results = json.loads((run / "deploy/local/results.json").read_text())
+    parent_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert 0 < results["peak_rss_mb"] < 0.6 * parent_mb

@@ -268,3 +268,23 @@ def test_surgery_refuses_bad_inputs():
         remove_dead_units(module, {"1": torch.tensor([True, False, True])})
     with pytest.raises(SurgeryError, match="Sequential"):
         remove_dead_units(nn.Linear(3, 2), {})
+
+
+def test_surgery_accepts_any_parameter_free_activation_with_zero_at_zero():
+    """GELU (f(0) = 0) is not in a fixed list but is elementwise with f(0) = 0: units can go."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 3), nn.GELU(), nn.Linear(3, 2)).eval()
+    with torch.no_grad():
+        module[0].weight[1] = 0
+        module[0].bias[1] = 0
+    keep = {"0": torch.tensor([True, False, True])}
+    pruned = remove_dead_units(module, keep)
+    x = torch.randn(5, 4)
+    assert pruned[0].out_features == 2
+    assert torch.allclose(pruned(x), module(x), atol=1e-6)
+
+
+def test_surgery_names_the_nonzero_activation():
+    module = nn.Sequential(nn.Linear(4, 3), nn.Sigmoid(), nn.Linear(3, 2))
+    with pytest.raises(SurgeryError, match="f\\(0\\) != 0"):
+        remove_dead_units(module, {"0": torch.tensor([True, False, True])})

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -226,11 +227,22 @@ def _build(cls, data, where):
     return cls(**kwargs)
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; read it as the number users mean."""
+
+
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def _load_yaml(path: Path):
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_Yaml12Loader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
 

@@ -103,6 +103,7 @@ def run_train(ctx):
     from edgebayes.train.metrics import ood_scores, reliability_bins, structure_report
     from edgebayes.train.trainer import evaluate, train
 
+    cfg, splits = ctx.cfg, splits_for(ctx)  # first: bad data must fail before anything is touched
     out = ctx.stage_dir("train")
     checkpoint = out / "checkpoint.pt"
     # A checkpoint of another config must not be resumed: start over.
@@ -112,7 +113,6 @@ def run_train(ctx):
         checkpoint.unlink()
     write_json(marker, {"fingerprint": ctx.fingerprint("train")})
 
-    cfg, splits = ctx.cfg, splits_for(ctx)
     model, history = train(cfg, splits, checkpoint, log=ctx.log)
     threshold, m = 0.5, cfg.train.mc_samples_eval
     test, compressed, probs = evaluate(model, splits.test_x, splits.test_y, threshold, m, cfg.seed)

@@ -503,7 +503,19 @@ def measure_latency(backend, batch, warmup=10, min_runs=100, min_seconds=2.0, pr
 
 
 def peak_rss_mb():
-    """Peak resident set size of this process in MB (None where unsupported)."""
+    """Peak resident set size of this process in MB (None where unsupported).
+
+    On Linux VmHWM from /proc/self/status: it belongs to this address space only. ru_maxrss is kept by
+    a forked child across exec, so a runner started by a big parent (edgebayes with torch loaded)
+    would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) / 1024.0  # kB -> MB
+    except OSError:
+        pass
     try:
         import resource  # Unix only
     except ImportError:

@@ -19,7 +19,16 @@ from torch import nn
 
 from edgebayes.errors import StageError
 
-ELEMENTWISE = (nn.SiLU, nn.ReLU, nn.Tanh, nn.Identity, nn.Dropout, nn.Flatten)
+PASS_THROUGH = (nn.Identity, nn.Dropout, nn.Flatten)
+
+
+def _maps_zero_to_zero(layer) -> bool:
+    """True for a parameter-free, shape-preserving module with f(0) = 0 (probed on a small zero input)."""
+    try:
+        out = layer(torch.zeros(2, 3))
+    except Exception:
+        return False
+    return out.shape == (2, 3) and not bool(out.abs().sum())
 
 
 class SurgeryError(StageError, ValueError):
@@ -53,11 +62,13 @@ def remove_dead_units(module: nn.Sequential, dead_units: dict) -> nn.Sequential:
                 new.bias.copy_(layer.bias[keep])
             setattr(pruned, name, new)
             incoming_keep = keep
-        elif isinstance(layer, ELEMENTWISE):
-            if not isinstance(layer, (nn.Flatten, nn.Identity, nn.Dropout)):
-                zero = layer(torch.zeros(1))
-                if zero.abs().item() > 0:
-                    raise SurgeryError(f"activation {type(layer).__name__} has f(0) != 0: removing units would change outputs")
+        elif isinstance(layer, PASS_THROUGH):
+            continue
+        elif next(layer.parameters(), None) is None and _maps_zero_to_zero(layer):
+            continue  # an elementwise activation with f(0) = 0 (SiLU, ReLU, GELU, tanh, ...)
+        elif next(layer.parameters(), None) is None:
+            raise SurgeryError(f"layer {name!r} ({type(layer).__name__}) has f(0) != 0: "
+                               "removing units would change the outputs")
         else:
             raise SurgeryError(
                 f"layer {name!r} ({type(layer).__name__}) is not supported by Linear-chain surgery")

@@ -61,4 +61,5 @@ def relaxed_bernoulli_hard(gamma_logit, temperature, generator=None, shape=None)
     u = u.clamp(_PROB_EPS, 1 - _PROB_EPS)
     z_soft = torch.sigmoid((gamma_logit + torch.log(u) - torch.log1p(-u)) / temperature)
     z_hard = (z_soft > 0.5).to(z_soft.dtype)
-    return z_hard + z_soft - z_soft.detach()
+    # (z_hard - z_soft) + z_soft is exactly 0 or 1 in floating point; z_hard + z_soft - z_soft is not.
+    return (z_hard - z_soft.detach()) + z_soft

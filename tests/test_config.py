@@ -1,0 +1,231 @@
+"""Config validation (config.py) through the command line (cli.main): bad input exits 2 before any work,
+with one message on stderr naming the file and the key."""
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgebayes.cli import EXIT_BAD_INPUT, main
+from edgebayes.config import (
+    ConfigError,
+    fingerprint,
+    known_devices,
+    load_device_profile,
+    load_pipeline_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = ROOT / "pipeline.yaml"
+LOCAL_DEVICE = ROOT / "devices" / "local.yaml"
+
+
+def _base():
+    return yaml.safe_load(PIPELINE.read_text())
+
+
+def _write(path: Path, data) -> Path:
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _run(capsys, tmp_path, config, device="local", stage="train"):
+    runs = tmp_path / "runs"
+    rc = main([stage, "--config", str(config), "--device", str(device), "--runs-dir", str(runs)])
+    captured = capsys.readouterr()
+    return rc, captured.err, runs
+
+
+def _nothing_written(runs: Path):
+    return not runs.exists() or not any(runs.rglob("*"))
+
+
+# Each case: (edit of the parsed pipeline.yaml, regex the message must contain after "<file>: ").
+def _set(path, value):
+    def edit(d):
+        *parents, last = path.split(".")
+        for p in parents:
+            d = d[p]
+        d[last] = value
+    return edit
+
+
+BAD_CONFIGS = {
+    "unknown top-level key": (_set("epochs", 3), r"epochs: unknown key"),
+    "unknown nested key": (_set("train.epoch", 3), r"train\.epoch: unknown key"),
+    "wrong type (string for int)": (_set("train.epochs", "ten"), r"train\.epochs: expected an integer, got 'ten'"),
+    "wrong type (bool for int)": (_set("train.batch_size", True), r"train\.batch_size: expected an integer"),
+    "wrong type in a list": (_set("model.hidden", [64, "x"]), r"model\.hidden\[1\]: expected an integer, got 'x'"),
+    "empty list": (_set("model.hidden", []), r"model\.hidden: expected a non-empty list"),
+    "section not a mapping": (_set("train", [1, 2]), r"train: expected a mapping"),
+    "out of range (threshold)": (_set("select.thresholds", [1.5]), r"select\.thresholds: expected numbers in \(0, 1\)"),
+    "out of range (epochs)": (_set("train.epochs", 0), r"train\.epochs: expected a positive integer"),
+    "bad literal": (_set("model.family", "ss-xx"), r"model\.family: expected one of .*'ss-gl'.*got 'ss-xx'"),
+    "bad literal (dataset)": (_set("data.dataset", "imagenet"), r"data\.dataset: expected one of"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_pipeline_config_exits_2_naming_file_and_key(case, capsys, tmp_path):
+    """Each invalid pipeline.yaml exits 2 with one message 'edgebayes: <file>: <key>: ...' and writes nothing."""
+    edit, pattern = BAD_CONFIGS[case]
+    data = _base()
+    edit(data)
+    config = _write(tmp_path / "pipeline.yaml", data)
+    rc, err, runs = _run(capsys, tmp_path, config)
+    assert rc == EXIT_BAD_INPUT == 2
+    assert err.startswith("edgebayes: ") and err.count("\n") == 1  # one message
+    assert re.search(re.escape(str(config)) + ": " + pattern, err), err
+    assert _nothing_written(runs)
+
+
+def test_missing_config_file(capsys, tmp_path):
+    """A config path that does not exist exits 2 naming the file."""
+    config = tmp_path / "nope.yaml"
+    rc, err, runs = _run(capsys, tmp_path, config, stage="pipeline")
+    assert rc == 2
+    assert f"{config}: file not found" in err
+    assert _nothing_written(runs)
+
+
+def test_invalid_yaml(capsys, tmp_path):
+    """YAML that does not parse exits 2 naming the file, the message on one line."""
+    config = _write(tmp_path / "pipeline.yaml", "name: x\ntrain: [1, 2\nseed: 0\n")
+    rc, err, runs = _run(capsys, tmp_path, config)
+    assert rc == 2
+    assert f"{config}: not valid YAML" in err
+    assert err.count("\n") == 1
+    assert _nothing_written(runs)
+
+
+def test_unknown_device_lists_known_devices(capsys, tmp_path):
+    """An unknown device name exits 2; the message names it and lists the known devices (incl. local)."""
+    config = _write(tmp_path / "pipeline.yaml", _base())
+    rc, err, runs = _run(capsys, tmp_path, config, device="no-such-board")
+    assert rc == 2
+    assert "unknown device 'no-such-board'" in err
+    assert "local" in err.split("known devices:")[1]
+    assert "local" in known_devices()
+    assert _nothing_written(runs)
+
+
+@pytest.mark.parametrize("edit, pattern", [
+    (_set("budgets.latency_msx", 3.0), r"budgets\.latency_msx: unknown key"),
+    (_set("budgets.percentile", 95), r"budgets\.percentile: expected one of 50, 90, 99"),
+    (_set("budgets.latency_ms", -1.0), r"budgets\.latency_ms: expected a positive number or null"),
+    (_set("latency_model.kind", "flops"), r"latency_model\.flops_per_second: a positive number is required"),
+])
+def test_bad_device_profile_yaml(edit, pattern, capsys, tmp_path):
+    """A device profile given as a YAML path with a bad key/value exits 2 naming that file and the key."""
+    data = yaml.safe_load(LOCAL_DEVICE.read_text())
+    edit(data)
+    device = _write(tmp_path / "board.yaml", data)
+    config = _write(tmp_path / "pipeline.yaml", _base())
+    rc, err, runs = _run(capsys, tmp_path, config, device=device)
+    assert rc == 2
+    assert re.search(re.escape(str(device)) + ": " + pattern, err), err
+    assert _nothing_written(runs)
+
+
+def test_device_profile_requires_name(tmp_path):
+    """A device profile without its required `name` key is refused."""
+    data = yaml.safe_load(LOCAL_DEVICE.read_text())
+    del data["name"]
+    device = _write(tmp_path / "board.yaml", data)
+    with pytest.raises(ConfigError, match=re.escape(str(device)) + r": name: required key is missing"):
+        load_device_profile(str(device))
+
+
+# ---------------------------------------------------------------------------------------------
+def test_shipped_configs_load_with_expected_values():
+    """pipeline.yaml and devices/local.yaml load without error and carry the documented values."""
+    cfg = load_pipeline_config(PIPELINE)
+    assert cfg.name == "digits-ssgl" and cfg.seed == 0
+    assert cfg.data.dataset == "digits" and cfg.data.download is False and cfg.data.ood == "noise"
+    assert cfg.model.family == "ss-gl" and cfg.model.hidden == [64, 64] and cfg.model.activation == "silu"
+    assert cfg.prior.inclusion_constant == 1e-9 and cfg.prior.a0 == 4.0 and cfg.prior.b0 == 2.0
+    assert cfg.train.lr == pytest.approx(3e-3) and isinstance(cfg.train.lr, float)
+    assert cfg.select.thresholds == [0.5, 0.7, 0.9] and cfg.select.mc_samples == [1, 2, 4, 8]
+
+    profile = load_device_profile("local")
+    assert profile.name == "local"
+    assert profile.runtime.name == "onnxruntime" and profile.runtime.threads == 0
+    assert profile.budgets.latency_ms == 2.0 and profile.budgets.percentile == 90
+    assert profile.budgets.memory_mb == 1024.0 and isinstance(profile.budgets.memory_mb, float)
+    assert profile.connection.kind == "local" and profile.connection.python is None
+    assert profile.latency_model.kind == "measure"
+    # the same profile through its path
+    assert load_device_profile(str(LOCAL_DEVICE)) == profile
+
+
+def test_fingerprint_tracks_values_not_formatting(tmp_path):
+    """fingerprint() changes when a config value changes, and not when only the file's formatting does
+    (key order, comments, 1 vs 1.0 for a float); a section's fingerprint ignores other sections."""
+    cfg = load_pipeline_config(PIPELINE)
+
+    data = _base()
+    reordered = dict(reversed(list(data.items())))
+    reordered["prior"]["sigma0_sq"] = 1  # an int for a float field
+    same = load_pipeline_config(_write(tmp_path / "same.yaml", "# no comments here\n" + yaml.safe_dump(reordered)))
+    assert fingerprint(same) == fingerprint(cfg)
+    assert fingerprint(same.train) == fingerprint(cfg.train)
+    assert len(fingerprint(cfg)) == 16 and re.fullmatch(r"[0-9a-f]+", fingerprint(cfg))
+
+    changed = copy.deepcopy(data)
+    changed["train"]["epochs"] += 1
+    other = load_pipeline_config(_write(tmp_path / "changed.yaml", changed))
+    assert fingerprint(other) != fingerprint(cfg)
+    assert fingerprint(other.train) != fingerprint(cfg.train)
+    assert fingerprint(other.select) == fingerprint(cfg.select)
+    assert fingerprint(other.model) == fingerprint(cfg.model)
+
+    changed = copy.deepcopy(data)
+    changed["select"]["thresholds"] = [0.5, 0.8]
+    other = load_pipeline_config(_write(tmp_path / "changed2.yaml", changed))
+    assert fingerprint(other.select) != fingerprint(cfg.select)
+    assert fingerprint("train", cfg.seed, cfg.data, cfg.model, cfg.prior, cfg.train) == \
+        fingerprint("train", other.seed, other.data, other.model, other.prior, other.train)
+
+
+# ---------------------------------------------------------------------------------------------
+def _mnist_config(tmp_path):
+    try:
+        import torchvision  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"torchvision is not importable ({e}): the mnist loader cannot be exercised")
+    empty = tmp_path / "empty-data"
+    empty.mkdir()
+    data = _base()
+    data["data"].update(dataset="mnist", root=str(empty), download=False, ood=None)
+    return _write(tmp_path / "pipeline.yaml", data), empty
+
+
+def test_missing_dataset_files_exit_2_naming_dataset_and_folder(capsys, tmp_path):
+    """`edgebayes train` on mnist with an empty data.root and download false exits 2 with a data error
+    naming the data set and the folder (and how to fix it)."""
+    config, empty = _mnist_config(tmp_path)
+    rc, err, runs = _run(capsys, tmp_path, config)
+    assert rc == 2
+    assert err.startswith("edgebayes: ")
+    assert "'mnist'" in err and str(empty.resolve()) in err
+    assert "data.download" in err
+    assert not (runs / "digits-ssgl" / "train" / "checkpoint.pt").exists()
+
+
+def test_missing_dataset_files_write_nothing(capsys, tmp_path):
+    """Bad input (here: absent data files) is reported before any work: nothing under --runs-dir."""
+    config, _ = _mnist_config(tmp_path)
+    rc, _, runs = _run(capsys, tmp_path, config)
+    assert rc == 2
+    assert _nothing_written(runs), sorted(str(p.relative_to(runs)) for p in runs.rglob("*"))
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    """`lr: 1e-3` means 0.001 (YAML 1.2), not the string '1e-3' of YAML 1.1."""
+    text = (ROOT / "pipeline.yaml").read_text().replace("lr: 3.0e-3", "lr: 3e-3")
+    assert "lr: 3e-3" in text
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    assert load_pipeline_config(path).train.lr == pytest.approx(3e-3)
