@@ -1,14 +1,16 @@
 """Datasets as in-memory tensors with seeded train / val / test splits (and an optional OOD set).
 
 - digits: scikit-learn's 8x8 digits (1797 images, shipped inside the wheel): the embedded default, offline.
-- mnist, fashion-mnist, cifar10: through torchvision from a root folder (data.root, else $EDGEBAYES_DATA,
+- mnist, fashion-mnist (IDX files read directly, .gz or not), cifar10 (torchvision): from a root folder (data.root, else $EDGEBAYES_DATA,
   else ./data). Nothing is downloaded unless data.download is true; absent files give one clear error.
 
 Images are float32 in [0, 1], shape (C, H, W). Validation is carved out of the training split with a
 generator seeded by the run's seed, so a split never changes between runs.
 """
 
+import gzip
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -41,6 +43,8 @@ class Splits:
 
 
 TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                   "Ankle boot"]
 
 
 def data_root(cfg) -> Path:
@@ -54,6 +58,45 @@ def _digits():
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)
     return x, y, [str(c) for c in bunch.target_names]
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """An IDX file (the MNIST format), gzipped or not: magic (2 zero bytes, dtype, ndim), dims, data."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        data = f.read()
+    ndim = data[3]
+    dims = struct.unpack(f">{ndim}I", data[4: 4 + 4 * ndim])
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def _idx_file(raw: Path, stem: str):
+    for candidate in (raw / stem, raw / f"{stem}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _mnist_like(name, cfg, train):
+    """MNIST / Fashion-MNIST from root/<MNIST|FashionMNIST>/raw, gzipped or extracted.
+
+    Read directly: torchvision 0.29 insists on extracted files, which a read-only shared copy of the
+    original .gz files does not have. torchvision is only used to download, when the config allows it.
+    """
+    raw = data_root(cfg) / TORCHVISION[name] / "raw"
+    prefix = "train" if train else "t10k"
+    images, labels = _idx_file(raw, f"{prefix}-images-idx3-ubyte"), _idx_file(raw, f"{prefix}-labels-idx1-ubyte")
+    if (images is None or labels is None) and cfg.download:
+        _torchvision(name, cfg, train)
+        images, labels = _idx_file(raw, f"{prefix}-images-idx3-ubyte"), _idx_file(raw, f"{prefix}-labels-idx1-ubyte")
+    if images is None or labels is None:
+        raise DataError(
+            f"data set {name!r}: {prefix}-images-idx3-ubyte(.gz) and {prefix}-labels-idx1-ubyte(.gz) not found "
+            f"in {raw.resolve()}. Point data.root or EDGEBAYES_DATA at the folder that holds "
+            f"{TORCHVISION[name]}/raw, or set data.download: true where there is internet")
+    x = torch.tensor(_read_idx(images), dtype=torch.float32).unsqueeze(1) / 255.0
+    y = torch.tensor(_read_idx(labels), dtype=torch.int64)
+    classes = [str(i) for i in range(10)] if name == "mnist" else FASHION_CLASSES
+    return x, y, classes
 
 
 def _torchvision(name, cfg, train):
@@ -90,8 +133,9 @@ def load_data(cfg, seed: int) -> Splits:
         test_x, test_y = x[test], y[test]
         x, y = x[rest], y[rest]
     else:
-        x, y, classes = _torchvision(cfg.dataset, cfg, train=True)
-        test_x, test_y, _ = _torchvision(cfg.dataset, cfg, train=False)
+        load = _torchvision if cfg.dataset == "cifar10" else _mnist_like
+        x, y, classes = load(cfg.dataset, cfg, train=True)
+        test_x, test_y, _ = load(cfg.dataset, cfg, train=False)
     train, val = _split(len(x), cfg.val_fraction, g)
     splits = Splits(x[train], y[train], x[val], y[val], test_x, test_y, classes)
     if cfg.ood:
@@ -107,7 +151,10 @@ def _ood_set(cfg, splits, generator):
     if cfg.ood not in TORCHVISION and cfg.ood != "digits":
         raise DataError(f"data.ood: unknown OOD set {cfg.ood!r} (use noise, digits or one of {', '.join(TORCHVISION)})")
     ood_cfg = type(cfg)(**{**cfg.__dict__, "dataset": cfg.ood, "ood": None})
-    x = _digits()[0] if cfg.ood == "digits" else _torchvision(cfg.ood, ood_cfg, train=False)[0]
+    if cfg.ood == "digits":
+        x = _digits()[0]
+    else:
+        x = (_torchvision if cfg.ood == "cifar10" else _mnist_like)(cfg.ood, ood_cfg, train=False)[0]
     if tuple(x.shape[1:]) != splits.input_shape:
         raise DataError(f"data.ood: {cfg.ood} images have shape {tuple(x.shape[1:])}, "
                         f"but {cfg.dataset} has {splits.input_shape}")

@@ -61,6 +61,8 @@ def train(cfg, splits, checkpoint_path, log=print):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng_cpu"])
+        if device.type == "cuda" and "rng_cuda" in state:
+            torch.cuda.set_rng_state(state["rng_cuda"], device)
         history, start_epoch = state["history"], state["epoch"]
         log(f"resuming from {checkpoint_path} after epoch {start_epoch}")
 
@@ -93,7 +95,9 @@ def train(cfg, splits, checkpoint_path, log=print):
                   "kept_nodes": kept, "seconds": time.perf_counter() - t0}
         history.append(record)
         bar.set_postfix(loss=f"{sums['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}", kept=kept)
-        atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                           "rng_cpu": torch.get_rng_state(), "history": history, "epoch": epoch + 1},
-                          checkpoint_path)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "rng_cpu": torch.get_rng_state(), "history": history, "epoch": epoch + 1}
+        if device.type == "cuda":  # the training noise is drawn on the GPU
+            state["rng_cuda"] = torch.cuda.get_rng_state(device)
+        atomic_torch_save(state, checkpoint_path)
     return model.cpu().eval(), history
