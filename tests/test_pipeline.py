@@ -43,6 +43,10 @@ def test_pipeline_meets_the_foundation_targets(run):
     widths = [64] + kept
     assert export["kept_weights_per_sample"] == sum((i + 1) * o for i, o in zip(widths[:-1], widths[1:]))
     assert export["onnx_params"] == export["mc_samples"] * export["kept_weights_per_sample"]
+    # The report describes the deployed model's structure, not training's default threshold.
+    hidden = kept[:-1]
+    assert s["pruned_fraction_hidden"] == pytest.approx(1 - sum(hidden) / (64 * len(hidden)))
+    assert s["compression_ratio"] == pytest.approx(export["kept_weights_per_sample"] / (65 * 64 + 65 * 64 + 65 * 10))
 
 
 def test_second_run_skips_every_stage(run, capsys):

@@ -97,6 +97,10 @@ def load_trained_model(ctx):
     return model.eval()
 
 
+def layer_names(cfg):
+    return [f"hidden{i + 1}" for i in range(len(cfg.model.hidden))] + ["output"]
+
+
 # ---------------------------------------------------------------------------------------------
 def run_train(ctx):
     from edgebayes.export.compress import compress
@@ -116,9 +120,8 @@ def run_train(ctx):
     model, history = train(cfg, splits, checkpoint, log=ctx.log)
     threshold, m = 0.5, cfg.train.mc_samples_eval
     test, compressed, probs = evaluate(model, splits.test_x, splits.test_y, threshold, m, cfg.seed)
-    names = [f"hidden{i + 1}" for i in range(len(cfg.model.hidden))] + ["output"]
     structure = structure_report(compressed.dense_sample, compressed.samples[0], model.kept_units(threshold),
-                                 names, splits.input_shape)
+                                 layer_names(cfg), splits.input_shape)
     metrics = {
         "family": cfg.model.family,
         "model": {"arch": cfg.model.arch, "in_features": int(np.prod(splits.input_shape)),
@@ -163,7 +166,7 @@ def run_export(ctx):
     from edgebayes.export.bundle import write_bundle
     from edgebayes.export.compress import compress, predict
     from edgebayes.export.onnx_export import export_onnx, onnx_parameter_count, onnx_predict
-    from edgebayes.train.metrics import classification_metrics, count_weights
+    from edgebayes.train.metrics import classification_metrics, count_weights, structure_report
 
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     model, splits = load_trained_model(ctx), splits_for(ctx)
@@ -187,8 +190,12 @@ def run_export(ctx):
             out / "bundle", tmp, x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
             knob_name="inclusion_threshold", knob_value=threshold,
             reference_metrics=classification_metrics(reference_probs, y), provenance=ctx.provenance("export"))
+    structure = structure_report(compressed.dense_sample, compressed.samples[0], list(compressed.kept.values()),
+                                 layer_names(ctx.cfg), splits.input_shape)
     summary = {
         "format": "onnx", "precision": "fp32", "mc_samples": m, "inclusion_threshold": threshold,
+        "sparsity": {"layers": structure["layers"]},
+        "compression_ratio": structure["compression_ratio"], "flops_ratio": structure["flops_ratio"],
         "kept_nodes": [int(k.sum()) for k in compressed.kept.values()],
         "onnx_params": onnx_params, "kept_weights_per_sample": kept_per_sample,
         "kept_weights_total": kept_per_sample * m, "params_match": onnx_params == kept_per_sample * m,
@@ -232,8 +239,11 @@ def run_report(ctx):
     choice = read_json(ctx.stage_dir("select") / "choice.json")
     export = read_json(ctx.require("export", "export.json") / "export.json")
     results = read_json(ctx.require("deploy", "results.json") / "results.json")
+    # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
+    # default threshold of 0.5; the training metrics stay as they are.
+    deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio")}
     inputs = {
-        "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": train_metrics,
+        "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],
         "choice": {k: choice[k] for k in ("threshold", "mc_samples", "reason")},
         "export": export, "results": results, "reliability": results.get("reliability") or train_metrics.get("reliability"),
