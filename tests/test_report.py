@@ -232,7 +232,7 @@ def test_failed_write_leaves_no_temp_files(tmp_path, monkeypatch):
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report_mod.os, "replace", boom)
+    monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
         report_mod.write_report(make_inputs(), tmp_path)
     assert list(tmp_path.iterdir()) == []

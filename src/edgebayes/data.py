@@ -8,6 +8,7 @@ Images are float32 in [0, 1], shape (C, H, W). Validation is carved out of the t
 generator seeded by the run's seed, so a split never changes between runs.
 """
 
+import dataclasses
 import gzip
 import os
 import struct
@@ -84,10 +85,11 @@ def _mnist_like(name, cfg, train):
     """
     raw = data_root(cfg) / TORCHVISION[name] / "raw"
     prefix = "train" if train else "t10k"
-    images, labels = _idx_file(raw, f"{prefix}-images-idx3-ubyte"), _idx_file(raw, f"{prefix}-labels-idx1-ubyte")
+    stems = (f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte")
+    images, labels = (_idx_file(raw, s) for s in stems)
     if (images is None or labels is None) and cfg.download:
         _torchvision(name, cfg, train)
-        images, labels = _idx_file(raw, f"{prefix}-images-idx3-ubyte"), _idx_file(raw, f"{prefix}-labels-idx1-ubyte")
+        images, labels = (_idx_file(raw, s) for s in stems)
     if images is None or labels is None:
         raise DataError(
             f"data set {name!r}: {prefix}-images-idx3-ubyte(.gz) and {prefix}-labels-idx1-ubyte(.gz) not found "
@@ -118,6 +120,10 @@ def _torchvision(name, cfg, train):
     return x, y, [str(c) for c in ds.classes]
 
 
+# Loaders of the data sets that live under the data root (digits ships with scikit-learn).
+LOADERS = {"mnist": _mnist_like, "fashion-mnist": _mnist_like, "cifar10": _torchvision}
+
+
 def _split(n, fraction, generator):
     perm = torch.randperm(n, generator=generator)
     k = int(round(n * fraction))
@@ -133,7 +139,7 @@ def load_data(cfg, seed: int) -> Splits:
         test_x, test_y = x[test], y[test]
         x, y = x[rest], y[rest]
     else:
-        load = _torchvision if cfg.dataset == "cifar10" else _mnist_like
+        load = LOADERS[cfg.dataset]
         x, y, classes = load(cfg.dataset, cfg, train=True)
         test_x, test_y, _ = load(cfg.dataset, cfg, train=False)
     train, val = _split(len(x), cfg.val_fraction, g)
@@ -148,13 +154,12 @@ def _ood_set(cfg, splits, generator):
     n = len(splits.test_x)
     if cfg.ood == "noise":
         return torch.rand((n,) + splits.input_shape, generator=generator)
-    if cfg.ood not in TORCHVISION and cfg.ood != "digits":
-        raise DataError(f"data.ood: unknown OOD set {cfg.ood!r} (use noise, digits or one of {', '.join(TORCHVISION)})")
-    ood_cfg = type(cfg)(**{**cfg.__dict__, "dataset": cfg.ood, "ood": None})
+    if cfg.ood not in LOADERS and cfg.ood != "digits":
+        raise DataError(f"data.ood: unknown OOD set {cfg.ood!r} (use noise, digits or one of {', '.join(LOADERS)})")
     if cfg.ood == "digits":
         x = _digits()[0]
     else:
-        x = (_torchvision if cfg.ood == "cifar10" else _mnist_like)(cfg.ood, ood_cfg, train=False)[0]
+        x = LOADERS[cfg.ood](cfg.ood, dataclasses.replace(cfg, dataset=cfg.ood, ood=None), train=False)[0]
     if tuple(x.shape[1:]) != splits.input_shape:
         raise DataError(f"data.ood: {cfg.ood} images have shape {tuple(x.shape[1:])}, "
                         f"but {cfg.dataset} has {splits.input_shape}")

@@ -8,12 +8,13 @@ import datetime
 import json
 import os
 import platform
-import socket
 import subprocess
 import tempfile
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+
+from edgebayes.deploy.runner import device_info
 
 ROOT = Path(__file__).resolve().parents[2]
 _PACKAGES = ("torch", "numpy", "onnx", "onnxruntime", "scikit-learn", "edgebayes")
@@ -41,13 +42,8 @@ def versions() -> dict:
     return found
 
 
-def machine() -> dict:
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
-            "processor": platform.processor(), "cpu_count": os.cpu_count()}
-
-
 def provenance(config_hash: str) -> dict:
-    return {"git_commit": git_commit(), "config_hash": config_hash, "versions": versions(), "machine": machine(),
+    return {"git_commit": git_commit(), "config_hash": config_hash, "versions": versions(), "machine": device_info(),
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -60,6 +56,12 @@ def atomic_path(path):
     os.close(fd)
     try:
         yield Path(tmp)
+        with open(tmp, "rb") as f:  # on disk before the rename, so a crash cannot leave an empty file
+            os.fsync(f.fileno())
+        # mkstemp creates 0600; artifacts get the usual umask-based permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

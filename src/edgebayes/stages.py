@@ -103,7 +103,6 @@ def layer_names(cfg):
 
 # ---------------------------------------------------------------------------------------------
 def run_train(ctx):
-    from edgebayes.export.compress import compress
     from edgebayes.train.metrics import ood_scores, reliability_bins, structure_report
     from edgebayes.train.trainer import evaluate, train
 
@@ -120,7 +119,7 @@ def run_train(ctx):
     model, history = train(cfg, splits, checkpoint, log=ctx.log)
     threshold, m = 0.5, cfg.train.mc_samples_eval
     test, compressed, probs = evaluate(model, splits.test_x, splits.test_y, threshold, m, cfg.seed)
-    structure = structure_report(compressed.dense_sample, compressed.samples[0], model.kept_units(threshold),
+    structure = structure_report(compressed.dense_sample, compressed.samples[0], list(compressed.kept.values()),
                                  layer_names(cfg), splits.input_shape)
     metrics = {
         "family": cfg.model.family,
@@ -246,7 +245,7 @@ def run_report(ctx):
         "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],
         "choice": {k: choice[k] for k in ("threshold", "mc_samples", "reason")},
-        "export": export, "results": results, "reliability": results.get("reliability") or train_metrics.get("reliability"),
+        "export": export, "results": results, "reliability": results.get("reliability"),
         "provenance": ctx.provenance("report"),
     }
     report = write_report(inputs, ctx.stage_dir("report"))

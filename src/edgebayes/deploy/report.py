@@ -8,8 +8,8 @@ facts, the device runner's results) and writes
 * ``report.html``  - a single page with every plot embedded as a data URI,
 * ``*.png``        - the same plots as separate files.
 
-Every file is written to a temp file in ``out_dir`` and moved into place with
-``os.replace``, so a crash never leaves a half-written report behind.
+Every file is written through ``provenance.atomic_path`` (a temp file in ``out_dir``
+renamed into place), so a crash never leaves a half-written report behind.
 Missing optional inputs are shown as "n/a" on the page and stored as null in
 the JSON summary.
 """
@@ -17,16 +17,15 @@ the JSON summary.
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime as _dt
 import html
 import io
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from edgebayes.provenance import atomic_path
 
 __all__ = ["write_report"]
 
@@ -135,25 +134,6 @@ def _same_point(cand: dict, threshold: Any, m: Any) -> bool:
     t1, t2 = _num(cand.get("threshold")), _num(threshold)
     return (t1 is not None and t2 is not None and math.isclose(t1, t2, rel_tol=1e-9, abs_tol=1e-12)
             and cand.get("mc_samples") == m)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same directory, then os.replace (atomic on POSIX)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates 0600; give the report the usual umask-based permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _wilson(p: float | None, n: float | None, z: float = 1.96) -> list[float] | None:
@@ -743,9 +723,9 @@ def write_report(inputs: dict, out_dir: Path) -> dict:
     page = _render_html(d, s, pngs)
     blob = json.dumps(report, indent=2, allow_nan=False) + "\n"
 
-    for name, png in pngs.items():
-        if png is not None:
-            _atomic_write(out_dir / name, png)
-    _atomic_write(out_dir / "report.json", blob.encode("utf-8"))
-    _atomic_write(out_dir / "report.html", page.encode("utf-8"))
+    files = {name: png for name, png in pngs.items() if png is not None}
+    files.update({"report.json": blob.encode("utf-8"), "report.html": page.encode("utf-8")})
+    for name, data in files.items():
+        with atomic_path(out_dir / name) as tmp:
+            tmp.write_bytes(data)
     return report

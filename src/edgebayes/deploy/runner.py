@@ -173,7 +173,7 @@ def classification_metrics(probs, y):
 # Bundle verification and loading
 # --------------------------------------------------------------------------
 
-def _sha256_file(path, chunk_size=1 << 20):
+def sha256_file(path, chunk_size=1 << 20):
     """Hex sha256 of a file, read in chunks so large models fit in small RAM."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -247,7 +247,7 @@ def verify_bundle(bundle_dir):
         if size != entry["bytes"]:
             fail(name, f"size mismatch (manifest says {entry['bytes']} bytes, file has {size}); "
                        "the bundle is truncated, corrupted or was altered")
-        actual = _sha256_file(path)
+        actual = sha256_file(path)
         expected = entry["sha256"].lower()
         if actual != expected:
             fail(name, f"sha256 mismatch (manifest says {expected[:12]}..., file has {actual[:12]}...); "

@@ -22,14 +22,14 @@ from edgebayes.deploy.runner import make_backend, measure_latency
 from edgebayes.errors import StageError
 from edgebayes.export.compress import compress, predict
 from edgebayes.export.onnx_export import export_onnx
-from edgebayes.train.metrics import classification_metrics, paper_flops
+from edgebayes.train.metrics import classification_metrics, count_weights, paper_flops
 
 
 class SelectionError(StageError):
     pass
 
 
-def _latency_ms(profile, onnx_path, mc_model, example, flops):
+def _latency_ms(profile, onnx_path, example, flops):
     b, lm = profile.budgets, profile.latency_model
     key = f"p{b.percentile}"
     if lm.kind == "measure" and profile.connection.kind == "local":
@@ -68,13 +68,13 @@ def score_candidates(model, cfg, profile, val_x, val_y, log=print):
             onnx_path = Path(tmp) / f"t{threshold}_m{m}.onnx"
             export_onnx(mc_model, example, onnx_path, cfg.export.opset)
             flops = m * paper_flops(compressed.samples[0], val_x.shape[1:])
-            latency, source = _latency_ms(profile, onnx_path, mc_model, example, flops)
+            latency, source = _latency_ms(profile, onnx_path, example, flops)
             candidate = {
                 "threshold": threshold, "mc_samples": m, "kept_nodes": kept,
                 "val": classification_metrics(probs, val_y.numpy()),
                 "cost": {"latency_ms": latency, "latency_source": source,
                          "model_mb": onnx_path.stat().st_size / 1e6, "flops": flops,
-                         "kept_weights": sum(p.numel() for s in compressed.samples for p in s.parameters())},
+                         "kept_weights": sum(count_weights(s) for s in compressed.samples)},
             }
             candidate["violations"] = violations(candidate, profile.budgets)
             candidate["fits"] = not candidate["violations"]

@@ -36,7 +36,7 @@ class LocalTransport:
             shutil.copyfile(local, dest)
         return dest
 
-    def run(self, args, timeout=None):
+    def run(self, args):
         """Run [python, *args] in the work folder. Its stderr is shown live (progress bars) and its last
         line kept, so a failure can be reported in one message. Returns (exit code, last stderr line)."""
         proc = subprocess.Popen([self.python, *map(str, args)], cwd=self.workdir, stderr=subprocess.PIPE)
@@ -45,7 +45,7 @@ class LocalTransport:
             sys.stderr.write(chunk.decode(errors="replace"))
             sys.stderr.flush()
             tail = (tail + chunk)[-4096:]
-        code = proc.wait(timeout=timeout)
+        code = proc.wait()
         lines = [ln.strip() for ln in tail.decode(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
         return code, (lines[-1] if lines else "")
 

@@ -4,7 +4,6 @@ The device runner needs nothing else (../shared/DESIGN.md). The bundle is assemb
 checked with the runner's own `verify_bundle`, and only then renamed into place.
 """
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -12,17 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgebayes.deploy.runner import verify_bundle
+from edgebayes.deploy.runner import sha256_file, verify_bundle
 
 MODEL_FILE, EVAL_FILE = "model.onnx", "eval.npz"
-
-
-def sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_samples, knob_name, knob_value,
@@ -43,7 +34,7 @@ def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_s
             "classes": list(classes), "mc_samples": mc_samples,
             "knob": {"name": knob_name, "value": knob_value},
             "reference": reference_metrics,
-            "files": {name: {"sha256": sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
+            "files": {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
                       for name in (MODEL_FILE, EVAL_FILE)},
             "provenance": provenance,
         }

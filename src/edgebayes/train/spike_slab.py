@@ -136,8 +136,8 @@ class SpikeSlabLayer(nn.Module):
 
     def kl(self):
         log_v, inv_v = self._slab_prior_moments()
-        view = (-1,) + (1,) * (self.weight_mu.dim() - 1)
-        kl_w = kl_gaussian_gaussian(self.weight_mu, F.softplus(self.weight_rho), log_v.view(view), inv_v.view(view))
+        kl_w = kl_gaussian_gaussian(self.weight_mu, F.softplus(self.weight_rho), self._per_group(log_v),
+                                    self._per_group(inv_v))
         kl_b = kl_gaussian_gaussian(self.bias_mu, F.softplus(self.bias_rho), log_v, inv_v)
         kl_group = kl_w.flatten(1).sum(1) + kl_b
         total = (self.inclusion_probability() * kl_group).sum()
@@ -152,6 +152,10 @@ class SpikeSlabLayer(nn.Module):
     # -- forward -------------------------------------------------------------------------------
     def _affine(self, x, weight, bias):
         raise NotImplementedError
+
+    def _per_group(self, v):
+        """Broadcast a per-unit vector over the weight (groups on dim 0)."""
+        return v.view((-1,) + (1,) * (self.weight_mu.dim() - 1))
 
     def _unit_view(self, z, ndim):
         """Broadcast a per-unit vector over an output of `ndim` dimensions (units on dim 1)."""
@@ -168,8 +172,7 @@ class SpikeSlabLayer(nn.Module):
             return out
         weight, bias = self.sample_weights()
         keep = self.kept_units().to(weight.dtype)
-        weight = weight * keep.view((-1,) + (1,) * (weight.dim() - 1))
-        return self._affine(x, weight, bias * keep)
+        return self._affine(x, weight * self._per_group(keep), bias * keep)
 
 
 class SpikeSlabLinear(SpikeSlabLayer):
