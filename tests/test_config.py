@@ -229,3 +229,14 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(text)
     assert load_pipeline_config(path).train.lr == pytest.approx(3e-3)
+
+
+def test_unknown_ood_set_names_file_and_key(tmp_path, capsys):
+    """data.ood is checked with the config, before any work, like data.dataset."""
+    text = (ROOT / "pipeline.yaml").read_text().replace("ood: noise", "ood: svhn")
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    assert main(["train", "--config", str(path), "--runs-dir", str(tmp_path / "runs")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "p.yaml: data.ood: expected" in err and "'svhn'" in err
+    assert not (tmp_path / "runs").exists()

@@ -39,7 +39,8 @@ class DataConfig:
     download: bool = False              # only download when the user allows it
     val_fraction: float = 0.2
     test_fraction: float = 0.2          # digits only; the torchvision sets have an official test split
-    ood: Optional[str] = None           # null | noise | a dataset name with the same input shape
+    # null | noise | a data set with the same input shape
+    ood: Optional[Literal["noise", "digits", "mnist", "fashion-mnist", "cifar10"]] = None
 
 
 @dataclass
