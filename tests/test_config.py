@@ -60,7 +60,7 @@ BAD_CONFIGS = {
     "wrong type in a list": (_set("model.hidden", [64, "x"]), r"model\.hidden\[1\]: expected an integer, got 'x'"),
     "empty list": (_set("model.hidden", []), r"model\.hidden: expected a non-empty list"),
     "section not a mapping": (_set("train", [1, 2]), r"train: expected a mapping"),
-    "out of range (threshold)": (_set("select.thresholds", [1.5]), r"select\.thresholds: expected numbers in \(0, 1\)"),
+    "empty knob values": (_set("select.knob_values", []), r"select\.knob_values: expected a list"),
     "out of range (epochs)": (_set("train.epochs", 0), r"train\.epochs: expected a positive integer"),
     "bad literal": (_set("model.family", "ss-xx"), r"model\.family: expected one of .*'ss-gl'.*got 'ss-xx'"),
     "bad literal (dataset)": (_set("data.dataset", "imagenet"), r"data\.dataset: expected one of"),
@@ -147,7 +147,7 @@ def test_shipped_configs_load_with_expected_values():
     assert cfg.model.family == "ss-gl" and cfg.model.hidden == [64, 64] and cfg.model.activation == "silu"
     assert cfg.prior.inclusion_constant == 1e-9 and cfg.prior.a0 == 4.0 and cfg.prior.b0 == 2.0
     assert cfg.train.lr == pytest.approx(3e-3) and isinstance(cfg.train.lr, float)
-    assert cfg.select.thresholds == [0.5, 0.7, 0.9] and cfg.select.mc_samples == [1, 2, 4, 8]
+    assert cfg.select.knob_values == [0.5, 0.7, 0.9] and cfg.select.mc_samples == [1, 2, 4, 8]
 
     profile = load_device_profile("local")
     assert profile.name == "local"
@@ -182,7 +182,7 @@ def test_fingerprint_tracks_values_not_formatting(tmp_path):
     assert fingerprint(other.model) == fingerprint(cfg.model)
 
     changed = copy.deepcopy(data)
-    changed["select"]["thresholds"] = [0.5, 0.8]
+    changed["select"]["knob_values"] = [0.5, 0.8]
     other = load_pipeline_config(_write(tmp_path / "changed2.yaml", changed))
     assert fingerprint(other.select) != fingerprint(cfg.select)
     assert fingerprint("train", cfg.seed, cfg.data, cfg.model, cfg.prior, cfg.train) == \

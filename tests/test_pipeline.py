@@ -39,7 +39,7 @@ def test_pipeline_meets_the_foundation_targets(run):
     assert results["runs"] >= 300
     # The exported graph holds exactly M samples of the kept weights.
     export = json.loads((run / "export/local/export.json").read_text())
-    kept = export["kept_nodes"]
+    kept = list(export["kept_units"].values())
     widths = [64] + kept
     assert export["kept_weights_per_sample"] == sum((i + 1) * o for i, o in zip(widths[:-1], widths[1:]))
     assert export["onnx_params"] == export["mc_samples"] * export["kept_weights_per_sample"]

@@ -27,7 +27,7 @@ report_mod = _load()
 
 
 def _candidate(t, m, acc, lat, fits, violations=()):
-    return {"threshold": t, "mc_samples": m,
+    return {"knob": "inclusion_threshold", "knob_value": t, "mc_samples": m,
             "val": {"accuracy": acc, "nll": 0.12 + 0.01 * m, "ece": 0.03, "n": 360},
             "cost": {"latency_ms": lat, "latency_source": "measured", "model_mb": 0.02 * m,
                      "flops": 12345 * m, "kept_weights": 3000},
@@ -63,7 +63,7 @@ def make_inputs():
             _candidate(0.7, 32, 0.955, 12.0, False, ["latency_ms 12.0 > budget 5.0", "model_mb 11 > budget 10.0"]),
         ],
         "objective": "accuracy",
-        "choice": {"threshold": 0.5, "mc_samples": 4,
+        "choice": {"knob": "inclusion_threshold", "knob_value": 0.5, "mc_samples": 4,
                    "reason": "highest val accuracy among 4 of 6 candidates within budget; "
                              "ties broken by NLL then latency"},
         "export": {"onnx_params": 12000, "kept_weights_total": 12000, "kept_weights_per_sample": 3000,
@@ -107,7 +107,7 @@ def test_full_report(tmp_path):
 
     s = on_disk["summary"]
     assert s["device"] == "local"
-    assert s["threshold"] == 0.5 and s["mc_samples"] == 4
+    assert s["knob"] == "inclusion_threshold" and s["knob_value"] == 0.5 and s["mc_samples"] == 4
     assert s["pruned_fraction_hidden"] == pytest.approx(1 - 70 / 128)
     assert s["metrics"]["accuracy"]["device"] == 0.9694
     assert s["metrics"]["accuracy"]["reference"] == 0.9722

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
     try:
         ctx = Context(load_pipeline_config(args.config), load_device_profile(args.device),
-                      runs_dir=Path(args.runs_dir), force=args.force)
+                      runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config)
         if args.command == "pipeline":
             run_pipeline(ctx)
         else:

@@ -73,7 +73,9 @@ class TrainConfig:
 
 @dataclass
 class SelectConfig:
-    thresholds: list[float] = field(default_factory=lambda: [0.5])
+    # Values of the family's deploy-time knob to try (inclusion threshold, width, non-zero rate);
+    # null: the model's own default operating points.
+    knob_values: Optional[list[float]] = None
     mc_samples: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     objective: Literal["accuracy", "nll"] = "accuracy"
 
@@ -270,7 +272,8 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check(cfg.train.kl_weight > 0, f"{p}: train.kl_weight", "expected a positive number")
     _check(cfg.train.lr > 0, f"{p}: train.lr", "expected a positive number")
     _check(cfg.train.mc_samples_eval > 0, f"{p}: train.mc_samples_eval", "expected a positive integer")
-    _check(all(0 < t < 1 for t in cfg.select.thresholds), f"{p}: select.thresholds", "expected numbers in (0, 1)")
+    _check(cfg.select.knob_values is None or len(cfg.select.knob_values) > 0, f"{p}: select.knob_values",
+           "expected a non-empty list (or null for the model's default operating points)")
     _check(all(m > 0 for m in cfg.select.mc_samples), f"{p}: select.mc_samples", "expected positive integers")
     _check(cfg.export.fidelity_tolerance > 0, f"{p}: export.fidelity_tolerance", "expected a positive number")
     _check(cfg.benchmark.min_runs > 0, f"{p}: benchmark.min_runs", "expected a positive integer")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgebayes.config import as_dict, fingerprint
+from edgebayes.config import ConfigError, as_dict, fingerprint
 from edgebayes.data import load_data
 from edgebayes.errors import StageError
 from edgebayes.provenance import atomic_path, provenance, read_json, write_json
@@ -36,6 +36,7 @@ class Context:
     runs_dir: Path = Path("runs")
     force: bool = False
     log: object = print
+    config_path: str = "pipeline.yaml"   # named in error messages
 
     @property
     def run_dir(self):
@@ -97,10 +98,6 @@ def load_trained_model(ctx):
     return model.eval()
 
 
-def layer_names(cfg):
-    return [f"hidden{i + 1}" for i in range(len(cfg.model.hidden))] + ["output"]
-
-
 # ---------------------------------------------------------------------------------------------
 def run_train(ctx):
     from edgebayes.train.metrics import ood_scores, reliability_bins, structure_report
@@ -117,10 +114,10 @@ def run_train(ctx):
     write_json(marker, {"fingerprint": ctx.fingerprint("train")})
 
     model, history = train(cfg, splits, checkpoint, log=ctx.log)
-    threshold, m = 0.5, cfg.train.mc_samples_eval
-    test, compressed, probs = evaluate(model, splits.test_x, splits.test_y, threshold, m, cfg.seed)
-    structure = structure_report(compressed.dense_sample, compressed.samples[0], list(compressed.kept.values()),
-                                 layer_names(cfg), splits.input_shape)
+    knob_value, m = model.default_knob, cfg.train.mc_samples_eval
+    test, compressed, probs = evaluate(model, splits.test_x, splits.test_y, knob_value, m, cfg.seed)
+    structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
+                                 splits.input_shape)
     metrics = {
         "family": cfg.model.family,
         "model": {"arch": cfg.model.arch, "in_features": int(np.prod(splits.input_shape)),
@@ -128,7 +125,7 @@ def run_train(ctx):
         "data": {"dataset": cfg.data.dataset, "train": len(splits.train_x), "val": len(splits.val_x),
                  "test": len(splits.test_x)},
         "epochs": cfg.train.epochs,
-        "test": {**test, "mc_samples": m, "inclusion_threshold": threshold},
+        "test": {**test, "mc_samples": m, "knob": model.knob, "knob_value": knob_value},
         "reliability": reliability_bins(probs, splits.test_y.numpy()),
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "dense_weights", "kept_weights",
@@ -149,6 +146,10 @@ def run_select(ctx):
     from edgebayes.deploy.select import choose, score_candidates
 
     model, splits = load_trained_model(ctx), splits_for(ctx)
+    try:
+        model.operating_points(ctx.cfg.select.knob_values)
+    except ValueError as e:
+        raise ConfigError(f"{ctx.config_path}: select.knob_values: {e}") from None
     candidates = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y, log=ctx.log)
     out = ctx.stage_dir("select")
     common = {"device": ctx.profile.name, "budgets": as_dict(ctx.profile.budgets),
@@ -157,7 +158,7 @@ def run_select(ctx):
     choice = choose(candidates, ctx.cfg.select.objective, ctx.profile.budgets)
     write_json(out / "choice.json", {**common, **choice})
     c = choice["candidate"]
-    ctx.log(f"select: threshold {choice['threshold']}, M={choice['mc_samples']} "
+    ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']} "
             f"(val accuracy {c['val']['accuracy']:.4f}, latency {c['cost']['latency_ms']:.3f} ms); {choice['reason']}")
 
 
@@ -169,8 +170,8 @@ def run_export(ctx):
 
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     model, splits = load_trained_model(ctx), splits_for(ctx)
-    threshold, m = choice["threshold"], choice["mc_samples"]
-    compressed = compress(model, threshold, m, ctx.cfg.seed)
+    knob_value, m = choice["knob_value"], choice["mc_samples"]
+    compressed = compress(model, knob_value, m, ctx.cfg.seed)
     mc_model = compressed.mc_model()
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
@@ -187,15 +188,15 @@ def run_export(ctx):
         kept_per_sample = count_weights(compressed.samples[0])
         manifest = write_bundle(
             out / "bundle", tmp, x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
-            knob_name="inclusion_threshold", knob_value=threshold,
+            knob_name=model.knob, knob_value=knob_value,
             reference_metrics=classification_metrics(reference_probs, y), provenance=ctx.provenance("export"))
-    structure = structure_report(compressed.dense_sample, compressed.samples[0], list(compressed.kept.values()),
-                                 layer_names(ctx.cfg), splits.input_shape)
+    structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
+                                 splits.input_shape)
     summary = {
-        "format": "onnx", "precision": "fp32", "mc_samples": m, "inclusion_threshold": threshold,
+        "format": "onnx", "precision": "fp32", "mc_samples": m, "knob": model.knob, "knob_value": knob_value,
         "sparsity": {"layers": structure["layers"]},
         "compression_ratio": structure["compression_ratio"], "flops_ratio": structure["flops_ratio"],
-        "kept_nodes": [int(k.sum()) for k in compressed.kept.values()],
+        "kept_units": {name: int(k.sum()) for name, k in compressed.kept.items()},
         "onnx_params": onnx_params, "kept_weights_per_sample": kept_per_sample,
         "kept_weights_total": kept_per_sample * m, "params_match": onnx_params == kept_per_sample * m,
         "fidelity_max_abs_prob_diff": gap, "fidelity_tolerance": tol,
@@ -239,12 +240,12 @@ def run_report(ctx):
     export = read_json(ctx.require("export", "export.json") / "export.json")
     results = read_json(ctx.require("deploy", "results.json") / "results.json")
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
-    # default threshold of 0.5; the training metrics stay as they are.
+    # default knob value; the training metrics stay as they are.
     deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio")}
     inputs = {
         "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],
-        "choice": {k: choice[k] for k in ("threshold", "mc_samples", "reason")},
+        "choice": {k: choice[k] for k in ("knob", "knob_value", "mc_samples", "reason")},
         "export": export, "results": results, "reliability": results.get("reliability"),
         "provenance": ctx.provenance("report"),
     }

@@ -130,8 +130,13 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _same_point(cand: dict, threshold: Any, m: Any) -> bool:
-    t1, t2 = _num(cand.get("threshold")), _num(threshold)
+def _knob_label(knob: Any) -> str:
+    """'inclusion_threshold' -> 'inclusion threshold' (the family's deploy-time knob)."""
+    return str(knob or "knob").replace("_", " ")
+
+
+def _same_point(cand: dict, knob_value: Any, m: Any) -> bool:
+    t1, t2 = _num(cand.get("knob_value")), _num(knob_value)
     return (t1 is not None and t2 is not None and math.isclose(t1, t2, rel_tol=1e-9, abs_tol=1e-12)
             and cand.get("mc_samples") == m)
 
@@ -218,7 +223,7 @@ def _summarize(d: dict) -> dict:
     lat_measured = _num(lat.get(lat_key)) if lat_key else None
     model_bytes = _num(export.get("model_bytes"))
     chosen = next((c for c in candidates
-                   if _same_point(c, choice.get("threshold"), choice.get("mc_samples"))), None)
+                   if _same_point(c, choice.get("knob_value"), choice.get("mc_samples"))), None)
     if model_bytes is not None:
         model_mb, model_src = model_bytes / BYTES_PER_MB, "export.model_bytes"
     else:  # fall back to the selection stage's estimate for the chosen point
@@ -261,7 +266,8 @@ def _summarize(d: dict) -> dict:
         "run_name": d.get("run_name"),
         "device": device.get("name"),
         "runtime": device.get("runtime"),
-        "threshold": choice.get("threshold"),
+        "knob": choice.get("knob"),
+        "knob_value": choice.get("knob_value"),
         "mc_samples": choice.get("mc_samples"),
         "objective": d.get("objective"),
         "choice_reason": choice.get("reason"),
@@ -331,10 +337,11 @@ def _plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None) -> b
             ax.scatter(x, y, s=46, marker="o", color=col, edgecolor="black", linewidth=0.5, zorder=3)
         else:
             ax.scatter(x, y, s=46, marker="X", color=col, alpha=0.55, zorder=2)
-    chosen = [(x, y) for c, x, y in pts if _same_point(c, choice.get("threshold"), choice.get("mc_samples"))]
+    chosen = [(x, y) for c, x, y in pts if _same_point(c, choice.get("knob_value"), choice.get("mc_samples"))]
     for x, y in chosen[:1]:
         ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
-        ax.annotate(f"chosen: t={_fmt(choice.get('threshold'))}, M={choice.get('mc_samples')}",
+        ax.annotate(f"chosen: {_knob_label(choice.get('knob'))} {_fmt(choice.get('knob_value'))}, "
+                    f"M={choice.get('mc_samples')}",
                     (x, y), xytext=(12, -18), textcoords="offset points", color="crimson",
                     fontsize=9, fontweight="bold")
     xs = [x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else [])
@@ -556,7 +563,7 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
     ci = s["accuracy_ci95"]
     ci_txt = f"95% CI {_fmt(ci[0])}-{_fmt(ci[1])} (n={_fmt(s['n_eval'])})" if ci else f"n={_fmt(s['n_eval'])}"
     p.append(f"<h1>{_e(title)}</h1><div class='headline'>")
-    p.append(f"<div><b>Chosen operating point:</b> inclusion threshold {_e(_fmt(s['threshold']))}, "
+    p.append(f"<div><b>Chosen operating point:</b> {_e(_knob_label(s['knob']))} {_e(_fmt(s['knob_value']))}, "
              f"M = {_e(_fmt(s['mc_samples']))} posterior samples averaged"
              f" &middot; objective: {_e(_fmt(s['objective']))}</div>")
     p.append("<div style='margin-top:8px'>" + _badge(s["overall_verdict"], f"overall: {s['overall_verdict']}")
@@ -667,14 +674,14 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
         if viol:
             fit_cell += "<ul class='violations'>" + "".join(f"<li>{_e(v)}</li>" for v in viol) + "</ul>"
         src = _get(c, "cost", "latency_source")
-        rows.append([_e(_fmt(c.get("threshold"))), _e(_fmt(c.get("mc_samples"))),
+        rows.append([_e(_fmt(c.get("knob_value"))), _e(_fmt(c.get("mc_samples"))),
                      _e(_fmt(_num(_get(c, "val", "accuracy")))), _e(_fmt(_num(_get(c, "val", "nll")))),
                      _e(_fmt(_num(_get(c, "val", "ece")))),
                      _e(_fmt(_num(_get(c, "cost", "latency_ms")), "ms") + (f" ({src})" if src else "")),
                      _e(_fmt(_num(_get(c, "cost", "model_mb")))), fit_cell])
-        classes.append("chosen" if _same_point(c, choice.get("threshold"), choice.get("mc_samples")) else "")
+        classes.append("chosen" if _same_point(c, choice.get("knob_value"), choice.get("mc_samples")) else "")
     if rows:
-        p.append(_table(["threshold", "M", "val acc", "val NLL", "val ECE", "latency (source)", "model MB",
+        p.append(_table([_knob_label(choice.get("knob")), "M", "val acc", "val NLL", "val ECE", "latency (source)", "model MB",
                          "fits / violations"], rows, {0, 1, 2, 3, 4, 5, 6}, classes))
         p.append("<p class='muted'>Highlighted row: chosen point.</p>")
     else:

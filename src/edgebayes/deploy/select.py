@@ -1,7 +1,7 @@
 """Select: score every operating point on the validation split, cost it on the device, pick one.
 
-An operating point (candidate) is knob x M: for the structurally sparse family, an inclusion threshold and
-a number of Monte-Carlo samples. Each is scored (MC-averaged accuracy, NLL, ECE on val) and costed:
+An operating point (candidate) is knob x M: a value of the family's deploy-time knob (inclusion threshold,
+width, non-zero rate: `model.knob`) and a number of Monte-Carlo samples. Each is scored (MC-averaged accuracy, NLL, ECE on val) and costed:
   - latency at the budget's percentile and batch size: measured with the device's runtime when the device
     is this machine (`connection.kind: local`, `latency_model.kind: measure`), otherwise predicted from
     the paper's FLOPs count and the profile's declared throughput;
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from edgebayes.deploy.runner import make_backend, measure_latency
 from edgebayes.errors import StageError
-from edgebayes.export.compress import compress, predict
+from edgebayes.export.compress import EmptyLayerError, compress, predict
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.train.metrics import classification_metrics, count_weights, paper_flops
 
@@ -52,25 +52,26 @@ def violations(candidate, budgets):
 
 
 def score_candidates(model, cfg, profile, val_x, val_y, log=print):
-    """Every (threshold, M) candidate with its validation metrics and device cost."""
+    """Every (knob value, M) candidate with its validation metrics and device cost."""
     candidates = []
     example = val_x[:1]
-    grid = [(t, m) for t in cfg.select.thresholds for m in sorted(cfg.select.mc_samples)]
+    grid = [(k, m) for k in model.operating_points(cfg.select.knob_values) for m in sorted(cfg.select.mc_samples)]
     with tempfile.TemporaryDirectory() as tmp:
-        for threshold, m in tqdm(grid, desc="select", unit="candidate"):
-            kept = [int(k.sum()) for k in model.kept_units(threshold)[:-1]]
-            if any(k == 0 for k in kept):
-                log(f"select: threshold {threshold} removes every node of a layer (kept {kept}); skipped")
+        for knob_value, m in tqdm(grid, desc="select", unit="candidate"):
+            try:
+                compressed = compress(model, knob_value, m, cfg.seed)
+            except EmptyLayerError as e:
+                log(f"select: {e}; skipped")
                 continue
-            compressed = compress(model, threshold, m, cfg.seed)
+            kept = {name: int(mask.sum()) for name, mask in compressed.kept.items()}
             mc_model = compressed.mc_model()
             probs = predict(mc_model, val_x).numpy()
-            onnx_path = Path(tmp) / f"t{threshold}_m{m}.onnx"
+            onnx_path = Path(tmp) / f"k{knob_value}_m{m}.onnx"
             export_onnx(mc_model, example, onnx_path, cfg.export.opset)
             flops = m * paper_flops(compressed.samples[0], val_x.shape[1:])
             latency, source = _latency_ms(profile, onnx_path, example, flops)
             candidate = {
-                "threshold": threshold, "mc_samples": m, "kept_nodes": kept,
+                "knob": model.knob, "knob_value": knob_value, "mc_samples": m, "kept_units": kept,
                 "val": classification_metrics(probs, val_y.numpy()),
                 "cost": {"latency_ms": latency, "latency_source": source,
                          "model_mb": onnx_path.stat().st_size / 1e6, "flops": flops,
@@ -80,7 +81,8 @@ def score_candidates(model, cfg, profile, val_x, val_y, log=print):
             candidate["fits"] = not candidate["violations"]
             candidates.append(candidate)
     if not candidates:
-        raise SelectionError("no candidate keeps at least one node per layer; lower select.thresholds")
+        raise SelectionError(f"no candidate keeps at least one unit per layer; change select.knob_values "
+                             f"({model.knob})")
     return candidates
 
 
@@ -96,7 +98,8 @@ def choose(candidates, objective, budgets):
                 total += max(0.0, cost["model_mb"] / budgets.model_mb - 1)
             return total
         closest = sorted(candidates, key=excess)[:3]
-        lines = [f"  threshold {c['threshold']}, M={c['mc_samples']}: " + "; ".join(c["violations"]) for c in closest]
+        lines = [f"  {c['knob']} {c['knob_value']}, M={c['mc_samples']}: " + "; ".join(c["violations"])
+                 for c in closest]
         raise SelectionError("no operating point fits the device budgets; closest candidates:\n" + "\n".join(lines))
     if objective == "accuracy":
         key = lambda c: (-c["val"]["accuracy"], c["val"]["nll"], c["cost"]["latency_ms"])  # noqa: E731
@@ -106,4 +109,5 @@ def choose(candidates, objective, budgets):
         why = "lowest validation NLL; ties broken by latency"
     best = min(fitting, key=key)
     reason = f"{why}, among {len(fitting)} of {len(candidates)} candidates within the budgets"
-    return {"threshold": best["threshold"], "mc_samples": best["mc_samples"], "reason": reason, "candidate": best}
+    return {"knob": best["knob"], "knob_value": best["knob_value"], "mc_samples": best["mc_samples"],
+            "reason": reason, "candidate": best}

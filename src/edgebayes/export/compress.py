@@ -13,7 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgebayes.export.surgery import remove_dead_units
+from edgebayes.export.surgery import SurgeryError, remove_dead_units
+
+
+class EmptyLayerError(SurgeryError):
+    pass
 
 
 class MCAverage(nn.Module):
@@ -53,11 +57,17 @@ def sample_generator(seed: int) -> torch.Generator:
 
 @torch.no_grad()
 def compress(model, knob: float, m: int, seed: int) -> Compressed:
-    """Draw m posterior samples at `knob` and physically remove their dead units."""
+    """Draw m posterior samples at `knob` and physically remove their dead units.
+
+    Raises EmptyLayerError when the knob removes every unit of a layer (no network is left).
+    """
     gen = sample_generator(seed)
     samples, dense0, kept = [], None, None
     for _ in range(m):
         dense, kept = model.posterior_sample(knob, gen)
+        empty = [name for name, mask in kept.items() if not bool(mask.any())]
+        if empty:
+            raise EmptyLayerError(f"{model.knob} {knob} removes every unit of layer(s) {empty}")
         dense0 = dense if dense0 is None else dense0
         samples.append(remove_dead_units(dense, kept))
     return Compressed(knob, samples, dense0, kept)

@@ -58,10 +58,13 @@ def count_weights(module: nn.Module, nonzero_only=False) -> int:
     return total
 
 
-def structure_report(dense: nn.Module, pruned: nn.Module, kept_masks, layer_names, input_shape) -> dict:
-    """Per-layer node sparsity, compression ratio and FLOPs ratio of a pruned sample against its dense net."""
+def structure_report(dense: nn.Module, pruned: nn.Module, kept: dict, input_shape) -> dict:
+    """Per-layer node sparsity, compression ratio and FLOPs ratio of a pruned sample against its dense net.
+
+    `kept` maps each layer's name to the boolean mask of its kept output units (or channels).
+    """
     layers = [{"name": n, "kept": int(m.sum()), "total": int(m.numel()),
-               "node_sparsity": float(m.sum()) / m.numel()} for n, m in zip(layer_names, kept_masks)]
+               "node_sparsity": float(m.sum()) / m.numel()} for n, m in kept.items()]
     dense_flops, pruned_flops = paper_flops(dense, input_shape), paper_flops(pruned, input_shape)
     dense_w, kept_w = count_weights(dense), count_weights(pruned)
     return {

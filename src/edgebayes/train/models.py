@@ -6,11 +6,14 @@ SS-IG / SS-GL. The architectures below only call the factory.
 
 Every Bayesian network answers the interface that the later stages rely on (../shared/DESIGN.md):
   - `kl()`: the KL term of the negative ELBO;
-  - `knob`: the name of its deploy-time knob (here the inclusion threshold);
+  - `knob`: the name of its deploy-time knob (here the inclusion threshold), `default_knob` and
+    `operating_points(values)`: the knob values to try (checked), the model's defaults when values is None;
   - `posterior_sample(knob_value, generator)`: one posterior sample as a plain torch module
-    (nn.Linear / activations) with dense shapes, plus the "dead units" description that surgery uses.
+    (nn.Linear / activations) with dense shapes, plus the "dead units" description that surgery uses:
+    {qualified name of a layer in the plain module: boolean mask of its kept output units}.
 """
 
+from collections import OrderedDict
 from functools import partial
 
 import torch
@@ -44,6 +47,8 @@ class MLP(nn.Module):
     """Multilayer perceptron: Flatten -> [Linear -> activation] x hidden -> Linear (paper 000: 2x400, SiLU)."""
 
     knob = "inclusion_threshold"
+    default_knob = 0.5
+    default_operating_points = (0.5, 0.7, 0.9)
 
     def __init__(self, in_features, hidden, classes, *, family="ss-gl", prior_cfg=None, activation="silu",
                  n_train=60000):
@@ -83,18 +88,29 @@ class MLP(nn.Module):
             total = total + self.global_scale.kl()
         return torch.as_tensor(total)
 
+    def operating_points(self, values=None):
+        """The inclusion thresholds to try; each must lie in (0, 1)."""
+        values = list(self.default_operating_points if values is None else values)
+        bad = [v for v in values if not 0 < v < 1]
+        if bad:
+            raise ValueError(f"inclusion thresholds must lie in (0, 1), got {bad}")
+        return values
+
+    def layer_names(self):
+        return [f"hidden{i + 1}" for i in range(len(self.hidden))] + ["output"]
+
     def set_inclusion_threshold(self, threshold):
         for layer in self.bayesian_layers():
             layer.inclusion_threshold = float(threshold)
 
     def kept_units(self, threshold):
-        """Per Linear layer, the boolean mask of kept output units at this threshold."""
-        out = []
-        for layer in self.layers:
+        """{layer name: boolean mask of kept output units} at this threshold (the output layer keeps all)."""
+        out = {}
+        for name, layer in zip(self.layer_names(), self.layers):
             if isinstance(layer, SpikeSlabLayer):
-                out.append(layer.kept_units(threshold))
+                out[name] = layer.kept_units(threshold)
             else:
-                out.append(torch.ones(layer.out_features, dtype=torch.bool, device=layer.weight.device))
+                out[name] = torch.ones(layer.out_features, dtype=torch.bool, device=layer.weight.device)
         return out
 
     @torch.no_grad()
@@ -102,10 +118,11 @@ class MLP(nn.Module):
         """One posterior sample at an inclusion threshold as a plain nn.Sequential with dense shapes.
 
         Rows (and biases) of dropped units are exactly zero. Returns (module, dead_units) where
-        dead_units maps the name of each Linear in the module to the boolean mask of its kept outputs.
+        dead_units maps the name of each Linear in the module (hidden1, ..., output) to the boolean mask
+        of its kept outputs.
         """
-        modules, keep = [nn.Flatten()], {}
-        for i, layer in enumerate(self.layers):
+        modules, keep = [("flatten", nn.Flatten())], {}
+        for i, (name, layer) in enumerate(zip(self.layer_names(), self.layers)):
             linear = nn.Linear(layer.in_features, layer.out_features)
             if isinstance(layer, SpikeSlabLayer):
                 weight, bias = layer.sample_weights(generator)
@@ -115,11 +132,11 @@ class MLP(nn.Module):
                 mask = torch.ones(layer.out_features, dtype=torch.bool, device=weight.device)
             linear.weight.copy_(weight * mask[:, None])
             linear.bias.copy_(bias * mask)
-            keep[str(len(modules))] = mask.cpu()
-            modules.append(linear)
+            keep[name] = mask.cpu()
+            modules.append((name, linear))
             if i < len(self.layers) - 1:
-                modules.append(ACTIVATIONS[self.activation_name]())
-        return nn.Sequential(*modules).cpu().eval(), keep
+                modules.append((f"act{i + 1}", ACTIVATIONS[self.activation_name]()))
+        return nn.Sequential(OrderedDict(modules)).cpu().eval(), keep
 
 
 def build_model(model_cfg, prior_cfg, in_features, classes, n_train):

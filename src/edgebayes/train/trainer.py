@@ -40,10 +40,10 @@ def model_for(cfg, splits):
     return build_model(cfg.model, cfg.prior, in_features, len(splits.classes), n_train=len(splits.train_x))
 
 
-def evaluate(model, x, y, threshold, m, seed):
-    """MC-averaged metrics of m posterior samples at an inclusion threshold, on the CPU."""
+def evaluate(model, x, y, knob_value, m, seed):
+    """MC-averaged metrics of m posterior samples at a knob value (e.g. an inclusion threshold), on the CPU."""
     cpu_model = copy.deepcopy(model).cpu()
-    compressed = compress(cpu_model, threshold, m, seed)
+    compressed = compress(cpu_model, knob_value, m, seed)
     probs = predict(compressed.mc_model(), x).numpy()
     return classification_metrics(probs, y.numpy()), compressed, probs
 
@@ -89,8 +89,8 @@ def train(cfg, splits, checkpoint_path, log=print):
             sums["kl"] += kl.item() * w
 
         model.eval()
-        val, _, _ = evaluate(model, splits.val_x, splits.val_y, 0.5, cfg.train.mc_samples_eval, cfg.seed)
-        kept = [int(k.sum()) for k in model.kept_units(0.5)[:-1]]
+        val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_eval, cfg.seed)
+        kept = [int(k.sum()) for k in model.kept_units(model.default_knob).values()][:-1]  # hidden layers
         record = {"epoch": epoch + 1, **sums, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
                   "kept_nodes": kept, "seconds": time.perf_counter() - t0}
         history.append(record)
