@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributions import Bernoulli, Gamma, LogNormal, Normal, kl_divergence
+from torch.distributions import Bernoulli, Gamma, InverseGamma, LogNormal, Normal, kl_divergence
 
 from edgebayes.train.kl import (
     kl_bernoulli,
@@ -21,7 +21,12 @@ from edgebayes.train.kl import (
 )
 from edgebayes.train.models import build_model
 from edgebayes.config import ModelConfig, PriorConfig
-from edgebayes.train.spike_slab import GlobalScale, SpikeSlabLinear, prior_inclusion_probability
+from edgebayes.train.spike_slab import (
+    GlobalHorseshoeScale,
+    GlobalScale,
+    SpikeSlabLinear,
+    prior_inclusion_probability,
+)
 
 Z = 5.0
 DT = torch.float64
@@ -152,11 +157,15 @@ def test_global_scale_kl_matches_mc(mu, rho):
 # ---------------------------------------------------------------------------------------------
 # The full layer KL
 # ---------------------------------------------------------------------------------------------
-def _random_layer(prior, prunable, seed=0, sigma0_sq=0.8, prior_inclusion=0.3):
+C_REG = 1.5
+
+
+def _random_layer(prior, prunable, seed=0, sigma0_sq=0.8, prior_inclusion=0.3, noncentered=False):
     torch.manual_seed(seed)
-    gs = GlobalScale(4.0, 2.0) if prior == "ss-gl" else None
+    gs = {"ss-gl": GlobalScale(4.0, 2.0), "ss-ghs": GlobalHorseshoeScale(d0=1.3)}.get(prior)
     layer = SpikeSlabLinear(3, 4, prior=prior, prior_inclusion=prior_inclusion, prunable=prunable,
-                            sigma0_sq=sigma0_sq, temperature=0.5, gamma_init=0.9, global_scale=gs)
+                            sigma0_sq=sigma0_sq, temperature=0.5, gamma_init=0.9, global_scale=gs, c_reg=C_REG,
+                            noncentered=noncentered)
     g = _gen(100 + seed)
     with torch.no_grad():
         layer.weight_mu.copy_(torch.randn(4, 3, generator=g))
@@ -166,10 +175,19 @@ def _random_layer(prior, prunable, seed=0, sigma0_sq=0.8, prior_inclusion=0.3):
         if prunable:
             layer.gamma_logit.copy_(torch.tensor([-1.0, 0.3, 1.2, 2.5]))
         if prior == "ss-gl":
-            layer.tau_mu.copy_(torch.tensor([-0.5, 0.1, 0.4, 0.9]))
-            layer.tau_rho.copy_(torch.tensor([-1.5, -0.8, -1.0, -0.3]))
+            layer.scale.mu.copy_(torch.tensor([-0.5, 0.1, 0.4, 0.9]))
+            layer.scale.rho.copy_(torch.tensor([-1.5, -0.8, -1.0, -0.3]))
             gs.mu.fill_(0.6)
             gs.rho.fill_(-0.7)
+        if prior == "ss-ghs":
+            layer.scale.beta_mu.copy_(torch.tensor([-0.5, 0.1, 0.4, 0.9]))
+            layer.scale.beta_rho.copy_(torch.tensor([-1.5, -0.8, -1.0, -0.3]))
+            layer.scale.alpha_mu.copy_(torch.tensor([0.3, -0.2, 0.0, -0.6]))
+            layer.scale.alpha_rho.copy_(torch.tensor([-0.9, -1.2, -0.4, -2.0]))
+            gs.a_mu.fill_(0.4)
+            gs.a_rho.fill_(-0.8)
+            gs.b_mu.fill_(-0.3)
+            gs.b_rho.fill_(-1.1)
     return layer, gs
 
 
@@ -196,28 +214,44 @@ def _mc_layer_kl(layer, gs, n=400_000, seed=7):
     z = (torch.rand((n, units), generator=g, dtype=DT) < gamma).to(DT)
 
     if layer.prior == "ss-gl":
-        t_m, t_s = layer.tau_mu.detach().to(DT), F.softplus(layer.tau_rho.detach().to(DT))
+        t_m, t_s = layer.scale.mu.detach().to(DT), F.softplus(layer.scale.rho.detach().to(DT))
         v_m, v_s = gs.mu.detach().to(DT), F.softplus(gs.rho.detach().to(DT))
         tau2 = _lognormal(t_m, t_s, n, g)                                                   # (n, units)
         vs2 = _lognormal(v_m, v_s, n, g)[:, None]                                           # (n, 1)
         var = layer.sigma0_sq * tau2
         shape = torch.tensor(layer.fan_in / 2 + 1, dtype=DT)
         tau_term = (LogNormal(t_m, t_s).log_prob(tau2) - Gamma(shape, vs2 / 2).log_prob(tau2)).sum(-1)
+    elif layer.prior == "ss-ghs":
+        def law(mu, rho):
+            return LogNormal(mu.detach().to(DT), F.softplus(rho.detach().to(DT)))
+        q_beta, q_alpha = law(layer.scale.beta_mu, layer.scale.beta_rho), law(layer.scale.alpha_mu, layer.scale.alpha_rho)
+        beta, alpha = q_beta.sample((n,)), q_alpha.sample((n,))                              # (n, units)
+        zeta = law(gs.a_mu, gs.a_rho).sample((n, 1)) * law(gs.b_mu, gs.b_rho).sample((n, 1))
+        product = beta * alpha * zeta
+        var = layer.sigma0_sq * C_REG**2 * product / (C_REG**2 + product)                 # eq. 12
+        half = torch.tensor(0.5, dtype=DT)
+        tau_term = (q_beta.log_prob(beta) - InverseGamma(half, torch.tensor(1.0, dtype=DT)).log_prob(beta)
+                    + q_alpha.log_prob(alpha) - Gamma(half, torch.tensor(1.0, dtype=DT)).log_prob(alpha)).sum(-1)
     else:
         var = torch.full((n, units), layer.sigma0_sq, dtype=DT)
         tau_term = torch.zeros(n, dtype=DT)
+    if layer.noncentered:  # the KL is of w0 against the fixed N(0, sigma0^2); the scale enters the forward pass
+        var = torch.full((n, units), layer.sigma0_sq, dtype=DT)
     log_p_w = Normal(torch.zeros((), dtype=DT), var.sqrt()[..., None]).log_prob(w).sum(-1)
     per_sample = (z * (log_q_w - log_p_w)).sum(-1) + tau_term
     return bern, per_sample
 
 
-@pytest.mark.parametrize("prior", ["ss-ig", "ss-gl"])
-def test_layer_kl_matches_mc_of_spike_and_slab_joint(prior):
+@pytest.mark.parametrize("noncentered", [False, True], ids=["centered", "non-centered"])
+@pytest.mark.parametrize("prior", ["ss-ig", "ss-gl", "ss-ghs"])
+def test_layer_kl_matches_mc_of_spike_and_slab_joint(prior, noncentered):
     """SpikeSlabLinear.kl() (3 -> 4, prunable) equals an independent MC estimate of KL(q || p) of the
-    layer's spike-and-slab joint: Bernoulli part exact, Gaussian slab and tau parts by 400k samples."""
-    layer, gs = _random_layer(prior, prunable=True)
+    layer's spike-and-slab joint: Bernoulli part exact, Gaussian slab and scale parts by 400k samples.
+    (SS-GHS's E[log(c^2 + tau^2 varsigma^2)] is itself MC in the layer: 400k draws here.)"""
+    layer, gs = _random_layer(prior, prunable=True, noncentered=noncentered)
     bern, per_sample = _mc_layer_kl(layer, gs)
-    _assert_mc(layer.kl().detach().to(DT) - bern, per_sample)
+    torch.manual_seed(1)
+    _assert_mc(layer.kl(mc_samples=400_000).detach().to(DT) - bern, per_sample)
     # and the Bernoulli part really is in the layer KL (it is a sizeable share here)
     assert bern > 0.5
 
@@ -242,13 +276,15 @@ def test_output_layer_kl_has_no_bernoulli_term(prior):
 
 
 def test_network_kl_adds_global_scale_once():
-    """MLP.kl() = sum of layer KLs + GlobalScale.kl() exactly once (SS-GL), no global term for SS-IG."""
-    for family in ("ss-gl", "ss-ig"):
+    """BayesianNet.kl() = sum of layer KLs + the global scale's KL exactly once (SS-GL, SS-GHS), no global
+    term for SS-IG."""
+    for family in ("ss-gl", "ss-ig", "ss-ghs"):
         torch.manual_seed(0)
-        model = build_model(ModelConfig(family=family, hidden=[6, 5]), PriorConfig(), 4, 3, 1000)
-        layers = sum(layer.kl() for layer in model.bayesian_layers())
-        extra = model.global_scale.kl() if family == "ss-gl" else 0.0
-        assert model.kl().item() == pytest.approx(float((layers + extra).detach()), rel=1e-6)
+        model = build_model(ModelConfig(family=family, hidden=[6, 5]), PriorConfig(c_reg=1e6), (4,), 3, 1000)
+        layers = sum(layer.kl() for _, layer in model.bayesian_layers())
+        extra = model.global_scale.kl() if family != "ss-ig" else 0.0
+        # c_reg = 1e6 makes SS-GHS's one-sample MC term deterministic to float precision
+        assert model.kl().item() == pytest.approx(float((layers + extra).detach()), rel=1e-5)
         assert len(model.bayesian_layers()) == 3
 
 
@@ -310,14 +346,14 @@ def test_prior_inclusion_probability_paper_mlp():
     SS-IG, whose penalty is k_l+1 times larger, within 1e-3 and equal to the formula worked by hand);
     the output layer has lambda = 1; lambda decreases as C grows."""
     n, fan_ins = 60000, [784, 400, 400]
-    for prior in ("ss-gl", "ss-ig"):
-        model = build_model(ModelConfig(family=prior, hidden=[400, 400]), PriorConfig(), 784, 10, n)
-        hidden, out = model.layers[:2], model.layers[2]
+    for prior in ("ss-gl", "ss-ig", "ss-ghs"):
+        model = build_model(ModelConfig(family=prior, hidden=[400, 400]), PriorConfig(), (784,), 10, n)
+        hidden, out = [model.net.hidden1, model.net.hidden2], model.net.output
         assert out.prior_inclusion == 1.0 and not out.prunable
         for layer, fan_in in zip(hidden, fan_ins):
             lam = layer.prior_inclusion
             rel = abs(lam * 400 - 1)
-            assert rel < (1e-4 if prior == "ss-gl" else 1e-3), (prior, fan_in, rel)
+            assert rel < (1e-3 if prior == "ss-ig" else 1e-4), (prior, fan_in, rel)
             # by hand: B_l = k_l + 1; strength = p B_l^2 / (k_l + 1) with p = 1 (IG) or 1/(k_l + 1) (GL)
             strength = (fan_in + 1) if prior == "ss-ig" else 1.0
             theta = (2 * math.log(n) + 2 * 2 - math.log(strength) + strength
@@ -329,3 +365,41 @@ def test_prior_inclusion_probability_paper_mlp():
     lams = [prior_inclusion_probability(784, 400, constant=c, **kw) for c in (1e-9, 1e-7, 1e-5, 1e-3)]
     assert all(a > b for a, b in zip(lams, lams[1:]))
     assert lams[-1] < 0.5 / 400  # C = 1e-3 really bites
+
+
+# ---------------------------------------------------------------------------------------------
+# SS-GHS: the half-Cauchy as a product of Gamma and inverse-Gamma variables (eq. 12)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_ghs_product_reproduces_half_cauchy_quantiles(scale):
+    """tau^2 = beta alpha with beta ~ IG(1/2, 1), alpha ~ Gamma(1/2, rate 1/k^2) gives tau ~ C+(0, k):
+    empirical quantiles of 400k draws match k tan(pi q / 2) (the half-Cauchy quantile function)."""
+    torch.manual_seed(0)
+    n = 400_000
+    beta = InverseGamma(torch.tensor(0.5, dtype=DT), torch.tensor(1.0, dtype=DT)).sample((n,))
+    alpha = Gamma(torch.tensor(0.5, dtype=DT), torch.tensor(1 / scale**2, dtype=DT)).sample((n,))
+    tau = torch.sqrt(beta * alpha)
+    qs = torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9, 0.95], dtype=DT)
+    empirical = torch.quantile(tau[:200_000], qs)  # torch.quantile caps the input size
+    expected = scale * torch.tan(math.pi * qs / 2)
+    torch.testing.assert_close(empirical, expected, rtol=0.03, atol=0)
+
+
+def test_ghs_global_scale_kl_matches_mc():
+    """GlobalHorseshoeScale.kl() = KL(LN || Gamma(1/2, rate 1/d0^2)) + KL(LN || IG(1/2, 1)) by MC."""
+    gs = GlobalHorseshoeScale(d0=1.7)
+    with torch.no_grad():
+        gs.a_mu.fill_(0.4)
+        gs.a_rho.fill_(-0.5)
+        gs.b_mu.fill_(-0.2)
+        gs.b_rho.fill_(0.1)
+    g = _gen(3)
+    n = 1_000_000
+    qa = LogNormal(gs.a_mu.detach().to(DT), F.softplus(gs.a_rho.detach().to(DT)))
+    qb = LogNormal(gs.b_mu.detach().to(DT), F.softplus(gs.b_rho.detach().to(DT)))
+    a = _lognormal(qa.loc, qa.scale, n, g)
+    b = _lognormal(qb.loc, qb.scale, n, g)
+    half = torch.tensor(0.5, dtype=DT)
+    per_sample = (qa.log_prob(a) - Gamma(half, torch.tensor(1 / 1.7**2, dtype=DT)).log_prob(a)
+                  + qb.log_prob(b) - InverseGamma(half, torch.tensor(1.0, dtype=DT)).log_prob(b))
+    _assert_mc(gs.kl().detach().to(DT), per_sample)

@@ -8,117 +8,224 @@ from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.export.compress import MCAverage, compress, sample_generator
 from edgebayes.export.surgery import SurgeryError, remove_dead_units
 from edgebayes.train.metrics import count_weights, paper_flops
-from edgebayes.train.models import build_model
+from edgebayes.train.models import BayesianNet, LayerFactory, build_model
+from edgebayes.train.spike_slab import SpikeSlabLayer
 
 IN, HIDDEN, CLASSES = 20, [16, 12], 5
-INPUT_SHAPE = (4, 5)  # flattened to IN by the model's Flatten
-FAMILIES = ["ss-ig", "ss-gl", "dnn"]
+INPUT_SHAPE = (4, 5)  # flattened to IN by the MLP's Flatten
+BAYESIAN = ["ss-ig", "ss-gl", "ss-ghs"]
 
 
-def _model(family, seed=0):
+def _model(family, arch="mlp", input_shape=INPUT_SHAPE, seed=0, **prior):
     torch.manual_seed(seed)
-    return build_model(ModelConfig(family=family, hidden=list(HIDDEN)), PriorConfig(), IN, CLASSES, n_train=1000)
+    return build_model(ModelConfig(family=family, arch=arch, hidden=list(HIDDEN)), PriorConfig(**prior),
+                       input_shape, CLASSES, n_train=1000)
 
 
-def _dead_sets(seed=1):
-    """Half of each hidden layer's units, chosen at random (fixed seed)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randperm(h, generator=g)[: h // 2] for h in HIDDEN]
+def _prunable(model):
+    return [layer for _, layer in model.bayesian_layers() if layer.prunable]
 
 
-def _kill(model, dead_sets):
+def _kill_random_half(model, seed=1):
+    """Switch off a random half of every prunable layer's units (fixed seed); returns the dead index sets."""
+    g, dead_sets = torch.Generator().manual_seed(seed), []
     with torch.no_grad():
-        for layer, dead in zip(model.layers[:-1], dead_sets):
+        for layer in _prunable(model):
+            dead = torch.randperm(layer.out_units, generator=g)[: layer.out_units // 2]
             layer.gamma_logit[dead] = -10.0
+            dead_sets.append(dead)
+    return dead_sets
 
 
 def _linears(module):
-    return [m for m in module if isinstance(m, nn.Linear)]
+    return [m for m in module.modules() if isinstance(m, nn.Linear)]
 
 
-def _inputs(n=64, seed=2):
-    return torch.randn((n,) + INPUT_SHAPE, generator=torch.Generator().manual_seed(seed))
+def _inputs(shape=INPUT_SHAPE, n=16, seed=2):
+    return torch.randn((n,) + tuple(shape), generator=torch.Generator().manual_seed(seed))
 
 
-def _dense_sample_with_dead_units(family):
-    """A dense posterior sample (dead rows zeroed) and its kept-unit masks, half of each hidden layer dead."""
-    model, dead_sets = _model(family), _dead_sets()
-    if family != "dnn":
-        _kill(model, dead_sets)
-        dense, keep = model.posterior_sample(0.5, torch.Generator().manual_seed(3))
-        return dense, keep, dead_sets
-    # The deterministic net has no inclusion probabilities: zero the rows by hand and describe them.
-    dense, keep = model.posterior_sample(0.5, torch.Generator().manual_seed(3))
-    names = [name for name, m in dense.named_children() if isinstance(m, nn.Linear)]
-    with torch.no_grad():
-        for name, dead in zip(names[:-1], dead_sets):
-            lin = getattr(dense, name)
-            lin.weight[dead] = 0
-            lin.bias[dead] = 0
-            keep[name] = keep[name].clone()
-            keep[name][dead] = False
-    return dense, keep, dead_sets
-
-
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
-def test_surgery_preserves_outputs_shapes_weights_and_flops(family):
-    """Removing dead units: same outputs (1e-5), Linear shapes = kept counts, count_weights and
-    paper_flops = sum over layers of (kept_in + 1) * kept_out (appendix A.1), input module untouched."""
-    dense, keep, dead_sets = _dense_sample_with_dead_units(family)
-    names = [name for name, m in dense.named_children() if isinstance(m, nn.Linear)]
-    kept_counts = [int(keep[n].sum()) for n in names]
-    assert kept_counts == [h - h // 2 for h in HIDDEN] + [CLASSES]
-    # dead rows of the dense sample are exactly zero, kept ones are not
-    for name, dead in zip(names[:-1], dead_sets):
-        lin = getattr(dense, name)
-        assert torch.all(lin.weight[dead] == 0) and torch.all(lin.bias[dead] == 0)
-        assert torch.all(lin.weight[keep[name]].abs().sum(1) > 0)
-
-    pruned = remove_dead_units(dense, keep)
-    x = _inputs()
+def _assert_same_outputs(pruned, dense, shape):
+    x = _inputs(shape)
     with torch.no_grad():
         torch.testing.assert_close(pruned(x), dense(x), rtol=0, atol=1e-5)
 
-    shapes = [(m.in_features, m.out_features) for m in _linears(pruned)]
+
+def _prune(model, threshold=0.5, seed=3):
+    dense, keep = model.posterior_sample(threshold, torch.Generator().manual_seed(seed))
+    return dense, keep, remove_dead_units(dense, keep, torch.zeros((1,) + model.input_shape))
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", BAYESIAN)
+def test_mlp_surgery_preserves_outputs_shapes_weights_and_flops(family):
+    """MLP: same outputs (1e-5), Linear shapes = kept counts, count_weights and paper_flops = sum over layers
+    of (kept_in + 1) * kept_out (appendix A.1); the input module is untouched."""
+    model = _model(family)
+    _kill_random_half(model)
+    dense, keep, pruned = _prune(model)
+    kept_counts = [int(m.sum()) for m in keep.values()]
+    assert kept_counts == [h - h // 2 for h in HIDDEN] + [CLASSES]
+    _assert_same_outputs(pruned, dense, INPUT_SHAPE)
     expected_in = [IN] + kept_counts[:-1]
-    assert shapes == list(zip(expected_in, kept_counts))
+    assert [(m.in_features, m.out_features) for m in _linears(pruned)] == list(zip(expected_in, kept_counts))
     by_hand = sum((i + 1) * o for i, o in zip(expected_in, kept_counts))
     assert count_weights(pruned) == by_hand
     assert paper_flops(pruned, INPUT_SHAPE) == by_hand
     dense_widths = [IN] + HIDDEN + [CLASSES]
-    assert paper_flops(dense, INPUT_SHAPE) == sum((i + 1) * o for i, o in zip(dense_widths[:-1], dense_widths[1:]))
-    # surgery works on a copy
-    assert [(m.in_features, m.out_features) for m in _linears(dense)] == list(zip(dense_widths[:-1], dense_widths[1:]))
+    assert [m.out_features for m in _linears(dense)] == dense_widths[1:]  # surgery worked on a copy
     assert not pruned.training
 
 
 def test_surgery_is_a_noop_when_nothing_is_dead():
-    """With every unit kept the pruned module has the dense shapes and the same parameters."""
     model = _model("ss-gl")
-    dense, keep = model.posterior_sample(0.5, torch.Generator().manual_seed(0))
+    dense, keep, pruned = _prune(model)
     assert all(bool(m.all()) for m in keep.values())  # gamma_init 0.99 keeps everything
-    pruned = remove_dead_units(dense, keep)
     for a, b in zip(_linears(dense), _linears(pruned)):
         assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+
+
+def test_lenet_surgery_cuts_channels_across_the_flatten_and_matches_a_hand_count():
+    """LeNet-5-Caffe: dead channels of conv1/conv2 and units of fc1 go; fc1 loses the 16 inputs (4 x 4)
+    of each dead conv2 channel; outputs equal; FLOPs by appendix A.1 equal a hand count."""
+    model = _model("ss-ghs", arch="lenet5-caffe", input_shape=(1, 28, 28))
+    _kill_random_half(model)
+    dense, keep, pruned = _prune(model)
+    c1, c2, f1 = (int(keep[n].sum()) for n in ("conv1", "conv2", "fc1"))
+    assert (c1, c2, f1) == (10, 25, 250)
+    assert (pruned.conv1.out_channels, pruned.conv2.in_channels, pruned.conv2.out_channels) == (c1, c1, c2)
+    assert (pruned.fc1.in_features, pruned.fc1.out_features, pruned.fc2.in_features) == (16 * c2, f1, f1)
+    _assert_same_outputs(pruned, dense, (1, 28, 28))
+
+    def flops(k1, k2, h):  # conv (C_in K K + 1) Ow Oh C_out + linear (I + 1) O
+        return ((1 * 25 + 1) * 24 * 24 * k1 + (k1 * 25 + 1) * 8 * 8 * k2 + (16 * k2 + 1) * h + (h + 1) * CLASSES)
+    assert paper_flops(dense, (1, 28, 28)) == flops(20, 50, 500) == 2_308_230 - 5_010 + 501 * CLASSES
+    assert paper_flops(pruned, (1, 28, 28)) == flops(c1, c2, f1)
+
+
+def test_resnet_stream_channel_goes_only_when_dead_in_every_writer():
+    """ResNet-20: a channel of stage 1's residual stream dead in the stem and every block's conv2 is
+    removed everywhere; one dead in a single block's conv2 stays (zero rows, same width); channels internal
+    to a block go; outputs equal with batch norm in eval mode."""
+    model = _model("ss-gl", arch="resnet20", input_shape=(3, 16, 16), parameterization="non-centered")
+    with torch.no_grad():
+        for _, layer in model.bayesian_layers():  # batch norms with non-trivial statistics
+            if layer.norm is not None:
+                layer.norm.running_mean.uniform_(-0.5, 0.5)
+                layer.norm.running_var.uniform_(0.5, 2.0)
+                layer.norm.bias.uniform_(-0.3, 0.3)
+        net = model.net
+        net.stem.gamma_logit[0] = -10
+        for block in net.layer1:
+            block.conv2.gamma_logit[0] = -10
+        net.layer1[1].conv2.gamma_logit[1] = -10  # channel 1 dead in one writer only
+        net.layer1[0].conv1.gamma_logit[:5] = -10
+        net.layer3[2].conv1.gamma_logit[3:9] = -10
+    dense, keep, pruned = _prune(model)
+    p = pruned
+    assert p.stem.conv.out_channels == 15
+    assert all(b.conv2.conv.out_channels == 15 and b.conv1.conv.in_channels == 15 for b in p.layer1)
+    assert p.layer2[0].conv1.conv.in_channels == 15 and p.layer2[0].shortcut.conv.in_channels == 15
+    assert p.layer1[0].conv1.conv.out_channels == 11 and p.layer3[2].conv1.conv.out_channels == 58
+    assert p.layer3[2].conv2.conv.in_channels == 58
+    _assert_same_outputs(pruned, dense, (3, 16, 16))
+    assert paper_flops(pruned, (3, 16, 16)) < paper_flops(dense, (3, 16, 16))
+
+
+class _UserNet(nn.Module):
+    """Not in the zoo: a residual block and a channel concatenation, built from the same layer factory."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.a = make.conv(3, 8, 3, padding=1, norm=True)
+        self.b = make.conv(8, 8, 3, padding=1, norm=True)       # residual: a + b(a)
+        self.c = make.conv(8, 6, 1)                             # concatenated with a
+        self.d = make.conv(14, 10, 3, stride=2, padding=1)
+        self.head = make.linear(10, CLASSES, prunable=False)
+        self.act = make.activation()
+
+    def forward(self, x):
+        a = self.act(self.a(x))
+        r = self.act(a + self.b(a))
+        cat = torch.cat([r, self.act(self.c(r))], dim=1)
+        return self.head(self.act(self.d(cat)).mean((2, 3)))
+
+
+def test_surgery_on_a_users_model_with_residual_and_concatenation():
+    """A user's model built from the same layers goes through the same code: posterior sample via the
+    plain twin, residual coupling and concatenation offsets from the dependency graph, outputs equal."""
+    import edgebayes.train.zoo as zoo
+
+    zoo.ARCHITECTURES["user-net"] = lambda make, input_shape, classes, **_: _UserNet(make)
+    try:
+        torch.manual_seed(0)
+        model = BayesianNet("user-net", "ss-ig", PriorConfig(), (3, 8, 8), CLASSES, 1000)
+        with torch.no_grad():
+            model.net.a.gamma_logit[[1, 4]] = -10
+            model.net.b.gamma_logit[[1, 4, 6]] = -10   # 1 and 4 dead in both writers of the stream; 6 only here
+            model.net.c.gamma_logit[[0, 5]] = -10
+            model.net.d.gamma_logit[[2]] = -10
+        dense, keep, pruned = _prune(model)
+    finally:
+        del zoo.ARCHITECTURES["user-net"]
+    assert (pruned.a.conv.out_channels, pruned.b.conv.out_channels, pruned.c.out_channels) == (6, 6, 4)
+    assert pruned.d.in_channels == 10 and pruned.d.out_channels == 9 and pruned.head.in_features == 9
+    _assert_same_outputs(pruned, dense, (3, 8, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+def test_dead_unit_behind_an_activation_with_nonzero_at_zero_stays():
+    """Sigmoid(0) = 0.5: a dead unit's output is not zero where the next layer reads it, so it is kept
+    (the outputs would change otherwise); a dead unit behind GELU (f(0) = 0) goes."""
+    torch.manual_seed(0)
+    for act, kept in ((nn.Sigmoid(), 3), (nn.GELU(), 2)):
+        module = nn.Sequential(nn.Linear(4, 3), act, nn.Linear(3, 2)).eval()
+        with torch.no_grad():
+            module[0].weight[1] = 0
+            module[0].bias[1] = 0
+        pruned = remove_dead_units(module, {"0": torch.tensor([True, False, True])}, torch.zeros(1, 4))
+        assert pruned[0].out_features == kept
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(pruned(x), module(x), rtol=0, atol=1e-6)
+
+
+def test_surgery_refuses_to_remove_output_units():
+    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    with torch.no_grad():
+        module[2].weight[1] = 0
+        module[2].bias[1] = 0
+    with pytest.raises(SurgeryError, match="output"):
+        remove_dead_units(module, {"2": torch.tensor([True, False])}, torch.zeros(1, 4))
+
+
+def test_surgery_refuses_bad_inputs():
+    """Masks naming a missing or non-affine layer, or of the wrong size, are refused with the name."""
+    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    with pytest.raises(SurgeryError, match="'1'.*not a Linear or Conv2d"):
+        remove_dead_units(module, {"1": torch.tensor([True, False, True])}, torch.zeros(1, 4))
+    with pytest.raises(SurgeryError, match="'nope'"):
+        remove_dead_units(module, {"nope": torch.tensor([True])}, torch.zeros(1, 4))
+    with pytest.raises(SurgeryError, match=r"dead_units\['0'\] has 2 entries for 3 outputs"):
+        remove_dead_units(module, {"0": torch.tensor([True, False])}, torch.zeros(1, 4))
 
 
 # ---------------------------------------------------------------------------------------------
 def _spread_gammas(model):
     """Inclusion probabilities spread over (0, 1) so that thresholds 0.5 and 0.7 keep different units."""
     with torch.no_grad():
-        for layer in model.layers[:-1]:
-            n = layer.out_features
+        for layer in _prunable(model):
+            n = layer.out_units
             layer.gamma_logit.copy_(torch.linspace(-3, 3, n)[torch.randperm(n, generator=torch.Generator().manual_seed(n))])
 
 
-@pytest.mark.parametrize("family", ["ss-ig", "ss-gl"])
-def test_eval_forward_is_the_materialized_posterior_sample(family):
+@pytest.mark.parametrize("family,arch,shape", [("ss-ig", "mlp", INPUT_SHAPE), ("ss-gl", "mlp", INPUT_SHAPE),
+                                               ("ss-ghs", "lenet5-caffe", (1, 28, 28))])
+def test_eval_forward_is_the_materialized_posterior_sample(family, arch, shape):
     """Eval forward with set_inclusion_threshold(t) and torch.manual_seed(s) equals the dense sample
     posterior_sample(t, Generator(s)): same weights drawn in the same order, same kept units."""
-    model = _model(family)
+    model = _model(family, arch=arch, input_shape=shape)
     _spread_gammas(model)
-    x = _inputs()
+    x = _inputs(shape)
     model.eval()
     model.set_inclusion_threshold(0.7)
     torch.manual_seed(123)
@@ -126,22 +233,33 @@ def test_eval_forward_is_the_materialized_posterior_sample(family):
         out = model(x)
     dense, keep = model.posterior_sample(0.7, torch.Generator().manual_seed(123))
     with torch.no_grad():
-        torch.testing.assert_close(out, dense(x), rtol=1e-6, atol=1e-6)
-    for mask, layer in zip(keep.values(), model.layers):
-        assert torch.equal(mask, layer.kept_units(0.7))
-    assert [int(m.sum()) for m in keep.values()][:2] != HIDDEN  # the threshold really drops units
-
-    # the knob matters: at 0.5 more units are kept and the output changes
+        torch.testing.assert_close(out, dense(x), rtol=1e-5, atol=1e-5)
+    expected = model.kept_units(0.7)
+    assert keep.keys() == expected.keys() and all(torch.equal(keep[k], v) for k, v in expected.items())
+    assert any(not bool(m.all()) for m in keep.values())  # the threshold really drops units
     model.set_inclusion_threshold(0.5)
     torch.manual_seed(123)
     with torch.no_grad():
         assert not torch.allclose(model(x), out, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["ss-ig", "ss-gl"])
+def test_resnet_eval_forward_is_the_posterior_sample_with_batch_norm():
+    """Non-centered ResNet-20 with batch norm: the eval forward equals the plain twin's forward."""
+    model = _model("ss-ghs", arch="resnet20", input_shape=(3, 16, 16), parameterization="non-centered")
+    _spread_gammas(model)
+    model.eval()
+    x = _inputs((3, 16, 16))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        out = model(x)
+    dense, _ = model.posterior_sample(0.5, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(out, dense(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", BAYESIAN)
 def test_eval_forward_ignores_weights_of_units_below_threshold(family):
-    """Units whose gamma is below the threshold contribute nothing in eval mode: perturbing their
-    weights (means and scales) leaves the output unchanged; perturbing a kept unit changes it."""
+    """Units whose gamma is below the threshold contribute nothing in eval mode; a kept unit does."""
     model = _model(family)
     _spread_gammas(model)
     model.eval()
@@ -154,7 +272,7 @@ def test_eval_forward_ignores_weights_of_units_below_threshold(family):
             return model(x)
 
     ref = run()
-    first = model.layers[0]
+    first = _prunable(model)[0]
     dropped, kept = ~first.kept_units(0.6), first.kept_units(0.6)
     assert dropped.any() and kept.any()
     with torch.no_grad():
@@ -168,19 +286,18 @@ def test_eval_forward_ignores_weights_of_units_below_threshold(family):
 
 
 def test_train_forward_zeroes_units_with_vanishing_gamma():
-    """In train mode (relaxed Bernoulli, hard forward) units with gamma ~ 0 output exactly 0 and units
-    with gamma ~ 1 do not."""
+    """In train mode (relaxed Bernoulli, hard forward) units with gamma ~ 0 output exactly 0, others not."""
     model = _model("ss-gl")
-    dead_sets = _dead_sets()
-    _kill(model, dead_sets)
+    dead_sets = _kill_random_half(model)
+    layers = _prunable(model)
     with torch.no_grad():
-        for layer, dead in zip(model.layers[:-1], dead_sets):
-            alive = torch.ones(layer.out_features, dtype=torch.bool)
+        for layer, dead in zip(layers, dead_sets):
+            alive = torch.ones(layer.out_units, dtype=torch.bool)
             alive[dead] = False
             layer.gamma_logit[alive] = 10.0
     model.train()
     outputs = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: outputs.append(o)) for layer in model.layers[:-1]]
+    hooks = [layer.register_forward_hook(lambda m, i, o: outputs.append(o)) for layer in layers]
     torch.manual_seed(0)
     model(_inputs())
     for h in hooks:
@@ -192,15 +309,31 @@ def test_train_forward_zeroes_units_with_vanishing_gamma():
         assert torch.all(out[:, alive].abs().sum(0) > 0)
 
 
+def test_bnn_and_dnn_families_are_dense():
+    """The dense BNN is mean-field Gaussian with nothing to prune; the DNN has no Bayesian layer at all."""
+    bnn, dnn = _model("bnn"), _model("dnn")
+    assert all(isinstance(m, SpikeSlabLayer) and not m.prunable for _, m in bnn.bayesian_layers())
+    assert len(bnn.bayesian_layers()) == 3 and float(bnn.kl().detach()) > 0
+    assert dnn.bayesian_layers() == [] and float(dnn.kl()) == 0
+    assert all(bool(m.all()) for m in bnn.kept_units(0.9).values())
+
+
+def test_layer_factory_decides_the_layer_type_of_the_whole_architecture():
+    for family, kind in (("dnn", nn.Conv2d), ("ss-gl", SpikeSlabLayer)):
+        net = _model(family, arch="lenet5-caffe", input_shape=(1, 28, 28)).net
+        assert isinstance(net.conv1, kind) and isinstance(net.conv2, kind)
+    with pytest.raises(ValueError, match="unknown family"):
+        LayerFactory("ss-xx")
+
+
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["ss-gl", "dnn"])
 def test_compress_samples_are_pruned_plain_modules_and_prefix_stable(family):
-    """compress(): every sample is a pruned plain nn.Sequential (Flatten/Linear/activation only, kept
-    widths); the M=3 samples are the first 3 of the M=5 ones for the same seed; MCAverage rows sum to 1
-    and equal the mean of the samples' softmax outputs."""
+    """compress(): every sample is a pruned plain module (no variational leftovers, kept widths); the
+    M=3 samples are the first 3 of the M=5 ones for the same seed; MCAverage = mean of softmaxes."""
     model = _model(family)
     if family != "dnn":
-        _kill(model, _dead_sets())
+        _kill_random_half(model)
     c3 = compress(model, 0.5, 3, seed=4)
     c5 = compress(model, 0.5, 5, seed=4)
     assert len(c3.samples) == 3 and len(c5.samples) == 5
@@ -208,10 +341,9 @@ def test_compress_samples_are_pruned_plain_modules_and_prefix_stable(family):
     expect = ([h - h // 2 for h in HIDDEN] if family != "dnn" else HIDDEN) + [CLASSES]
     assert kept_counts == expect
     for s in c5.samples:
-        assert isinstance(s, nn.Sequential)
-        assert all(type(m) in (nn.Flatten, nn.Linear, nn.SiLU) for m in s)
+        assert all(type(m) in (nn.Flatten, nn.Linear, nn.SiLU) for m in s.children())
         assert [m.out_features for m in _linears(s)] == kept_counts
-        assert sum(p.numel() for p in s.parameters()) == count_weights(s)  # no variational leftovers
+        assert sum(p.numel() for p in s.parameters()) == count_weights(s)
     for a, b in zip(c3.samples, c5.samples[:3]):
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -219,72 +351,16 @@ def test_compress_samples_are_pruned_plain_modules_and_prefix_stable(family):
     x = _inputs()
     with torch.no_grad():
         p = c5.mc_model()(x)
-        assert p.shape == (len(x), CLASSES) and torch.all(p >= 0)
         torch.testing.assert_close(p.sum(-1), torch.ones(len(x)), rtol=0, atol=1e-6)
         manual = torch.stack([torch.softmax(s(x), -1) for s in c5.samples]).mean(0)
         torch.testing.assert_close(p, manual, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(c5.mc_model(3)(x), c3.mc_model()(x), rtol=0, atol=0)
         assert isinstance(c5.mc_model(2), MCAverage) and len(c5.mc_model(2).samples) == 2
 
-    # the first dense sample is the first draw of the seeded generator
     dense0, _ = model.posterior_sample(0.5, sample_generator(4))
     for a, b in zip(_linears(dense0), _linears(c5.dense_sample)):
         assert torch.equal(a.weight, b.weight)
     if family != "dnn":
-        # Bayesian samples differ from each other and across seeds
         w = [_linears(s)[0].weight for s in c5.samples]
         assert not torch.equal(w[0], w[1])
         assert not torch.equal(_linears(compress(model, 0.5, 1, seed=5).samples[0])[0].weight, w[0])
-
-
-# ---------------------------------------------------------------------------------------------
-def test_surgery_refuses_activation_with_nonzero_at_zero():
-    """A Sigmoid (f(0) = 0.5) between two Linears is refused: removing a unit would change the outputs."""
-    module = nn.Sequential(nn.Linear(4, 3), nn.Sigmoid(), nn.Linear(3, 2))
-    with pytest.raises(SurgeryError, match="Sigmoid"):
-        remove_dead_units(module, {"0": torch.tensor([True, False, True])})
-
-
-def test_surgery_refuses_to_remove_output_units():
-    """The last Linear produces the model's outputs: a mask with a False there raises; all-True is fine."""
-    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    with pytest.raises(SurgeryError, match="last Linear"):
-        remove_dead_units(module, {"2": torch.tensor([True, False])})
-    pruned = remove_dead_units(module, {"2": torch.tensor([True, True]), "0": torch.tensor([True, False, True])})
-    assert [(m.in_features, m.out_features) for m in _linears(pruned)] == [(4, 2), (2, 2)]
-
-
-def test_surgery_refuses_unsupported_layer_and_names_it():
-    """A Conv2d in the chain raises SurgeryError naming the layer (its index and type)."""
-    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Conv2d(1, 1, 1), nn.Linear(4, 2))
-    with pytest.raises(SurgeryError, match=r"'2'.*Conv2d"):
-        remove_dead_units(module, {"0": torch.tensor([True, False, True, True])})
-
-
-def test_surgery_refuses_bad_inputs():
-    """Masks naming a non-Linear layer and non-Sequential modules are refused."""
-    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-    with pytest.raises(SurgeryError, match="not Linear"):
-        remove_dead_units(module, {"1": torch.tensor([True, False, True])})
-    with pytest.raises(SurgeryError, match="Sequential"):
-        remove_dead_units(nn.Linear(3, 2), {})
-
-
-def test_surgery_accepts_any_parameter_free_activation_with_zero_at_zero():
-    """GELU (f(0) = 0) is not in a fixed list but is elementwise with f(0) = 0: units can go."""
-    torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(4, 3), nn.GELU(), nn.Linear(3, 2)).eval()
-    with torch.no_grad():
-        module[0].weight[1] = 0
-        module[0].bias[1] = 0
-    keep = {"0": torch.tensor([True, False, True])}
-    pruned = remove_dead_units(module, keep)
-    x = torch.randn(5, 4)
-    assert pruned[0].out_features == 2
-    assert torch.allclose(pruned(x), module(x), atol=1e-6)
-
-
-def test_surgery_names_the_nonzero_activation():
-    module = nn.Sequential(nn.Linear(4, 3), nn.Sigmoid(), nn.Linear(3, 2))
-    with pytest.raises(SurgeryError, match="f\\(0\\) != 0"):
-        remove_dead_units(module, {"0": torch.tensor([True, False, True])})

@@ -45,9 +45,10 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    family: Literal["ss-ig", "ss-gl", "dnn"] = "ss-gl"
-    arch: Literal["mlp"] = "mlp"
-    hidden: list[int] = field(default_factory=lambda: [400, 400])
+    # dnn: deterministic; bnn: dense mean-field Gaussian; ss-*: spike-and-slab node/channel selection
+    family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs"] = "ss-gl"
+    arch: Literal["mlp", "lenet5-caffe", "resnet20", "resnet32"] = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [400, 400])   # mlp only
     activation: Literal["silu", "relu", "tanh"] = "silu"
 
 
@@ -55,8 +56,13 @@ class ModelConfig:
 class PriorConfig:
     sigma0_sq: float = 1.0              # slab variance sigma0^2 (1 for MLP / LeNet in paper 000)
     inclusion_constant: float = 1e-9    # C_l of the layer-wise prior inclusion probability
+    conv_inclusion: float = 1e-4        # prior inclusion probability of convolution channels (paper 000, 5.3)
     a0: float = 4.0                     # SS-GL: varsigma^2 ~ Gamma(a0, b0)
     b0: float = 2.0
+    c_reg: float = 1.0                  # SS-GHS: regularization constant of the group horseshoe
+    d0: float = 1.0                     # SS-GHS: global scale varsigma ~ C+(0, d0)
+    # non-centered: w = tau* w0, w0 ~ N(0, sigma0^2) (the paper's choice for ResNets)
+    parameterization: Literal["centered", "non-centered"] = "centered"
     temperature: float = 0.5            # relaxed Bernoulli temperature
     gamma_init: float = 0.99            # initial inclusion probability ("close to 1", appendix A.2)
 
@@ -267,6 +273,9 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check(cfg.prior.sigma0_sq > 0, f"{p}: prior.sigma0_sq", "expected a positive number")
     _check(0 < cfg.prior.gamma_init < 1, f"{p}: prior.gamma_init", "expected a number in (0, 1)")
     _check(cfg.prior.temperature > 0, f"{p}: prior.temperature", "expected a positive number")
+    _check(0 < cfg.prior.conv_inclusion < 1, f"{p}: prior.conv_inclusion", "expected a number in (0, 1)")
+    _check(cfg.prior.c_reg > 0, f"{p}: prior.c_reg", "expected a positive number")
+    _check(cfg.prior.d0 > 0, f"{p}: prior.d0", "expected a positive number")
     _check(cfg.train.epochs > 0, f"{p}: train.epochs", "expected a positive integer")
     _check(cfg.train.batch_size > 0, f"{p}: train.batch_size", "expected a positive integer")
     _check(cfg.train.kl_weight > 0, f"{p}: train.kl_weight", "expected a positive number")

@@ -69,7 +69,7 @@ def compress(model, knob: float, m: int, seed: int) -> Compressed:
         if empty:
             raise EmptyLayerError(f"{model.knob} {knob} removes every unit of layer(s) {empty}")
         dense0 = dense if dense0 is None else dense0
-        samples.append(remove_dead_units(dense, kept))
+        samples.append(remove_dead_units(dense, kept, torch.zeros((1,) + tuple(model.input_shape))))
     return Compressed(knob, samples, dense0, kept)
 
 

@@ -35,6 +35,21 @@ def kl_lognormal_gamma(m, s, shape, log_rate_mean, rate_mean):
     return -lognormal_entropy(m, s) - expected_log_density
 
 
+def kl_lognormal_invgamma(m, s, shape, scale):
+    """KL(LN(m, s^2) || InvGamma(shape a, scale b)) for fixed a, b.
+
+    KL = -H - [a log b - lgamma(a) - (a+1) m - b exp(-m + s^2/2)].
+    """
+    shape = torch.as_tensor(shape, dtype=m.dtype, device=m.device)
+    expected_log_density = (
+        shape * math.log(scale)
+        - torch.lgamma(shape)
+        - (shape + 1) * m
+        - scale * torch.exp(-m + 0.5 * s**2)
+    )
+    return -lognormal_entropy(m, s) - expected_log_density
+
+
 def kl_gaussian_gaussian(mu, sigma, prior_log_var_mean, prior_inv_var_mean):
     """KL(N(mu, sigma^2) || N(0, v)) per coordinate, averaged over a random prior variance v.
 

@@ -1,92 +1,127 @@
-"""Architectures, built from one layer factory so a single definition serves every family.
+"""Networks of every family from one architecture definition, and the interface later stages rely on.
 
-`layer_factory(family, ...)` is the one switch (as in timm) that decides which layer type a whole
-architecture is built from: a plain `nn.Linear` for the deterministic net, a spike-and-slab layer for
-SS-IG / SS-GL. The architectures below only call the factory.
+`LayerFactory(family, ...)` is the one switch (as in timm) that decides which layer type a whole
+architecture is built from:
+  - dnn:    plain nn.Linear / nn.Conv2d (+ nn.BatchNorm2d), the deterministic baseline;
+  - bnn:    dense mean-field Gaussian layers (the SS-IG layer that is never pruned), the dense BNN baseline;
+  - ss-ig, ss-gl, ss-ghs: spike-and-slab layers over nodes and channels (paper 000).
+Architectures (edgebayes.train.zoo) only call the factory.
 
-Every Bayesian network answers the interface that the later stages rely on (../shared/DESIGN.md):
+`BayesianNet` wraps a network and answers the interface of ../shared/DESIGN.md:
   - `kl()`: the KL term of the negative ELBO;
-  - `knob`: the name of its deploy-time knob (here the inclusion threshold), `default_knob` and
-    `operating_points(values)`: the knob values to try (checked), the model's defaults when values is None;
-  - `posterior_sample(knob_value, generator)`: one posterior sample as a plain torch module
-    (nn.Linear / activations) with dense shapes, plus the "dead units" description that surgery uses:
-    {qualified name of a layer in the plain module: boolean mask of its kept output units}.
+  - `knob` (here the inclusion threshold), `default_knob`, `operating_points(values)`;
+  - `posterior_sample(knob_value, generator)`: one posterior sample as a *plain* module, the same
+    architecture built by the dnn factory with the sampled weights copied in (rows of switched-off units
+    exactly zero), plus the "dead units" description that surgery uses: {qualified name of each Linear /
+    Conv2d in the plain module: boolean mask of its kept outputs}.
 """
 
 from collections import OrderedDict
-from functools import partial
 
 import torch
 from torch import nn
 
 from edgebayes.train.spike_slab import (
     PRIORS,
+    GlobalHorseshoeScale,
     GlobalScale,
+    SpikeSlabConv2d,
     SpikeSlabLayer,
     SpikeSlabLinear,
     prior_inclusion_probability,
 )
+from edgebayes.train.zoo import ARCHITECTURES
 
-FAMILIES = ("dnn",) + PRIORS
+FAMILIES = ("dnn", "bnn") + PRIORS
 ACTIVATIONS = {"silu": nn.SiLU, "relu": nn.ReLU, "tanh": nn.Tanh}
 
 
-def layer_factory(family, prior_cfg, global_scale=None):
-    """Return `make_linear(in_features, out_features, prunable, prior_inclusion)` for a family."""
-    if family == "dnn":
-        return lambda i, o, prunable=False, prior_inclusion=1.0: nn.Linear(i, o)
-    if family not in PRIORS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    common = dict(prior=family, sigma0_sq=prior_cfg.sigma0_sq, temperature=prior_cfg.temperature,
-                  gamma_init=prior_cfg.gamma_init, global_scale=global_scale)
-    return lambda i, o, prunable, prior_inclusion: SpikeSlabLinear(
-        i, o, prunable=prunable, prior_inclusion=prior_inclusion, **common)
+class ConvNorm(nn.Sequential):
+    """A plain convolution followed by its batch norm: the plain twin of a spike-and-slab layer with `norm`."""
+
+    def __init__(self, conv, norm):
+        super().__init__(OrderedDict(conv=conv, norm=norm))
 
 
-class MLP(nn.Module):
-    """Multilayer perceptron: Flatten -> [Linear -> activation] x hidden -> Linear (paper 000: 2x400, SiLU)."""
+class LayerFactory:
+    """Builds the layers of one family. `linear_inclusion(fan_in, units)` gives lambda_l of FC layers."""
+
+    def __init__(self, family, prior_cfg=None, global_scale=None, linear_inclusion=None, activation="silu"):
+        if family not in FAMILIES:
+            raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        self.family, self.prior_cfg, self.global_scale = family, prior_cfg, global_scale
+        self.linear_inclusion = linear_inclusion
+        self.activation_name = activation
+
+    def activation(self):
+        return ACTIVATIONS[self.activation_name]()
+
+    def _bayesian(self, prunable, prior_inclusion):
+        p = self.prior_cfg
+        prior = "ss-ig" if self.family == "bnn" else self.family
+        return dict(prior=prior, prunable=prunable and self.family != "bnn", prior_inclusion=prior_inclusion,
+                    sigma0_sq=p.sigma0_sq, temperature=p.temperature, gamma_init=p.gamma_init,
+                    global_scale=self.global_scale, c_reg=p.c_reg,
+                    noncentered=p.parameterization == "non-centered")
+
+    def linear(self, in_features, out_features, prunable=True):
+        if self.family == "dnn":
+            return nn.Linear(in_features, out_features)
+        lam = self.linear_inclusion(in_features, out_features) if prunable else 1.0
+        return SpikeSlabLinear(in_features, out_features, **self._bayesian(prunable, lam))
+
+    def conv(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, bias=True, norm=False,
+             prunable=True):
+        if self.family == "dnn":
+            conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, groups=groups, bias=bias)
+            return ConvNorm(conv, nn.BatchNorm2d(out_channels)) if norm else conv
+        return SpikeSlabConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, bias=bias,
+                               norm=nn.BatchNorm2d(out_channels) if norm else None,
+                               **self._bayesian(prunable, self.prior_cfg.conv_inclusion))
+
+
+class BayesianNet(nn.Module):
+    """A network of any family with the interface of the later stages (see the module docstring)."""
 
     knob = "inclusion_threshold"
     default_knob = 0.5
     default_operating_points = (0.5, 0.7, 0.9)
 
-    def __init__(self, in_features, hidden, classes, *, family="ss-gl", prior_cfg=None, activation="silu",
-                 n_train=60000):
+    def __init__(self, arch, family, prior_cfg, input_shape, classes, n_train, activation="silu", **arch_kw):
         super().__init__()
-        self.family, self.in_features, self.hidden, self.classes = family, in_features, list(hidden), classes
-        self.activation_name = activation
-        self.global_scale = GlobalScale(prior_cfg.a0, prior_cfg.b0) if family == "ss-gl" else None
-        make_linear = layer_factory(family, prior_cfg, self.global_scale)
-        widths = [in_features] + self.hidden + [classes]
-        fan_ins = widths[:-1]
-        inclusion = partial(prior_inclusion_probability, n=n_train, num_hidden=len(self.hidden),
-                            fan_ins=fan_ins, prior=family,
-                            constant=getattr(prior_cfg, "inclusion_constant", 1e-9))
-        layers = []
-        for i, (fan_in, units) in enumerate(zip(widths[:-1], widths[1:])):
-            is_output = i == len(widths) - 2
-            lam = 1.0 if (is_output or family == "dnn") else inclusion(fan_in, units)
-            layers.append(make_linear(fan_in, units, prunable=not is_output, prior_inclusion=lam))
-        self.layers = nn.ModuleList(layers)
-        self.act = ACTIVATIONS[activation]()
+        self.family, self.input_shape, self.classes = family, tuple(input_shape), classes
+        self._build_plain = lambda: ARCHITECTURES[arch](LayerFactory("dnn", activation=activation),
+                                                        input_shape, classes, **arch_kw)
+        if family == "ss-gl":
+            self.global_scale = GlobalScale(prior_cfg.a0, prior_cfg.b0)
+        elif family == "ss-ghs":
+            self.global_scale = GlobalHorseshoeScale(prior_cfg.d0)
+        else:
+            self.global_scale = None
+        # Corollaries 2/4 need every layer's fan-in: read them off the plain twin.
+        fan_ins = [m.weight[0].numel() for m in self._build_plain().modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+
+        def linear_inclusion(fan_in, units):
+            return prior_inclusion_probability(fan_in, units, n=n_train, num_hidden=len(fan_ins) - 1,
+                                               fan_ins=fan_ins, prior="ss-ig" if family == "bnn" else family,
+                                               constant=prior_cfg.inclusion_constant)
+
+        factory = LayerFactory(family, prior_cfg, self.global_scale, linear_inclusion, activation)
+        self.net = ARCHITECTURES[arch](factory, input_shape, classes, **arch_kw)
 
     def forward(self, x):
-        x = x.flatten(1)
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = self.act(x)
-        return x
+        return self.net(x)
 
     # -- the Bayesian interface -------------------------------------------------------------------
     def bayesian_layers(self):
-        return [m for m in self.layers if isinstance(m, SpikeSlabLayer)]
+        """(name, layer) of every spike-and-slab layer, in module order."""
+        return [(n, m) for n, m in self.net.named_modules() if isinstance(m, SpikeSlabLayer)]
 
     def kl(self):
-        total = sum(layer.kl() for layer in self.bayesian_layers())
+        total = sum((layer.kl() for _, layer in self.bayesian_layers()), torch.zeros(()))
         if self.global_scale is not None:
             total = total + self.global_scale.kl()
-        return torch.as_tensor(total)
+        return total
 
     def operating_points(self, values=None):
         """The inclusion thresholds to try; each must lie in (0, 1)."""
@@ -96,52 +131,51 @@ class MLP(nn.Module):
             raise ValueError(f"inclusion thresholds must lie in (0, 1), got {bad}")
         return values
 
-    def layer_names(self):
-        return [f"hidden{i + 1}" for i in range(len(self.hidden))] + ["output"]
-
     def set_inclusion_threshold(self, threshold):
-        for layer in self.bayesian_layers():
+        for _, layer in self.bayesian_layers():
             layer.inclusion_threshold = float(threshold)
 
+    @staticmethod
+    def _plain_name(name, layer):
+        return f"{name}.conv" if layer.norm is not None else name
+
     def kept_units(self, threshold):
-        """{layer name: boolean mask of kept output units} at this threshold (the output layer keeps all)."""
-        out = {}
-        for name, layer in zip(self.layer_names(), self.layers):
-            if isinstance(layer, SpikeSlabLayer):
-                out[name] = layer.kept_units(threshold)
-            else:
-                out[name] = torch.ones(layer.out_features, dtype=torch.bool, device=layer.weight.device)
-        return out
+        """{plain Linear/Conv2d name: boolean mask of kept outputs} at this threshold, in module order."""
+        bayesian = {self._plain_name(n, m): m.kept_units(threshold) for n, m in self.bayesian_layers()}
+        return {name: bayesian.get(name, torch.ones(m.weight.shape[0], dtype=torch.bool))
+                for name, m in self._build_plain().named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
 
     @torch.no_grad()
     def posterior_sample(self, threshold, generator=None):
-        """One posterior sample at an inclusion threshold as a plain nn.Sequential with dense shapes.
+        """One posterior sample at an inclusion threshold as a plain module with dense shapes.
 
-        Rows (and biases) of dropped units are exactly zero. Returns (module, dead_units) where
-        dead_units maps the name of each Linear in the module (hidden1, ..., output) to the boolean mask
-        of its kept outputs.
+        Returns (module, dead_units): rows (and biases) of switched-off units are exactly zero, and so are
+        the batch-norm scale and shift of a switched-off channel, so its output is exactly zero.
         """
-        modules, keep = [("flatten", nn.Flatten())], {}
-        for i, (name, layer) in enumerate(zip(self.layer_names(), self.layers)):
-            linear = nn.Linear(layer.in_features, layer.out_features)
-            if isinstance(layer, SpikeSlabLayer):
-                weight, bias = layer.sample_weights(generator)
-                mask = layer.kept_units(threshold)
-            else:
-                weight, bias = layer.weight, layer.bias
-                mask = torch.ones(layer.out_features, dtype=torch.bool, device=weight.device)
-            linear.weight.copy_(weight * mask[:, None])
-            linear.bias.copy_(bias * mask)
-            keep[name] = mask.cpu()
-            modules.append((name, linear))
-            if i < len(self.layers) - 1:
-                modules.append((f"act{i + 1}", ACTIVATIONS[self.activation_name]()))
-        return nn.Sequential(OrderedDict(modules)).cpu().eval(), keep
+        plain = self._build_plain()
+        own, target = self.net.state_dict(), plain.state_dict()
+        # Deterministic parts (batch norms, plain layers) are copied by name.
+        plain.load_state_dict({k: (own[k] if k in own and own[k].shape == v.shape else v) for k, v in target.items()})
+        kept = {n: torch.ones(m.weight.shape[0], dtype=torch.bool)
+                for n, m in plain.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+        for name, layer in self.bayesian_layers():
+            weight, bias = layer.sample_weights(generator)
+            keep = layer.kept_units(threshold)
+            affine = plain.get_submodule(self._plain_name(name, layer))
+            affine.weight.copy_(weight * layer._per_group(keep.to(weight.dtype)))
+            if bias is not None:
+                affine.bias.copy_(bias * keep)
+            if layer.norm is not None:
+                norm = plain.get_submodule(f"{name}.norm")
+                norm.weight.mul_(keep)
+                norm.bias.mul_(keep)
+            kept[self._plain_name(name, layer)] = keep.cpu()
+        return plain.cpu().eval(), kept
 
 
-def build_model(model_cfg, prior_cfg, in_features, classes, n_train):
-    """Builder function: config -> network (one architecture for now: the MLP)."""
-    if model_cfg.arch != "mlp":
-        raise ValueError(f"unknown architecture {model_cfg.arch!r}; available: mlp")
-    return MLP(in_features, model_cfg.hidden, classes, family=model_cfg.family, prior_cfg=prior_cfg,
-               activation=model_cfg.activation, n_train=n_train)
+def build_model(model_cfg, prior_cfg, input_shape, classes, n_train):
+    """Builder function: config -> network of the configured family and architecture."""
+    if model_cfg.arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {model_cfg.arch!r}; available: {', '.join(ARCHITECTURES)}")
+    return BayesianNet(model_cfg.arch, model_cfg.family, prior_cfg, input_shape, classes, n_train,
+                       activation=model_cfg.activation, hidden=model_cfg.hidden)

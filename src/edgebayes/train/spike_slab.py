@@ -1,27 +1,43 @@
-"""Node-wise spike-and-slab layers of paper 000 (SS-IG, SS-GL): structurally sparse Bayesian nets.
+"""Node- and channel-wise spike-and-slab layers of paper 000 (SS-IG, SS-GL, SS-GHS).
 
-A group is one output unit's incoming weights plus its bias (a row of a Linear weight). Per group j:
+A group is one output unit's incoming weights plus its bias: a row of a Linear weight, one output filter of
+a Conv2d. Per group j of layer l:
 
-    prior      z_j ~ Ber(lambda_l);   w_j | z_j = 1 ~ N(0, sigma0^2 * scale_j^2 I);   w_j | z_j = 0 = 0
+    prior      z_j ~ Ber(lambda_l);   w_j | z_j = 1 ~ N(0, sigma0^2 tau*_j^2 I);   w_j | z_j = 0 = 0
     posterior  q(z_j) = Ber(gamma_j); q(w_j | z_j = 1) = N(mu_j, diag sigma_j^2), sigma = softplus(rho)
 
-SS-IG keeps scale_j = 1 (plain Gaussian slab, the baseline). SS-GL (eq. 9-10) puts
-tau_j^2 | varsigma^2 ~ Gamma(k_l/2 + 1, rate varsigma^2/2) and varsigma^2 ~ Gamma(a0, b0) with LogNormal
-posteriors; k_l is the layer's fan-in, so a group holds k_l + 1 weights. varsigma^2 is one variable for
-the whole network, as in the paper: it lives in `GlobalScale`, shared by every layer, and the network adds
-its KL once.
+The slab scale tau*^2 is what tells the priors apart (`SCALES`):
+  - SS-IG:  tau*^2 = 1 (plain Gaussian slab, the baseline);
+  - SS-GL:  tau*^2 = tau_j^2 ~ Gamma(k_l/2 + 1, rate varsigma^2/2), varsigma^2 ~ Gamma(a0, b0) (eq. 9);
+  - SS-GHS: tau*^2 = tau~_j^2 varsigma^2 = c^2 tau_j^2 varsigma^2 / (c^2 + tau_j^2 varsigma^2), the regularized
+    group horseshoe (eq. 11), with the half-Cauchys written as products (eq. 12):
+    tau_j^2 = beta_j alpha_j, beta ~ IG(1/2, 1), alpha ~ Gamma(1/2, 1); varsigma^2 = zeta_a zeta_b,
+    zeta_b ~ IG(1/2, 1), zeta_a ~ Gamma(1/2, rate 1/d0^2) (the paper writes G(1/2, d0^2) with d0^2 as scale;
+    the paper's d0^2 = 1 makes both readings equal).
+Every scale variable has a LogNormal posterior (eq. 10, 13); varsigma^2 is one variable for the whole
+network, owned by the network (`GlobalScale`, `GlobalHorseshoeScale`), which adds its KL once.
 
-The negative ELBO term of each layer is appendix E.1's sum (centered parameterization):
-    sum_j gamma_j E_q(scale)[KL(N(mu_j, sigma_j^2) || N(0, sigma0^2 scale_j^2))] + KL(Ber(gamma_j) || Ber(lambda_l))
-    (+ SS-GL: E_q(varsigma^2)[KL(LN(tau_j) || Gamma(k_l/2 + 1, varsigma^2/2))])
+Negative ELBO term of a layer (appendix E.1, F.1):
+    sum_j gamma_j E_q(scale)[KL(N(mu_j, sigma_j^2) || N(0, sigma0^2 tau*_j^2))] + KL(Ber(gamma_j) || Ber(lambda_l))
+    + KL of the scale variables.
+The expectation needs E[log tau*^2] and E[1/tau*^2]. Both are closed form for SS-GL. For SS-GHS,
+E[1/tau*^2] = E[1/(beta alpha zeta_a zeta_b)] + 1/c^2 is closed form and E[log(c^2 + beta alpha varsigma^2)] is
+not: it is estimated with reparameterized samples (one per step in training), as METHODS.md says.
 
-Training forward pass: z from the relaxed Bernoulli with a hard forward pass (temperature 0.5), weights
-through local reparameterization. Evaluation forward pass: z = 1[gamma > inclusion threshold] and one
-weight sample per call, so a call is one coherent posterior sample of the network. The output layer is
-never pruned (lambda_L = gamma_L = 1).
+Non-centered parameterization (section 5.3, used for ResNets): w_j = tau*_j w0_j with w0 ~ N(0, sigma0^2 I)
+and q(w0_j) = N(mu_j, diag sigma_j^2); the weight KL is then against the fixed N(0, sigma0^2), and tau*_j is
+sampled (reparameterized) in the forward pass. The KL of w0 is weighted by gamma_j as in the centered form.
 
-The layer is written against a generic "affine op" so that a Conv2d variant (issue 3) is a small subclass:
-groups are always dimension 0 of the weight.
+Training forward: z from the relaxed Bernoulli with a hard forward pass (temperature 0.5), weights through
+local reparameterization. Evaluation forward: z = 1[gamma > inclusion threshold] and one weight sample per
+call, so a call is one coherent posterior sample. The output layer is never pruned (lambda = gamma = 1).
+
+Deviation, for exact surgery: a layer may own a batch norm (`norm`), and then the node indicator
+multiplies the batch-norm output, z * BN(conv(x)), not the convolution output. With z on the convolution
+output, a switched-off channel would leave BN's constant shift behind (BN(0) = beta - gamma mu / sigma) and
+could not be removed without changing the network; with z after BN it is exactly zero.
+
+The dense mean-field Gaussian BNN (the paper's dense baseline) is the SS-IG layer with prunable=False.
 """
 
 import math
@@ -34,21 +50,34 @@ from edgebayes.train.kl import (
     kl_bernoulli,
     kl_gaussian_gaussian,
     kl_lognormal_gamma,
+    kl_lognormal_invgamma,
     relaxed_bernoulli_hard,
 )
 
-PRIORS = ("ss-ig", "ss-gl")
+PRIORS = ("ss-ig", "ss-gl", "ss-ghs")
 
 # sigma = softplus(rho) with rho = -6 at init keeps the initial weights at their Kaiming-uniform means
 # (paper 000, appendix A.2).
 RHO_INIT = -6.0
 
 
-class GlobalScale(nn.Module):
-    """The network-wide SS-GL scale varsigma^2: prior Gamma(a0, b0), posterior LN(m, s^2).
+def _lognormal_sample(mu, rho, generator=None, n=None):
+    """A reparameterized sample of log x for x ~ LN(mu, softplus(rho)^2); n draws stacked on dim 0 if given."""
+    shape = mu.shape if n is None else (n,) + tuple(mu.shape)
+    eps = torch.randn(shape, generator=generator, dtype=mu.dtype, device=mu.device)
+    return mu + F.softplus(rho) * eps
 
-    Initialised as in appendix A.2: m = 1, s = softplus(-6).
-    """
+
+def _inverse_mean(mu, rho):
+    """E[1/x] for x ~ LN(mu, softplus(rho)^2)."""
+    return torch.exp(-mu + 0.5 * F.softplus(rho) ** 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Network-wide scales: one variable shared by every layer
+# ---------------------------------------------------------------------------------------------
+class GlobalScale(nn.Module):
+    """The SS-GL scale varsigma^2: prior Gamma(a0, b0), posterior LN(m, s^2); init m = 1, s = softplus(-6)."""
 
     def __init__(self, a0: float = 4.0, b0: float = 2.0):
         super().__init__()
@@ -66,87 +95,212 @@ class GlobalScale(nn.Module):
         return kl_lognormal_gamma(self.mu, s, self.a0, math.log(self.b0), self.b0)
 
 
+class GlobalHorseshoeScale(nn.Module):
+    """The SS-GHS scale varsigma^2 = zeta_a zeta_b ~ (C+(0, d0))^2; LN posteriors initialised at m = 1, rho = -6."""
+
+    def __init__(self, d0: float = 1.0):
+        super().__init__()
+        self.d0 = float(d0)
+        self.a_mu = nn.Parameter(torch.tensor(1.0))
+        self.a_rho = nn.Parameter(torch.tensor(RHO_INIT))
+        self.b_mu = nn.Parameter(torch.tensor(1.0))
+        self.b_rho = nn.Parameter(torch.tensor(RHO_INIT))
+
+    def log_mean(self):
+        return self.a_mu + self.b_mu
+
+    def inverse_mean(self):
+        return _inverse_mean(self.a_mu, self.a_rho) * _inverse_mean(self.b_mu, self.b_rho)
+
+    def log_sample(self, generator=None, n=None):
+        return (_lognormal_sample(self.a_mu, self.a_rho, generator, n)
+                + _lognormal_sample(self.b_mu, self.b_rho, generator, n))
+
+    def kl(self):
+        rate = 1.0 / self.d0**2
+        return (kl_lognormal_gamma(self.a_mu, F.softplus(self.a_rho), 0.5, math.log(rate), rate)
+                + kl_lognormal_invgamma(self.b_mu, F.softplus(self.b_rho), 0.5, 1.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-group slab scales tau*^2. Each answers: moments() -> (E[log tau*^2], E[1/tau*^2]) per group,
+# log_sample() -> a reparameterized sample of log tau*^2 per group, kl() -> KL of its variables.
+# ---------------------------------------------------------------------------------------------
+class FixedScale(nn.Module):
+    """SS-IG (and the dense BNN): tau*^2 = 1."""
+
+    def __init__(self, units, fan_in, global_scale=None, c_reg=1.0):
+        super().__init__()
+        self.units = units
+
+    def moments(self, mc_samples=1, generator=None):
+        zeros = torch.zeros(self.units)
+        return zeros, zeros + 1
+
+    def log_sample(self, generator=None):
+        return torch.zeros(self.units)
+
+    def kl(self):
+        return torch.zeros(())
+
+
+class GroupLassoScale(nn.Module):
+    """SS-GL: tau_j^2 | varsigma^2 ~ Gamma(k_l/2 + 1, rate varsigma^2/2), q(tau_j^2) = LN; mu ~ U(-0.6, 0.6)."""
+
+    def __init__(self, units, fan_in, global_scale=None, c_reg=1.0):
+        super().__init__()
+        if not isinstance(global_scale, GlobalScale):
+            raise ValueError("an SS-GL layer needs the network's GlobalScale")
+        self.shape = fan_in / 2 + 1
+        self.mu = nn.Parameter(torch.empty(units).uniform_(-0.6, 0.6))
+        self.rho = nn.Parameter(torch.full((units,), RHO_INIT))
+        self.__dict__["global_scale"] = global_scale  # shared, not a submodule: its KL is added once
+
+    def moments(self, mc_samples=1, generator=None):
+        return self.mu, _inverse_mean(self.mu, self.rho)
+
+    def log_sample(self, generator=None):
+        return _lognormal_sample(self.mu, self.rho, generator)
+
+    def kl(self):
+        e_log_rate, e_rate = self.global_scale.rate_moments()
+        return kl_lognormal_gamma(self.mu, F.softplus(self.rho), self.shape, e_log_rate, e_rate).sum()
+
+
+class GroupHorseshoeScale(nn.Module):
+    """SS-GHS: tau*^2 = c^2 beta alpha varsigma^2 / (c^2 + beta alpha varsigma^2); q(beta), q(alpha) = LN."""
+
+    def __init__(self, units, fan_in, global_scale=None, c_reg=1.0):
+        super().__init__()
+        if not isinstance(global_scale, GlobalHorseshoeScale):
+            raise ValueError("an SS-GHS layer needs the network's GlobalHorseshoeScale")
+        self.log_c_sq = 2 * math.log(c_reg)
+        self.beta_mu = nn.Parameter(torch.empty(units).uniform_(-0.6, 0.6))
+        self.beta_rho = nn.Parameter(torch.full((units,), RHO_INIT))
+        self.alpha_mu = nn.Parameter(torch.empty(units).uniform_(-0.6, 0.6))
+        self.alpha_rho = nn.Parameter(torch.full((units,), RHO_INIT))
+        self.__dict__["global_scale"] = global_scale
+
+    def _log_product_sample(self, generator=None, n=None):
+        """log(beta alpha varsigma^2): one reparameterized sample per group, or n of them on dim 0."""
+        log_global = self.global_scale.log_sample(generator, n)
+        return (_lognormal_sample(self.beta_mu, self.beta_rho, generator, n)
+                + _lognormal_sample(self.alpha_mu, self.alpha_rho, generator, n)
+                + (log_global if n is None else log_global[:, None]))
+
+    def moments(self, mc_samples=1, generator=None):
+        e_log_product = self.beta_mu + self.alpha_mu + self.global_scale.log_mean()
+        # E[log(c^2 + beta alpha varsigma^2)] has no closed form: Monte Carlo, reparameterized.
+        log_products = self._log_product_sample(generator, mc_samples)
+        e_log_sum = torch.logaddexp(torch.full_like(log_products, self.log_c_sq), log_products).mean(0)
+        e_inv = (_inverse_mean(self.beta_mu, self.beta_rho) * _inverse_mean(self.alpha_mu, self.alpha_rho)
+                 * self.global_scale.inverse_mean() + math.exp(-self.log_c_sq))
+        return self.log_c_sq + e_log_product - e_log_sum, e_inv
+
+    def log_sample(self, generator=None):
+        log_product = self._log_product_sample(generator)
+        return self.log_c_sq + log_product - torch.logaddexp(torch.full_like(log_product, self.log_c_sq), log_product)
+
+    def kl(self):
+        return (kl_lognormal_invgamma(self.beta_mu, F.softplus(self.beta_rho), 0.5, 1.0)
+                + kl_lognormal_gamma(self.alpha_mu, F.softplus(self.alpha_rho), 0.5, 0.0, 1.0)).sum()
+
+
+SCALES = {"ss-ig": FixedScale, "ss-gl": GroupLassoScale, "ss-ghs": GroupHorseshoeScale}
+
+
+# ---------------------------------------------------------------------------------------------
+# The layers
+# ---------------------------------------------------------------------------------------------
 class SpikeSlabLayer(nn.Module):
-    """Shared machinery of spike-and-slab layers; subclasses define the affine op and the shapes."""
+    """Shared machinery; subclasses define the affine op (`_affine`) and the weight shape (groups on dim 0)."""
 
     def __init__(self, weight_shape, fan_in, *, prior, prior_inclusion, prunable, sigma0_sq,
-                 temperature, gamma_init, global_scale=None):
+                 temperature, gamma_init, global_scale=None, c_reg=1.0, noncentered=False, bias=True,
+                 norm=None):
         super().__init__()
         if prior not in PRIORS:
             raise ValueError(f"unknown prior {prior!r}; expected one of {PRIORS}")
-        if prior == "ss-gl" and global_scale is None:
-            raise ValueError("an SS-GL layer needs the network's GlobalScale")
         out_units = weight_shape[0]
         self.prior, self.prunable, self.fan_in = prior, prunable, fan_in
         self.sigma0_sq, self.temperature = float(sigma0_sq), float(temperature)
+        self.noncentered = bool(noncentered) and prior != "ss-ig"  # tau* = 1: both forms are the same
         self.prior_inclusion = float(prior_inclusion) if prunable else 1.0
         self.inclusion_threshold = 0.5
 
         self.weight_mu = nn.Parameter(torch.empty(weight_shape))
-        self.bias_mu = nn.Parameter(torch.empty(out_units))
         self.weight_rho = nn.Parameter(torch.full(weight_shape, RHO_INIT))
-        self.bias_rho = nn.Parameter(torch.full((out_units,), RHO_INIT))
         # Kaiming uniform, as nn.Linear / nn.Conv2d initialise (appendix A.2).
         nn.init.kaiming_uniform_(self.weight_mu, a=math.sqrt(5))
-        bound = 1 / math.sqrt(fan_in)
-        nn.init.uniform_(self.bias_mu, -bound, bound)
-
+        if bias:
+            bound = 1 / math.sqrt(fan_in)
+            self.bias_mu = nn.Parameter(torch.empty(out_units).uniform_(-bound, bound))
+            self.bias_rho = nn.Parameter(torch.full((out_units,), RHO_INIT))
+        else:
+            self.register_parameter("bias_mu", None)
+            self.register_parameter("bias_rho", None)
         if prunable:
             logit = math.log(gamma_init / (1 - gamma_init))
             self.gamma_logit = nn.Parameter(torch.full((out_units,), logit))
-        if prior == "ss-gl":
-            self.tau_mu = nn.Parameter(torch.empty(out_units).uniform_(-0.6, 0.6))
-            self.tau_rho = nn.Parameter(torch.full((out_units,), RHO_INIT))
-        # A plain attribute, not a submodule: the network owns the GlobalScale and adds its KL once.
-        self.__dict__["global_scale"] = global_scale
+        self.scale = SCALES[prior](out_units, fan_in, global_scale, c_reg)
+        self.norm = norm  # optional batch norm between the affine op and the node indicator
+
+    @property
+    def out_units(self):
+        return self.weight_mu.shape[0]
 
     # -- posterior quantities -------------------------------------------------------------------
     def inclusion_probability(self):
-        """gamma_j = q(z_j = 1); exactly 1 for the output layer."""
+        """gamma_j = q(z_j = 1); exactly 1 for a layer that is never pruned."""
         if not self.prunable:
-            return torch.ones_like(self.bias_mu)
+            return torch.ones(self.out_units, device=self.weight_mu.device)
         return torch.sigmoid(self.gamma_logit)
 
     def kept_units(self, threshold=None):
         """Units whose inclusion probability exceeds the threshold (the median model at 0.5)."""
         threshold = self.inclusion_threshold if threshold is None else threshold
-        if not self.prunable:
-            return torch.ones_like(self.bias_mu, dtype=torch.bool)
         return self.inclusion_probability() > threshold
 
+    def _scale_sample(self, generator=None):
+        """tau*_j, one reparameterized draw per group (non-centered form), else None."""
+        if not self.noncentered:
+            return None
+        return torch.exp(0.5 * self.scale.log_sample(generator)).to(self.weight_mu.device)
+
     def sample_weights(self, generator=None):
-        """One draw of (weight, bias) from the slab; rows of dropped units are zeroed by the caller."""
-        w_eps = torch.randn(self.weight_mu.shape, generator=generator, dtype=self.weight_mu.dtype,
-                            device=self.weight_mu.device)
-        b_eps = torch.randn(self.bias_mu.shape, generator=generator, dtype=self.bias_mu.dtype,
-                            device=self.bias_mu.device)
-        weight = self.weight_mu + F.softplus(self.weight_rho) * w_eps
-        bias = self.bias_mu + F.softplus(self.bias_rho) * b_eps
+        """One draw of (weight, bias) from the slab (bias None without one); the caller applies z."""
+        def draw(mu, rho):
+            eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
+            return mu + F.softplus(rho) * eps
+        weight = draw(self.weight_mu, self.weight_rho)
+        bias = None if self.bias_mu is None else draw(self.bias_mu, self.bias_rho)
+        tau = self._scale_sample(generator)
+        if tau is not None:
+            weight = weight * self._per_group(tau)
+            bias = None if bias is None else bias * tau
         return weight, bias
 
     # -- KL ------------------------------------------------------------------------------------
-    def _slab_prior_moments(self):
-        """E[log v] and E[1/v] of the slab variance v = sigma0^2 * scale^2, one value per group."""
-        log_s0 = math.log(self.sigma0_sq)
-        if self.prior == "ss-ig":
-            zeros = torch.zeros_like(self.bias_mu)
-            return zeros + log_s0, zeros + 1 / self.sigma0_sq
-        tau_s = F.softplus(self.tau_rho)
-        return log_s0 + self.tau_mu, torch.exp(-self.tau_mu + 0.5 * tau_s**2) / self.sigma0_sq
+    def weight_kl_per_group(self, mc_samples=1, generator=None):
+        """E_q(scale) KL(q(w_j | z_j = 1) || p(w_j | z_j = 1)) per group (of w0 in the non-centered form)."""
+        if self.noncentered:
+            log_t, inv_t = torch.zeros(self.out_units), torch.ones(self.out_units)
+        else:
+            log_t, inv_t = self.scale.moments(mc_samples, generator)
+        device = self.weight_mu.device
+        log_v = (math.log(self.sigma0_sq) + log_t).to(device)
+        inv_v = (inv_t / self.sigma0_sq).to(device)
+        kl = kl_gaussian_gaussian(self.weight_mu, F.softplus(self.weight_rho), self._per_group(log_v),
+                                  self._per_group(inv_v)).flatten(1).sum(1)
+        if self.bias_mu is not None:
+            kl = kl + kl_gaussian_gaussian(self.bias_mu, F.softplus(self.bias_rho), log_v, inv_v)
+        return kl
 
-    def kl(self):
-        log_v, inv_v = self._slab_prior_moments()
-        kl_w = kl_gaussian_gaussian(self.weight_mu, F.softplus(self.weight_rho), self._per_group(log_v),
-                                    self._per_group(inv_v))
-        kl_b = kl_gaussian_gaussian(self.bias_mu, F.softplus(self.bias_rho), log_v, inv_v)
-        kl_group = kl_w.flatten(1).sum(1) + kl_b
-        total = (self.inclusion_probability() * kl_group).sum()
+    def kl(self, mc_samples=1):
+        """This layer's KL terms; `mc_samples` draws estimate SS-GHS's E[log(c^2 + tau^2 varsigma^2)]."""
+        total = (self.inclusion_probability() * self.weight_kl_per_group(mc_samples)).sum() + self.scale.kl()
         if self.prunable:
             total = total + kl_bernoulli(self.inclusion_probability(), self.prior_inclusion).sum()
-        if self.prior == "ss-gl":
-            e_log_rate, e_rate = self.global_scale.rate_moments()
-            shape = self.fan_in / 2 + 1
-            total = total + kl_lognormal_gamma(self.tau_mu, F.softplus(self.tau_rho), shape, e_log_rate, e_rate).sum()
         return total
 
     # -- forward -------------------------------------------------------------------------------
@@ -163,16 +317,25 @@ class SpikeSlabLayer(nn.Module):
 
     def forward(self, x):
         if self.training:
+            bias_var = None if self.bias_rho is None else F.softplus(self.bias_rho) ** 2
             mean = self._affine(x, self.weight_mu, self.bias_mu)
-            var = self._affine(x * x, F.softplus(self.weight_rho) ** 2, F.softplus(self.bias_rho) ** 2)
+            var = self._affine(x * x, F.softplus(self.weight_rho) ** 2, bias_var)
             out = mean + torch.sqrt(var + 1e-16) * torch.randn_like(mean)
+            tau = self._scale_sample()
+            if tau is not None:
+                out = out * self._unit_view(tau, out.dim())
+            if self.norm is not None:
+                out = self.norm(out)
             if self.prunable:
                 z = relaxed_bernoulli_hard(self.gamma_logit, self.temperature)
                 out = out * self._unit_view(z, out.dim())
             return out
         weight, bias = self.sample_weights()
         keep = self.kept_units().to(weight.dtype)
-        return self._affine(x, weight * self._per_group(keep), bias * keep)
+        out = self._affine(x, weight * self._per_group(keep), None if bias is None else bias * keep)
+        if self.norm is not None:
+            out = self.norm(out) * self._unit_view(keep, out.dim())
+        return out
 
 
 class SpikeSlabLinear(SpikeSlabLayer):
@@ -189,14 +352,32 @@ class SpikeSlabLinear(SpikeSlabLayer):
         return f"{self.in_features}, {self.out_features}, prior={self.prior}, prunable={self.prunable}"
 
 
+class SpikeSlabConv2d(SpikeSlabLayer):
+    """Spike-and-slab over the output channels of a convolution (paper 000, section 5.2-5.3)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, **kw):
+        k = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+        super().__init__((out_channels, in_channels // groups) + k, in_channels // groups * k[0] * k[1], **kw)
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, k
+        self.stride, self.padding, self.groups = stride, padding, groups
+
+    def _affine(self, x, weight, bias):
+        return F.conv2d(x, weight, bias, self.stride, self.padding, 1, self.groups)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, prior={self.prior}, prunable={self.prunable}")
+
+
 def prior_inclusion_probability(fan_in, units, *, n, num_hidden, fan_ins, prior, constant=1e-9, t0=1.0):
-    """Layer-wise prior inclusion probability of Corollaries 2 and 4 (appendix A.5).
+    """Layer-wise prior inclusion probability of Corollaries 2 and 4 (appendix A.5), fully connected layers.
 
     lambda_l = (1/k_{l+1}) exp(-C_l (k_l + 1) vartheta_l), with vartheta_l in the generic form of Remark 5,
     vartheta_l = 2 log n + 2L - log(p B_l^2/(k_l+1)) + p B_l^2/(k_l+1) + 2 sum_m log B_m, where B_l = k_l + 1
-    (appendix A.5) and the penalty p is 1 for SS-IG and 1/(t0 (k_l + 1)) for SS-GL (Theorem 1 with the
-    unknown tail constant t0'' set to `t0`). With C_l = 1e-9 the exponential is within 1e-3 (SS-IG) and
-    1e-4 (SS-GL) of 1 for the paper's 784-400-400 MLP, so lambda_l is close to 1/k_{l+1}, as the paper intends.
+    (appendix A.5) and the penalty p is 1 for SS-IG and 1/(t0 (k_l + 1)) for SS-GL and SS-GHS (Theorems 1
+    and 3 with the unknown tail constants set to `t0`; SS-GHS's extra 1/c_reg^2 term is of the same order and
+    left out). With C_l = 1e-9 the exponential is within 1e-3 of 1 for the paper's 784-400-400 MLP, so
+    lambda_l is close to 1/k_{l+1}, as the paper intends.
     """
     b_l = fan_in + 1
     penalty = 1.0 if prior == "ss-ig" else 1.0 / (t0 * (fan_in + 1))

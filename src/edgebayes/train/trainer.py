@@ -36,8 +36,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def model_for(cfg, splits):
-    in_features = int(np.prod(splits.input_shape))
-    return build_model(cfg.model, cfg.prior, in_features, len(splits.classes), n_train=len(splits.train_x))
+    return build_model(cfg.model, cfg.prior, splits.input_shape, len(splits.classes), n_train=len(splits.train_x))
 
 
 def evaluate(model, x, y, knob_value, m, seed):
