@@ -72,8 +72,13 @@ class TrainConfig:
     epochs: int = 100
     batch_size: int = 1024
     lr: float = 1e-3
+    optimizer: Literal["adam", "sgd"] = "adam"  # paper 000: Adam for MLP / LeNet, SGD + momentum for ResNets
+    momentum: float = 0.9               # sgd only
+    lr_milestones: list[int] = field(default_factory=list)  # epochs where the lr is multiplied by lr_gamma
+    lr_gamma: float = 0.1
     kl_weight: float = 1.0              # 1 = the exact ELBO; < 1 tempers the KL (see trainer docstring)
     mc_samples_eval: int = 10           # paper 000 evaluates with 10 MC samples
+    mc_samples_val: int = 2             # per-epoch validation: a cheap progress signal
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
@@ -280,7 +285,11 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check(cfg.train.batch_size > 0, f"{p}: train.batch_size", "expected a positive integer")
     _check(cfg.train.kl_weight > 0, f"{p}: train.kl_weight", "expected a positive number")
     _check(cfg.train.lr > 0, f"{p}: train.lr", "expected a positive number")
+    _check(0 <= cfg.train.momentum < 1, f"{p}: train.momentum", "expected a number in [0, 1)")
+    _check(all(0 < e <= cfg.train.epochs for e in cfg.train.lr_milestones), f"{p}: train.lr_milestones",
+           "expected epochs between 1 and train.epochs")
     _check(cfg.train.mc_samples_eval > 0, f"{p}: train.mc_samples_eval", "expected a positive integer")
+    _check(cfg.train.mc_samples_val > 0, f"{p}: train.mc_samples_val", "expected a positive integer")
     _check(cfg.select.knob_values is None or len(cfg.select.knob_values) > 0, f"{p}: select.knob_values",
            "expected a non-empty list (or null for the model's default operating points)")
     _check(all(m > 0 for m in cfg.select.mc_samples), f"{p}: select.mc_samples", "expected positive integers")

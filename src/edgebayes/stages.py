@@ -128,7 +128,8 @@ def run_train(ctx):
         "test": {**test, "mc_samples": m, "knob": model.knob, "knob_value": knob_value},
         "reliability": reliability_bins(probs, splits.test_y.numpy()),
         "sparsity": {"layers": structure["layers"]},
-        **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "dense_weights", "kept_weights",
+        **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
+                                     "physical_flops_ratio", "dense_weights", "kept_weights",
                                      "dense_flops", "pruned_flops")},
         "history": history,
         "provenance": ctx.provenance("train"),
@@ -139,7 +140,7 @@ def run_train(ctx):
     write_json(out / "metrics.json", metrics)
     ctx.log(f"train: test accuracy {test['accuracy']:.4f}, NLL {test['nll']:.4f}, ECE {test['ece']:.4f}; "
             f"kept nodes {[l['kept'] for l in structure['layers']]}; compression {structure['compression_ratio']:.3f}, "
-            f"FLOPs ratio {structure['flops_ratio']:.3f}")
+            f"FLOPs ratio {structure['flops_ratio']:.3f} (after surgery {structure['physical_flops_ratio']:.3f})")
 
 
 def run_select(ctx):
@@ -185,7 +186,7 @@ def run_export(ctx):
             raise StageError(f"export: ONNX probabilities differ from the PyTorch MC average by {gap:.2e} "
                              f"> export.fidelity_tolerance {tol:.0e}; the bundle was not written")
         onnx_params = onnx_parameter_count(tmp)
-        kept_per_sample = count_weights(compressed.samples[0])
+        kept_per_sample = count_weights(compressed.samples[0], fold_batch_norm=True)
         manifest = write_bundle(
             out / "bundle", tmp, x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
             knob_name=model.knob, knob_value=knob_value,
@@ -195,7 +196,8 @@ def run_export(ctx):
     summary = {
         "format": "onnx", "precision": "fp32", "mc_samples": m, "knob": model.knob, "knob_value": knob_value,
         "sparsity": {"layers": structure["layers"]},
-        "compression_ratio": structure["compression_ratio"], "flops_ratio": structure["flops_ratio"],
+        **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
+                                     "physical_flops_ratio")},
         "kept_units": {name: int(k.sum()) for name, k in compressed.kept.items()},
         "onnx_params": onnx_params, "kept_weights_per_sample": kept_per_sample,
         "kept_weights_total": kept_per_sample * m, "params_match": onnx_params == kept_per_sample * m,
@@ -241,7 +243,7 @@ def run_report(ctx):
     results = read_json(ctx.require("deploy", "results.json") / "results.json")
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
     # default knob value; the training metrics stay as they are.
-    deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio")}
+    deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio", "physical_flops_ratio")}
     inputs = {
         "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],

@@ -24,9 +24,15 @@ def export_onnx(module: torch.nn.Module, example: torch.Tensor, path, opset: int
 
 
 def onnx_parameter_count(path) -> int:
-    """Number of values stored in the graph's initializers (its weights and biases)."""
+    """Number of weight values the graph uses: its initializers, counted once per Identity that re-uses one.
+
+    The exporter stores equal constants once and hands them to several layers through Identity nodes
+    (e.g. the folded batch-norm biases of freshly initialised layers); each use is a parameter of the net.
+    """
     graph = onnx.load(str(path)).graph
-    return int(sum(np.prod(t.dims) for t in graph.initializer))
+    sizes = {t.name: int(np.prod(t.dims)) for t in graph.initializer}
+    reused = sum(sizes.get(n.input[0], 0) for n in graph.node if n.op_type == "Identity")
+    return int(sum(sizes.values()) + reused)
 
 
 def onnx_session(path, threads: int = 0):

@@ -7,7 +7,8 @@ Structural metrics follow paper 000 exactly:
   - node sparsity (eq. 17) = O_pr / O, kept units over units, per layer;
   - compression ratio = non-zero weights of the compressed net / weights of the dense net (biases count);
   - FLOPs ratio with appendix A.1's formula, multiplies only:
-      linear  (I_pr + 1) O_pr;     conv  (C_in,pr Kw Kh + 1) Ow Oh C_out,pr.
+      linear  (I_pr + 1) O_pr;     conv  (C_in,pr Kw Kh + 1) Ow Oh C_out,pr,
+    over every Linear and Conv2d (for ResNets: the convolutions and the last linear layer, as the paper).
 """
 
 import numpy as np
@@ -18,38 +19,67 @@ from torch import nn
 from edgebayes.deploy.runner import classification_metrics, reliability_bins  # noqa: F401
 
 
-def paper_flops(module: nn.Module, input_shape) -> int:
-    """FLOPs of a plain module for one example, by appendix A.1 (counted over Linear and Conv2d)."""
-    total = 0
+def _layer_costs(module: nn.Module, input_shape, effective: bool):
+    """(FLOPs, weights) of the Linear / Conv2d layers of a plain module, for one example, by appendix A.1.
 
-    def linear_hook(m, inputs, output):
-        nonlocal total
-        total += (m.in_features + 1) * m.out_features
+    effective=False counts the module's shapes. effective=True counts a masked module as the paper does:
+    C_out,pr = outputs whose weight row or bias is non-zero, C_in,pr = input channels that are not
+    identically zero (on a random probe batch), so dead units count as pruned before any surgery.
+    """
+    flops = weights = 0
 
-    def conv_hook(m, inputs, output):
-        nonlocal total
-        oh, ow = output.shape[-2:]
-        kh, kw = m.kernel_size
-        total += ((m.in_channels // m.groups) * kw * kh + 1) * ow * oh * m.out_channels
+    def hook(m, inputs, output):
+        nonlocal flops, weights
+        w, x = m.weight, inputs[0]
+        if effective:
+            rows = w.flatten(1).abs().sum(1) > 0
+            if m.bias is not None:
+                rows |= m.bias != 0
+            c_out = int(rows.sum())
+            channel_dim = 1 if isinstance(m, nn.Conv2d) else x.dim() - 1
+            c_in = int((x.abs().amax(dim=[d for d in range(x.dim()) if d != channel_dim]) > 0).sum())
+        else:
+            c_out, c_in = w.shape[0], (m.in_channels if isinstance(m, nn.Conv2d) else m.in_features)
+        bias = 1 if m.bias is not None else 0
+        if isinstance(m, nn.Conv2d):
+            kh, kw = m.kernel_size
+            per_output = (c_in // m.groups) * kw * kh
+            oh, ow = output.shape[-2:]
+            flops += (per_output + 1) * ow * oh * c_out   # the formula's +1 is there with or without a bias
+        else:
+            per_output = c_in
+            flops += (per_output + 1) * c_out
+        weights += (per_output + bias) * c_out
 
-    handles = []
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            handles.append(m.register_forward_hook(linear_hook))
-        elif isinstance(m, nn.Conv2d):
-            handles.append(m.register_forward_hook(conv_hook))
+    handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     try:
         with torch.no_grad():
-            module(torch.zeros((1,) + tuple(input_shape)))
+            probe = torch.randn((2,) + tuple(input_shape), generator=torch.Generator().manual_seed(0))
+            module.eval()(probe if effective else probe[:1])
     finally:
         for h in handles:
             h.remove()
-    return total
+    return flops, weights
 
 
-def count_weights(module: nn.Module, nonzero_only=False) -> int:
-    """Weights and biases of the Linear / Conv2d layers of a plain module."""
+def paper_flops(module: nn.Module, input_shape, effective=False) -> int:
+    """FLOPs of a plain module for one example by appendix A.1 (Linear and Conv2d; see _layer_costs)."""
+    return _layer_costs(module, input_shape, effective)[0]
+
+
+def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) -> int:
+    """Weights and biases of the Linear / Conv2d layers of a plain module.
+
+    fold_batch_norm=True counts the network as exported: a batch norm right after a bias-free convolution
+    (in an nn.Sequential) folds into it and gives it one bias per channel.
+    """
     total = 0
+    if fold_batch_norm:
+        for seq in module.modules():
+            if isinstance(seq, nn.Sequential):
+                children = list(seq.children())
+                total += sum(b.num_features for a, b in zip(children, children[1:])
+                             if isinstance(a, nn.Conv2d) and a.bias is None and isinstance(b, nn.BatchNorm2d))
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Conv2d)):
             for p in (m.weight, m.bias):
@@ -59,18 +89,25 @@ def count_weights(module: nn.Module, nonzero_only=False) -> int:
 
 
 def structure_report(dense: nn.Module, pruned: nn.Module, kept: dict, input_shape) -> dict:
-    """Per-layer node sparsity, compression ratio and FLOPs ratio of a pruned sample against its dense net.
+    """Per-layer node sparsity, compression and FLOPs ratio of a posterior sample (paper 000, section 5).
 
-    `kept` maps each layer's name to the boolean mask of its kept output units (or channels).
+    `dense` is the sample with dead units zeroed, `pruned` the same after surgery, `kept` maps each
+    layer's name to the boolean mask of its kept output units (or channels). compression_ratio and
+    flops_ratio count as the paper does, by the masks (`_layer_costs(effective=True)`); the physical_*
+    ratios count the network after surgery. They differ where surgery cannot remove a dead channel
+    exactly (a residual stream channel alive in another block, a unit behind an activation with f(0) != 0).
     """
     layers = [{"name": n, "kept": int(m.sum()), "total": int(m.numel()),
                "node_sparsity": float(m.sum()) / m.numel()} for n, m in kept.items()]
-    dense_flops, pruned_flops = paper_flops(dense, input_shape), paper_flops(pruned, input_shape)
-    dense_w, kept_w = count_weights(dense), count_weights(pruned)
+    dense_flops, dense_w = _layer_costs(dense, input_shape, effective=False)
+    masked_flops, masked_w = _layer_costs(dense, input_shape, effective=True)
+    pruned_flops, kept_w = _layer_costs(pruned, input_shape, effective=False)
     return {
         "layers": layers,
-        "dense_weights": dense_w, "kept_weights": kept_w, "compression_ratio": kept_w / dense_w,
-        "dense_flops": dense_flops, "pruned_flops": pruned_flops, "flops_ratio": pruned_flops / dense_flops,
+        "dense_weights": dense_w, "kept_weights": kept_w, "compression_ratio": masked_w / dense_w,
+        "physical_compression_ratio": kept_w / dense_w,
+        "dense_flops": dense_flops, "pruned_flops": pruned_flops, "flops_ratio": masked_flops / dense_flops,
+        "physical_flops_ratio": pruned_flops / dense_flops,
     }
 
 

@@ -2,7 +2,7 @@
 
 Loss per mini-batch = mean NLL + KL / N_train, i.e. the negative ELBO of paper 000 (NLL summed over the
 data set plus the KLs) divided by the data set size N, so the learning rate means the same whatever N is.
-Adam as in paper 000 (1e-3 for MLP / LeNet). CPU or CUDA. A checkpoint is written (atomically) after every
+Adam as in paper 000 (1e-3 for MLP / LeNet), or SGD with momentum and step decays (ResNets). CPU or CUDA. A checkpoint is written (atomically) after every
 epoch with the optimizer and RNG state; a run interrupted at any point resumes from the last finished
 epoch and ends with the same result as an uninterrupted one.
 
@@ -47,18 +47,42 @@ def evaluate(model, x, y, knob_value, m, seed):
     return classification_metrics(probs, y.numpy()), compressed, probs
 
 
+@torch.no_grad()
+def mc_predict(model, x, m, seed, batch_size=1024):
+    """MC-averaged class probabilities of m eval-mode forward passes (m posterior samples), as numpy.
+
+    The dense, masked network on the training device: cheap enough for every epoch's validation. The
+    RNG is forked so that validation does not move the training noise (resume stays exact).
+    """
+    model.eval()
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        total = 0
+        for _ in range(m):
+            total = total + torch.cat([torch.softmax(model(x[i: i + batch_size]), -1)
+                                       for i in range(0, len(x), batch_size)])
+    return (total / m).cpu().numpy()
+
+
 def train(cfg, splits, checkpoint_path, log=print):
     """Train (or resume) the configured model; returns (model, history)."""
     device = resolve_device(cfg.train.device)
     torch.manual_seed(cfg.seed)
     model = model_for(cfg, splits).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    t = cfg.train
+    if t.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=t.lr)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones, gamma=t.lr_gamma)
     history, start_epoch = [], 0
 
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng_cpu"])
         if device.type == "cuda" and "rng_cuda" in state:
             torch.cuda.set_rng_state(state["rng_cuda"], device)
@@ -86,15 +110,16 @@ def train(cfg, splits, checkpoint_path, log=print):
             sums["loss"] += loss.item() * w
             sums["nll"] += nll.item() * w
             sums["kl"] += kl.item() * w
+        scheduler.step()
 
-        model.eval()
-        val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_eval, cfg.seed)
+        val = classification_metrics(mc_predict(model, splits.val_x.to(device), cfg.train.mc_samples_val, cfg.seed),
+                                     splits.val_y.numpy())
         kept = [int(k.sum()) for k in model.kept_units(model.default_knob).values()][:-1]  # hidden layers
         record = {"epoch": epoch + 1, **sums, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
                   "kept_nodes": kept, "seconds": time.perf_counter() - t0}
         history.append(record)
         bar.set_postfix(loss=f"{sums['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}", kept=kept)
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng_cpu": torch.get_rng_state(), "history": history, "epoch": epoch + 1}
         if device.type == "cuda":  # the training noise is drawn on the GPU
             state["rng_cuda"] = torch.cuda.get_rng_state(device)

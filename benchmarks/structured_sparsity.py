@@ -1,0 +1,156 @@
+"""Paper 000's comparison on one config: DNN, BNN, SS-IG, SS-GL and SS-GHS, trained by the pipeline's own
+train stage, evaluated as the paper does, and timed as physically pruned ONNX beside the dense one.
+
+For each family and seed: train (resumable, cached by the stage fingerprint under --runs-dir), then on the
+test split at inclusion threshold 0.5 with 10 MC samples: accuracy, NLL, ECE; compression (%) and pruned
+FLOPs (%) by paper 000 (appendix A.1, counted by the masks), the FLOPs of the physically pruned network;
+and the batch-1 onnxruntime latency (2 threads, median of 5 repeats of the runner's protocol) of one
+posterior sample, dense (dead units zeroed, full shapes) and physically pruned, in the same run.
+
+Results: <out>.json (every run, provenance: machine, commit, versions) and <out>.md (mean and spread over
+seeds). Timing takes /tmp/edgebayes-bench.lock so timing runs of parallel sessions never overlap.
+
+    python benchmarks/structured_sparsity.py --config configs/mnist-lenet5-ssghs.yaml --seeds 0 \
+        --epochs 12 --batch-size 128 --out benchmarks/results/lenet5-mnist-cpu
+"""
+
+import argparse
+import copy
+import fcntl
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgebayes.config import load_device_profile, load_pipeline_config
+from edgebayes.deploy.runner import make_backend, measure_latency
+from edgebayes.export.onnx_export import export_onnx
+from edgebayes.provenance import provenance, write_json
+from edgebayes.stages import Context, load_trained_model, run_stage, splits_for
+from edgebayes.train.metrics import structure_report
+from edgebayes.train.trainer import evaluate
+
+FAMILIES = ("dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs")
+PAPER_LABEL = {"dnn": "DNN", "bnn": "BNN", "ss-ig": "SS-IG", "ss-gl": "SS-GL", "ss-ghs": "SS-GHS"}
+
+
+def variant(cfg, family, seed, epochs, batch_size):
+    """The config for one run. DNN and BNN take appendix A.4's baseline learning rate (1e-4) with Adam."""
+    v = copy.deepcopy(cfg)
+    v.model.family, v.seed = family, seed
+    v.name = f"{cfg.name}-{family}-s{seed}"
+    if epochs:
+        v.train.epochs = epochs
+        v.train.lr_milestones = [m for m in v.train.lr_milestones if m <= epochs]
+    if batch_size:
+        v.train.batch_size = batch_size
+    if family in ("dnn", "bnn") and v.train.optimizer == "adam":
+        v.train.lr = 1e-4
+    return v
+
+
+def onnx_latency_ms(module, example, repeats=5):
+    """Median over `repeats` of the runner's p50 at batch 1 (onnxruntime, 2 threads)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.onnx"
+        export_onnx(module, example, path)
+        backend = make_backend("onnxruntime", str(path), threads=2)
+        batch = example.numpy()
+        p50s = [measure_latency(backend, batch, warmup=50, min_runs=300, min_seconds=1.0, progress=False)
+                ["latency_ms"]["p50"] for _ in range(repeats)]
+    return statistics.median(p50s)
+
+
+def measure(ctx, log):
+    model, splits = load_trained_model(ctx), splits_for(ctx)
+    test, compressed, _ = evaluate(model, splits.test_x, splits.test_y, 0.5, 10, ctx.cfg.seed)
+    s = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept, splits.input_shape)
+    example = splits.test_x[:1]
+    with open("/tmp/edgebayes-bench.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        dense_ms = onnx_latency_ms(compressed.dense_sample, example)
+        pruned_ms = onnx_latency_ms(compressed.samples[0], example)
+    row = {"family": ctx.cfg.model.family, "seed": ctx.cfg.seed, "epochs": ctx.cfg.train.epochs,
+           "batch_size": ctx.cfg.train.batch_size, "lr": ctx.cfg.train.lr,
+           "accuracy": test["accuracy"], "nll": test["nll"], "ece": test["ece"],
+           "compression": s["compression_ratio"], "flops_ratio": s["flops_ratio"],
+           "physical_flops_ratio": s["physical_flops_ratio"],
+           "kept": {layer["name"]: [layer["kept"], layer["total"]] for layer in s["layers"]},
+           "latency_dense_ms": dense_ms, "latency_pruned_ms": pruned_ms, "latency_ratio": pruned_ms / dense_ms}
+    log(f"{ctx.cfg.name}: accuracy {row['accuracy']:.4f}, compression {100 * row['compression']:.2f}%, "
+        f"FLOPs {100 * row['flops_ratio']:.2f}% (physical {100 * row['physical_flops_ratio']:.2f}%), "
+        f"latency {pruned_ms:.3f} / {dense_ms:.3f} ms = {row['latency_ratio']:.3f}")
+    return row
+
+
+def _mean_spread(values, scale=1.0, digits=2):
+    values = [scale * v for v in values]
+    mean = float(np.mean(values))
+    spread = f" ± {float(np.std(values, ddof=1)):.{digits}f}" if len(values) > 1 else ""
+    return f"{mean:.{digits}f}{spread}"
+
+
+def markdown(rows, title, facts):
+    lines = [f"# {title}", "", *facts, "",
+             "| model | accuracy (%) | compression (%) | pruned FLOPs (%) | physical FLOPs (%) | latency pruned / dense (ms) | latency ratio | ECE |",
+             "|---|---|---|---|---|---|---|---|"]
+    for family in FAMILIES:
+        r = [row for row in rows if row["family"] == family]
+        if not r:
+            continue
+        col = lambda k, scale=1.0, d=2: _mean_spread([x[k] for x in r], scale, d)  # noqa: E731
+        lines.append(f"| {PAPER_LABEL[family]} | {col('accuracy', 100)} | {col('compression', 100)} | "
+                     f"{col('flops_ratio', 100)} | {col('physical_flops_ratio', 100)} | "
+                     f"{col('latency_pruned_ms', 1, 3)} / {col('latency_dense_ms', 1, 3)} | "
+                     f"{col('latency_ratio', 1, 3)} | {col('ece', 1, 4)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--epochs", type=int, help="override train.epochs (say so in the results)")
+    ap.add_argument("--batch-size", type=int, help="override train.batch_size")
+    ap.add_argument("--runs-dir", default="runs/bench")
+    ap.add_argument("--train-only", action="store_true", help="train (or resume) and stop")
+    ap.add_argument("--out", help="results path without suffix (.json and .md are written)")
+    args = ap.parse_args(argv)
+    if not args.train_only and not args.out:
+        ap.error("--out is required unless --train-only")
+
+    cfg = load_pipeline_config(args.config)
+    profile = load_device_profile("local")
+    rows = []
+    for seed in args.seeds:
+        for family in args.families:
+            v = variant(cfg, family, seed, args.epochs, args.batch_size)
+            ctx = Context(v, profile, runs_dir=Path(args.runs_dir), config_path=args.config)
+            run_stage(ctx, "train")
+            if not args.train_only:
+                rows.append(measure(ctx, print))
+    if args.train_only:
+        return 0
+    epochs = args.epochs or cfg.train.epochs
+    facts = [f"Config `{args.config}` ({cfg.model.arch} on {cfg.data.dataset}), {epochs} epochs "
+             f"(paper: {cfg.train.epochs}), batch {args.batch_size or cfg.train.batch_size}, seeds {args.seeds}; "
+             "test split, inclusion threshold 0.5, 10 MC samples. Compression and pruned FLOPs by paper 000 "
+             "(appendix A.1, by the masks); physical FLOPs of the network after surgery; latency of one "
+             "posterior sample at batch 1, onnxruntime CPU, 2 threads, median of 5 x p50."]
+    result = {"config": args.config, "epochs": epochs, "seeds": args.seeds, "rows": rows,
+              "provenance": provenance(None)}
+    write_json(Path(args.out + ".json"), result)
+    md = markdown(rows, f"Structured sparsity: {cfg.model.arch} on {cfg.data.dataset}", facts)
+    machine = result["provenance"]["machine"]
+    md += f"\nMachine: {machine}; commit {result['provenance']['git_commit']}.\n"
+    Path(args.out + ".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
