@@ -91,10 +91,19 @@ class SelectConfig:
     objective: Literal["accuracy", "nll"] = "accuracy"
 
 
+# Target formats of the exported MC-averaged model (export/formats.py has what each one is).
+ExportFormat = Literal["onnx", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflite-int8", "tensorrt-fp16",
+                       "tensorrt-int8"]
+
+
 @dataclass
 class ExportConfig:
     opset: int = 17
-    fidelity_tolerance: float = 1e-4
+    fidelity_tolerance: float = 1e-4     # fp32 artifacts: max |p_artifact - p_torch| on the eval set
+    formats: list[ExportFormat] = field(default_factory=lambda: ["onnx"])  # the first is the primary one
+    layout: Literal["packed", "unrolled"] = "packed"  # the M samples as one grouped network, or M branches
+    calibration_size: int = 256          # training inputs that calibrate the int8 formats
+    max_accuracy_drop: float = 0.02      # fp16/int8 artifacts: accuracy floor = PyTorch MC accuracy - this
 
 
 @dataclass
@@ -125,6 +134,7 @@ class RuntimeConfig:
     name: Literal["onnxruntime"] = "onnxruntime"
     threads: int = 0                    # 0: the runtime's default
     precision: Literal["fp32"] = "fp32"
+    workspace_mb: int = 1024            # TensorRT builder workspace (engines are built on the device)
 
 
 @dataclass
@@ -294,6 +304,10 @@ def load_pipeline_config(path) -> PipelineConfig:
            "expected a non-empty list (or null for the model's default operating points)")
     _check(all(m > 0 for m in cfg.select.mc_samples), f"{p}: select.mc_samples", "expected positive integers")
     _check(cfg.export.fidelity_tolerance > 0, f"{p}: export.fidelity_tolerance", "expected a positive number")
+    _check(len(set(cfg.export.formats)) == len(cfg.export.formats), f"{p}: export.formats",
+           f"expected each format once, got {cfg.export.formats}")
+    _check(cfg.export.calibration_size > 0, f"{p}: export.calibration_size", "expected a positive integer")
+    _check(0 <= cfg.export.max_accuracy_drop < 1, f"{p}: export.max_accuracy_drop", "expected a number in [0, 1)")
     _check(cfg.benchmark.min_runs > 0, f"{p}: benchmark.min_runs", "expected a positive integer")
     return cfg
 
@@ -311,6 +325,7 @@ def load_device_profile(name: str) -> DeviceProfile:
     p = str(path)
     b = profile.budgets
     _check(b.batch_size > 0, f"{p}: budgets.batch_size", "expected a positive integer")
+    _check(profile.runtime.workspace_mb > 0, f"{p}: runtime.workspace_mb", "expected a positive integer")
     for key in ("latency_ms", "memory_mb", "model_mb"):
         value = getattr(b, key)
         _check(value is None or value > 0, f"{p}: budgets.{key}", "expected a positive number or null")

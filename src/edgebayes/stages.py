@@ -164,73 +164,121 @@ def run_select(ctx):
 
 
 def run_export(ctx):
+    import tempfile
+
     from edgebayes.export.bundle import write_bundle
     from edgebayes.export.compress import compress, predict
-    from edgebayes.export.onnx_export import export_onnx, onnx_parameter_count, onnx_predict
+    from edgebayes.export.formats import FORMATS, artifact_predict, check_fidelity, export_artifact, fidelity
+    from edgebayes.export.onnx_export import onnx_parameter_count
     from edgebayes.train.metrics import classification_metrics, count_weights, structure_report
 
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     model, splits = load_trained_model(ctx), splits_for(ctx)
+    e = ctx.cfg.export
     knob_value, m = choice["knob_value"], choice["mc_samples"]
     compressed = compress(model, knob_value, m, ctx.cfg.seed)
     mc_model = compressed.mc_model()
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
+    calib_x = splits.train_x[: e.calibration_size]  # the first rows of the (seeded) training split
     out = ctx.stage_dir("export")
-    with atomic_path(out / "model.onnx") as tmp:
-        export_onnx(mc_model, x[:1], tmp, ctx.cfg.export.opset)
-        onnx_probs = onnx_predict(tmp, x.numpy())
-        gap = float(np.abs(onnx_probs - reference_probs).max())
-        tol = ctx.cfg.export.fidelity_tolerance
-        if gap > tol:
-            raise StageError(f"export: ONNX probabilities differ from the PyTorch MC average by {gap:.2e} "
-                             f"> export.fidelity_tolerance {tol:.0e}; the bundle was not written")
-        onnx_params = onnx_parameter_count(tmp)
-        kept_per_sample = count_weights(compressed.samples[0], fold_batch_norm=True)
+    out.mkdir(parents=True, exist_ok=True)
+    artifacts, failed = {}, []
+    with tempfile.TemporaryDirectory(dir=out, prefix=".artifacts.") as tmp:
+        for fmt in e.formats:
+            f = FORMATS[fmt]
+            path = Path(tmp) / f"{fmt}{f.suffix}"
+            facts = {}
+            export_artifact(mc_model, fmt, path, x[:16], calib_x, e.opset, layout=e.layout, details=facts)
+            # TensorRT engines are built on the target: here the shipped ONNX is checked with onnxruntime.
+            probs = artifact_predict(path, "onnx" if f.runtime == "tensorrt" else fmt, x.numpy())
+            line = fidelity(probs, reference_probs, y)
+            line["check"] = check_fidelity(line, "fp32" if fmt == "tensorrt-fp16" else f.precision,
+                                           e.fidelity_tolerance, e.max_accuracy_drop)
+            if f.runtime == "tensorrt":
+                line["measured_with"] = "onnxruntime on the shipped ONNX; the engine's own figures come from the device"
+            artifacts[fmt] = {"path": path, **facts, "format": f.bundle_format, "bytes": path.stat().st_size,
+                              "fidelity": line}
+            ctx.log(f"export: {fmt} ({e.layout}): accuracy {line['accuracy']:.4f} (PyTorch {line['reference']['accuracy']:.4f}), "
+                    f"NLL {line['nll']:.4f}, ECE {line['ece']:.4f}, max |p - p_torch| {line['max_abs_prob_diff']:.2e}: "
+                    f"{'ok' if line['check']['passed'] else 'FAILED'} ({line['check']['rule']})")
+            if not line["check"]["passed"]:
+                failed.append(f"{fmt} ({line['check']['rule']}: accuracy {line['accuracy']:.4f}, "
+                              f"max |p - p_torch| {line['max_abs_prob_diff']:.2e})")
+        if failed:
+            raise StageError(f"export: artifact fidelity out of tolerance: {'; '.join(failed)}; "
+                             f"the bundle was not written")
+        primary = artifacts[e.formats[0]]
+        onnx_params = onnx_parameter_count(artifacts["onnx"]["path"]) if "onnx" in artifacts else None
         manifest = write_bundle(
-            out / "bundle", tmp, x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
+            out / "bundle", primary["path"], x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
             knob_name=model.knob, knob_value=knob_value,
-            reference_metrics=classification_metrics(reference_probs, y), provenance=ctx.provenance("export"))
+            reference_metrics=classification_metrics(reference_probs, y), provenance=ctx.provenance("export"),
+            artifacts=artifacts)
+    kept_per_sample = count_weights(compressed.samples[0], fold_batch_norm=True)
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
     summary = {
-        "format": "onnx", "precision": "fp32", "mc_samples": m, "knob": model.knob, "knob_value": knob_value,
+        "format": e.formats[0], "precision": primary["precision"], "layout": e.layout,
+        "mc_samples": m, "knob": model.knob, "knob_value": knob_value,
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
                                      "physical_flops_ratio")},
         "kept_units": {name: int(k.sum()) for name, k in compressed.kept.items()},
         "onnx_params": onnx_params, "kept_weights_per_sample": kept_per_sample,
-        "kept_weights_total": kept_per_sample * m, "params_match": onnx_params == kept_per_sample * m,
-        "fidelity_max_abs_prob_diff": gap, "fidelity_tolerance": tol,
-        "model_bytes": manifest["files"]["model.onnx"]["bytes"], "reference": manifest["reference"],
+        "kept_weights_total": kept_per_sample * m,
+        "params_match": None if onnx_params is None else onnx_params == kept_per_sample * m,
+        "fidelity_max_abs_prob_diff": primary["fidelity"]["max_abs_prob_diff"],
+        "fidelity_tolerance": e.fidelity_tolerance,
+        "model_bytes": manifest["files"][manifest["model_file"]]["bytes"], "reference": manifest["reference"],
+        "artifacts": {name: {k: v for k, v in art.items() if k != "model_file"}
+                      for name, art in manifest["artifacts"].items()},
         "provenance": ctx.provenance("export"),
     }
     write_json(out / "export.json", summary)
-    ctx.log(f"export: {out / 'bundle'}; ONNX parameters {onnx_params} = {m} x {kept_per_sample} kept weights: "
-            f"{summary['params_match']}; fidelity max |p_onnx - p_torch| = {gap:.2e}")
+    ctx.log(f"export: {out / 'bundle'} with {', '.join(artifacts)}; ONNX parameters {onnx_params} = {m} x "
+            f"{kept_per_sample} kept weights: {summary['params_match']}")
 
 
 def run_deploy(ctx):
     from edgebayes.deploy.transport import RUNNER, transport_for
 
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
+    manifest = read_json(bundle / "manifest.json")
     out = ctx.stage_dir("deploy")
     transport = transport_for(ctx.profile, out / "device")
     transport.put(bundle, "bundle")
     transport.put(RUNNER, "runner.py")
     b, r = ctx.cfg.benchmark, ctx.profile
-    args = ["runner.py", "--bundle", "bundle", "--out", "results.json", "--warmup", b.warmup,
-            "--min-runs", b.min_runs, "--min-seconds", b.min_seconds, "--batch-size", r.budgets.batch_size,
-            "--threads", r.runtime.threads, "--runtime", r.runtime.name]
-    code, last_line = transport.run(args)
-    if code != 0:
-        raise StageError(f"the runner failed on device {r.name} (exit code {code}): {last_line}; "
-                         f"local artifacts are kept, re-run `edgebayes deploy`")
-    transport.get("results.json", out / "results.json")
-    res = read_json(out / "results.json")
-    lat = res["latency_ms"]
-    ctx.log(f"deploy: on {r.name} accuracy {res['metrics']['accuracy']:.4f}, ECE {res['metrics']['ece']:.4f}; "
-            f"latency p50 {lat['p50']:.3f} / p90 {lat['p90']:.3f} / p99 {lat['p99']:.3f} ms over {res['runs']} runs")
+    common = ["runner.py", "--bundle", "bundle", "--warmup", b.warmup, "--min-runs", b.min_runs,
+              "--min-seconds", b.min_seconds, "--batch-size", r.budgets.batch_size, "--threads", r.runtime.threads,
+              "--workspace-mb", r.runtime.workspace_mb]
+    # Every artifact of the bundle is run and timed; the primary one (the manifest's model_file) with the
+    # device profile's runtime, the others with their own.
+    artifacts = manifest.get("artifacts") or {manifest["format"]: {"model_file": manifest["model_file"],
+                                                                   "runtime": r.runtime.name}}
+    results_by_artifact = {}
+    for name, art in artifacts.items():
+        primary = art["model_file"] == manifest["model_file"]
+        runtime = art["runtime"]
+        result_file = "results.json" if primary else f"results-{name}.json"
+        args = [*common, "--out", result_file, "--runtime", runtime]
+        if "artifacts" in manifest:
+            args += ["--artifact", name]
+        code, last_line = transport.run(args)
+        if code != 0:
+            raise StageError(f"the runner failed on device {r.name} for artifact {name} (exit code {code}): "
+                             f"{last_line}; local artifacts are kept, re-run `edgebayes deploy`")
+        transport.get(result_file, out / result_file)
+        res = read_json(out / result_file)
+        results_by_artifact[name] = res
+        lat = res["latency_ms"]
+        ctx.log(f"deploy: {name} on {r.name}: accuracy {res['metrics']['accuracy']:.4f}, ECE {res['metrics']['ece']:.4f}, "
+                f"max |p - p_ref| {res['max_abs_prob_diff']:.2e}; latency p50 {lat['p50']:.3f} / p90 {lat['p90']:.3f} / "
+                f"p99 {lat['p99']:.3f} ms over {res['runs']} runs")
+    write_json(out / "artifacts.json", {name: {k: res[k] for k in ("bundle", "runtime", "metrics", "latency_ms",
+                                                                   "runs", "max_abs_prob_diff", "peak_rss_mb")}
+                                        for name, res in results_by_artifact.items()})
 
 
 def run_report(ctx):
@@ -241,6 +289,7 @@ def run_report(ctx):
     choice = read_json(ctx.stage_dir("select") / "choice.json")
     export = read_json(ctx.require("export", "export.json") / "export.json")
     results = read_json(ctx.require("deploy", "results.json") / "results.json")
+    artifact_results = ctx.stage_dir("deploy") / "artifacts.json"
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
     # default knob value; the training metrics stay as they are.
     deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio", "physical_flops_ratio")}
@@ -249,6 +298,7 @@ def run_report(ctx):
         "candidates": candidates["candidates"], "objective": candidates["objective"],
         "choice": {k: choice[k] for k in ("knob", "knob_value", "mc_samples", "reason")},
         "export": export, "results": results, "reliability": results.get("reliability"),
+        "artifact_results": read_json(artifact_results) if artifact_results.is_file() else {},
         "provenance": ctx.provenance("report"),
     }
     report = write_report(inputs, ctx.stage_dir("report"))

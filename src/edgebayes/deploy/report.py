@@ -688,6 +688,8 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
     else:
         p.append(f"<p class='muted'>{NA}</p>")
 
+    p.append(fidelity_section(d))
+
     # 9. provenance
     prov = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
     p.append("<h2>Provenance</h2>")
@@ -697,6 +699,54 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
              + "</div><div><h3>Machine</h3>" + _kv_table(prov.get("machine")) + "</div></div>")
     p.append("</main></body></html>\n")
     return "".join(p)
+
+
+# ----------------------------------------------------------------------------
+# fidelity of every exported artifact (export formats, issue 8)
+# ----------------------------------------------------------------------------
+
+def fidelity_rows(d: dict) -> list[dict]:
+    """One row per exported artifact: its metrics at export (beside the PyTorch MC average's), the
+    largest probability difference, the tolerance check, and what the device measured running it."""
+    artifacts = _get(d, "export", "artifacts")
+    on_device = d.get("artifact_results") if isinstance(d.get("artifact_results"), dict) else {}
+    rows = []
+    for name, art in (artifacts.items() if isinstance(artifacts, dict) else []):
+        fid = art.get("fidelity") if isinstance(art, dict) else None
+        if not isinstance(fid, dict):
+            continue
+        dev = on_device.get(name) if isinstance(on_device.get(name), dict) else {}
+        rows.append({
+            "artifact": name, "precision": art.get("precision"), "layout": art.get("layout"),
+            "bytes": art.get("bytes"), "accuracy": fid.get("accuracy"), "nll": fid.get("nll"),
+            "ece": fid.get("ece"), "reference": fid.get("reference"),
+            "max_abs_prob_diff": fid.get("max_abs_prob_diff"), "check": fid.get("check"),
+            "device_accuracy": _get(dev, "metrics", "accuracy"), "device_ece": _get(dev, "metrics", "ece"),
+            "device_p50_ms": _get(dev, "latency_ms", "p50"),
+        })
+    return rows
+
+
+def fidelity_section(d: dict) -> str:
+    """HTML table of `fidelity_rows`: calibration can shift under quantization, this is where it shows."""
+    rows = fidelity_rows(d)
+    if not rows:
+        return ""
+    body = []
+    for r in rows:
+        ref = r["reference"] if isinstance(r["reference"], dict) else {}
+        check = r["check"] if isinstance(r["check"], dict) else {}
+        verdict = "pass" if check.get("passed") else "fail" if check else "n/a"
+        body.append([_e(r["artifact"]), _e(r["precision"]), _e(r["layout"]), _fmt(r["bytes"] / 1024 if _num(r["bytes"]) is not None else None),
+                     f"{_fmt(r['accuracy'])} / {_fmt(ref.get('accuracy'))}", f"{_fmt(r['nll'])} / {_fmt(ref.get('nll'))}",
+                     f"{_fmt(r['ece'])} / {_fmt(ref.get('ece'))}", _fmt(r["max_abs_prob_diff"]),
+                     _badge(verdict, check.get("rule", NA)), _fmt(r["device_accuracy"]), _fmt(r["device_ece"]),
+                     _fmt(r["device_p50_ms"], " ms")])
+    return ("<h2>Fidelity of every exported artifact</h2>"
+            "<p class='muted'>Artifact / PyTorch MC average on the eval set at export; max |&Delta;p| is the largest "
+            "difference of any class probability. Device columns: the runner on the target.</p>"
+            + _table(["artifact", "precision", "layout", "KiB", "accuracy", "NLL", "ECE", "max |Δp|", "check",
+                      "device accuracy", "device ECE", "device p50"], body, num_cols={3, 9, 10, 11}))
 
 
 # ----------------------------------------------------------------------------
@@ -713,7 +763,7 @@ def write_report(inputs: dict, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     d = _jsonable(dict(inputs))  # numpy/NaN-safe copy; the page and the JSON see the same values
     s = _summarize(d)
-    report = {"summary": s, **{k: v for k, v in d.items() if k != "summary"}}
+    report = {"summary": s, **{k: v for k, v in d.items() if k != "summary"}, "fidelity": fidelity_rows(d)}
 
     results = d.get("results") if isinstance(d.get("results"), dict) else {}
     train = d.get("train") if isinstance(d.get("train"), dict) else {}

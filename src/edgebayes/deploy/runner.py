@@ -48,6 +48,7 @@ REQUIRED_KEYS = (
     "output", "classes", "mc_samples", "knob", "reference", "files",
 )
 EVAL_ARRAYS = ("x", "y", "reference_probs")
+ARTIFACT_KEYS = ("model_file", "format", "precision", "runtime")  # each entry of the optional "artifacts"
 ACCURACY_BATCH = 256  # big enough to be fast, small enough for a Pi's memory
 NLL_CLIP = 1e-12
 MAX_SAMPLES = 2000    # latency samples kept in the results file      # log(0) would make one bad example dominate the mean
@@ -232,6 +233,16 @@ def verify_bundle(bundle_dir):
         if manifest[key] not in files:
             fail(MANIFEST_NAME, f"{key} {manifest[key]!r} is not listed in 'files', so it cannot be verified")
 
+    artifacts = manifest.get("artifacts", {})
+    if not isinstance(artifacts, dict):
+        fail(MANIFEST_NAME, "key 'artifacts' must be a JSON object")
+    for art, entry in artifacts.items():
+        if not isinstance(entry, dict) or any(k not in entry for k in ARTIFACT_KEYS):
+            fail(MANIFEST_NAME, f"artifacts[{art!r}] must be an object with {', '.join(ARTIFACT_KEYS)}")
+        if entry["model_file"] not in files:
+            fail(MANIFEST_NAME, f"artifacts[{art!r}] model_file {entry['model_file']!r} is not listed in 'files', "
+                                "so it cannot be verified")
+
     for name, entry in files.items():
         # A manifest must not be able to point outside its own directory.
         if not _safe_relative(name):
@@ -253,6 +264,26 @@ def verify_bundle(bundle_dir):
             fail(name, f"sha256 mismatch (manifest says {expected[:12]}..., file has {actual[:12]}...); "
                        "the bundle is corrupted or was altered")
     return manifest
+
+
+def select_artifact(bundle_dir, manifest, name=None):
+    """The artifact to run: {name, model_file, format, precision, runtime}.
+
+    A bundle may carry several artifacts of one MC-averaged model (ONNX, TFLite, int8, ...) under
+    "artifacts"; without a name the manifest's top-level model_file is run.
+    """
+    artifacts = manifest.get("artifacts", {})
+    if name is None:
+        for art, entry in artifacts.items():
+            if entry["model_file"] == manifest["model_file"]:
+                return {"name": art, **entry}
+        return {"name": manifest["format"], "model_file": manifest["model_file"], "format": manifest["format"],
+                "precision": manifest["precision"],
+                "runtime": FORMAT_TO_RUNTIME.get(manifest["format"], manifest["format"])}
+    if name not in artifacts:
+        raise BundleError(f"bundle {os.fspath(bundle_dir)}: {MANIFEST_NAME}: no artifact {name!r} "
+                          f"(the bundle has: {', '.join(artifacts) or 'none'})")
+    return {"name": name, **artifacts[name]}
 
 
 def load_eval_set(bundle_dir, manifest):
@@ -312,8 +343,6 @@ def load_eval_set(bundle_dir, manifest):
 # that this file imports fine on a device that only has one runtime.
 # To add a runtime: subclass Backend, implement __init__/run/version/info,
 # and register it in BACKENDS (and FORMAT_TO_RUNTIME for its bundle format).
-# Planned: "tflite" (try ai_edge_litert, then tflite_runtime, then
-# tensorflow.lite) and "tensorrt".
 # --------------------------------------------------------------------------
 
 class Backend:
@@ -385,12 +414,355 @@ class OnnxRuntimeBackend(Backend):
         return info
 
 
-BACKENDS = {"onnxruntime": OnnxRuntimeBackend}
+def _tflite_interpreter():
+    """The TFLite Interpreter class: ai_edge_litert, else tflite_runtime, else tensorflow.lite.
+
+    ai-edge-litert is the maintained runtime (numpy 2); tflite_runtime is what older Raspberry Pi images
+    carry (numpy 1); full TensorFlow has it as tf.lite. Returns (Interpreter, package name, version).
+    """
+    tried = []
+    try:
+        import ai_edge_litert
+        from ai_edge_litert import interpreter as litert
+        return litert.Interpreter, "ai-edge-litert", getattr(ai_edge_litert, "__version__", "unknown")
+    except ImportError as exc:
+        tried.append(f"ai_edge_litert ({exc})")
+    try:
+        import tflite_runtime
+        from tflite_runtime import interpreter as tflr
+        return tflr.Interpreter, "tflite_runtime", getattr(tflite_runtime, "__version__", "unknown")
+    except ImportError as exc:
+        tried.append(f"tflite_runtime ({exc})")
+    try:
+        import tensorflow as tf
+        return tf.lite.Interpreter, "tensorflow.lite", tf.__version__
+    except ImportError as exc:
+        tried.append(f"tensorflow ({exc})")
+    raise RuntimeProblem("no TFLite runtime is installed (tried " + "; ".join(tried) +
+                         "); install one with: pip install ai-edge-litert")
+
+
+class TFLiteBackend(Backend):
+    """A .tflite model on the CPU (XNNPACK) with LiteRT / tflite_runtime / tf.lite.
+
+    Quantized input and output tensors (full-integer int8 models) are handled here: the input is
+    quantized with the tensor's scale and zero point, the output dequantized, so run() always takes and
+    returns float32. A model with a fixed batch (litert-torch exports batch 1) runs a larger batch in
+    chunks of its batch size, the last one zero-padded.
+    """
+
+    name = "tflite"
+
+    def __init__(self, model_path, threads=0):
+        super().__init__(model_path, threads)
+        interpreter_cls, self.package, self._version = _tflite_interpreter()
+        try:
+            self.interpreter = interpreter_cls(model_path=model_path, num_threads=threads or None)
+            self.interpreter.allocate_tensors()
+        except Exception as exc:
+            raise RuntimeProblem(f"{self.package} could not load {model_path}: {exc}") from exc
+        inputs, outputs = self.interpreter.get_input_details(), self.interpreter.get_output_details()
+        if len(inputs) != 1 or len(outputs) != 1:
+            raise RuntimeProblem(f"{model_path}: expected one input and one output, "
+                                 f"got {len(inputs)} and {len(outputs)}")
+        self.input, self.output = inputs[0], outputs[0]
+        signature = self.input.get("shape_signature", self.input["shape"])
+        self.dynamic_batch = int(signature[0]) == -1
+        self.batch = int(self.input["shape"][0])
+
+    @property
+    def version(self):
+        return self._version
+
+    @staticmethod
+    def _quantize(x, detail):
+        if detail["dtype"] == np.float32:
+            return x.astype(np.float32, copy=False)
+        scale, zero_point = detail["quantization"]
+        info = np.iinfo(detail["dtype"])
+        return np.clip(np.round(x / scale) + zero_point, info.min, info.max).astype(detail["dtype"])
+
+    @staticmethod
+    def _dequantize(y, detail):
+        if detail["dtype"] == np.float32:
+            return y
+        scale, zero_point = detail["quantization"]
+        return (y.astype(np.float32) - zero_point) * scale
+
+    def _invoke(self, x):
+        self.interpreter.set_tensor(self.input["index"], self._quantize(x, self.input))
+        self.interpreter.invoke()
+        return self._dequantize(self.interpreter.get_tensor(self.output["index"]), self.output)
+
+    def run(self, x):
+        n = len(x)
+        if self.dynamic_batch:
+            if n != self.batch:
+                self.interpreter.resize_tensor_input(self.input["index"], [n, *x.shape[1:]])
+                self.interpreter.allocate_tensors()
+                self.batch = n
+            return self._invoke(x).copy()
+        outs = []
+        for start in range(0, n, self.batch):
+            chunk = x[start:start + self.batch]
+            if len(chunk) < self.batch:
+                chunk = np.concatenate([chunk, np.zeros((self.batch - len(chunk), *x.shape[1:]), x.dtype)])
+            outs.append(self._invoke(chunk)[: n - start].copy())
+        return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    def info(self):
+        info = super().info()
+        info.update({"package": self.package, "input_dtype": np.dtype(self.input["dtype"]).name,
+                     "model_batch": None if self.dynamic_batch else self.batch})
+        return info
+
+
+# --- TensorRT -------------------------------------------------------------
+# Engines are GPU- and TensorRT-version-specific, so the bundle ships ONNX (fp32, or NNCF's Q/DQ model for
+# int8) and the engine is built here, on the target, once: it is cached under a key made of the ONNX's
+# sha256, the build options and the TensorRT version. trtexec (JetPack ships it) builds when it is on the
+# PATH, else the tensorrt Python API does.
+
+TRT_PRECISIONS = ("fp32", "fp16", "int8")
+
+
+def trt_build_options(precision, workspace_mb, input_name, example_shape, max_batch, opt_batch=1):
+    """The options an engine is built with (and cached under): precision, workspace, shape profile."""
+    if precision not in TRT_PRECISIONS:
+        raise RuntimeProblem(f"TensorRT precision {precision!r} is not one of {', '.join(TRT_PRECISIONS)}")
+    if workspace_mb < 1 or max_batch < opt_batch or opt_batch < 1:
+        raise RuntimeProblem(f"TensorRT build options: workspace {workspace_mb} MiB, batch profile "
+                             f"1..{opt_batch}..{max_batch} are not valid")
+    example_shape = [int(d) for d in example_shape]
+    return {"precision": precision, "workspace_mb": int(workspace_mb), "input_name": input_name,
+            "min_shape": [1, *example_shape], "opt_shape": [int(opt_batch), *example_shape],
+            "max_shape": [int(max_batch), *example_shape]}
+
+
+def engine_cache_key(onnx_path, options, trt_version):
+    """sha256 of the ONNX file, the build options and the TensorRT version: same key, same engine."""
+    digest = hashlib.sha256()
+    digest.update(sha256_file(onnx_path).encode())
+    digest.update(json.dumps(options, sort_keys=True).encode())
+    digest.update(str(trt_version).encode())
+    return digest.hexdigest()
+
+
+def trtexec_command(onnx_path, engine_path, options, trtexec="trtexec"):
+    """The trtexec command line that builds `engine_path` from `onnx_path` with `options`."""
+    def dims(shape):
+        return "x".join(str(d) for d in shape)
+
+    name = options["input_name"]
+    cmd = [trtexec, f"--onnx={onnx_path}", f"--saveEngine={engine_path}",
+           f"--memPoolSize=workspace:{options['workspace_mb']}",  # MiB
+           f"--minShapes={name}:{dims(options['min_shape'])}",
+           f"--optShapes={name}:{dims(options['opt_shape'])}",
+           f"--maxShapes={name}:{dims(options['max_shape'])}",
+           "--skipInference"]
+    if options["precision"] == "fp16":
+        cmd.append("--fp16")
+    elif options["precision"] == "int8":
+        cmd.append("--int8")  # explicit quantization: the scales come from the model's Q/DQ nodes
+    return cmd
+
+
+def build_engine_python(trt, onnx_path, engine_path, options):
+    """Build and serialize an engine with the tensorrt Python API (TensorRT 8.6 / 10)."""
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    explicit_batch = getattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH", None)
+    network = builder.create_network(0 if explicit_batch is None else 1 << int(explicit_batch))
+    parser = trt.OnnxParser(network, logger)
+    with open(onnx_path, "rb") as fh:
+        if not parser.parse(fh.read()):
+            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+            raise RuntimeProblem(f"TensorRT could not parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options["workspace_mb"] << 20)
+    if options["precision"] == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+    elif options["precision"] == "int8":
+        config.set_flag(trt.BuilderFlag.INT8)
+    profile = builder.create_optimization_profile()
+    profile.set_shape(options["input_name"], options["min_shape"], options["opt_shape"], options["max_shape"])
+    config.add_optimization_profile(profile)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise RuntimeProblem(f"TensorRT failed to build an engine from {onnx_path}")
+    _write_bytes_atomic(engine_path, bytes(serialized))
+
+
+def _write_bytes_atomic(path, data):
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engine-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def cached_engine(trt, onnx_path, options, cache_dir, run=None, which=None):
+    """Path of the engine for (ONNX, options): built with trtexec or the Python API on a cache miss."""
+    import shutil
+    import subprocess
+
+    os.makedirs(cache_dir, exist_ok=True)
+    engine_path = os.path.join(cache_dir, engine_cache_key(onnx_path, options, trt.__version__) + ".engine")
+    if os.path.isfile(engine_path):
+        return engine_path, False
+    trtexec = (which or shutil.which)("trtexec")
+    if trtexec:
+        tmp = engine_path + ".partial"
+        done = (run or subprocess.run)(trtexec_command(onnx_path, tmp, options, trtexec),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if done.returncode != 0 or not os.path.isfile(tmp):
+            tail = (done.stdout or "").strip().splitlines()[-3:]
+            raise RuntimeProblem(f"trtexec failed to build an engine from {onnx_path} "
+                                 f"(exit {done.returncode}): {' | '.join(tail)}")
+        os.replace(tmp, engine_path)
+    else:
+        build_engine_python(trt, onnx_path, engine_path, options)
+    return engine_path, True
+
+
+class CudaMemory:
+    """Device buffers and copies through CUDA's runtime API (cuda-python), the way TensorRT's samples do."""
+
+    def __init__(self):
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            try:
+                from cuda import cudart
+            except ImportError as exc:
+                raise RuntimeProblem(f"the TensorRT backend needs cuda-python ({exc}); "
+                                     "install it with: pip install cuda-python") from exc
+        self.cudart = cudart
+        self.stream = self._check(cudart.cudaStreamCreate())
+
+    def _check(self, result):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if int(err) != 0:
+            raise RuntimeProblem(f"CUDA error {err}")
+        return rest[0] if rest else None
+
+    def malloc(self, nbytes):
+        return int(self._check(self.cudart.cudaMalloc(nbytes)))
+
+    def free(self, ptr):
+        self._check(self.cudart.cudaFree(ptr))
+
+    def to_device(self, ptr, array):
+        self._check(self.cudart.cudaMemcpyAsync(ptr, array.ctypes.data, array.nbytes,
+                                                self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+
+    def to_host(self, array, ptr):
+        self._check(self.cudart.cudaMemcpyAsync(array.ctypes.data, ptr, array.nbytes,
+                                                self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+
+    def synchronize(self):
+        self._check(self.cudart.cudaStreamSynchronize(self.stream))
+
+
+class TensorRTBackend(Backend):
+    """A TensorRT engine built on this device from the bundle's ONNX (cached), run with explicit buffers.
+
+    Buffers: one device buffer for the input and one for the output, sized for `max_batch` rows of the
+    engine's own dtypes, allocated once; run() sets the input shape, copies the batch in, enqueues, copies
+    the [batch, C] output back and waits for the stream. Larger batches run in chunks of max_batch.
+    `trt` and `memory` can be injected (tests use fakes; TensorRT cannot be installed on the CI machines).
+    """
+
+    name = "tensorrt"
+
+    def __init__(self, model_path, threads=0, precision="fp16", workspace_mb=1024, engine_cache=None,
+                 example_shape=None, max_batch=ACCURACY_BATCH, opt_batch=1, trt=None, memory=None):
+        super().__init__(model_path, threads)
+        if trt is None:
+            try:
+                import tensorrt as trt
+            except ImportError as exc:
+                raise RuntimeProblem(f"TensorRT is not installed ({exc}); on Jetson it comes with JetPack "
+                                     "(python3-libnvinfer), elsewhere: pip install tensorrt") from exc
+        self.trt = trt
+        if example_shape is None:
+            raise RuntimeProblem("the TensorRT backend needs the per-example input shape (from the manifest)")
+        options = trt_build_options(precision, workspace_mb, "input", example_shape, max_batch, opt_batch)
+        cache_dir = engine_cache or os.path.join(os.path.dirname(os.path.abspath(model_path)), "..", "trt-engines")
+        self.engine_path, self.built = cached_engine(trt, model_path, options, cache_dir)
+        self.options, self.max_batch = options, int(max_batch)
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        with open(self.engine_path, "rb") as fh:
+            self.engine = runtime.deserialize_cuda_engine(fh.read())
+        if self.engine is None:
+            raise RuntimeProblem(f"TensorRT could not load the engine {self.engine_path}; delete it to rebuild")
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        outputs = [n for n in names if n not in inputs]
+        if len(inputs) != 1 or len(outputs) != 1:
+            raise RuntimeProblem(f"{self.engine_path}: expected one input and one output, "
+                                 f"got {len(inputs)} and {len(outputs)}")
+        self.input_name, self.output_name = inputs[0], outputs[0]
+        self.input_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(self.input_name)))
+        self.output_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(self.output_name)))
+        self.context = self.engine.create_execution_context()
+        self.memory = memory or CudaMemory()
+        self.example_shape = tuple(int(d) for d in example_shape)
+        # The output row size is known once the input shape is set: ask at max batch.
+        self.context.set_input_shape(self.input_name, (self.max_batch, *self.example_shape))
+        out_row = int(np.prod(tuple(self.context.get_tensor_shape(self.output_name))[1:]))
+        self.d_input = self.memory.malloc(self.max_batch * int(np.prod(self.example_shape)) * self.input_dtype.itemsize)
+        self.d_output = self.memory.malloc(self.max_batch * out_row * self.output_dtype.itemsize)
+        self.context.set_tensor_address(self.input_name, self.d_input)
+        self.context.set_tensor_address(self.output_name, self.d_output)
+
+    @property
+    def version(self):
+        return self.trt.__version__
+
+    def _run_chunk(self, x):
+        x = np.ascontiguousarray(x, dtype=self.input_dtype)
+        self.context.set_input_shape(self.input_name, x.shape)
+        out = np.empty(tuple(self.context.get_tensor_shape(self.output_name)), dtype=self.output_dtype)
+        self.memory.to_device(self.d_input, x)
+        if not self.context.execute_async_v3(getattr(self.memory, "stream", 0)):
+            raise RuntimeProblem(f"TensorRT failed to run {self.engine_path}")
+        self.memory.to_host(out, self.d_output)
+        self.memory.synchronize()
+        return out.astype(np.float32, copy=False)
+
+    def run(self, x):
+        if len(x) <= self.max_batch:
+            return self._run_chunk(x)
+        return np.concatenate([self._run_chunk(x[i:i + self.max_batch]) for i in range(0, len(x), self.max_batch)])
+
+    def close(self):
+        for ptr in (self.d_input, self.d_output):
+            self.memory.free(ptr)
+        self.d_input = self.d_output = None
+
+    def info(self):
+        info = super().info()
+        info.update({"engine": os.path.basename(self.engine_path), "engine_built_now": self.built,
+                     "precision": self.options["precision"], "workspace_mb": self.options["workspace_mb"]})
+        return info
+
+
+BACKENDS = {"onnxruntime": OnnxRuntimeBackend, "tflite": TFLiteBackend, "tensorrt": TensorRTBackend}
 FORMAT_TO_RUNTIME = {"onnx": "onnxruntime", "tflite": "tflite", "tensorrt": "tensorrt"}
 
 
-def make_backend(runtime, model_path, threads=0, providers=None):
-    """Instantiate the backend registered under `runtime`, or raise RuntimeProblem."""
+def make_backend(runtime, model_path, threads=0, providers=None, **options):
+    """Instantiate the backend registered under `runtime`, or raise RuntimeProblem.
+
+    `options` go to backends that take them (TensorRT: precision, workspace_mb, engine_cache, example_shape).
+    """
     if runtime not in BACKENDS:
         raise RuntimeProblem(f"runtime {runtime!r} is not supported by this runner "
                              f"(supported: {', '.join(sorted(BACKENDS))})")
@@ -399,6 +771,8 @@ def make_backend(runtime, model_path, threads=0, providers=None):
         if cls is not OnnxRuntimeBackend:
             raise RuntimeProblem(f"--providers only applies to onnxruntime, not {runtime!r}")
         return cls(model_path, threads, providers=providers)
+    if cls is TensorRTBackend:
+        return cls(model_path, threads, **options)
     return cls(model_path, threads)
 
 
@@ -612,6 +986,13 @@ def build_parser():
     parser.add_argument("--providers", default=None,
                         help="onnxruntime execution providers, comma-separated in priority order "
                              "(e.g. CUDAExecutionProvider,CPUExecutionProvider); default CPU only")
+    parser.add_argument("--artifact", default=None,
+                        help="which of the bundle's artifacts to run (e.g. onnx-int8, tflite-fp16); "
+                             "default: the manifest's model_file")
+    parser.add_argument("--workspace-mb", type=_positive_int, default=1024,
+                        help="TensorRT builder workspace in MiB (engines are built on this device)")
+    parser.add_argument("--engine-cache", default=None,
+                        help="folder of cached TensorRT engines (default: trt-engines/ beside the bundle)")
     parser.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
     return parser
 
@@ -627,20 +1008,26 @@ def main(argv=None):
 
     try:
         manifest = verify_bundle(args.bundle)
+        artifact = select_artifact(args.bundle, manifest, args.artifact)
         x, y, reference_probs = load_eval_set(args.bundle, manifest)
     except BundleError as exc:
         print(f"runner: {exc}", file=sys.stderr)
         return EXIT_BUNDLE
-    say(f"bundle {args.bundle} verified ({manifest['format']}/{manifest['precision']}, {len(y)} eval rows)")
+    say(f"bundle {args.bundle} verified ({artifact['name']}: {artifact['format']}/{artifact['precision']}, "
+        f"{len(y)} eval rows)")
 
-    runtime = args.runtime or FORMAT_TO_RUNTIME.get(manifest["format"], manifest["format"])
+    runtime = args.runtime or artifact["runtime"]
     providers = [p.strip() for p in args.providers.split(",") if p.strip()] if args.providers else None
-    model_path = os.path.join(args.bundle, manifest["model_file"])
+    model_path = os.path.join(args.bundle, artifact["model_file"])
+    options = {}
+    if runtime == "tensorrt":
+        options = {"precision": artifact["precision"], "workspace_mb": args.workspace_mb,
+                   "engine_cache": args.engine_cache, "example_shape": x.shape[1:]}
     try:
-        backend = make_backend(runtime, model_path, args.threads, providers)
+        backend = make_backend(runtime, model_path, args.threads, providers, **options)
         probs = predict_all(backend, x)
         if probs.shape != reference_probs.shape:
-            print(f"runner: bundle {args.bundle}: {manifest['model_file']}: model output shape "
+            print(f"runner: bundle {args.bundle}: {artifact['model_file']}: model output shape "
                   f"{list(probs.shape)} does not match reference_probs {list(reference_probs.shape)}",
                   file=sys.stderr)
             return EXIT_BUNDLE
@@ -662,12 +1049,13 @@ def main(argv=None):
     results = {
         "schema": SCHEMA_VERSION,
         "bundle": {
-            "format": manifest["format"],
-            "precision": manifest["precision"],
+            "artifact": artifact["name"],
+            "format": artifact["format"],
+            "precision": artifact["precision"],
             "mc_samples": manifest["mc_samples"],
             "knob": manifest["knob"],
-            "model_file": manifest["model_file"],
-            "model_sha256": manifest["files"][manifest["model_file"]]["sha256"],
+            "model_file": artifact["model_file"],
+            "model_sha256": manifest["files"][artifact["model_file"]]["sha256"],
         },
         "runtime": runtime_info,
         "device": device_info(),

@@ -1,4 +1,8 @@
-"""The deployment bundle: model file, eval set and `manifest.json` with hashes.
+"""The deployment bundle: model file(s), eval set and `manifest.json` with hashes.
+
+One bundle holds one MC-averaged model in one or several formats ("artifacts": onnx, onnx-int8,
+tflite-fp16, ...), each with its fidelity against the PyTorch MC average; the manifest's top-level
+model_file is the primary artifact, and the runner runs any one of them with --artifact NAME.
 
 The device runner needs nothing else (../shared/DESIGN.md). The bundle is assembled in a temporary folder,
 checked with the runner's own `verify_bundle`, and only then renamed into place.
@@ -17,25 +21,38 @@ MODEL_FILE, EVAL_FILE = "model.onnx", "eval.npz"
 
 
 def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_samples, knob_name, knob_value,
-                 reference_metrics, provenance, fmt="onnx", precision="fp32") -> dict:
-    """Assemble the bundle at `bundle_dir` (replacing any old one); returns the manifest."""
+                 reference_metrics, provenance, fmt="onnx", precision="fp32", artifacts=None) -> dict:
+    """Assemble the bundle at `bundle_dir` (replacing any old one); returns the manifest.
+
+    artifacts: optional {name: {"path": model file, "format", "precision", "runtime", ...more facts}};
+    the one whose path is `model_file` is the primary artifact.
+    """
     bundle_dir = Path(bundle_dir)
     bundle_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=bundle_dir.parent, prefix=f".{bundle_dir.name}."))
     try:
-        shutil.copyfile(model_file, tmp / MODEL_FILE)
+        entries, primary = {}, MODEL_FILE
+        for name, art in (artifacts or {}).items():
+            file = MODEL_FILE if name == "onnx" else f"model-{name}{Path(art['path']).suffix}"
+            shutil.copyfile(art["path"], tmp / file)
+            entries[name] = {"model_file": file, **{k: v for k, v in art.items() if k != "path"}}
+            if Path(art["path"]) == Path(model_file):
+                primary, fmt, precision = file, art["format"], art["precision"]
+        if not entries:
+            shutil.copyfile(model_file, tmp / MODEL_FILE)
         np.savez(tmp / EVAL_FILE, x=np.ascontiguousarray(x, dtype=np.float32), y=np.asarray(y, dtype=np.int64),
                  reference_probs=np.asarray(reference_probs, dtype=np.float32))
         manifest = {
             "schema": 1, "format": fmt, "precision": precision,
-            "model_file": MODEL_FILE, "eval_file": EVAL_FILE,
+            "model_file": primary, "eval_file": EVAL_FILE,
             "input": {"name": "input", "shape": [None, *x.shape[1:]], "dtype": "float32"},
             "output": {"name": "probs", "shape": [None, len(classes)]},
             "classes": list(classes), "mc_samples": mc_samples,
             "knob": {"name": knob_name, "value": knob_value},
             "reference": reference_metrics,
+            **({"artifacts": entries} if entries else {}),
             "files": {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-                      for name in (MODEL_FILE, EVAL_FILE)},
+                      for name in sorted({primary, EVAL_FILE, *(e["model_file"] for e in entries.values())})},
             "provenance": provenance,
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

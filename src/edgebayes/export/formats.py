@@ -1,0 +1,223 @@
+"""Every target format of the MC-averaged graph, and `export_artifact` that writes one.
+
+    onnx           fp32 ONNX (torch.onnx, TorchScript exporter), run with onnxruntime
+    onnx-int8      the fp32 ONNX quantized by NNCF post-training quantization (Q/DQ nodes, int8 weights and
+                   activations, calibrated on training inputs), run with onnxruntime
+    tflite-fp32    TFLite through litert-torch (no TensorFlow), run with ai-edge-litert
+    tflite-fp16    the same with fp16 weights (ai-edge-quantizer float casting of FULLY_CONNECTED and CONV_2D
+                   weights; the batched matmuls of the packed layout keep fp32 weights), fp32 compute on CPU
+    tflite-int8    full-integer PT2E quantization (torchao observers calibrated on training inputs,
+                   symmetric per-channel weights, int8 input and output tensors)
+    tensorrt-fp16  ONNX shipped to the target; the runner builds an fp16 engine there (TensorRT engines are
+                   GPU- and version-specific, ../shared/DEPENDENCIES.md)
+    tensorrt-int8  the NNCF Q/DQ ONNX shipped to the target; the runner builds an int8 engine from it
+
+TFLite models have a static batch of 1: litert-torch 0.10 cannot lower a dynamic batch dimension through
+the reshapes of these graphs; the runner feeds larger batches row by row (deploy/runner.py).
+
+No graph simplifier runs on any of them (it would freeze or drop random ops of a Bayesian graph; ours has
+none, the posterior samples are constants, but the rule holds). Export is deterministic: the graph holds
+the M samples drawn from the run's seed, and the calibration inputs are the first `calib_x` rows.
+"""
+
+import contextlib
+import io
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgebayes.errors import StageError
+from edgebayes.export.onnx_export import export_onnx
+from edgebayes.export.packed import mc_graph
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    runtime: str      # "onnxruntime" | "tflite" | "tensorrt": the runner backend that runs it
+    precision: str    # "fp32" | "fp16" | "int8"
+    suffix: str       # of the model file in the bundle
+    bundle_format: str  # the manifest's "format": onnx | tflite | tensorrt
+
+
+FORMATS = {f.name: f for f in (
+    Format("onnx", "onnxruntime", "fp32", ".onnx", "onnx"),
+    Format("onnx-int8", "onnxruntime", "int8", ".onnx", "onnx"),
+    Format("tflite-fp32", "tflite", "fp32", ".tflite", "tflite"),
+    Format("tflite-fp16", "tflite", "fp16", ".tflite", "tflite"),
+    Format("tflite-int8", "tflite", "int8", ".tflite", "tflite"),
+    Format("tensorrt-fp16", "tensorrt", "fp16", ".onnx", "tensorrt"),
+    Format("tensorrt-int8", "tensorrt", "int8", ".onnx", "tensorrt"),
+)}
+
+
+class ExportError(StageError):
+    pass
+
+
+def get_format(fmt: str) -> Format:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; available: {', '.join(FORMATS)}")
+    return FORMATS[fmt]
+
+
+@contextlib.contextmanager
+def _quiet():
+    """litert-torch and NNCF print progress to stdout/stderr and the logs: keep the pipeline's log readable."""
+    loggers = [logging.getLogger(name) for name in ("nncf", "absl", "litert_torch", "torch.export")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _calibration_rows(calib_x, n_min=1):
+    if calib_x is None or len(calib_x) < n_min:
+        raise ExportError("int8 export needs calibration inputs (export.calibration_size rows of the training split)")
+    return np.ascontiguousarray(torch.as_tensor(calib_x).numpy(), dtype=np.float32)
+
+
+def quantize_onnx_int8(fp32_path, out_path, calib_x):
+    """NNCF post-training quantization of an ONNX model: Q/DQ int8 model that onnxruntime runs.
+
+    Two parts stay in float, by ignored scope:
+    - the softmaxes and the MC average after them: probabilities quantized to 8 bits (steps of 1/255)
+      wreck calibration (measured on digits: NLL 0.39 -> 0.52, ECE 0.062 -> 0.13 at equal accuracy);
+    - batched MatMuls with 3-D constant weights (the packed layout's Linears): NNCF gives them one
+      per-column scale shared by the M samples, and onnxruntime 1.31 fuses that into a
+      MatMulIntegerToFloat whose kernel refuses a 3-D B ("b zero point is not valid").
+    Gemm and Conv (the unrolled layout's Linears, every convolution, the packed first Linear) are int8.
+    """
+    import nncf
+    import onnx
+
+    model = onnx.load(str(fp32_path))
+    inits = {t.name: len(t.dims) for t in model.graph.initializer}
+    batched = [n.name for n in model.graph.node
+               if n.op_type == "MatMul" and any(inits.get(i, 0) >= 3 for i in n.input)]
+    probabilities, produced = [], set()  # the Softmax nodes and everything downstream of them
+    for n in model.graph.node:  # ONNX graphs are topologically sorted
+        if n.op_type == "Softmax" or produced.intersection(n.input):
+            probabilities.append(n.name)
+            produced.update(n.output)
+    rows = _calibration_rows(calib_x)
+    input_name = model.graph.input[0].name
+    dataset = nncf.Dataset([rows[i: i + 1] for i in range(len(rows))], lambda a: {input_name: a})
+    with _quiet():
+        quantized = nncf.quantize(model, dataset, subset_size=len(rows),
+                                  ignored_scope=nncf.IgnoredScope(names=batched + probabilities, validate=False))
+    onnx.save(quantized, str(out_path))
+    onnx.checker.check_model(str(out_path))
+    return {"calibration_rows": len(rows), "float_ops": batched + probabilities}
+
+
+def _litert_convert(module, example, path, quant_config=None):
+    import litert_torch
+
+    with _quiet():
+        edge = litert_torch.convert(module, (example,), quant_config=quant_config)
+        edge.export(str(path))
+
+
+def export_tflite(module, example, path, precision, calib_x=None):
+    """litert-torch conversion at batch 1 in fp32, fp16 weights, or full-integer int8 (PT2E)."""
+    example = example[:1].contiguous()
+    if precision == "fp32":
+        _litert_convert(module, example, path)
+        return {}
+    if precision == "fp16":
+        from litert_torch.generative.quantize import quant_recipes
+
+        _litert_convert(module, example, path, quant_recipes.full_fp16_recipe())
+        return {}
+    if precision != "int8":
+        raise ValueError(f"TFLite precision {precision!r}")
+    from litert_torch.quantize import pt2e_quantizer, quant_config
+    from torchao.quantization.pt2e import move_exported_model_to_eval, quantize_pt2e
+
+    rows = torch.from_numpy(_calibration_rows(calib_x))
+    quantizer = pt2e_quantizer.PT2EQuantizer().set_global(
+        pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False))
+    with _quiet():
+        graph = torch.export.export(module.eval(), (example,)).module()
+        graph = quantize_pt2e.prepare_pt2e(graph, quantizer)
+        with torch.no_grad():
+            for i in range(len(rows)):  # observers record activation ranges on the calibration inputs
+                graph(rows[i: i + 1])
+        graph = move_exported_model_to_eval(quantize_pt2e.convert_pt2e(graph, fold_quantize=False))
+    _litert_convert(graph, example, path, quant_config.QuantConfig(pt2e_quantizer=quantizer))
+    return {"calibration_rows": len(rows)}
+
+
+def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: int = 17, *, layout: str = "packed",
+                    details: dict | None = None) -> Path:
+    """Write the MC-averaged `mc_model` (an MCAverage) in format `fmt` to `path`; returns the path.
+
+    example_x: a batch of inputs (shapes, and the packed-equals-unrolled check); calib_x: calibration inputs
+    from the training split (int8 formats); layout: 'packed' or 'unrolled'. Conversion facts (calibration
+    rows, ops left in fp32) are added to `details` when given.
+    """
+    f = get_format(fmt)
+    path = Path(path)
+    example_x = torch.as_tensor(example_x)
+    module = mc_graph(mc_model, layout, example_x[:16])
+    info = {"format": f.name, "precision": f.precision, "runtime": f.runtime, "layout": layout}
+    with torch.no_grad():
+        if f.suffix == ".onnx":
+            if f.precision == "int8":
+                with tempfile.TemporaryDirectory() as tmp:
+                    fp32 = Path(tmp) / "fp32.onnx"
+                    export_onnx(module, example_x[:1], fp32, opset)
+                    info.update(quantize_onnx_int8(fp32, path, calib_x))
+            else:  # fp32 ONNX; for tensorrt-fp16 the engine is built from it in fp16 on the target
+                export_onnx(module, example_x[:1], path, opset)
+        else:
+            info.update(export_tflite(module, example_x, path, f.precision, calib_x))
+    if details is not None:
+        details.update(info)
+    return path
+
+
+def artifact_predict(path, fmt: str, x: np.ndarray, threads: int = 0) -> np.ndarray:
+    """Run an artifact over x with the device runner's own backend (the code the device runs)."""
+    from edgebayes.deploy.runner import make_backend, predict_all
+
+    backend = make_backend(get_format(fmt).runtime, os.fspath(path), threads)
+    return predict_all(backend, np.ascontiguousarray(x, dtype=np.float32))
+
+
+def fidelity(probs, reference_probs, y) -> dict:
+    """An artifact's accuracy, NLL and ECE on the eval set beside the PyTorch MC average's, and the largest
+    difference of any class probability (the same metric functions the device runner uses)."""
+    from edgebayes.deploy.runner import classification_metrics
+
+    probs = np.asarray(probs, dtype=np.float64)
+    mine, ref = classification_metrics(probs, y), classification_metrics(reference_probs, y)
+    return {**{k: mine[k] for k in ("accuracy", "nll", "ece", "brier")},
+            "reference": {k: ref[k] for k in ("accuracy", "nll", "ece", "brier")},
+            "max_abs_prob_diff": float(np.abs(probs - np.asarray(reference_probs, dtype=np.float64)).max()),
+            "n": mine["n"]}
+
+
+def check_fidelity(line: dict, precision: str, tolerance: float, max_accuracy_drop: float) -> dict:
+    """The stated tolerance of an artifact: fp32 within `tolerance` of the PyTorch probabilities; fp16 and
+    int8 (which legitimately move probabilities) at or above the accuracy floor. Returns the check, passed
+    or not, for the manifest and the report."""
+    if precision == "fp32":
+        passed = line["max_abs_prob_diff"] <= tolerance
+        rule = f"max |p - p_torch| <= {tolerance:.0e}"
+    else:
+        floor = line["reference"]["accuracy"] - max_accuracy_drop
+        passed = line["accuracy"] >= floor
+        rule = f"accuracy >= {floor:.4f} (PyTorch MC accuracy - {max_accuracy_drop})"
+    return {"rule": rule, "passed": bool(passed)}

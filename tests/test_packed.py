@@ -1,0 +1,88 @@
+"""The packed MC layout (export/packed.py): one graph running all M posterior samples per layer equals the
+unrolled MC average, in PyTorch and through ONNX."""
+
+import operator
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from _nets import samples_and_inputs
+from edgebayes.config import ModelConfig, PriorConfig
+from edgebayes.export.compress import MCAverage, compress
+from edgebayes.export.onnx_export import export_onnx, onnx_predict
+from edgebayes.export.packed import PackingError, mc_graph, pack_samples
+from edgebayes.train.models import build_model
+
+
+@pytest.mark.parametrize("net", ["mlp", "lenet", "rescat"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_packed_equals_unrolled(net, m):
+    samples, x = samples_and_inputs(net, m)
+    packed = pack_samples(samples, x[:4])
+    with torch.no_grad():
+        gap = (packed(x) - MCAverage(samples).eval()(x)).abs().max().item()
+    assert gap <= 1e-5
+    # One operator call per layer: the graph has no more parameterized calls than one sample has layers.
+    n_convs = sum(isinstance(mod, nn.Conv2d) for mod in samples[0].modules())
+    calls = [n for n in packed.net.graph.nodes if n.op == "call_function" and "conv2d" in str(n.target)]
+    assert len(calls) == n_convs
+
+
+def test_batch_norm_is_folded_into_the_convolution():
+    samples, x = samples_and_inputs("rescat", 2)
+    packed = pack_samples(samples, x[:4])
+    assert not any(isinstance(mod, nn.BatchNorm2d) for mod in packed.modules())
+    assert not any(n.target is operator.mul for n in packed.net.graph.nodes)  # no leftover affine maps
+
+
+@pytest.mark.parametrize("net", ["mlp", "lenet", "rescat"])
+def test_packed_onnx_equals_unrolled(net, tmp_path):
+    samples, x = samples_and_inputs(net, 4)
+    path = tmp_path / "packed.onnx"
+    export_onnx(pack_samples(samples, x[:4]), x[:1], path)
+    with torch.no_grad():
+        ref = MCAverage(samples).eval()(x).numpy()
+    assert np.abs(onnx_predict(path, x.numpy()) - ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["ss-ig", "ss-gl", "dnn"])
+def test_packed_compressed_posterior_samples(family):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(family=family, hidden=[16, 12]), PriorConfig(), 20, 5, n_train=100)
+    mc = compress(model, 0.5, 4, seed=0).mc_model()
+    x = torch.randn(16, 20)
+    with torch.no_grad():
+        assert (mc_graph(mc, "packed", x)(x) - mc(x)).abs().max() <= 1e-5
+    assert mc_graph(mc, "unrolled", x) is mc
+
+
+def test_unsupported_operation_is_refused_by_name():
+    class Sorts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(torch.sort(x, dim=1).values)
+
+    with pytest.raises(PackingError, match="sort"):
+        pack_samples([Sorts().eval(), Sorts().eval()], torch.randn(4, 8))
+
+    rnn = nn.Sequential(nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 3)).eval()
+    with pytest.raises(PackingError, match="PReLU"):
+        pack_samples([rnn, rnn], torch.randn(4, 8))
+
+
+def test_samples_of_different_widths_are_refused():
+    a = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3)).eval()
+    b = nn.Sequential(nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 3)).eval()
+    with pytest.raises(PackingError, match="sample 1 has another architecture"):
+        pack_samples([a, b], torch.randn(4, 8))
+
+
+def test_unknown_layout_is_refused():
+    samples, x = samples_and_inputs("mlp", 2)
+    with pytest.raises(ValueError, match="layout"):
+        mc_graph(MCAverage(samples), "diagonal", x)
