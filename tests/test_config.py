@@ -64,6 +64,11 @@ BAD_CONFIGS = {
     "out of range (epochs)": (_set("train.epochs", 0), r"train\.epochs: expected a positive integer"),
     "bad literal": (_set("model.family", "ss-xx"), r"model\.family: expected one of .*'ss-gl'.*got 'ss-xx'"),
     "bad literal (dataset)": (_set("data.dataset", "imagenet"), r"data\.dataset: expected one of"),
+    "unknown export format": (_set("export.formats", ["onnx", "coreml"]),
+                              r"export\.formats\[1\]: expected one of .*'tflite-int8'.*got 'coreml'"),
+    "export format twice": (_set("export.formats", ["onnx", "onnx"]), r"export\.formats: expected each format once"),
+    "bad MC layout": (_set("export.layout", "diagonal"), r"export\.layout: expected one of 'packed', 'unrolled'"),
+    "bad calibration size": (_set("export.calibration_size", 0), r"export\.calibration_size: expected a positive"),
 }
 
 

@@ -112,7 +112,7 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
                     "batch_size", "throughput_per_s", "peak_rss_mb", "metrics", "reference",
                     "max_abs_prob_diff", "started_at", "finished_at"}
     assert expected_top <= res.keys()
-    assert set(res["bundle"]) == {"format", "precision", "mc_samples", "knob", "model_file", "model_sha256"}
+    assert set(res["bundle"]) == {"artifact", "format", "precision", "mc_samples", "knob", "model_file", "model_sha256"}
     assert res["bundle"]["model_sha256"] == _sha256(bundle_dir / "model.onnx")
     assert {"name", "version", "providers", "threads"} <= res["runtime"].keys()
     assert res["runtime"]["name"] == "onnxruntime" and res["runtime"]["providers"] == ["CPUExecutionProvider"]
@@ -246,10 +246,15 @@ def test_pickled_eval_arrays_are_refused(bundle, tmp_path, capsys):
 def test_unknown_runtime_fails_clearly(bundle, tmp_path, capsys):
     bundle_dir, _, _ = bundle
     out = tmp_path / "r.json"
-    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--runtime", "tflite", *FAST])
+    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--runtime", "coreml", *FAST])
     assert rc == 3 and not out.exists()
     err = capsys.readouterr().err
-    assert "runtime 'tflite' is not supported" in err and "onnxruntime" in err
+    assert "runtime 'coreml' is not supported" in err and "onnxruntime" in err and "tflite" in err
+
+    # A runtime that exists but cannot load this model (ONNX given to TFLite) is a runtime problem too.
+    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--runtime", "tflite", *FAST])
+    assert rc == 3 and not out.exists()
+    assert "could not load" in capsys.readouterr().err
 
     rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out),
                       "--providers", "NoSuchExecutionProvider", *FAST])
@@ -358,7 +363,7 @@ def _imports(tree_body_or_tree):
 
 def test_runner_imports_only_stdlib_numpy_and_runtimes():
     tree = ast.parse(RUNNER_PATH.read_text())
-    lazy_ok = {"onnxruntime", "ai_edge_litert", "tflite_runtime", "tensorflow", "tensorrt", "tqdm"}
+    lazy_ok = {"onnxruntime", "ai_edge_litert", "tflite_runtime", "tensorflow", "tensorrt", "cuda", "tqdm"}
     allowed = set(sys.stdlib_module_names) | {"numpy"} | lazy_ok
     names = set(_imports(tree))
     assert names <= allowed, f"unexpected imports: {sorted(names - allowed)}"

@@ -1,0 +1,92 @@
+"""Shared by the export benchmarks: LeNet-5-Caffe / MLP shapes, artifact timing on onnxruntime and
+ai-edge-litert, and the results files (JSON with provenance + a Markdown table).
+
+Timing: batch 1, 2 threads, `warmup` untimed calls, then `repeats` rounds of `calls` timed calls; a
+round's figure is its median call latency, the reported figure the median over rounds. Run the
+benchmarks under `flock /tmp/edgebayes-bench.lock` so timing runs never overlap.
+"""
+
+import json
+import statistics
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from edgebayes.deploy.runner import make_backend
+from edgebayes.export.formats import FORMATS, export_artifact
+from edgebayes.provenance import atomic_path, provenance
+
+RESULTS = Path(__file__).resolve().parent / "results"
+THREADS = 2
+RUNTIMES = {"onnxruntime": "onnx", "ai-edge-litert": "tflite-fp32"}  # runtime -> the artifact it runs
+
+
+def lenet5_caffe(c1=20, c2=50, hidden=500, classes=10):
+    """LeNet-5-Caffe at 28x28: conv 5x5 (c1), max pool, conv 5x5 (c2), max pool, fc 16*c2 -> hidden -> 10."""
+    return nn.Sequential(nn.Conv2d(1, c1, 5), nn.MaxPool2d(2), nn.Conv2d(c1, c2, 5), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(16 * c2, hidden), nn.ReLU(), nn.Linear(hidden, classes)).eval()
+
+
+def mlp(widths=(784, 300, 100), classes=10):
+    """LeNet-300-100 shaped MLP on flattened 28x28 inputs."""
+    layers = [nn.Flatten()]
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(widths[-1], classes)).eval()
+
+
+def versions():
+    found = provenance("benchmark")
+    for name in ("nncf", "ai-edge-litert", "litert-torch"):
+        try:
+            found["versions"][name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def export_for(runtime, mc_model, x, path, layout):
+    fmt = RUNTIMES[runtime]
+    return export_artifact(mc_model, fmt, Path(str(path) + FORMATS[fmt].suffix), x, opset=17, layout=layout), fmt
+
+
+def time_artifact(path, fmt, x1, warmup=50, calls=200, repeats=7):
+    """Median over `repeats` rounds of the median latency (ms) of `calls` calls at batch 1."""
+    backend = make_backend(FORMATS[fmt].runtime, str(path), THREADS)
+    for _ in range(warmup):
+        backend.run(x1)
+    rounds = []
+    for _ in range(repeats):
+        lat = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            backend.run(x1)
+            lat.append(time.perf_counter() - t0)
+        rounds.append(statistics.median(lat) * 1e3)
+    return {"median_ms": statistics.median(rounds), "rounds_ms": rounds, "calls_per_round": calls}
+
+
+def write_results(name, payload, table_lines):
+    RESULTS.mkdir(exist_ok=True)
+    payload = {**payload, "provenance": versions(), "command": " ".join(sys.argv)}
+    with atomic_path(RESULTS / f"{name}.json") as tmp:
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    with atomic_path(RESULTS / f"{name}.md") as tmp:
+        prov = payload["provenance"]
+        tmp.write_text("\n".join(table_lines) + f"\n\nCommit {prov['git_commit']}, {prov['machine']['processor'] or prov['machine']['machine']}, "
+                       f"{prov['machine']['cpu_count']} CPUs, {THREADS} threads, batch 1; "
+                       f"versions: {', '.join(f'{k} {v}' for k, v in prov['versions'].items())}.\n")
+    print("\n".join(table_lines))
+
+
+def inputs(shape, n=16, seed=0):
+    return torch.randn((n, *shape), generator=torch.Generator().manual_seed(seed))
+
+
+def np1(x):
+    return np.ascontiguousarray(x[:1].numpy(), dtype=np.float32)

@@ -1,0 +1,66 @@
+"""Benchmark: the packed MC layout against the unrolled one for M = 1, 2, 4, 8 (issue 8).
+
+    flock /tmp/edgebayes-bench.lock .venv/bin/python benchmarks/export_packed_latency.py
+
+M posterior samples of a LeNet-5-Caffe (conv 20 5x5, conv 50 5x5, fc 800 -> 500 -> 10) and of an
+MLP (784-300-100-10), different weights per sample; both layouts exported by the pipeline's
+export_artifact (fp32 ONNX and TFLite) and timed at batch 1 with 2 threads on onnxruntime and
+ai-edge-litert. Target: packed at M = 8 at most 0.6x the unrolled latency on onnxruntime.
+"""
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from export_common import RUNTIMES, export_for, inputs, lenet5_caffe, mlp, np1, time_artifact, write_results
+from edgebayes.export.compress import MCAverage
+
+MS = (1, 2, 4, 8)
+
+
+def samples(build, m):
+    out = []
+    for s in range(m):
+        torch.manual_seed(100 + s)
+        out.append(build())
+    return out
+
+
+def main():
+    results, lines = {}, []
+    for net, build in (("lenet5-caffe", lenet5_caffe), ("mlp", mlp)):
+        x = inputs((1, 28, 28))
+        results[net] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for m in MS:
+                mc = MCAverage(samples(build, m)).eval()
+                row = {}
+                for runtime in RUNTIMES:
+                    for layout in ("unrolled", "packed"):
+                        path, fmt = export_for(runtime, mc, x, Path(tmp) / f"{net}-{m}-{layout}", layout)
+                        row[f"{runtime}/{layout}"] = time_artifact(path, fmt, np1(x))
+                    row[f"{runtime}/packed_over_unrolled"] = (row[f"{runtime}/packed"]["median_ms"]
+                                                              / row[f"{runtime}/unrolled"]["median_ms"])
+                results[net][m] = row
+    lines += ["| net | M | onnxruntime unrolled ms | packed ms | packed / unrolled | ai-edge-litert unrolled ms | "
+              "packed ms | packed / unrolled |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for net, rows in results.items():
+        for m, row in rows.items():
+            cells = []
+            for runtime in RUNTIMES:
+                cells += [f"{row[f'{runtime}/unrolled']['median_ms']:.4f}", f"{row[f'{runtime}/packed']['median_ms']:.4f}",
+                          f"{row[f'{runtime}/packed_over_unrolled']:.2f}x"]
+            lines.append(f"| {net} | {m} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Unrolled M = 8 over M = 1 (onnxruntime): " + ", ".join(
+        f"{net} {rows[8]['onnxruntime/unrolled']['median_ms'] / rows[1]['onnxruntime/unrolled']['median_ms']:.2f}x"
+        for net, rows in results.items()) + "; packed M = 8 over M = 1: " + ", ".join(
+        f"{net} {rows[8]['onnxruntime/packed']['median_ms'] / rows[1]['onnxruntime/packed']['median_ms']:.2f}x"
+        for net, rows in results.items()) + ".")
+    write_results("export_packed_latency", {"benchmark": "packed vs unrolled MC layout", "threads": 2, "batch": 1,
+                                            "results": results}, lines)
+
+
+if __name__ == "__main__":
+    main()

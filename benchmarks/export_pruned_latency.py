@@ -1,0 +1,118 @@
+"""Benchmark: latency of a physically pruned network against the same network with masks, the dense one,
+and a dense net built directly at the pruned widths, beside their FLOPs ratios (issue 8).
+
+    flock /tmp/edgebayes-bench.lock .venv/bin/python benchmarks/export_pruned_latency.py
+
+Networks: an MLP (784-300-100-10, pruned by the pipeline's surgery to 784-60-30-10) and a
+LeNet-5-Caffe (conv 20 5x5, conv 50 5x5, fc 800 -> 500 -> 10 at 28x28; pruned to 8 and 16 channels and
+60 hidden units by slicing the kept channels out). Variants, each exported as the pipeline exports
+(softmax output, ONNX and TFLite fp32) and timed at batch 1 with 2 threads:
+    dense    the trained-shape network
+    masked   the same shapes with the pruned units' weights and biases zeroed (what masks give)
+    pruned   the masked network with the dead units physically removed
+    direct   a network built directly at the pruned widths (fresh weights): the limit surgery can reach
+Target: pruned within 1.05x of direct.
+"""
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from export_common import RUNTIMES, export_for, inputs, lenet5_caffe, mlp, np1, time_artifact, write_results
+from edgebayes.export.compress import MCAverage
+from edgebayes.export.surgery import remove_dead_units
+from edgebayes.train.metrics import paper_flops
+
+
+def keep_first(n, k):
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[torch.randperm(n, generator=torch.Generator().manual_seed(n))[:k]] = True
+    return keep
+
+
+@torch.no_grad()
+def mlp_variants():
+    torch.manual_seed(0)
+    dense = mlp()
+    kept = {"1": keep_first(300, 60), "3": keep_first(100, 30)}  # Sequential names of the hidden Linears
+    masked = mlp()
+    masked.load_state_dict(dense.state_dict())
+    for name, keep in kept.items():
+        layer = getattr(masked, name)
+        layer.weight[~keep] = 0
+        layer.bias[~keep] = 0
+    pruned = remove_dead_units(masked, kept)
+    return {"dense": dense, "masked": masked, "pruned": pruned, "direct": mlp((784, 60, 30))}, (1, 28, 28)
+
+
+@torch.no_grad()
+def lenet_variants():
+    torch.manual_seed(0)
+    dense = lenet5_caffe()
+    k1, k2, kh = keep_first(20, 8), keep_first(50, 16), keep_first(500, 60)
+    k2_features = k2.repeat_interleave(16)  # conv2 channel c feeds flattened features 16c .. 16c+15
+    masked = lenet5_caffe()
+    masked.load_state_dict(dense.state_dict())
+    for idx, keep in ((0, k1), (2, k2), (5, kh)):
+        masked[idx].weight[~keep] = 0
+        masked[idx].bias[~keep] = 0
+    pruned = lenet5_caffe(8, 16, 60)
+    pruned[0].weight.copy_(masked[0].weight[k1])
+    pruned[0].bias.copy_(masked[0].bias[k1])
+    pruned[2].weight.copy_(masked[2].weight[k2][:, k1])
+    pruned[2].bias.copy_(masked[2].bias[k2])
+    pruned[5].weight.copy_(masked[5].weight[kh][:, k2_features])
+    pruned[5].bias.copy_(masked[5].bias[kh])
+    pruned[7].weight.copy_(masked[7].weight[:, kh])
+    pruned[7].bias.copy_(masked[7].bias)
+    return {"dense": dense, "masked": masked, "pruned": pruned, "direct": lenet5_caffe(8, 16, 60)}, (1, 28, 28)
+
+
+def main():
+    results, lines = {}, []
+    for net, build in (("mlp", mlp_variants), ("lenet5-caffe", lenet_variants)):
+        variants, shape = build()
+        x = inputs(shape)
+        with torch.no_grad():
+            gap = float((variants["pruned"](x) - variants["masked"](x)).abs().max())
+        assert gap < 1e-4, f"{net}: the pruned network differs from the masked one by {gap}"
+        dense_flops = paper_flops(variants["dense"], shape)
+        results[net] = {"pruned_vs_masked_max_abs_logit_diff": gap, "variants": {}}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, module in variants.items():
+                row = {"flops": paper_flops(module, shape), "flops_ratio": paper_flops(module, shape) / dense_flops}
+                for runtime in RUNTIMES:
+                    path, fmt = export_for(runtime, MCAverage([module]).eval(), x, Path(tmp) / f"{net}-{name}", "unrolled")
+                    row[runtime] = time_artifact(path, fmt, np1(x))
+                results[net]["variants"][name] = row
+        v = results[net]["variants"]
+        for runtime in RUNTIMES:
+            d = v["dense"][runtime]["median_ms"]
+            results[net][f"{runtime}_pruned_over_direct"] = v["pruned"][runtime]["median_ms"] / v["direct"][runtime]["median_ms"]
+            results[net][f"{runtime}_pruned_over_dense"] = v["pruned"][runtime]["median_ms"] / d
+    lines += ["| net | variant | FLOPs | FLOPs ratio | onnxruntime ms | vs dense | ai-edge-litert ms | vs dense |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for net, r in results.items():
+        v = r["variants"]
+        for name, row in v.items():
+            cells = []
+            for runtime in RUNTIMES:
+                ms = row[runtime]["median_ms"]
+                cells += [f"{ms:.4f}", f"{ms / v['dense'][runtime]['median_ms']:.2f}x"]
+            lines.append(f"| {net} | {name} | {row['flops']:,} | {row['flops_ratio']:.3f} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("| net | runtime | pruned / direct (target <= 1.05) | pruned / dense | FLOPs ratio |")
+    lines.append("|---|---|---:|---:|---:|")
+    for net, r in results.items():
+        for runtime in RUNTIMES:
+            lines.append(f"| {net} | {runtime} | {r[f'{runtime}_pruned_over_direct']:.3f} | "
+                         f"{r[f'{runtime}_pruned_over_dense']:.3f} | {r['variants']['pruned']['flops_ratio']:.3f} |")
+    write_results("export_pruned_latency", {"benchmark": "pruned vs masked vs dense vs direct", "threads": 2,
+                                            "batch": 1, "results": results}, lines)
+
+
+if __name__ == "__main__":
+    main()

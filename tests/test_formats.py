@@ -1,0 +1,97 @@
+"""Every export format round-trips with its fidelity within the stated tolerances (export/formats.py).
+
+Labels are the PyTorch MC average's own predictions on inputs where it is confident, so its accuracy is
+1 and the accuracy floor of the fp16/int8 artifacts is a real bar (reference accuracy - max drop).
+"""
+
+import typing
+
+import numpy as np
+import pytest
+import torch
+
+from _nets import samples_and_inputs
+from edgebayes.config import ExportFormat
+from edgebayes.export.compress import MCAverage
+from edgebayes.export.formats import FORMATS, artifact_predict, check_fidelity, export_artifact, fidelity
+
+TOLERANCE, MAX_DROP = 1e-4, 0.05
+
+
+def _case(net, m=3, n=96):
+    samples, x = samples_and_inputs(net, m, n=4 * n)
+    mc = MCAverage(samples).eval()
+    with torch.no_grad():
+        ref = mc(x).numpy()
+    confident = np.argsort(-ref.max(axis=1))[:n]  # keep inputs far from a decision boundary
+    x, ref = x[confident], ref[confident]
+    return mc, x, ref, ref.argmax(axis=1)
+
+
+def test_format_table_matches_the_config_schema():
+    assert set(FORMATS) == set(typing.get_args(ExportFormat))
+    for f in FORMATS.values():
+        assert f.runtime in ("onnxruntime", "tflite", "tensorrt") and f.precision in ("fp32", "fp16", "int8")
+
+
+ALL = ["onnx", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflite-int8"]
+CASES = ([("mlp", "packed", f) for f in ALL] + [("lenet", "packed", f) for f in ALL]
+         + [("mlp", "unrolled", f) for f in ("onnx", "onnx-int8", "tflite-int8")])
+
+
+@pytest.mark.parametrize("net, layout, fmt", CASES)
+def test_every_format_round_trips_within_tolerance(net, layout, fmt, tmp_path):
+    mc, x, ref, y = _case(net)
+    calib = samples_and_inputs(net, 1, n=64, seed=7)[1]  # calibration inputs: not the eval inputs
+    facts = {}
+    path = export_artifact(mc, fmt, tmp_path / f"model{FORMATS[fmt].suffix}", x[:8], calib, layout=layout,
+                           details=facts)
+    assert path.is_file() and facts["layout"] == layout and facts["precision"] == FORMATS[fmt].precision
+    line = fidelity(artifact_predict(path, fmt, x.numpy()), ref, y)
+    check = check_fidelity(line, FORMATS[fmt].precision, TOLERANCE, MAX_DROP)
+    assert check["passed"], (fmt, line)
+    if FORMATS[fmt].precision == "fp32":
+        assert line["max_abs_prob_diff"] <= TOLERANCE
+    else:
+        assert line["accuracy"] >= 1 - MAX_DROP
+        assert line["max_abs_prob_diff"] > 0  # it really is a different (quantized) model
+
+
+def test_int8_onnx_keeps_probabilities_in_float(tmp_path):
+    import onnx
+
+    mc, x, ref, y = _case("mlp")
+    facts = {}
+    path = export_artifact(mc, "onnx-int8", tmp_path / "q.onnx", x[:8], x[:32], details=facts)
+    graph = onnx.load(str(path)).graph
+    ops = [n.op_type for n in graph.node]
+    assert "QuantizeLinear" in ops and "DequantizeLinear" in ops  # it is quantized
+    softmax = next(n for n in graph.node if n.op_type == "Softmax")
+    assert not any(n.op_type == "QuantizeLinear" and softmax.output[0] in n.input for n in graph.node)
+    assert facts["calibration_rows"] == 32
+
+
+def test_export_is_deterministic(tmp_path):
+    mc, x, _, _ = _case("mlp")
+    a = export_artifact(mc, "onnx", tmp_path / "a.onnx", x[:8])
+    b = export_artifact(mc, "onnx", tmp_path / "b.onnx", x[:8])
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_int8_without_calibration_data_is_refused(tmp_path):
+    from edgebayes.export.formats import ExportError
+
+    mc, x, _, _ = _case("mlp")
+    with pytest.raises(ExportError, match="calibration"):
+        export_artifact(mc, "tflite-int8", tmp_path / "q.tflite", x[:8], None)
+
+
+def test_fidelity_check_rules():
+    y = np.array([0, 1])
+    ref = np.array([[0.9, 0.1], [0.2, 0.8]])
+    line = fidelity(ref + [[-0.05, 0.05], [0, 0]], ref, y)
+    assert line["max_abs_prob_diff"] == pytest.approx(0.05) and line["accuracy"] == 1.0
+    assert not check_fidelity(line, "fp32", 1e-4, 0.01)["passed"]
+    assert check_fidelity(line, "int8", 1e-4, 0.01)["passed"]
+    flipped = fidelity(ref[:, ::-1], ref, y)
+    assert flipped["accuracy"] == 0.0 and not check_fidelity(flipped, "fp16", 1e-4, 0.5)["passed"]
