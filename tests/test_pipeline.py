@@ -137,3 +137,32 @@ def test_pipeline_runs_a_convolutional_spike_and_slab_resnet(tmp_path, capsys):
     assert metrics["family"] == "ss-ghs" and 0 < metrics["flops_ratio"] <= 1
     assert metrics["physical_flops_ratio"] >= metrics["flops_ratio"] - 1e-12  # surgery can't beat the masks
     assert (run / "report/local/report.html").is_file()
+
+
+def test_every_export_format_is_built_benchmarked_and_reported(run, capsys):
+    """configs/digits-formats.yaml asks for onnx, onnx-int8, tflite-fp32, tflite-fp16, tflite-int8: each is
+    exported, run and timed by the runner, and has its fidelity line in the report (training is reused)."""
+    config = yaml.safe_load((ROOT / "configs/digits-formats.yaml").read_text())
+    config["name"] = run.name  # the same run folder: train is up to date
+    config["benchmark"] = {"warmup": 2, "min_runs": 20, "min_seconds": 0.05}
+    path = run.parent / "formats.yaml"
+    path.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    assert main(["pipeline", "--config", str(path), "--runs-dir", str(run.parent)]) == 0
+    assert "train: up to date" in capsys.readouterr().out
+    formats = ["onnx", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflite-int8"]
+    manifest = json.loads((run / "export/local/bundle/manifest.json").read_text())
+    assert list(manifest["artifacts"]) == formats
+    deployed = json.loads((run / "deploy/local/artifacts.json").read_text())
+    assert list(deployed) == formats
+    report = json.loads((run / "report/local/report.json").read_text())
+    rows = {row["artifact"]: row for row in report["fidelity"]}
+    assert list(rows) == formats
+    for fmt, row in rows.items():
+        assert row["check"]["passed"] and row["device_p50_ms"] > 0
+        assert row["device_accuracy"] == pytest.approx(row["accuracy"])  # the device ran the same artifact
+        if fmt in ("onnx", "tflite-fp32"):
+            assert row["max_abs_prob_diff"] <= 1e-4
+        else:
+            assert row["accuracy"] >= row["reference"]["accuracy"] - 0.02
+    assert "Fidelity of every exported artifact" in (run / "report/local/report.html").read_text()
