@@ -1,6 +1,7 @@
 """The packed MC layout (export/packed.py): one graph running all M posterior samples per layer equals the
 unrolled MC average, in PyTorch and through ONNX."""
 
+import copy
 import operator
 
 import numpy as np
@@ -47,15 +48,53 @@ def test_packed_onnx_equals_unrolled(net, tmp_path):
     assert np.abs(onnx_predict(path, x.numpy()) - ref).max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["ss-ig", "ss-gl", "dnn"])
+@pytest.mark.parametrize("family", ["ss-ig", "ss-gl", "ss-ghs", "dnn"])
 def test_packed_compressed_posterior_samples(family):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(family=family, hidden=[16, 12]), PriorConfig(), 20, 5, n_train=100)
+    model = build_model(ModelConfig(family=family, hidden=[16, 12]), PriorConfig(), (20,), 5, n_train=100)
     mc = compress(model, 0.5, 4, seed=0).mc_model()
     x = torch.randn(16, 20)
     with torch.no_grad():
         assert (mc_graph(mc, "packed", x)(x) - mc(x)).abs().max() <= 1e-5
     assert mc_graph(mc, "unrolled", x) is mc
+
+
+def test_packed_zoo_lenet5_caffe_from_compress():
+    """LeNet-5-Caffe of the zoo, spike-and-slab channels, through compress() as the pipeline does it."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(family="ss-gl", arch="lenet5-caffe"), PriorConfig(), (1, 28, 28), 10, n_train=100)
+    mc = compress(model, model.default_knob, 3, seed=0).mc_model()
+    x = torch.randn(8, 1, 28, 28)
+    with torch.no_grad():
+        assert (mc_graph(mc, "packed", x)(x) - mc(x)).abs().max() <= 1e-5
+
+
+def _perturbed(module, seed):
+    """A copy of a plain module with other weights and batch-norm statistics: another 'posterior sample'."""
+    g = torch.Generator().manual_seed(seed)
+    module = copy.deepcopy(module)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for mod in module.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.copy_(torch.randn(mod.running_mean.shape, generator=g) * 0.1)
+                mod.running_var.copy_(torch.rand(mod.running_var.shape, generator=g) + 0.5)
+    return module.eval()
+
+
+def test_packed_zoo_resnet20():
+    """ResNet-20 of the zoo (batch norm, projection shortcuts, residual adds, global pooling) as plain modules."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(family="dnn", arch="resnet20"), PriorConfig(), (3, 32, 32), 10, n_train=100)
+    plain, _ = model.posterior_sample(model.default_knob, torch.Generator().manual_seed(0))
+    mc = MCAverage([_perturbed(plain, s) for s in range(3)]).eval()
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        ref = mc(x)
+        logits = mc.samples[0](x)
+        assert (logits[0] - logits[1]).abs().max() > 1e-3  # the output depends on the input
+        assert (mc_graph(mc, "packed", x)(x) - ref).abs().max() <= 1e-5
 
 
 def test_unsupported_operation_is_refused_by_name():
