@@ -23,6 +23,7 @@ from edgebayes.provenance import atomic_path, provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"
 THREADS = 2
+QUICK = "--quick" in sys.argv  # a smoke run of the script: few calls, nothing written
 RUNTIMES = {"onnxruntime": "onnx", "ai-edge-litert": "tflite-fp32"}  # runtime -> the artifact it runs
 
 
@@ -58,6 +59,8 @@ def export_for(runtime, mc_model, x, path, layout):
 def time_artifact(path, fmt, x1, warmup=50, calls=200, repeats=7):
     """Median over `repeats` rounds of the median latency (ms) of `calls` calls at batch 1."""
     backend = make_backend(FORMATS[fmt].runtime, str(path), THREADS)
+    if QUICK:
+        warmup, calls, repeats = 1, 3, 1
     for _ in range(warmup):
         backend.run(x1)
     rounds = []
@@ -72,6 +75,9 @@ def time_artifact(path, fmt, x1, warmup=50, calls=200, repeats=7):
 
 
 def write_results(name, payload, table_lines):
+    if QUICK:
+        print("\n".join(table_lines))
+        return
     RESULTS.mkdir(exist_ok=True)
     payload = {**payload, "provenance": versions(), "command": " ".join(sys.argv)}
     with atomic_path(RESULTS / f"{name}.json") as tmp:

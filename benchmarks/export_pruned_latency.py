@@ -5,7 +5,7 @@ and a dense net built directly at the pruned widths, beside their FLOPs ratios (
 
 Networks: an MLP (784-300-100-10, pruned by the pipeline's surgery to 784-60-30-10) and a
 LeNet-5-Caffe (conv 20 5x5, conv 50 5x5, fc 800 -> 500 -> 10 at 28x28; pruned to 8 and 16 channels and
-60 hidden units by slicing the kept channels out). Variants, each exported as the pipeline exports
+60 hidden units by the same surgery, through Torch-Pruning's dependency graph). Variants, each exported as the pipeline exports
 (softmax output, ONNX and TFLite fp32) and timed at batch 1 with 2 threads:
     dense    the trained-shape network
     masked   the same shapes with the pruned units' weights and biases zeroed (what masks give)
@@ -14,12 +14,11 @@ LeNet-5-Caffe (conv 20 5x5, conv 50 5x5, fc 800 -> 500 -> 10 at 28x28; pruned to
 Target: pruned within 1.05x of direct.
 """
 
+import copy
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import nn
 
 from export_common import RUNTIMES, export_for, inputs, lenet5_caffe, mlp, np1, time_artifact, write_results
 from edgebayes.export.compress import MCAverage
@@ -33,41 +32,30 @@ def keep_first(n, k):
     return keep
 
 
-@torch.no_grad()
+def masked_and_pruned(dense, kept, shape):
+    """The dense net with the pruned units' rows (and biases) zeroed, and that net after the pipeline's surgery."""
+    masked = copy.deepcopy(dense)
+    layers = dict(masked.named_modules())
+    with torch.no_grad():
+        for name, keep in kept.items():
+            layers[name].weight[~keep] = 0
+            layers[name].bias[~keep] = 0
+    return masked, remove_dead_units(masked, kept, torch.zeros((1, *shape)))
+
+
 def mlp_variants():
     torch.manual_seed(0)
     dense = mlp()
     kept = {"1": keep_first(300, 60), "3": keep_first(100, 30)}  # Sequential names of the hidden Linears
-    masked = mlp()
-    masked.load_state_dict(dense.state_dict())
-    for name, keep in kept.items():
-        layer = getattr(masked, name)
-        layer.weight[~keep] = 0
-        layer.bias[~keep] = 0
-    pruned = remove_dead_units(masked, kept)
+    masked, pruned = masked_and_pruned(dense, kept, (1, 28, 28))
     return {"dense": dense, "masked": masked, "pruned": pruned, "direct": mlp((784, 60, 30))}, (1, 28, 28)
 
 
-@torch.no_grad()
 def lenet_variants():
     torch.manual_seed(0)
     dense = lenet5_caffe()
-    k1, k2, kh = keep_first(20, 8), keep_first(50, 16), keep_first(500, 60)
-    k2_features = k2.repeat_interleave(16)  # conv2 channel c feeds flattened features 16c .. 16c+15
-    masked = lenet5_caffe()
-    masked.load_state_dict(dense.state_dict())
-    for idx, keep in ((0, k1), (2, k2), (5, kh)):
-        masked[idx].weight[~keep] = 0
-        masked[idx].bias[~keep] = 0
-    pruned = lenet5_caffe(8, 16, 60)
-    pruned[0].weight.copy_(masked[0].weight[k1])
-    pruned[0].bias.copy_(masked[0].bias[k1])
-    pruned[2].weight.copy_(masked[2].weight[k2][:, k1])
-    pruned[2].bias.copy_(masked[2].bias[k2])
-    pruned[5].weight.copy_(masked[5].weight[kh][:, k2_features])
-    pruned[5].bias.copy_(masked[5].bias[kh])
-    pruned[7].weight.copy_(masked[7].weight[:, kh])
-    pruned[7].bias.copy_(masked[7].bias)
+    kept = {"0": keep_first(20, 8), "2": keep_first(50, 16), "5": keep_first(500, 60)}  # conv1, conv2, fc1
+    masked, pruned = masked_and_pruned(dense, kept, (1, 28, 28))
     return {"dense": dense, "masked": masked, "pruned": pruned, "direct": lenet5_caffe(8, 16, 60)}, (1, 28, 28)
 
 

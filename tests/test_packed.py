@@ -7,6 +7,7 @@ import operator
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from _nets import samples_and_inputs
@@ -25,10 +26,10 @@ def test_packed_equals_unrolled(net, m):
     with torch.no_grad():
         gap = (packed(x) - MCAverage(samples).eval()(x)).abs().max().item()
     assert gap <= 1e-5
-    # One operator call per layer: the graph has no more parameterized calls than one sample has layers.
-    n_convs = sum(isinstance(mod, nn.Conv2d) for mod in samples[0].modules())
-    calls = [n for n in packed.net.graph.nodes if n.op == "call_function" and "conv2d" in str(n.target)]
-    assert len(calls) == n_convs
+    # One operator call per layer: as many convolutions and matmuls as one sample has Conv2d and Linear layers.
+    layers = sum(isinstance(mod, (nn.Conv2d, nn.Linear)) for mod in samples[0].modules())
+    calls = [n for n in packed.net.graph.nodes if n.op == "call_function" and n.target in (F.conv2d, F.linear)]
+    assert len(calls) == layers
 
 
 def test_batch_norm_is_folded_into_the_convolution():
