@@ -7,6 +7,7 @@ benchmarks under `flock /tmp/edgebayes-bench.lock` so timing runs never overlap.
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -79,13 +80,15 @@ def write_results(name, payload, table_lines):
         print("\n".join(table_lines))
         return
     RESULTS.mkdir(exist_ok=True)
-    payload = {**payload, "provenance": versions(), "command": " ".join(sys.argv)}
+    # Timing on a shared machine: the load average says how much else ran beside the benchmark.
+    payload = {**payload, "provenance": versions(), "command": " ".join(sys.argv), "load_average": os.getloadavg()}
     with atomic_path(RESULTS / f"{name}.json") as tmp:
         tmp.write_text(json.dumps(payload, indent=2) + "\n")
     with atomic_path(RESULTS / f"{name}.md") as tmp:
         prov = payload["provenance"]
         tmp.write_text("\n".join(table_lines) + f"\n\nCommit {prov['git_commit']}, {prov['machine']['processor'] or prov['machine']['machine']}, "
-                       f"{prov['machine']['cpu_count']} CPUs, {THREADS} threads, batch 1; "
+                       f"{prov['machine']['cpu_count']} CPUs, {THREADS} threads, batch 1, load average at the end "
+                       f"{payload['load_average'][0]:.1f}; "
                        f"versions: {', '.join(f'{k} {v}' for k, v in prov['versions'].items())}.\n")
     print("\n".join(table_lines))
 
