@@ -200,7 +200,7 @@ def test_missing_optional_parts(tmp_path):
     assert s["params_match"] is None
     html_text = (out / "report.html").read_text()
     assert "n/a" in html_text
-    assert len(_images(html_text)) == 2  # trade-off and sparsity only
+    assert len(_images(html_text)) == 3  # trade-off, accuracy/ECE vs knob and sparsity only
     assert not (out / "training.png").exists() and not (out / "reliability.png").exists()
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 

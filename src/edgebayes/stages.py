@@ -145,22 +145,30 @@ def run_train(ctx):
 
 def run_select(ctx):
     from edgebayes.deploy.select import choose, score_candidates
+    from edgebayes.deploy.transport import transport_for
 
     model, splits = load_trained_model(ctx), splits_for(ctx)
     try:
         model.operating_points(ctx.cfg.select.knob_values)
     except ValueError as e:
         raise ConfigError(f"{ctx.config_path}: select.knob_values: {e}") from None
-    candidates = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y, log=ctx.log)
     out = ctx.stage_dir("select")
-    common = {"device": ctx.profile.name, "budgets": as_dict(ctx.profile.budgets),
-              "objective": ctx.cfg.select.objective, "provenance": ctx.provenance("select")}
-    write_json(out / "candidates.json", {**common, "candidates": candidates})
-    choice = choose(candidates, ctx.cfg.select.objective, ctx.profile.budgets)
+    transport = transport_for(ctx.profile, out / "device")
+    candidates, measured_on = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y, transport,
+                                               ctx.runs_dir, log=ctx.log)
+    s = ctx.cfg.select
+    common = {"device": ctx.profile.name, "budgets": as_dict(ctx.profile.budgets), "objective": s.objective,
+              "max_ece": s.max_ece, "latency_measured_on": measured_on, "provenance": ctx.provenance("select")}
+    write_json(out / "candidates.json", {**common, "candidates": candidates,
+                                         "pareto": [c["id"] for c in candidates if c["pareto"]]})
+    choice = choose(candidates, s.objective, ctx.profile.budgets, s.max_ece)
     write_json(out / "choice.json", {**common, **choice})
     c = choice["candidate"]
-    ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']} "
-            f"(val accuracy {c['val']['accuracy']:.4f}, latency {c['cost']['latency_ms']:.3f} ms); {choice['reason']}")
+    predicted = c["cost"]["predicted_latency_ms"]
+    ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']}, {choice['precision']} "
+            f"(val accuracy {c['val']['accuracy']:.4f}, latency {c['cost']['latency_ms']:.3f} ms "
+            f"{c['cost']['latency_source']}" + (f", predicted {predicted:.3f} ms" if predicted is not None else "")
+            + f"); {choice['reason']}")
 
 
 def run_export(ctx):
@@ -211,26 +219,36 @@ def run_export(ctx):
 
 
 def run_deploy(ctx):
+    """Copy the bundle and the runner to the device, benchmark there, fetch the results.
+
+    A preflight first checks the device (reachable, python, runtime, free disk) so a problem is reported
+    before anything is copied; on any failure the local artifacts stay and the stage is not marked done,
+    so `edgebayes deploy` simply runs again.
+    """
     from edgebayes.deploy.transport import RUNNER, transport_for
 
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
     out = ctx.stage_dir("deploy")
-    transport = transport_for(ctx.profile, out / "device")
+    b, r = ctx.cfg.benchmark, ctx.profile
+    transport = transport_for(r, out / "device")
+    size = sum(f.stat().st_size for f in bundle.iterdir()) + RUNNER.stat().st_size
+    transport.preflight(r.runtime.name, size, r.connection.min_free_mb)
     transport.put(bundle, "bundle")
     transport.put(RUNNER, "runner.py")
-    b, r = ctx.cfg.benchmark, ctx.profile
     args = ["runner.py", "--bundle", "bundle", "--out", "results.json", "--warmup", b.warmup,
             "--min-runs", b.min_runs, "--min-seconds", b.min_seconds, "--batch-size", r.budgets.batch_size,
-            "--threads", r.runtime.threads, "--runtime", r.runtime.name]
-    code, last_line = transport.run(args)
+            "--threads", r.runtime.threads, "--runtime", r.runtime.name,
+            "--tag", f"device={r.name}", "--tag", f"connection={r.connection.kind}"]
+    code, err = transport.run(args)
     if code != 0:
-        raise StageError(f"the runner failed on device {r.name} (exit code {code}): {last_line}; "
-                         f"local artifacts are kept, re-run `edgebayes deploy`")
+        raise StageError(transport.disk_full(err) or f"the runner failed on device {r.name} (exit code {code}): "
+                         f"{err[-1] if err else 'no message'}; local artifacts are kept, re-run `edgebayes deploy`")
     transport.get("results.json", out / "results.json")
     res = read_json(out / "results.json")
     lat = res["latency_ms"]
-    ctx.log(f"deploy: on {r.name} accuracy {res['metrics']['accuracy']:.4f}, ECE {res['metrics']['ece']:.4f}; "
-            f"latency p50 {lat['p50']:.3f} / p90 {lat['p90']:.3f} / p99 {lat['p99']:.3f} ms over {res['runs']} runs")
+    ctx.log(f"deploy: on {r.name} ({transport.where()}) accuracy {res['metrics']['accuracy']:.4f}, "
+            f"ECE {res['metrics']['ece']:.4f}; latency p50 {lat['p50']:.3f} / p90 {lat['p90']:.3f} / "
+            f"p99 {lat['p99']:.3f} ms over {res['runs']} runs")
 
 
 def run_report(ctx):
@@ -247,11 +265,16 @@ def run_report(ctx):
     inputs = {
         "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],
-        "choice": {k: choice[k] for k in ("knob", "knob_value", "mc_samples", "reason")},
+        "choice": {k: choice.get(k) for k in ("knob", "knob_value", "mc_samples", "format", "precision", "reason")},
+        "max_ece": candidates.get("max_ece"),
         "export": export, "results": results, "reliability": results.get("reliability"),
         "provenance": ctx.provenance("report"),
     }
     report = write_report(inputs, ctx.stage_dir("report"))
+    lat = report["summary"]["latency_prediction"]
+    if lat["error"] is not None:
+        ctx.log(f"report: chosen point's p{lat['percentile']} latency predicted {lat['predicted_ms']:.4f} ms "
+                f"({lat['predicted_by']}), measured {lat['measured_ms']:.4f} ms: error {100 * lat['error']:+.1f} %")
     ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'}")
     return report
 
