@@ -29,9 +29,11 @@ def pipeline_run(tmp_path_factory):
 
 @pytest.fixture
 def trained_runs(pipeline_run, tmp_path):
-    """A fresh runs folder holding only the session's trained model (train stage up to date)."""
+    """A fresh runs folder holding the session's trained model (train stage up to date) and the latency
+    table its pipeline measured for the local device."""
     runs = tmp_path / "runs"
     shutil.copytree(pipeline_run / "train", runs / pipeline_run.name / "train")
+    shutil.copytree(pipeline_run.parent / "devices", runs / "devices")
     return runs
 
 

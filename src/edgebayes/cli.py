@@ -106,16 +106,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from edgebayes.stages import Context, run_pipeline, run_stage
 
-    if args.command == "devices":
-        try:
-            return _devices(args)
-        except InputError as e:
-            print(f"edgebayes: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        except StageError as e:
-            print(f"edgebayes: devices {args.action} failed: {e}", file=sys.stderr)
-            return EXIT_FAILED
+    what = f"devices {args.action}" if args.command == "devices" else args.command
     try:
+        if args.command == "devices":
+            return _devices(args)
         ctx = Context(load_pipeline_config(args.config), load_device_profile(args.device),
                       runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config)
         if args.command == "pipeline":
@@ -126,7 +120,7 @@ def main(argv=None) -> int:
         print(f"edgebayes: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except StageError as e:
-        print(f"edgebayes: {args.command} failed: {e}", file=sys.stderr)
+        print(f"edgebayes: {what} failed: {e}", file=sys.stderr)
         return EXIT_FAILED
     return 0
 
