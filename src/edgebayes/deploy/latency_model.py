@@ -183,6 +183,9 @@ def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
     from edgebayes.export.formats import export_artifact
     from edgebayes.train.metrics import count_weights, paper_flops
 
+    if cfg.model.arch != "mlp":
+        raise LatencyModelError(f"devices profile sweeps MLPs (model.arch mlp); for {cfg.model.arch} use "
+                                "latency_model.kind measure (a reachable device) or flops")
     in_features = IN_FEATURES[cfg.data.dataset]
     gen = torch.Generator().manual_seed(cfg.seed)
     example = torch.rand((1, in_features), generator=gen)

@@ -92,8 +92,11 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
         try:
             if predictor is None:
                 log(f"select: no latency table for {profile.name} yet: profiling it first (edgebayes devices profile)")
-                path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log)
-                predictor = TablePredictor.load(path)
+                try:
+                    path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log)
+                    predictor = TablePredictor.load(path)
+                except LatencyModelError as e:   # measured only; the report then shows no prediction
+                    log(f"select: {e}")
             timed = measure_models(transport, profile, models, example, bench, log=log)
             return {i: timed[i]["latency_ms"][key] for i, _, _ in models}, predictor, timed[None]
         except TransportError as e:
