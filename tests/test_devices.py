@@ -315,3 +315,36 @@ def test_runner_times_models_in_interleaved_rounds(tmp_path):
         assert 0 < m["latency_ms"]["p50"] <= m["latency_ms"]["p90"] <= m["latency_ms"]["p99"]
     assert res["tags"] == {"device": "t"} and res["protocol"]["threads"] == 1 and res["runtime"]["name"] == "onnxruntime"
     assert runner_main(["--time-models", str(tmp_path / "nope.json"), "--out", str(out)]) == 1
+
+
+def test_ssh_config_host_alias_and_jump_host(sshd, ssh_device, tmp_path, capsys):
+    """The profile names a Host alias of its own ssh config file and reaches it through a jump host."""
+    common = (f"  HostName 127.0.0.1\n  Port {sshd.port}\n  IdentityFile {sshd.client_key}\n  IdentitiesOnly yes\n"
+              f"  UserKnownHostsFile {sshd.known_hosts}\n  StrictHostKeyChecking yes\n  BatchMode yes\n")
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host jumpbox\n{common}\nHost board\n{common}")
+    device = ssh_device("via-jump", host="board", port=None, identity_file=None, options=None,
+                        ssh_config=str(config), proxy_jump="jumpbox")
+    code, out, err = cli(capsys, "devices", "check", device)
+    assert code == 0 and "ready to deploy" in out, err
+    assert "-J" in load_transport_argv(device) and "board" in load_transport_argv(device)
+
+
+def load_transport_argv(device):
+    from edgebayes.deploy.transport import transport_for
+
+    return transport_for(load_device_profile(str(device)), ".").ssh
+
+
+def test_remote_paths_are_quoted_not_interpreted(ssh_device, tmp_path):
+    from edgebayes.deploy.transport import transport_for
+
+    canary = tmp_path / "pwned"
+    workdir = tmp_path / f"dir with space;touch {canary};$(touch {canary})"
+    transport = transport_for(load_device_profile(str(ssh_device("quoted", workdir=str(workdir)))), tmp_path)
+    source = tmp_path / "payload.txt"
+    source.write_text("edge")
+    transport.put(source, "it's here.txt")
+    transport.get("it's here.txt", tmp_path / "back.txt")
+    assert (tmp_path / "back.txt").read_text() == "edge"
+    assert (workdir / "it's here.txt").is_file() and not canary.exists()

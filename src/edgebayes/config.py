@@ -157,7 +157,7 @@ class Connection:
     identity_file: Optional[str] = None
     proxy_jump: Optional[str] = None    # ssh -J: [user@]jumphost[:port][,...]
     ssh_config: Optional[str] = None    # ssh -F: a config file other than ~/.ssh/config
-    options: list[str] = field(default_factory=list)  # extra `ssh -o` options, e.g. "UserKnownHostsFile=..."
+    options: Optional[list[str]] = None  # extra `ssh -o` options, e.g. "UserKnownHostsFile=..."
     connect_timeout_s: int = 10
     min_free_mb: float = 50.0           # a deploy needs this much free disk beyond the files it copies
 
@@ -369,7 +369,7 @@ def load_device_profile(name: str) -> DeviceProfile:
     _check(c.kind != "ssh" or bool(c.host), f"{p}: connection.host", "required when connection.kind is ssh")
     _check(c.port is None or 0 < c.port < 65536, f"{p}: connection.port", "expected a port number in 1..65535")
     _check(c.connect_timeout_s > 0, f"{p}: connection.connect_timeout_s", "expected a positive integer")
-    _check(all("=" in o for o in c.options), f"{p}: connection.options", "expected `Key=value` ssh options")
+    _check(all("=" in o for o in c.options or []), f"{p}: connection.options", "expected `Key=value` ssh options")
     lm = profile.latency_model
     _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
            "a positive number is required when latency_model.kind is flops")

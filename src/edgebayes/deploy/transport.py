@@ -222,7 +222,7 @@ class SSHTransport(Transport):
             opts += ["-i", os.path.expanduser(expand_repo(c.identity_file))]
         if c.proxy_jump:
             opts += ["-J", c.proxy_jump]
-        for option in c.options:
+        for option in c.options or []:
             opts += ["-o", expand_repo(option)]
         self.ssh = ["ssh", *opts, self.destination]
 
