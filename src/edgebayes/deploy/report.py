@@ -282,7 +282,8 @@ def _summarize(d: dict) -> dict:
         "objective": d.get("objective"),
         "max_ece": d.get("max_ece"),
         "latency_prediction": latency_prediction,
-        "pareto": [c.get("id") for c in candidates if c.get("pareto")],
+        "pareto": [c.get("id") or f"{_knob_label(c.get('knob'))} {c.get('knob_value')}, M={c.get('mc_samples')}"
+                   for c in candidates if c.get("pareto")],
         "choice_reason": choice.get("reason"),
         "metrics": metrics,
         "n_eval": n_eval,
