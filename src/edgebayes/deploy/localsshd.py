@@ -85,6 +85,12 @@ def start(directory=DEFAULT_DIR, port=None, timeout_s=10.0) -> LocalSSHD:
         if _alive(pid) and port in (None, old_port):
             return LocalSSHD(directory, old_port, pid)
     port = port or free_port()
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        raise SSHDUnavailable(f"127.0.0.1:{port} is already taken by another process (an sshd-localhost of "
+                              "another checkout?); stop it or choose another port")
+    except OSError:
+        pass   # nothing listens there: ours can
     _keygen(directory / "host_key")
     _keygen(directory / "client_key")
     shutil.copyfile(directory / "client_key.pub", directory / "authorized_keys")
@@ -102,8 +108,9 @@ def start(directory=DEFAULT_DIR, port=None, timeout_s=10.0) -> LocalSSHD:
     proc = subprocess.run([sshd, "-f", str(directory / "sshd_config"), "-E", str(directory / "sshd.log")],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SSHDUnavailable(f"sshd did not start: {proc.stderr.strip() or proc.stdout.strip()} "
-                              f"(log: {directory / 'sshd.log'})")
+        log = (directory / "sshd.log").read_text().strip().splitlines() if (directory / "sshd.log").is_file() else []
+        raise SSHDUnavailable(f"sshd did not start on 127.0.0.1:{port}: "
+                              f"{proc.stderr.strip() or (log[-1] if log else 'no message')} (log: {directory / 'sshd.log'})")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
