@@ -136,8 +136,11 @@ def assert_resumable(runs, name):
 
 
 def test_deploy_failures_each_give_one_message_and_stay_resumable(exported, ssh_device, tmp_path, capsys):
+    stranger = tmp_path / "stranger_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
     cases = {
         "unreachable": ({"port": localsshd.free_port()}, "host unreachable"),
+        "auth": ({"identity_file": str(stranger)}, "authentication refused"),
         "python": ({"python": "/nonexistent/python3"}, "did not run"),
         "runtime": ({"python": python_without_site_packages(tmp_path)}, "runtime onnxruntime is not installed"),
     }
