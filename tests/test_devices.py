@@ -154,12 +154,17 @@ def test_deploy_failures_each_give_one_message_and_stay_resumable(exported, ssh_
     assert code == 0, err
 
 
-def test_runner_crash_on_the_device(exported, ssh_device, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("crash, message", [
+    ("raise MemoryError('simulated crash')", "(exit code 1): MemoryError: simulated crash"),
+    ("import os; os.abort()", "the runner failed on device crash (exit code"),   # killed by SIGABRT
+])
+def test_runner_crash_on_the_device(exported, ssh_device, tmp_path, capsys, monkeypatch, crash, message):
     crashing = tmp_path / "runner.py"
-    crashing.write_text("import sys\nsys.stderr.write('runner: loading\\n')\nraise MemoryError('simulated crash')\n")
+    crashing.write_text(f"import sys\nsys.stderr.write('runner: loading\\n')\n{crash}\n")
     monkeypatch.setattr("edgebayes.deploy.transport.RUNNER", crashing)
     code, _, err = deploy_to(exported, ssh_device("crash"), capsys)
-    assert code == 1 and "the runner failed on device crash (exit code 1): MemoryError: simulated crash" in err
+    assert code == 1 and "the runner failed on device crash" in err and message in err, err
+    assert "unreachable" not in err
     assert_resumable(exported, "crash")
 
 

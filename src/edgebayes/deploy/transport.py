@@ -258,7 +258,9 @@ class SSHTransport(Transport):
             raise TransportError(f"device {self.name}: authentication refused by {self.destination} ({last}); "
                                  "check connection.user and connection.identity_file, your ssh-agent and "
                                  "~/.ssh/config (ssh runs with BatchMode=yes: no password prompts)")
-        if any(k in text for k in _UNREACHABLE) or not err:
+        # ssh always says why it could not connect; a silent 255 is the remote command's own exit (or a
+        # signal that killed it), which the caller reports as the runner's failure.
+        if any(k in text for k in _UNREACHABLE):
             raise TransportError(f"device {self.name}: host unreachable: {self.destination} ({last or 'no answer'}); "
                                  "is the device on, on the network, and is sshd running on the port the "
                                  "profile names?")
