@@ -132,7 +132,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, transport, runs_dir, log
             except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
                 raise SelectionError(f"device {profile.name}: cannot export format {fmt.name} here: {e}") from None
             probs, scored_as = _val_probs(fmt, path, mc_model, val_x)
-            kept_weights = sum(count_weights(s) for s in compressed.samples)
+            kept_weights = sum(count_weights(s, fold_batch_norm=True) for s in compressed.samples)
             candidates.append({
                 "id": ident, "knob": model.knob, "knob_value": knob_value, "mc_samples": m,
                 "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime,
