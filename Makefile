@@ -7,7 +7,7 @@ CONFIG ?= pipeline.yaml
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup pipeline train select export deploy report test clean distclean
+.PHONY: setup pipeline train select export deploy report test clean distclean sshd-localhost
 
 setup: $(STAMP)
 
@@ -19,8 +19,12 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/pip check
 	touch $@
 
-pipeline train select export deploy report: $(STAMP)
+# DEVICE=ssh-localhost is this machine over real SSH: its throwaway sshd is started first.
+pipeline train select export deploy report: $(STAMP) $(if $(filter ssh-localhost,$(DEVICE)),sshd-localhost)
 	$(BIN)/edgebayes $@ --config $(CONFIG) --device $(DEVICE)
+
+sshd-localhost: $(STAMP)
+	$(BIN)/python -m edgebayes.deploy.localsshd start
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -156,7 +156,7 @@ def test_shipped_configs_load_with_expected_values():
 
     profile = load_device_profile("local")
     assert profile.name == "local"
-    assert profile.runtime.name == "onnxruntime" and profile.runtime.threads == 0
+    assert profile.runtime.name == "onnxruntime" and profile.runtime.threads == 1  # as its latency table is timed
     assert profile.budgets.latency_ms == 2.0 and profile.budgets.percentile == 90
     assert profile.budgets.memory_mb == 1024.0 and isinstance(profile.budgets.memory_mb, float)
     assert profile.connection.kind == "local" and profile.connection.python is None

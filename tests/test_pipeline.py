@@ -16,11 +16,9 @@ from edgebayes.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    runs = tmp_path_factory.mktemp("runs")
-    assert main(["pipeline", "--config", str(ROOT / "pipeline.yaml"), "--runs-dir", str(runs)]) == 0
-    return runs / "digits-ssgl"
+@pytest.fixture
+def run(pipeline_run):
+    return pipeline_run   # conftest.py: trained once per session, shared with the device tests
 
 
 def test_pipeline_meets_the_foundation_targets(run):

@@ -200,7 +200,7 @@ def test_missing_optional_parts(tmp_path):
     assert s["params_match"] is None
     html_text = (out / "report.html").read_text()
     assert "n/a" in html_text
-    assert len(_images(html_text)) == 2  # trade-off and sparsity only
+    assert len(_images(html_text)) == 3  # trade-off, accuracy/ECE vs knob and sparsity only
     assert not (out / "training.png").exists() and not (out / "reliability.png").exists()
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 
@@ -236,3 +236,22 @@ def test_failed_write_leaves_no_temp_files(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         report_mod.write_report(make_inputs(), tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_latency_prediction_error_of_the_chosen_point(tmp_path):
+    inputs = make_inputs()
+    for c in inputs["candidates"]:
+        c["cost"]["predicted_latency_ms"] = 1.1 * c["cost"]["latency_ms"]
+        c["cost"]["measured_latency_ms"] = c["cost"]["latency_ms"]
+        c["cost"]["predicted_by"] = "predicted (table fit, latency_table.json)"
+    inputs["candidates"][0]["pareto"] = inputs["candidates"][2]["pareto"] = True
+    rep = report_mod.write_report(inputs, tmp_path)
+    lp = rep["summary"]["latency_prediction"]
+    # chosen: threshold 0.5, M=4 -> predicted 1.1 x 0.05 ms; measured on device: p90 0.05 ms
+    assert lp["predicted_ms"] == pytest.approx(0.055) and lp["measured_ms"] == 0.05
+    assert lp["error"] == pytest.approx(0.1) and lp["abs_error"] == pytest.approx(0.1)
+    html_text = (tmp_path / "report.html").read_text()
+    assert "+10.0 %" in html_text and "Pareto" in html_text
+    assert (tmp_path / "latency_prediction.png").read_bytes().startswith(PNG_MAGIC)
+    assert (tmp_path / "knob.png").read_bytes().startswith(PNG_MAGIC)
+    assert rep["summary"]["pareto"] == ["inclusion threshold 0.3, M=1", "inclusion threshold 0.5, M=4"]

@@ -1,4 +1,8 @@
-"""Command line: `edgebayes <stage> --config pipeline.yaml --device local`.
+"""Command line: `edgebayes <stage> --config pipeline.yaml --device local`, and for devices:
+
+    edgebayes devices list                 the profiles in devices/
+    edgebayes devices check DEVICE         preflight: reachable? python, runtime, free disk and memory there
+    edgebayes devices profile DEVICE       time a sweep of models there; store its latency table
 
 Exit codes: 0 done; 1 a stage failed (its message says why; artifacts of finished stages are kept);
 2 bad input (config, device profile, data files), reported with one message naming the file and key.
@@ -24,14 +28,88 @@ def build_parser():
         p.add_argument("--device", default="local", help="device profile name in devices/, or a YAML path")
         p.add_argument("--runs-dir", default="runs", help="where artifacts go (default: runs)")
         p.add_argument("--force", action="store_true", help="re-run even if the stage is up to date")
+    devices = sub.add_parser("devices", help="list, check or profile device profiles")
+    dsub = devices.add_subparsers(dest="action", required=True)
+    dsub.add_parser("list", help="the profiles in devices/")
+    check = dsub.add_parser("check", help="preflight: reachability, python, runtime, free disk and memory")
+    check.add_argument("device", help="device profile name in devices/, or a YAML path")
+    prof = dsub.add_parser("profile", help="measure a latency table on the device (for selection's model)")
+    prof.add_argument("device", help="device profile name in devices/, or a YAML path")
+    prof.add_argument("--config", default="pipeline.yaml", help="input size, widths and M to sweep (default: pipeline.yaml)")
+    prof.add_argument("--runs-dir", default="runs", help="the table goes to RUNS_DIR/devices/DEVICE/ (default: runs)")
     return parser
+
+
+def _devices(args):
+    from edgebayes.config import known_devices
+    from edgebayes.deploy.transport import transport_for
+
+    if args.action == "list":
+        for name in known_devices():
+            p = load_device_profile(name)
+            alias = "" if p.name == name else f" (alias of {p.name})"
+            print(f"{name:18s} {p.runtime.name:12s} {p.connection.kind:5s} {p.description}{alias}")
+        return 0
+    profile = load_device_profile(args.device)
+    runs_dir = Path(getattr(args, "runs_dir", "runs"))
+    transport = transport_for(profile, runs_dir / "devices" / profile.name / "device")
+    if args.action == "check":
+        return _check(profile, transport)
+    from edgebayes.deploy.latency_model import profile_device
+    from edgebayes.deploy.select import select_bench
+
+    cfg = load_pipeline_config(args.config)
+    path, table = profile_device(profile, cfg, transport, runs_dir, select_bench(cfg.benchmark))
+    print(f"devices profile: {len(table['rows'])} models timed on {profile.name} "
+          f"({table['runtime']['name']} {table['runtime']['version']}, threads {table['protocol']['threads']}, "
+          f"batch {table['batch_size']})")
+    for key, fit in table["fit"].items():
+        c = fit["coefficients"]
+        print(f"  {key}: latency_ms = {c[0]:.4f} + {c[1]:.4f} x gemms + {c[2]:.4f} x MFLOPs + {c[3]:.4f} x param MB"
+              f"  (max in-sample error {100 * fit['max_relative_error']:.1f} %)")
+    print(f"devices profile: table written to {path}")
+    return 0
+
+
+def _check(profile, transport):
+    """Print what the device offers; exit 1 if deploying to it would fail."""
+    import time
+
+    print(f"device {profile.name}: {profile.description}")
+    print(f"  connection:  {profile.connection.kind} ({transport.where()})")
+    t0 = time.monotonic()
+    facts = transport.probe(profile.runtime.name)   # raises TransportError: unreachable, auth, no python
+    print(f"  reachable:   yes ({time.monotonic() - t0:.2f} s for the probe)")
+    print(f"  python:      {facts['python']} ({facts['executable']}), numpy {facts['numpy'] or 'MISSING'}")
+    rt = facts["runtime"]
+    found = f"{rt['module']} {rt['version']}" if rt["module"] else f"MISSING ({rt['error']})"
+    print(f"  runtime:     {profile.runtime.name}: {found}; threads {profile.runtime.threads or 'default'}")
+    print(f"  disk free:   {facts['disk_free_mb']:,.0f} MB of {facts['disk_total_mb']:,.0f} MB at {facts['disk_path']}")
+    mem = facts["mem_available_mb"]
+    print(f"  memory:      " + (f"{mem:,.0f} MB available of {facts['mem_total_mb']:,.0f} MB" if mem else "n/a"))
+    print(f"  machine:     {facts['machine']}, {facts['cpu_count']} CPUs, {facts['board'] or facts['platform']}")
+    problems = []
+    if not rt["module"]:
+        problems.append(f"runtime {profile.runtime.name} missing")
+    if not facts["numpy"]:
+        problems.append("numpy missing")
+    if facts["disk_free_mb"] < profile.connection.min_free_mb:
+        problems.append(f"less than connection.min_free_mb {profile.connection.min_free_mb} MB free")
+    budget = profile.budgets.memory_mb
+    if budget and mem and mem < budget:
+        problems.append(f"{mem:,.0f} MB available < budgets.memory_mb {budget}")
+    print(f"  verdict:     {'NOT READY: ' + '; '.join(problems) if problems else 'ready to deploy'}")
+    return 1 if problems else 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from edgebayes.stages import Context, run_pipeline, run_stage
 
+    what = f"devices {args.action}" if args.command == "devices" else args.command
     try:
+        if args.command == "devices":
+            return _devices(args)
         ctx = Context(load_pipeline_config(args.config), load_device_profile(args.device),
                       runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config)
         if args.command == "pipeline":
@@ -42,7 +120,7 @@ def main(argv=None) -> int:
         print(f"edgebayes: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except StageError as e:
-        print(f"edgebayes: {args.command} failed: {e}", file=sys.stderr)
+        print(f"edgebayes: {what} failed: {e}", file=sys.stderr)
         return EXIT_FAILED
     return 0
 

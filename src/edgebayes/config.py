@@ -88,7 +88,10 @@ class SelectConfig:
     # null: the model's own default operating points.
     knob_values: Optional[list[float]] = None
     mc_samples: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    objective: Literal["accuracy", "nll"] = "accuracy"
+    # accuracy: highest val accuracy; nll: lowest val NLL; ece-constrained-accuracy: highest val accuracy
+    # among the candidates whose val ECE is at most max_ece.
+    objective: Literal["accuracy", "nll", "ece-constrained-accuracy"] = "accuracy"
+    max_ece: Optional[float] = None
 
 
 # Target formats of the exported MC-averaged model (export/formats.py has what each one is).
@@ -100,7 +103,8 @@ ExportFormat = Literal["onnx", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflit
 class ExportConfig:
     opset: int = 17
     fidelity_tolerance: float = 1e-4     # fp32 artifacts: max |p_artifact - p_torch| on the eval set
-    formats: list[ExportFormat] = field(default_factory=lambda: ["onnx"])  # the first is the primary one
+    # Formats exported beside the one selection chose (which is always exported and is the primary).
+    formats: list[ExportFormat] = field(default_factory=lambda: ["onnx"])
     layout: Literal["packed", "unrolled"] = "packed"  # the M samples as one grouped network, or M branches
     calibration_size: int = 256          # training inputs that calibrate the int8 formats
     max_accuracy_drop: float = 0.02      # fp16/int8 artifacts: accuracy floor = PyTorch MC accuracy - this
@@ -129,11 +133,15 @@ class PipelineConfig:
 # ---------------------------------------------------------------------------------------------
 # A device: devices/<name>.yaml
 # ---------------------------------------------------------------------------------------------
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
 @dataclass
 class RuntimeConfig:
-    name: Literal["onnxruntime"] = "onnxruntime"
+    name: Literal["onnxruntime", "tflite", "tensorrt"] = "onnxruntime"
     threads: int = 0                    # 0: the runtime's default
-    precision: Literal["fp32"] = "fp32"
+    # The precisions this runtime takes on the device; selection tries each one that has an export format.
+    precision: list[Literal["fp32", "fp16", "int8"]] = field(default_factory=lambda: ["fp32"])
     workspace_mb: int = 1024            # TensorRT builder workspace (engines are built on the device)
 
 
@@ -144,20 +152,36 @@ class Budgets:
     batch_size: int = 1
     memory_mb: Optional[float] = None   # peak RSS of the runner on the device
     model_mb: Optional[float] = None    # size of the model file
+    mc_samples: Optional[list[int]] = None  # the numbers of MC samples allowed; null: any
+    mc_samples_max: Optional[int] = None    # or a range: at most this many
 
 
 @dataclass
 class Connection:
-    kind: Literal["local"] = "local"
-    python: Optional[str] = None        # interpreter on the device; null: the one running edgebayes
-    workdir: Optional[str] = None       # where the bundle is copied; null: inside the run folder
+    kind: Literal["local", "ssh"] = "local"
+    python: Optional[str] = None        # interpreter on the device; null: this one (local) or python3 (ssh)
+    workdir: Optional[str] = None       # where the bundle is copied; null: run folder (local), ~/edgebayes (ssh)
+    # ssh only; each may also come from ~/.ssh/config (host may be a Host alias there).
+    host: Optional[str] = None
+    user: Optional[str] = None
+    port: Optional[int] = None
+    identity_file: Optional[str] = None
+    proxy_jump: Optional[str] = None    # ssh -J: [user@]jumphost[:port][,...]
+    ssh_config: Optional[str] = None    # ssh -F: a config file other than ~/.ssh/config
+    options: Optional[list[str]] = None  # extra `ssh -o` options, e.g. "UserKnownHostsFile=..."
+    connect_timeout_s: int = 10
+    min_free_mb: float = 50.0           # a deploy needs this much free disk beyond the files it copies
 
 
 @dataclass
 class LatencyModel:
-    kind: Literal["measure", "flops"] = "measure"
-    flops_per_second: Optional[float] = None   # for kind: flops
-    overhead_ms: float = 0.0
+    # measure: time each candidate on the device when it is reachable, else predict from the table;
+    # table: predict from the table `edgebayes devices profile` measured; flops: FLOPs / declared throughput.
+    kind: Literal["measure", "table", "flops"] = "measure"
+    table: Optional[str] = None         # null: runs/devices/<name>/latency_table.json, then devices/profiles/<name>.json
+    flops_per_second: Optional[float] = None   # declared throughput (paper FLOPs, multiplies only)
+    overhead_ms: float = 0.0            # fixed per-inference cost added to the FLOPs prediction
+    source: str = ""                    # where flops_per_second and overhead_ms come from
 
 
 @dataclass
@@ -303,6 +327,10 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check(cfg.select.knob_values is None or len(cfg.select.knob_values) > 0, f"{p}: select.knob_values",
            "expected a non-empty list (or null for the model's default operating points)")
     _check(all(m > 0 for m in cfg.select.mc_samples), f"{p}: select.mc_samples", "expected positive integers")
+    _check(cfg.select.max_ece is None or 0 < cfg.select.max_ece <= 1, f"{p}: select.max_ece",
+           "expected a number in (0, 1] or null")
+    _check(cfg.select.objective != "ece-constrained-accuracy" or cfg.select.max_ece is not None,
+           f"{p}: select.max_ece", "required when select.objective is ece-constrained-accuracy")
     _check(cfg.export.fidelity_tolerance > 0, f"{p}: export.fidelity_tolerance", "expected a positive number")
     _check(len(set(cfg.export.formats)) == len(cfg.export.formats), f"{p}: export.formats",
            f"expected each format once, got {cfg.export.formats}")
@@ -316,12 +344,30 @@ def known_devices() -> list[str]:
     return sorted(p.stem for p in DEVICES_DIR.glob("*.yaml"))
 
 
-def load_device_profile(name: str) -> DeviceProfile:
-    """Load devices/<name>.yaml; `name` may also be a path to a YAML file."""
+def _profile_path(name: str) -> Path:
     path = Path(name) if name.endswith((".yaml", ".yml")) else DEVICES_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"unknown device {name!r}: no {path} (known devices: {', '.join(known_devices()) or 'none'})")
-    profile = _build(DeviceProfile, _load_yaml(path), str(path))
+    return path
+
+
+def load_device_profile(name: str) -> DeviceProfile:
+    """Load devices/<name>.yaml; `name` may also be a path to a YAML file.
+
+    A file holding only `alias: <other>` names another profile (devices/jetson.yaml -> jetson-orin-nano),
+    so the names users type work without a second copy of the profile.
+    """
+    path = _profile_path(name)
+    data = _load_yaml(path)
+    if isinstance(data, dict) and "alias" in data:
+        _check(set(data) == {"alias"} and isinstance(data["alias"], str), f"{path}: alias",
+               "an alias file holds only `alias: <profile name>`")
+        _check(data["alias"] != path.stem, f"{path}: alias", "a profile cannot be an alias of itself")
+        target = _profile_path(data["alias"])
+        _check(not (isinstance(_load_yaml(target), dict) and "alias" in _load_yaml(target)), f"{path}: alias",
+               f"{data['alias']!r} is itself an alias; point at the profile")
+        return load_device_profile(data["alias"])
+    profile = _build(DeviceProfile, data, str(path))
     p = str(path)
     b = profile.budgets
     _check(b.batch_size > 0, f"{p}: budgets.batch_size", "expected a positive integer")
@@ -329,10 +375,28 @@ def load_device_profile(name: str) -> DeviceProfile:
     for key in ("latency_ms", "memory_mb", "model_mb"):
         value = getattr(b, key)
         _check(value is None or value > 0, f"{p}: budgets.{key}", "expected a positive number or null")
+    _check(b.mc_samples is None or all(m > 0 for m in b.mc_samples), f"{p}: budgets.mc_samples",
+           "expected positive integers or null")
+    _check(b.mc_samples_max is None or b.mc_samples_max > 0, f"{p}: budgets.mc_samples_max",
+           "expected a positive integer or null")
+    _check(len(set(profile.runtime.precision)) == len(profile.runtime.precision), f"{p}: runtime.precision",
+           "lists a precision twice")
+    c = profile.connection
+    _check(c.kind != "ssh" or bool(c.host), f"{p}: connection.host", "required when connection.kind is ssh")
+    _check(c.port is None or 0 < c.port < 65536, f"{p}: connection.port", "expected a port number in 1..65535")
+    _check(c.connect_timeout_s > 0, f"{p}: connection.connect_timeout_s", "expected a positive integer")
+    _check(all("=" in o for o in c.options or []), f"{p}: connection.options", "expected `Key=value` ssh options")
     lm = profile.latency_model
     _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
            "a positive number is required when latency_model.kind is flops")
+    _check(lm.flops_per_second is None or lm.flops_per_second > 0, f"{p}: latency_model.flops_per_second",
+           "expected a positive number or null")
     return profile
+
+
+def expand_repo(value):
+    """`{repo}` in a connection field stands for this checkout's root (for the ssh-localhost profile)."""
+    return value.replace("{repo}", str(ROOT)) if isinstance(value, str) else value
 
 
 def as_dict(obj) -> dict:

@@ -145,22 +145,31 @@ def run_train(ctx):
 
 def run_select(ctx):
     from edgebayes.deploy.select import choose, score_candidates
+    from edgebayes.deploy.transport import transport_for
 
     model, splits = load_trained_model(ctx), splits_for(ctx)
     try:
         model.operating_points(ctx.cfg.select.knob_values)
     except ValueError as e:
         raise ConfigError(f"{ctx.config_path}: select.knob_values: {e}") from None
-    candidates = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y, log=ctx.log)
     out = ctx.stage_dir("select")
-    common = {"device": ctx.profile.name, "budgets": as_dict(ctx.profile.budgets),
-              "objective": ctx.cfg.select.objective, "provenance": ctx.provenance("select")}
-    write_json(out / "candidates.json", {**common, "candidates": candidates})
-    choice = choose(candidates, ctx.cfg.select.objective, ctx.profile.budgets)
+    transport = transport_for(ctx.profile, out / "device")
+    calib_x = splits.train_x[: ctx.cfg.export.calibration_size]
+    candidates, measured_on = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y, calib_x,
+                                               transport, ctx.runs_dir, log=ctx.log)
+    s = ctx.cfg.select
+    common = {"device": ctx.profile.name, "budgets": as_dict(ctx.profile.budgets), "objective": s.objective,
+              "max_ece": s.max_ece, "latency_measured_on": measured_on, "provenance": ctx.provenance("select")}
+    write_json(out / "candidates.json", {**common, "candidates": candidates,
+                                         "pareto": [c["id"] for c in candidates if c["pareto"]]})
+    choice = choose(candidates, s.objective, ctx.profile.budgets, s.max_ece)
     write_json(out / "choice.json", {**common, **choice})
     c = choice["candidate"]
-    ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']} "
-            f"(val accuracy {c['val']['accuracy']:.4f}, latency {c['cost']['latency_ms']:.3f} ms); {choice['reason']}")
+    predicted = c["cost"]["predicted_latency_ms"]
+    ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']}, {choice['precision']} "
+            f"(val accuracy {c['val']['accuracy']:.4f}, latency {c['cost']['latency_ms']:.3f} ms "
+            f"{c['cost']['latency_source']}" + (f", predicted {predicted:.3f} ms" if predicted is not None else "")
+            + f"); {choice['reason']}")
 
 
 def run_export(ctx):
@@ -181,11 +190,14 @@ def run_export(ctx):
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
     calib_x = splits.train_x[: e.calibration_size]  # the first rows of the (seeded) training split
+    # The chosen format is the primary artifact (the one deploy must run); export.formats adds others
+    # beside it, for the report's fidelity and latency comparison.
+    formats = [choice["format"], *(f for f in e.formats if f != choice["format"])]
     out = ctx.stage_dir("export")
     out.mkdir(parents=True, exist_ok=True)
     artifacts, failed = {}, []
     with tempfile.TemporaryDirectory(dir=out, prefix=".artifacts.") as tmp:
-        for fmt in e.formats:
+        for fmt in formats:
             f = FORMATS[fmt]
             path = Path(tmp) / f"{fmt}{f.suffix}"
             facts = {}
@@ -208,7 +220,7 @@ def run_export(ctx):
         if failed:
             raise StageError(f"export: artifact fidelity out of tolerance: {'; '.join(failed)}; "
                              f"the bundle was not written")
-        primary = artifacts[e.formats[0]]
+        primary = artifacts[formats[0]]
         onnx_params = onnx_parameter_count(artifacts["onnx"]["path"]) if "onnx" in artifacts else None
         manifest = write_bundle(
             out / "bundle", primary["path"], x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
@@ -219,7 +231,7 @@ def run_export(ctx):
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
     summary = {
-        "format": e.formats[0], "precision": primary["precision"], "layout": e.layout,
+        "format": formats[0], "precision": primary["precision"], "layout": e.layout,
         "mc_samples": m, "knob": model.knob, "knob_value": knob_value,
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
@@ -241,44 +253,59 @@ def run_export(ctx):
 
 
 def run_deploy(ctx):
+    """Copy the bundle and the runner to the device, benchmark there, fetch the results.
+
+    A preflight first checks the device (reachable, python, runtime, free disk) so a problem is reported
+    before anything is copied; on any failure the local artifacts stay and the stage is not marked done,
+    so `edgebayes deploy` simply runs again.
+    """
     from edgebayes.deploy.transport import RUNNER, transport_for
 
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
     manifest = read_json(bundle / "manifest.json")
     out = ctx.stage_dir("deploy")
-    transport = transport_for(ctx.profile, out / "device")
+    b, r = ctx.cfg.benchmark, ctx.profile
+    transport = transport_for(r, out / "device")
+    size = sum(f.stat().st_size for f in bundle.iterdir()) + RUNNER.stat().st_size
+    transport.preflight(r.runtime.name, size, r.connection.min_free_mb)
     transport.put(bundle, "bundle")
     transport.put(RUNNER, "runner.py")
-    b, r = ctx.cfg.benchmark, ctx.profile
     common = ["runner.py", "--bundle", "bundle", "--warmup", b.warmup, "--min-runs", b.min_runs,
               "--min-seconds", b.min_seconds, "--batch-size", r.budgets.batch_size, "--threads", r.runtime.threads,
-              "--workspace-mb", r.runtime.workspace_mb]
-    # Every artifact of the bundle is run and timed; the primary one (the manifest's model_file) with the
-    # device profile's runtime, the others with their own.
+              "--workspace-mb", r.runtime.workspace_mb, "--tag", f"device={r.name}",
+              "--tag", f"connection={r.connection.kind}"]
+    # Every artifact of the bundle is run and timed with its own runtime: the primary one (the chosen
+    # format, the manifest's model_file) must run; another whose runtime the device lacks is skipped.
     artifacts = manifest.get("artifacts") or {manifest["format"]: {"model_file": manifest["model_file"],
                                                                    "runtime": r.runtime.name}}
-    results_by_artifact = {}
+    results_by_artifact, skipped = {}, {}
     for name, art in artifacts.items():
         primary = art["model_file"] == manifest["model_file"]
         runtime = art["runtime"]
+        if not primary and runtime != r.runtime.name and transport.probe(runtime)["runtime"]["module"] is None:
+            skipped[name] = f"{runtime} is not installed on {r.name}"
+            ctx.log(f"deploy: {name} skipped: {skipped[name]}")
+            continue
         result_file = "results.json" if primary else f"results-{name}.json"
         args = [*common, "--out", result_file, "--runtime", runtime]
         if "artifacts" in manifest:
             args += ["--artifact", name]
-        code, last_line = transport.run(args)
+        code, err = transport.run(args)
         if code != 0:
-            raise StageError(f"the runner failed on device {r.name} for artifact {name} (exit code {code}): "
-                             f"{last_line}; local artifacts are kept, re-run `edgebayes deploy`")
+            raise StageError(transport.disk_full(err) or
+                             f"the runner failed on device {r.name} for artifact {name} (exit code {code}): "
+                             f"{err[-1] if err else 'no message'}; local artifacts are kept, re-run `edgebayes deploy`")
         transport.get(result_file, out / result_file)
         res = read_json(out / result_file)
         results_by_artifact[name] = res
         lat = res["latency_ms"]
-        ctx.log(f"deploy: {name} on {r.name}: accuracy {res['metrics']['accuracy']:.4f}, ECE {res['metrics']['ece']:.4f}, "
-                f"max |p - p_ref| {res['max_abs_prob_diff']:.2e}; latency p50 {lat['p50']:.3f} / p90 {lat['p90']:.3f} / "
-                f"p99 {lat['p99']:.3f} ms over {res['runs']} runs")
-    write_json(out / "artifacts.json", {name: {k: res[k] for k in ("bundle", "runtime", "metrics", "latency_ms",
-                                                                   "runs", "max_abs_prob_diff", "peak_rss_mb")}
-                                        for name, res in results_by_artifact.items()})
+        ctx.log(f"deploy: {name} on {r.name} ({transport.where()}): accuracy {res['metrics']['accuracy']:.4f}, "
+                f"ECE {res['metrics']['ece']:.4f}, max |p - p_ref| {res['max_abs_prob_diff']:.2e}; latency p50 "
+                f"{lat['p50']:.3f} / p90 {lat['p90']:.3f} / p99 {lat['p99']:.3f} ms over {res['runs']} runs")
+    write_json(out / "artifacts.json", {
+        **{name: {k: res[k] for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
+                                      "peak_rss_mb")} for name, res in results_by_artifact.items()},
+        **{name: {"skipped": why} for name, why in skipped.items()}})
 
 
 def run_report(ctx):
@@ -296,12 +323,17 @@ def run_report(ctx):
     inputs = {
         "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],
-        "choice": {k: choice[k] for k in ("knob", "knob_value", "mc_samples", "reason")},
+        "choice": {k: choice.get(k) for k in ("knob", "knob_value", "mc_samples", "format", "precision", "reason")},
+        "max_ece": candidates.get("max_ece"),
         "export": export, "results": results, "reliability": results.get("reliability"),
         "artifact_results": read_json(artifact_results) if artifact_results.is_file() else {},
         "provenance": ctx.provenance("report"),
     }
     report = write_report(inputs, ctx.stage_dir("report"))
+    lat = report["summary"]["latency_prediction"]
+    if lat["error"] is not None:
+        ctx.log(f"report: chosen point's p{lat['percentile']} latency predicted {lat['predicted_ms']:.4f} ms "
+                f"({lat['predicted_by']}), measured {lat['measured_ms']:.4f} ms: error {100 * lat['error']:+.1f} %")
     ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'}")
     return report
 

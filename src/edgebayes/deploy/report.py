@@ -262,6 +262,14 @@ def _summarize(d: dict) -> dict:
     if lat_key and pct is not None and lat_key != f"p{pct:g}":
         warnings.append(f"p{pct:g} latency not reported; judged with {lat_key} (conservative).")
 
+    # Predicted (the device's latency model) against measured (the deployment's benchmark) latency of the
+    # chosen point, at the budget's percentile: how far the latency model can be trusted on this device.
+    predicted = _num(_get(chosen, "cost", "predicted_latency_ms"))
+    error = None if predicted is None or not lat_measured else (predicted - lat_measured) / lat_measured
+    latency_prediction = {"percentile": budgets.get("percentile"), "predicted_ms": predicted,
+                          "predicted_by": _get(chosen, "cost", "predicted_by"), "measured_ms": lat_measured,
+                          "error": error, "abs_error": None if error is None else abs(error)}
+
     return {
         "run_name": d.get("run_name"),
         "device": device.get("name"),
@@ -269,7 +277,13 @@ def _summarize(d: dict) -> dict:
         "knob": choice.get("knob"),
         "knob_value": choice.get("knob_value"),
         "mc_samples": choice.get("mc_samples"),
+        "precision": choice.get("precision"),
+        "format": choice.get("format"),
         "objective": d.get("objective"),
+        "max_ece": d.get("max_ece"),
+        "latency_prediction": latency_prediction,
+        "pareto": [c.get("id") or f"{_knob_label(c.get('knob'))} {c.get('knob_value')}, M={c.get('mc_samples')}"
+                   for c in candidates if c.get("pareto")],
         "choice_reason": choice.get("reason"),
         "metrics": metrics,
         "n_eval": n_eval,
@@ -314,8 +328,10 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def _plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None) -> bytes | None:
-    """Val accuracy vs latency for every candidate; colour = M, marker = fits or not."""
+def _plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
+                   budget_mb: float | None = None) -> bytes | None:
+    """Val accuracy vs latency (left) and vs model size (right) for every candidate; colour = M, marker =
+    fits or not; the Pareto front, the budget lines and the chosen point drawn on both."""
     pts = [(c, _num(_get(c, "cost", "latency_ms")), _num(_get(c, "val", "accuracy")))
            for c in candidates]
     pts = [p for p in pts if p[1] is not None and p[2] is not None]
@@ -323,8 +339,12 @@ def _plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None) -> b
         return None
     from matplotlib.lines import Line2D
 
-    fig = _new_fig(8.5, 5.0)
-    ax = fig.add_subplot()
+    fig = _new_fig(11.0, 5.0)
+    ax, ax_mb = fig.subplots(1, 2, width_ratios=[3, 2])
+    _plot_size_panel(ax_mb, candidates, choice, budget_mb)
+    front = sorted((x, y) for c, x, y in pts if c.get("pareto_latency"))
+    if len(front) > 1:
+        ax.step(*zip(*front), where="post", color="#555", linewidth=1.1, zorder=1)
     ms = sorted({c.get("mc_samples") for c, _, _ in pts}, key=lambda m: (_num(m) is None, _num(m) or 0, str(m)))
     # Sequential colours: more posterior samples = darker, and no red (red means "violates").
     from matplotlib import colormaps
@@ -360,9 +380,91 @@ def _plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None) -> b
     if chosen:
         handles.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none",
                               markeredgecolor="crimson", markersize=12, label="chosen"))
+    if len(front) > 1:
+        handles.append(Line2D([], [], color="#555", label="Pareto front"))
     if budget_ms is not None:
         handles.append(Line2D([], [], color="crimson", linestyle="--", label=f"latency budget {_fmt(budget_ms)} ms"))
-    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    if budget_mb is not None:
+        handles.append(Line2D([], [], color="darkorange", linestyle="--", label=f"size budget {_fmt(budget_mb)} MB"))
+    ax.legend(handles=handles, loc="lower right", fontsize=7, framealpha=0.85)
+    return _png(fig)
+
+
+def _plot_size_panel(ax, candidates: list, choice: dict, budget_mb: float | None) -> None:
+    """Val accuracy vs model size: Pareto-optimal points (accuracy, latency, size) filled, others hollow."""
+    pts = [(c, _num(_get(c, "cost", "model_mb")), _num(_get(c, "val", "accuracy"))) for c in candidates]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None]
+    for c, x, y in pts:
+        on_front = bool(c.get("pareto"))
+        ax.scatter(x, y, s=40, marker="o", facecolor="#2c7fb8" if on_front else "none", edgecolor="#2c7fb8",
+                   alpha=1.0 if c.get("fits") else 0.45, zorder=3)
+        if _same_point(c, choice.get("knob_value"), choice.get("mc_samples")) and \
+                c.get("precision", choice.get("precision")) == choice.get("precision"):
+            ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
+    if budget_mb is not None:
+        ax.axvline(budget_mb, color="darkorange", linestyle="--", linewidth=1.3)
+    xs = [x for _, x, _ in pts] + ([budget_mb] if budget_mb is not None else [])
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 10:
+        ax.set_xscale("log")
+    ax.set_xlabel("model file size (MB)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("Accuracy vs size (filled: Pareto-optimal)")
+    ax.grid(True, alpha=0.3)
+
+
+def _plot_knob(candidates: list, knob: Any) -> bytes | None:
+    """Validation accuracy and ECE against the knob, one line per M (and precision)."""
+    series: dict = {}
+    for c in candidates:
+        k, acc, ece = _num(c.get("knob_value")), _num(_get(c, "val", "accuracy")), _num(_get(c, "val", "ece"))
+        if k is not None and acc is not None and ece is not None:
+            label = f"M = {c.get('mc_samples')}" + (f", {c['precision']}" if c.get("precision") not in (None, "fp32") else "")
+            series.setdefault(label, []).append((k, acc, ece))
+    if not series:
+        return None
+    fig = _new_fig(9.0, 3.4)
+    a1, a2 = fig.subplots(1, 2)
+    for label, rows in sorted(series.items()):
+        rows.sort()
+        a1.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", label=label)
+        a2.plot([r[0] for r in rows], [r[2] for r in rows], marker="o", label=label)
+    for ax, what in ((a1, "validation accuracy"), (a2, "validation ECE")):
+        ax.set_xlabel(_knob_label(knob))
+        ax.set_ylabel(what)
+        ax.set_title(f"{what[:1].upper()}{what[1:]} vs {_knob_label(knob)}")
+        ax.grid(True, alpha=0.3)
+    a1.legend(fontsize=8)
+    return _png(fig)
+
+
+def _plot_latency_prediction(candidates: list, lp: dict) -> bytes | None:
+    """Predicted against measured latency: every candidate measured at selection, and the chosen point's
+    deployment benchmark; the diagonal is a perfect latency model, the band +-25 %."""
+    pts = [(_num(_get(c, "cost", "measured_latency_ms")), _num(_get(c, "cost", "predicted_latency_ms")))
+           for c in candidates]
+    pts = [(m, p) for m, p in pts if m is not None and p is not None]
+    chosen = (_num(lp.get("measured_ms")), _num(lp.get("predicted_ms")))
+    if not pts and None in chosen:
+        return None
+    fig = _new_fig(4.8, 4.2)
+    ax = fig.add_subplot()
+    if pts:
+        ax.scatter(*zip(*pts), s=28, color="#74a9cf", edgecolor="black", linewidth=0.4,
+                   label="candidates (measured at selection)", zorder=3)
+    if None not in chosen:
+        ax.scatter(*chosen, s=120, marker="*", color="crimson", zorder=4,
+                   label=f"chosen, deployed (error {100 * lp['error']:+.1f} %)")
+    values = [v for pt in pts + ([chosen] if None not in chosen else []) for v in pt]
+    lo, hi = min(values) * 0.8, max(values) * 1.2
+    ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", linewidth=1)
+    ax.fill_between([lo, hi], [0.75 * lo, 0.75 * hi], [1.25 * lo, 1.25 * hi], color="grey", alpha=0.12,
+                    label="±25 %")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel(f"measured p{_fmt(lp.get('percentile'))} latency (ms)")
+    ax.set_ylabel("predicted latency (ms)")
+    ax.set_title("Latency model: predicted vs measured")
+    ax.legend(fontsize=7, loc="upper left")
     return _png(fig)
 
 
@@ -565,7 +667,9 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
     p.append(f"<h1>{_e(title)}</h1><div class='headline'>")
     p.append(f"<div><b>Chosen operating point:</b> {_e(_knob_label(s['knob']))} {_e(_fmt(s['knob_value']))}, "
              f"M = {_e(_fmt(s['mc_samples']))} posterior samples averaged"
-             f" &middot; objective: {_e(_fmt(s['objective']))}</div>")
+             + (f", {_e(s['precision'])} ({_e(s['format'])})" if s.get("precision") else "")
+             + f" &middot; objective: {_e(_fmt(s['objective']))}"
+             + (f" (val ECE &le; {_e(_fmt(s['max_ece']))})" if s.get("max_ece") is not None else "") + "</div>")
     p.append("<div style='margin-top:8px'>" + _badge(s["overall_verdict"], f"overall: {s['overall_verdict']}")
              + "".join(_badge(r["verdict"], _budget_text(r)) for r in s["budgets"].values()) + "</div>")
     cards = [(_fmt(acc), "on-device accuracy", ci_txt),
@@ -595,7 +699,20 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
              f"pass means measured &le; limit; model size uses 1 MB = 10<sup>6</sup> bytes.</p>")
 
     # 3-4. plots
-    p.append("<h2>Accuracy vs latency of all candidates</h2>" + _img(pngs["tradeoff.png"], "accuracy vs latency"))
+    p.append("<h2>Accuracy vs latency and size of all candidates: the Pareto front</h2>"
+             + _img(pngs["tradeoff.png"], "accuracy vs latency and size, Pareto front, budgets, chosen point"))
+    p.append(f"<p class='muted'>Pareto-optimal (accuracy, latency, size): {_e(', '.join(map(str, s['pareto'])) or NA)}.</p>")
+    p.append("<h2>Accuracy and calibration against the knob</h2>"
+             + _img(pngs.get("knob.png"), f"accuracy and ECE vs {_knob_label(s['knob'])}"))
+    lp = s["latency_prediction"]
+    p.append("<h2>Latency model: predicted vs measured</h2>")
+    p.append(_table(["", "value"], [
+        ["percentile", _e(f"p{_fmt(lp['percentile'])}")],
+        ["predicted for the chosen point", _e(_fmt(lp["predicted_ms"], "ms") + (f" ({lp['predicted_by']})" if lp["predicted_by"] else ""))],
+        ["measured on the device (deployment)", _e(_fmt(lp["measured_ms"], "ms"))],
+        ["error (predicted - measured) / measured", _e(NA if lp["error"] is None else f"{100 * lp['error']:+.1f} %")],
+    ]))
+    p.append(_img(pngs.get("latency_prediction.png"), "predicted vs measured latency"))
     p.append("<h2>Kept nodes per layer</h2>" + _img(pngs["sparsity.png"], "kept nodes per layer"))
 
     # 5. device vs reference
@@ -768,10 +885,13 @@ def write_report(inputs: dict, out_dir: Path) -> dict:
     results = d.get("results") if isinstance(d.get("results"), dict) else {}
     train = d.get("train") if isinstance(d.get("train"), dict) else {}
     layers = _get(train, "sparsity", "layers") or []
+    candidates = [c for c in d.get("candidates") or [] if isinstance(c, dict)]
     hidden_names = [str(l.get("name")) for l in layers if isinstance(l, dict) and l.get("name") != "output"]
     pngs = {
-        "tradeoff.png": _plot_tradeoff([c for c in d.get("candidates") or [] if isinstance(c, dict)],
-                                       d.get("choice") or {}, s["latency_budget_ms"]),
+        "tradeoff.png": _plot_tradeoff(candidates, d.get("choice") or {}, s["latency_budget_ms"],
+                                       s["budgets"]["model_mb"]["limit"]),
+        "knob.png": _plot_knob(candidates, s["knob"]),
+        "latency_prediction.png": _plot_latency_prediction(candidates, s["latency_prediction"]),
         "sparsity.png": _plot_sparsity(layers),
         "latency_hist.png": _plot_latency_hist(results.get("latency_samples_ms"),
                                                results.get("latency_ms") or {}, s["latency_budget_ms"]),

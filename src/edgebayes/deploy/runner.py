@@ -50,8 +50,9 @@ REQUIRED_KEYS = (
 EVAL_ARRAYS = ("x", "y", "reference_probs")
 ARTIFACT_KEYS = ("model_file", "format", "precision", "runtime")  # each entry of the optional "artifacts"
 ACCURACY_BATCH = 256  # big enough to be fast, small enough for a Pi's memory
-NLL_CLIP = 1e-12
-MAX_SAMPLES = 2000    # latency samples kept in the results file      # log(0) would make one bad example dominate the mean
+NLL_CLIP = 1e-12      # log(0) would make one bad example dominate the mean
+MAX_SAMPLES = 2000    # latency samples kept in the results file
+TIMING_ROUNDS = 3     # --time-models: interleaved rounds per model
 
 EXIT_OK, EXIT_WRITE, EXIT_BUNDLE, EXIT_RUNTIME = 0, 1, 2, 3
 
@@ -974,7 +975,11 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="runner.py", description="Verify an edgebayes bundle, measure its accuracy/calibration "
                                       "and latency on this device, and write a JSON report.")
-    parser.add_argument("--bundle", required=True, help="bundle directory (holds manifest.json)")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--bundle", help="bundle directory (holds manifest.json)")
+    mode.add_argument("--time-models", metavar="SPEC",
+                      help="latency only: a JSON file listing model files to time one after another "
+                           "(`edgebayes devices profile` and selection on a remote device); see time_models")
     parser.add_argument("--out", required=True, help="results JSON path (written atomically)")
     parser.add_argument("--warmup", type=_non_negative_int, default=10, help="untimed warm-up runs")
     parser.add_argument("--min-runs", type=_positive_int, default=100, help="minimum timed runs")
@@ -993,18 +998,88 @@ def build_parser():
                         help="TensorRT builder workspace in MiB (engines are built on this device)")
     parser.add_argument("--engine-cache", default=None,
                         help="folder of cached TensorRT engines (default: trt-engines/ beside the bundle)")
+    parser.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
+                        help="a fact to copy into the results' tags (e.g. device=jetson-orin-nano)")
     parser.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
     return parser
+
+
+def _tags(pairs):
+    tags = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"runner: --tag expects KEY=VALUE, got {pair!r}")
+        tags[key] = value
+    return tags
+
+
+def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags):
+    """Time each model a spec lists, with the same protocol as a bundle's benchmark.
+
+    The spec is JSON: {"example": "x.npy", "batch_size": 1, "models": [{"id": ..., "file": ...,
+    "runtime": "onnxruntime"}, ...]}, paths relative to the spec's folder. The example rows are read with
+    allow_pickle=False. Writes {"models": [{"id", "latency_ms", "runs", ...}], "runtime", "device", ...}.
+    """
+    base = os.path.dirname(os.path.abspath(spec_path))
+    with open(spec_path, "r", encoding="utf-8") as fh:
+        spec = json.load(fh)
+    example = np.load(os.path.join(base, spec["example"]), allow_pickle=False).astype(np.float32)
+    batch_size = int(spec.get("batch_size", 1))
+    batch = np.ascontiguousarray(example[np.arange(batch_size) % len(example)])
+    backends = [make_backend(entry.get("runtime", "onnxruntime"), os.path.join(base, entry["file"]), threads)
+                for entry in spec["models"]]
+    # Models are timed in interleaved rounds and each one's samples pooled, so a burst of load from
+    # another process spreads over all models instead of inflating the one that happened to run then.
+    rounds = TIMING_ROUNDS
+    pooled = [[] for _ in backends]
+    runs, seconds = [0] * len(backends), [0.0] * len(backends)
+    for r in range(rounds):
+        for i, backend in enumerate(backends):
+            timing = measure_latency(backend, batch, warmup=warmup if r == 0 else 0,
+                                     min_runs=max(1, -(-min_runs // rounds)), min_seconds=min_seconds / rounds,
+                                     progress=False)
+            pooled[i] += timing["samples_ms"]
+            runs[i] += timing["runs"]
+            seconds[i] += timing["seconds"]
+    timed = []
+    for entry, samples, n, sec in zip(spec["models"], pooled, runs, seconds):
+        ms = np.asarray(samples)
+        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+        timed.append({"id": entry["id"], "latency_ms": {"p50": float(p50), "p90": float(p90), "p99": float(p99),
+                                                        "mean": float(ms.mean()), "min": float(ms.min()),
+                                                        "max": float(ms.max())},
+                      "runs": n, "seconds": sec, "rounds": rounds})
+    runtime_info = backends[-1].info() if backends else None
+    write_json_atomic(out, {
+        "schema": SCHEMA_VERSION, "models": timed, "runtime": runtime_info, "device": device_info(),
+        "protocol": {"warmup": warmup, "min_runs": min_runs, "min_seconds": min_seconds,
+                     "batch_size": batch_size, "threads": threads},
+        "tags": tags, "finished_at": _utc_now()})
 
 
 def main(argv=None):
     """Run the benchmark; returns the process exit code (see module docstring)."""
     args = build_parser().parse_args(argv)
     started_at = _utc_now()
+    tags = _tags(args.tag)
 
     def say(message):
         if not args.quiet:
             print(f"runner: {message}", file=sys.stderr)
+
+    if args.time_models:
+        try:
+            time_models(args.time_models, args.out, args.warmup, args.min_runs, args.min_seconds, args.threads,
+                        tags)
+        except RuntimeProblem as exc:
+            print(f"runner: {exc}", file=sys.stderr)
+            return EXIT_RUNTIME
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"runner: {args.time_models}: {exc}", file=sys.stderr)
+            return EXIT_WRITE if isinstance(exc, OSError) else EXIT_BUNDLE
+        say(f"timed {args.time_models} -> {args.out}")
+        return EXIT_OK
 
     try:
         manifest = verify_bundle(args.bundle)
@@ -1064,6 +1139,11 @@ def main(argv=None):
         "seconds": timing["seconds"],
         "warmup": args.warmup,
         "batch_size": args.batch_size,
+        # The protocol the figures were measured under (MLPerf single-stream style: warm-up, then at
+        # least min_runs queries AND min_seconds), and the caller's facts (device profile, ...).
+        "protocol": {"warmup": args.warmup, "min_runs": args.min_runs, "min_seconds": args.min_seconds,
+                     "batch_size": args.batch_size, "threads": args.threads},
+        "tags": tags,
         "throughput_per_s": timing["throughput_per_s"],
         "peak_rss_mb": peak_rss_mb(),  # read last, so it covers everything above
         "metrics": metrics,

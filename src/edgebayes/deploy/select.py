@@ -1,27 +1,33 @@
 """Select: score every operating point on the validation split, cost it on the device, pick one.
 
-An operating point (candidate) is knob x M: a value of the family's deploy-time knob (inclusion threshold,
-width, non-zero rate: `model.knob`) and a number of Monte-Carlo samples. Each is scored (MC-averaged accuracy, NLL, ECE on val) and costed:
-  - latency at the budget's percentile and batch size: measured with the device's runtime when the device
-    is this machine (`connection.kind: local`, `latency_model.kind: measure`), otherwise predicted from
-    the paper's FLOPs count and the profile's declared throughput;
-  - model size: the bytes of the exported ONNX file.
-The best-scoring candidate that fits every budget wins (objective accuracy: ties broken by NLL, then
-latency; objective nll: lowest NLL). Peak memory is only known once the model runs on the device, so it is
-checked in the report, not here. If nothing fits, the error lists the closest candidates and what each
-exceeds.
+An operating point (candidate) is knob x M x precision: a value of the family's deploy-time knob
+(inclusion threshold, width, non-zero rate: `model.knob`), a number of Monte-Carlo samples, and an export
+format the device's runtime loads at one of the precisions it takes (`export.formats.FORMATS`, filtered by
+the profile's `runtime.name` and `runtime.precision`). Each is exported, scored on val (MC-averaged
+accuracy, NLL, ECE of the exported file, run by the device's runtime where it is installed here; else the
+PyTorch fp32 graph, and the candidate says so) and costed:
+  - latency at the budget's percentile and batch size, measured on the device or predicted by its latency
+    model (deploy/latency_model.py); both figures are kept when both exist;
+  - model size: the bytes of the exported file.
+Constraints: the device budgets (latency, model size, allowed M) and, for the ece-constrained-accuracy
+objective, select.max_ece. The best-scoring candidate that meets them wins (accuracy: ties broken by NLL,
+then latency; nll: lowest NLL, then latency). The Pareto front (accuracy up, latency and size down) is
+marked on every candidate. Peak memory is only known once the model runs on the device, so it is checked
+in the report. If nothing fits, the error lists the closest candidates and what each exceeds.
 """
 
 import tempfile
 from pathlib import Path
 
-import numpy as np
+from torch import nn
 from tqdm.auto import tqdm
 
-from edgebayes.deploy.runner import make_backend, measure_latency
+from edgebayes.deploy.latency_model import (LatencyModelError, TablePredictor, gemm_ops, measure_models,
+                                            predictor_for, profile_device)
+from edgebayes.deploy.runner import RuntimeProblem, make_backend, predict_all
+from edgebayes.deploy.transport import TransportError
 from edgebayes.errors import StageError
 from edgebayes.export.compress import EmptyLayerError, compress, predict
-from edgebayes.export.onnx_export import export_onnx
 from edgebayes.train.metrics import classification_metrics, count_weights, paper_flops
 
 
@@ -29,85 +35,190 @@ class SelectionError(StageError):
     pass
 
 
-def _latency_ms(profile, onnx_path, example, flops):
-    b, lm = profile.budgets, profile.latency_model
-    key = f"p{b.percentile}"
-    if lm.kind == "measure" and profile.connection.kind == "local":
-        backend = make_backend(profile.runtime.name, str(onnx_path), profile.runtime.threads)
-        batch = np.repeat(example.numpy(), b.batch_size, axis=0)
-        timing = measure_latency(backend, batch, warmup=10, min_runs=50, min_seconds=0.2, progress=False)
-        return timing["latency_ms"][key], "measured"
-    seconds = flops * b.batch_size / lm.flops_per_second
-    return lm.overhead_ms + 1000 * seconds, "predicted (FLOPs / declared throughput)"
+def formats_for(profile):
+    """The export formats this device's runtime loads, at the precisions its profile lists."""
+    from edgebayes.export.formats import FORMATS
+
+    fmts = [f for f in FORMATS.values()
+            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision]
+    if not fmts:
+        known = ", ".join(f"{f.name} ({f.runtime} {f.precision})" for f in FORMATS.values())
+        raise SelectionError(f"device {profile.name}: no export format for runtime {profile.runtime.name} at "
+                             f"precision {', '.join(profile.runtime.precision)} (formats here: {known})")
+    return fmts
 
 
-def violations(candidate, budgets):
-    """The budgets a candidate exceeds, as readable strings."""
+def select_bench(benchmark):
+    """The timing protocol of selection and profiling: the run's, with a shorter minimum time per model
+    (tens of models are timed; p90/p99 settle after a few hundred runs)."""
+    return {"warmup": benchmark.warmup, "min_runs": benchmark.min_runs,
+            "min_seconds": min(benchmark.min_seconds, 0.25)}
+
+
+def violations(candidate, budgets, max_ece=None):
+    """The budgets (and the ECE constraint) a candidate exceeds, as readable strings."""
     out, cost = [], candidate["cost"]
     if budgets.latency_ms is not None and cost["latency_ms"] > budgets.latency_ms:
         out.append(f"latency p{budgets.percentile} {cost['latency_ms']:.3f} ms > budget {budgets.latency_ms} ms")
     if budgets.model_mb is not None and cost["model_mb"] > budgets.model_mb:
         out.append(f"model {cost['model_mb']:.3f} MB > budget {budgets.model_mb} MB")
+    m = candidate["mc_samples"]
+    if budgets.mc_samples is not None and m not in budgets.mc_samples:
+        out.append(f"M={m} not in budget mc_samples {budgets.mc_samples}")
+    if budgets.mc_samples_max is not None and m > budgets.mc_samples_max:
+        out.append(f"M={m} > budget mc_samples_max {budgets.mc_samples_max}")
+    if max_ece is not None and candidate["val"]["ece"] > max_ece:
+        out.append(f"val ECE {candidate['val']['ece']:.4f} > max_ece {max_ece}")
     return out
 
 
-def score_candidates(model, cfg, profile, val_x, val_y, log=print):
-    """Every (knob value, M) candidate with its validation metrics and device cost."""
-    candidates = []
+def _val_probs(fmt, path, mc_model, val_x):
+    """Val probabilities of the exported file run by its runtime here (a TensorRT format's shipped ONNX by
+    onnxruntime: engines are built on the target), or of the PyTorch graph when that runtime is absent."""
+    runtime = "onnxruntime" if fmt.runtime == "tensorrt" else fmt.runtime
+    try:
+        return predict_all(make_backend(runtime, str(path)), val_x.numpy()), f"{fmt.name} file, {runtime}"
+    except RuntimeProblem:
+        return predict(mc_model, val_x).numpy(), f"PyTorch fp32 ({runtime} is not installed here)"
+
+
+def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
+    """({id: measured ms or None}, predictor or None, measured-on facts or None).
+
+    A reachable `measure` device without a latency table is profiled first, so every report can set the
+    latency model's prediction against the measurement.
+    """
+    key = f"p{profile.budgets.percentile}"
+    predictor = predictor_for(profile, runs_dir)
+    if profile.latency_model.kind == "measure":
+        try:
+            if predictor is None:
+                log(f"select: no latency table for {profile.name} yet: profiling it first (edgebayes devices profile)")
+                try:
+                    path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log)
+                    predictor = TablePredictor.load(path)
+                except LatencyModelError as e:   # measured only; the report then shows no prediction
+                    log(f"select: {e}")
+            timed = measure_models(transport, profile, models, example, bench, log=log)
+            return {i: timed[i]["latency_ms"][key] for i, _, _ in models}, predictor, timed[None]
+        except TransportError as e:
+            if predictor is None:
+                raise SelectionError(f"{e}; no latency table to predict from either: run `edgebayes devices "
+                                     f"profile {profile.name}` while the device is reachable") from None
+            log(f"select: {e}; latency {predictor.describe()}")
+    return {i: None for i, _, _ in models}, predictor, None
+
+
+def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs_dir, log=print):
+    """Every (knob value, M, format) candidate with its validation metrics and device cost.
+
+    calib_x: training inputs that calibrate the int8 formats (as export calibrates the deployed one)."""
+    from edgebayes.export.formats import export_artifact
+
+    fmts = formats_for(profile)
+    b = profile.budgets
     example = val_x[:1]
     grid = [(k, m) for k in model.operating_points(cfg.select.knob_values) for m in sorted(cfg.select.mc_samples)]
+    layout = cfg.export.layout
+    candidates, models = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for knob_value, m in tqdm(grid, desc="select", unit="candidate"):
+        progress = tqdm(total=len(grid) * len(fmts), desc="select", unit="candidate")
+        for knob_value, m in grid:
             try:
                 compressed = compress(model, knob_value, m, cfg.seed)
             except EmptyLayerError as e:
                 log(f"select: {e}; skipped")
+                progress.update(len(fmts))
                 continue
-            kept = {name: int(mask.sum()) for name, mask in compressed.kept.items()}
             mc_model = compressed.mc_model()
-            probs = predict(mc_model, val_x).numpy()
-            onnx_path = Path(tmp) / f"k{knob_value}_m{m}.onnx"
-            export_onnx(mc_model, example, onnx_path, cfg.export.opset)
-            flops = m * paper_flops(compressed.samples[0], val_x.shape[1:])
-            latency, source = _latency_ms(profile, onnx_path, example, flops)
-            candidate = {
-                "knob": model.knob, "knob_value": knob_value, "mc_samples": m, "kept_units": kept,
-                "val": classification_metrics(probs, val_y.numpy()),
-                "cost": {"latency_ms": latency, "latency_source": source,
-                         "model_mb": onnx_path.stat().st_size / 1e6, "flops": flops,
-                         "kept_weights": sum(count_weights(s) for s in compressed.samples)},
-            }
-            candidate["violations"] = violations(candidate, profile.budgets)
-            candidate["fits"] = not candidate["violations"]
-            candidates.append(candidate)
-    if not candidates:
-        raise SelectionError(f"no candidate keeps at least one unit per layer; change select.knob_values "
-                             f"({model.knob})")
-    return candidates
+            kept_weights = sum(count_weights(s, fold_batch_norm=True) for s in compressed.samples)
+            layers = sum(isinstance(mod, (nn.Linear, nn.Conv2d)) for mod in compressed.samples[0].modules())
+            for fmt in fmts:
+                progress.update(1)
+                ident = f"k{knob_value}-m{m}-{fmt.name}"
+                try:
+                    path = export_artifact(mc_model, fmt.name, Path(tmp) / f"{ident}{fmt.suffix}", val_x[:16],
+                                           calib_x, cfg.export.opset, layout=layout)
+                except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
+                    raise SelectionError(f"device {profile.name}: cannot export format {fmt.name} here: {e}") from None
+                probs, scored_as = _val_probs(fmt, path, mc_model, val_x)
+                candidates.append({
+                    "id": ident, "knob": model.knob, "knob_value": knob_value, "mc_samples": m,
+                    "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime, "layout": layout,
+                    "kept_units": {name: int(mask.sum()) for name, mask in compressed.kept.items()},
+                    "val": classification_metrics(probs, val_y.numpy()), "val_scored_as": scored_as,
+                    "cost": {"model_mb": path.stat().st_size / 1e6,
+                             "flops": m * paper_flops(compressed.samples[0], val_x.shape[1:]),
+                             "gemms": gemm_ops(layers, m, layout), "kept_weights": kept_weights},
+                })
+                models.append((ident, path, fmt.runtime))
+        progress.close()
+        if not candidates:
+            raise SelectionError(f"no candidate keeps at least one unit per layer; change select.knob_values "
+                                 f"({model.knob})")
+        measured, predictor, measured_on = _latencies(cfg, profile, transport, models, example.numpy(),
+                                                      select_bench(cfg.benchmark), runs_dir, log)
+    for c in candidates:
+        cost = c["cost"]
+        try:
+            cost["predicted_latency_ms"] = None if predictor is None else predictor.predict(
+                cost["gemms"], cost["flops"], cost["kept_weights"], c["precision"], b.percentile, b.batch_size)
+        except LatencyModelError as e:
+            if measured[c["id"]] is None:
+                raise SelectionError(str(e)) from None
+            cost["predicted_latency_ms"] = None
+        cost["predicted_by"] = None if predictor is None else predictor.describe()
+        cost["measured_latency_ms"] = measured[c["id"]]
+        if measured[c["id"]] is not None:
+            cost["latency_ms"], cost["latency_source"] = measured[c["id"]], "measured"
+        else:
+            cost["latency_ms"], cost["latency_source"] = cost["predicted_latency_ms"], cost["predicted_by"]
+        c["violations"] = violations(c, b, cfg.select.max_ece)
+        c["fits"] = not c["violations"]
+    mark_pareto(candidates)
+    return candidates, measured_on
 
 
-def choose(candidates, objective, budgets):
+def _dominates(a, b):
+    """a is at least as good as b on accuracy, latency and size, and better on one."""
+    ka = (-a["val"]["accuracy"], a["cost"]["latency_ms"], a["cost"]["model_mb"])
+    kb = (-b["val"]["accuracy"], b["cost"]["latency_ms"], b["cost"]["model_mb"])
+    return all(x <= y for x, y in zip(ka, kb)) and ka != kb
+
+
+def mark_pareto(candidates):
+    """candidate["pareto"]: on the accuracy / latency / size front; ["pareto_latency"]: on accuracy / latency."""
+    for c in candidates:
+        c["pareto"] = not any(_dominates(o, c) for o in candidates)
+        c["pareto_latency"] = not any(
+            o["val"]["accuracy"] >= c["val"]["accuracy"] and o["cost"]["latency_ms"] <= c["cost"]["latency_ms"]
+            and (o["val"]["accuracy"], o["cost"]["latency_ms"]) != (c["val"]["accuracy"], c["cost"]["latency_ms"])
+            for o in candidates)
+
+
+def choose(candidates, objective, budgets, max_ece=None):
     """The best fitting candidate, with the reason; SelectionError listing the closest ones if none fits."""
     fitting = [c for c in candidates if c["fits"]]
     if not fitting:
         def excess(c):
-            cost, total = c["cost"], 0.0
+            cost, total = c["cost"], float(len(c["violations"]))   # non-numeric violations count 1 each
             if budgets.latency_ms is not None:
                 total += max(0.0, cost["latency_ms"] / budgets.latency_ms - 1)
             if budgets.model_mb is not None:
                 total += max(0.0, cost["model_mb"] / budgets.model_mb - 1)
             return total
         closest = sorted(candidates, key=excess)[:3]
-        lines = [f"  {c['knob']} {c['knob_value']}, M={c['mc_samples']}: " + "; ".join(c["violations"])
+        lines = [f"  {c['knob']} {c['knob_value']}, M={c['mc_samples']}, {c['precision']}: " + "; ".join(c["violations"])
                  for c in closest]
         raise SelectionError("no operating point fits the device budgets; closest candidates:\n" + "\n".join(lines))
-    if objective == "accuracy":
+    if objective in ("accuracy", "ece-constrained-accuracy"):
         key = lambda c: (-c["val"]["accuracy"], c["val"]["nll"], c["cost"]["latency_ms"])  # noqa: E731
-        why = "highest validation accuracy; ties broken by NLL, then latency"
+        why = "highest validation accuracy" + (f" with val ECE <= {max_ece}" if max_ece is not None else "")
+        why += "; ties broken by NLL, then latency"
     else:
         key = lambda c: (c["val"]["nll"], c["cost"]["latency_ms"])  # noqa: E731
         why = "lowest validation NLL; ties broken by latency"
     best = min(fitting, key=key)
     reason = f"{why}, among {len(fitting)} of {len(candidates)} candidates within the budgets"
     return {"knob": best["knob"], "knob_value": best["knob_value"], "mc_samples": best["mc_samples"],
-            "reason": reason, "candidate": best}
+            "format": best["format"], "precision": best["precision"], "reason": reason, "candidate": best}

@@ -1,0 +1,234 @@
+"""Latency of an operating point on a device: measured there, or predicted by a model of the device.
+
+Three sources, in the order selection prefers them (device profile key `latency_model`):
+
+1. measure: the candidates' model files are copied to the device and timed there by the runner
+   (`runner.py --time-models`, the same protocol as a deployment's benchmark). Needs the device reachable.
+2. table: `edgebayes devices profile DEVICE` times a sweep of MC-averaged MLPs on the device (the run's
+   input size, hidden widths at 1/8 .. 1 of the configured ones, each M of select.mc_samples, each
+   precision the runtime takes) and stores them in a table. Latency at each percentile is then fitted by
+   non-negative least squares on relative error,
+
+       latency ~ c0 + c1 * gemms + c2 * MFLOPs + c3 * parameter MB,
+
+   gemms = the matrix-product operators one inference dispatches (per-operator cost dominates small
+   models; `gemm_ops`: M x layers in the unrolled layout, layers in the packed one), MFLOPs = paper FLOPs
+   (appendix A.1, multiplies) x batch size, parameter MB = kept weights x bytes per value. Tables live in
+   runs/devices/<device>/latency_table.json (this machine's measurements; not in git) or, for boards
+   measured elsewhere, devices/profiles/<device>.json (shipped); `latency_model.table` names another file.
+3. flops: FLOPs x batch / the profile's declared throughput + overhead_ms. The throughput is a data-sheet
+   figure, declared and not measured (each profile says where it comes from).
+
+A kind `measure` device that cannot be reached falls back to the table, then to declared FLOPs.
+"""
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from edgebayes.config import DEVICES_DIR
+from edgebayes.deploy.transport import RUNNER, TransportError
+from edgebayes.errors import StageError
+from edgebayes.provenance import provenance, read_json, write_json
+
+BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "int8": 1}
+PERCENTILES = ("p50", "p90", "p99")
+# Input sizes of the data sets (flattened) for the profiling sweep; every set has 10 classes.
+IN_FEATURES = {"digits": 64, "mnist": 784, "fashion-mnist": 784, "cifar10": 3072}
+WIDTH_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
+
+
+class LatencyModelError(StageError):
+    pass
+
+
+def gemm_ops(layers, mc_samples, layout):
+    """Matrix-product operators per inference: the packed layout runs the M samples of a layer as one
+    grouped operator (export/packed.py), the unrolled one as M."""
+    return layers if layout == "packed" else mc_samples * layers
+
+
+def features(gemms, flops, param_count, precision, batch_size):
+    """The regressors of the table model for one operating point (see the module docstring)."""
+    return [1.0, float(gemms), flops * batch_size / 1e6, param_count * BYTES_PER_VALUE[precision] / 1e6]
+
+
+def table_path(profile, runs_dir):
+    """Where this device's table is read: latency_model.table, else the run folder's, else the shipped one."""
+    if profile.latency_model.table:
+        return Path(profile.latency_model.table)
+    measured = Path(runs_dir) / "devices" / profile.name / "latency_table.json"
+    return measured if measured.is_file() else DEVICES_DIR / "profiles" / f"{profile.name}.json"
+
+
+class TablePredictor:
+    """Per precision and percentile, the NNLS fit of a device's latency table."""
+
+    def __init__(self, table, path):
+        from scipy.optimize import nnls
+
+        self.path, self.batch_size = Path(path), table["batch_size"]
+        self.coefs, self.fit_error = {}, {}
+        for precision in sorted({r["precision"] for r in table["rows"]}):
+            rows = [r for r in table["rows"] if r["precision"] == precision]
+            x = np.array([features(r["gemms"], r["flops"], r["params"], precision, self.batch_size) for r in rows])
+            for p in PERCENTILES:
+                y = np.array([r["latency_ms"][p] for r in rows])
+                # Divide each row by its latency: least squares on relative error, so the small models that
+                # selection cares about weigh as much as the large ones.
+                coef, _ = nnls(x / y[:, None], np.ones(len(y)))
+                self.coefs[precision, p] = coef
+                self.fit_error[precision, p] = float(np.max(np.abs(x @ coef / y - 1)))
+
+    @classmethod
+    def load(cls, path):
+        try:
+            return cls(read_json(path), path)
+        except (OSError, ValueError, KeyError) as e:
+            raise LatencyModelError(f"{path}: not a readable latency table ({e}); re-run "
+                                    "`edgebayes devices profile`") from None
+
+    def predict(self, gemms, flops, params, precision, percentile, batch_size):
+        key = (precision, f"p{percentile}")
+        if key not in self.coefs:
+            raise LatencyModelError(f"{self.path} has no {precision} measurements; re-run `edgebayes devices "
+                                    "profile` with that precision in runtime.precision")
+        if batch_size != self.batch_size:
+            raise LatencyModelError(f"{self.path} was measured at batch size {self.batch_size}, the budget is "
+                                    f"for batch size {batch_size}; re-run `edgebayes devices profile`")
+        return float(np.dot(features(gemms, flops, params, precision, batch_size), self.coefs[key]))
+
+    def describe(self):
+        return f"predicted (table fit, {self.path.name})"
+
+
+class FlopsPredictor:
+    def __init__(self, lm):
+        self.lm = lm
+
+    def predict(self, gemms, flops, params, precision, percentile, batch_size):
+        return self.lm.overhead_ms + 1000.0 * flops * batch_size / self.lm.flops_per_second
+
+    def describe(self):
+        return "predicted (FLOPs / declared throughput)"
+
+
+def predictor_for(profile, runs_dir):
+    """The best prediction model available for a device, or None (kind measure, no table, no throughput)."""
+    lm = profile.latency_model
+    if lm.kind == "flops":
+        return FlopsPredictor(lm)
+    path = table_path(profile, runs_dir)
+    if path.is_file():
+        return TablePredictor.load(path)
+    if lm.kind == "table":
+        raise LatencyModelError(f"device {profile.name}: latency_model.kind is table but {path} does not exist; "
+                                f"run `edgebayes devices profile {profile.name}`")
+    return FlopsPredictor(lm) if lm.flops_per_second else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring on the device
+# ---------------------------------------------------------------------------------------------
+def measure_models(transport, profile, models, example, bench, log=print):
+    """Time model files on the device with the runner. models: [(id, local path, runtime)].
+
+    Returns {id: {"latency_ms": {...}, "runs": ...}} plus the runner's runtime and device facts under
+    the key None. Raises TransportError when the device cannot be used.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "timing"
+        folder.mkdir()
+        np.save(folder / "example.npy", np.ascontiguousarray(example, dtype=np.float32))
+        spec = {"example": "example.npy", "batch_size": profile.budgets.batch_size, "models": []}
+        for ident, path, runtime in models:
+            name = f"{ident}{Path(path).suffix}"
+            shutil.copyfile(path, folder / name)
+            spec["models"].append({"id": ident, "file": name, "runtime": runtime})
+        (folder / "spec.json").write_text(json.dumps(spec))
+        size = sum(f.stat().st_size for f in folder.iterdir()) + RUNNER.stat().st_size
+        transport.preflight(profile.runtime.name, size, profile.connection.min_free_mb)
+        transport.put(folder, "timing")
+        transport.put(RUNNER, "runner.py")
+        log(f"timing {len(models)} models on {profile.name} ({transport.where()})")
+        code, err = transport.run(["runner.py", "--time-models", "timing/spec.json", "--out", "timing/results.json",
+                                   "--warmup", bench["warmup"], "--min-runs", bench["min_runs"],
+                                   "--min-seconds", bench["min_seconds"], "--threads", profile.runtime.threads,
+                                   "--tag", f"device={profile.name}", "--quiet"])
+        if code != 0:
+            raise TransportError(transport.disk_full(err) or f"the runner failed on device {profile.name} "
+                                 f"(exit code {code}): {err[-1] if err else 'no message'}")
+        transport.get("timing/results.json", folder / "results.json")
+        results = read_json(folder / "results.json")
+    timed = {m["id"]: m for m in results["models"]}
+    timed[None] = {"runtime": results["runtime"], "device": results["device"], "protocol": results["protocol"]}
+    return timed
+
+
+# ---------------------------------------------------------------------------------------------
+# `edgebayes devices profile`
+# ---------------------------------------------------------------------------------------------
+def _mlp(widths, activation):
+    layers = [nn.Flatten()]
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.SiLU() if activation == "silu" else nn.ReLU() if activation == "relu" else nn.Tanh())
+    return nn.Sequential(*layers).eval()
+
+
+def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
+    """Measure the sweep on the device and write its latency table; returns (path, table)."""
+    from edgebayes.deploy.select import formats_for
+    from edgebayes.export.compress import MCAverage
+    from edgebayes.export.formats import export_artifact
+    from edgebayes.train.metrics import count_weights, paper_flops
+
+    if cfg.model.arch != "mlp":
+        raise LatencyModelError(f"devices profile sweeps MLPs (model.arch mlp); for {cfg.model.arch} use "
+                                "latency_model.kind measure (a reachable device) or flops")
+    in_features = IN_FEATURES[cfg.data.dataset]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    example = torch.rand((1, in_features), generator=gen)
+    rows, models = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in formats_for(profile):
+            for frac in WIDTH_FRACTIONS:
+                widths = [in_features] + [max(1, round(h * frac)) for h in cfg.model.hidden] + [10]
+                for m in sorted(cfg.select.mc_samples):
+                    torch.manual_seed(len(rows))
+                    samples = [_mlp(widths, cfg.model.activation) for _ in range(m)]
+                    ident = f"{fmt.name}-w{'x'.join(map(str, widths[1:-1]))}-m{m}"
+                    path = export_artifact(MCAverage(samples).eval(), fmt.name, Path(tmp) / f"{ident}{fmt.suffix}",
+                                           example, example, cfg.export.opset, layout=cfg.export.layout)
+                    rows.append({"id": ident, "format": fmt.name, "precision": fmt.precision, "widths": widths,
+                                 "mc_samples": m, "layout": cfg.export.layout,
+                                 "gemms": gemm_ops(len(widths) - 1, m, cfg.export.layout),
+                                 "flops": m * paper_flops(samples[0], (in_features,)),
+                                 "params": m * count_weights(samples[0])})
+                    models.append((ident, path, fmt.runtime))
+        timed = measure_models(transport, profile, models, example.numpy(), bench, log=log)
+    for row in rows:
+        row["latency_ms"] = {k: timed[row["id"]]["latency_ms"][k] for k in (*PERCENTILES, "mean")}
+        row["runs"] = timed[row["id"]]["runs"]
+    table = {"device": profile.name, "batch_size": profile.budgets.batch_size, "rows": rows, **timed[None],
+             "provenance": provenance(None)}
+    predictor = TablePredictor(table, "latency_table.json")
+    table["fit"] = {f"{prec}/{p}": {"coefficients": [float(c) for c in predictor.coefs[prec, p]],
+                                    "max_relative_error": predictor.fit_error[prec, p]}
+                    for prec, p in predictor.coefs}
+    path = Path(runs_dir) / "devices" / profile.name / "latency_table.json"
+    write_json(path, table)
+    return path, table
+
+
+def relative_error(predicted, measured):
+    if predicted is None or measured is None or not measured or not math.isfinite(predicted):
+        return None
+    return (predicted - measured) / measured
