@@ -293,8 +293,8 @@ def run_deploy(ctx):
         code, err = transport.run(args)
         if code != 0:
             raise StageError(transport.disk_full(err) or
-                             f"the runner failed on device {r.name} for artifact {name} (exit code {code}): "
-                             f"{err[-1] if err else 'no message'}; local artifacts are kept, re-run `edgebayes deploy`")
+                             f"the runner failed on device {r.name} (exit code {code}): {err[-1] if err else 'no message'} "
+                             f"(artifact {name}); local artifacts are kept, re-run `edgebayes deploy`")
         transport.get(result_file, out / result_file)
         res = read_json(out / result_file)
         results_by_artifact[name] = res

@@ -839,7 +839,7 @@ def fidelity_rows(d: dict) -> list[dict]:
             "ece": fid.get("ece"), "reference": fid.get("reference"),
             "max_abs_prob_diff": fid.get("max_abs_prob_diff"), "check": fid.get("check"),
             "device_accuracy": _get(dev, "metrics", "accuracy"), "device_ece": _get(dev, "metrics", "ece"),
-            "device_p50_ms": _get(dev, "latency_ms", "p50"),
+            "device_p50_ms": _get(dev, "latency_ms", "p50"), "device_skipped": dev.get("skipped"),
         })
     return rows
 
@@ -857,8 +857,9 @@ def fidelity_section(d: dict) -> str:
         body.append([_e(r["artifact"]), _e(r["precision"]), _e(r["layout"]), _fmt(r["bytes"] / 1024 if _num(r["bytes"]) is not None else None),
                      f"{_fmt(r['accuracy'])} / {_fmt(ref.get('accuracy'))}", f"{_fmt(r['nll'])} / {_fmt(ref.get('nll'))}",
                      f"{_fmt(r['ece'])} / {_fmt(ref.get('ece'))}", _fmt(r["max_abs_prob_diff"]),
-                     _badge(verdict, check.get("rule", NA)), _fmt(r["device_accuracy"]), _fmt(r["device_ece"]),
-                     _fmt(r["device_p50_ms"], " ms")])
+                     _badge(verdict, check.get("rule", NA)),
+                     *([f"not run: {_e(r['device_skipped'])}", "", ""] if r.get("device_skipped") else
+                       [_fmt(r["device_accuracy"]), _fmt(r["device_ece"]), _fmt(r["device_p50_ms"], " ms")])])
     return ("<h2>Fidelity of every exported artifact</h2>"
             "<p class='muted'>Artifact / PyTorch MC average on the eval set at export; max |&Delta;p| is the largest "
             "difference of any class probability. Device columns: the runner on the target.</p>"
