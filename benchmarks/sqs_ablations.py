@@ -11,7 +11,8 @@ config's SQS settings, changing only what the ablation varies. Accuracy drops ar
 the 10,000 MNIST test images. Results: <out>/sqs_ablations.json (with provenance: machine, commit,
 versions) and sqs_ablations.md. Re-running resumes finished variants from their checkpoints.
 
-    nice -n 19 .venv/bin/python benchmarks/sqs_ablations.py --config configs/mnist-mlp-sqs.yaml --epochs 2
+    nice -n 19 .venv/bin/python benchmarks/sqs_ablations.py --config configs/mnist-mlp-sqs.yaml --epochs 2 \
+        --hidden 100 100 --batch-size 512
 """
 
 import argparse
@@ -188,9 +189,15 @@ def main(argv=None):
     parser.add_argument("--work", default="runs/sqs-ablations", help="checkpoints (resumable)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--hidden", type=int, nargs="*", help="MLP widths instead of the config's (CPU budget)")
+    parser.add_argument("--batch-size", type=int, help="instead of the config's train.batch_size")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = load_pipeline_config(args.config)
+    if args.hidden:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden=args.hidden))
+    if args.batch_size:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=args.batch_size))
     splits = load_data(cfg.data, cfg.seed)
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
