@@ -15,7 +15,7 @@ from edgebayes.config import ConfigError, PipelineConfig, SQSConfig, load_pipeli
 from edgebayes.errors import InputError
 from edgebayes.export import codebook
 from edgebayes.export.compress import compress
-from edgebayes.train.models import MLP
+from edgebayes.train.models import build_model
 from edgebayes.train.sqs import (
     SQSNet,
     assign_windows,
@@ -29,11 +29,17 @@ from edgebayes.train.kl import kl_bernoulli
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def dnn(input_shape, hidden, classes):
+    cfg = PipelineConfig()
+    cfg.model.family, cfg.model.hidden = "dnn", hidden
+    return build_model(cfg.model, cfg.prior, input_shape, classes, n_train=100)
+
+
 def small_net(components=4, windowing="outlier", seed=0, **kw):
     torch.manual_seed(seed)
-    base = MLP(20, [16, 12], 3, family="dnn", prior_cfg=PipelineConfig().prior)
+    base = dnn((20,), [16, 12], 3)
     with torch.no_grad():  # a heavy-tailed layer so that the outlier windows are not empty
-        base.layers[0].weight[0, :3] = torch.tensor([2.0, -3.0, 2.5])
+        base.net.hidden1.weight[0, :3] = torch.tensor([2.0, -3.0, 2.5])
     net = SQSNet(base, components=components, windowing=windowing, **kw).initialise(keep_init=0.9, seed=seed)
     with torch.no_grad():  # distinct keep scores, as after training
         for p in net.posteriors.values():
@@ -59,15 +65,15 @@ def test_kmeans_init_gives_each_component_its_clusters_mean_spread_and_share():
 
 def test_layer_mixtures_are_initialised_per_window():
     net = small_net(windowing="outlier")
-    p = net.posterior("layers.0")
-    theta = net.base.layers[0].weight.detach().double().numpy()
+    p = net.posterior("net.hidden1")
+    theta = net.base.net.hidden1.weight.detach().double().numpy()
     for j in range(4):
         values = theta[p.window.numpy() == j]
         mu, sigma, pi, _ = kmeans_gmm(values, 4, seed=0)
         np.testing.assert_allclose(p.mu[j].detach().numpy(), mu, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(p.log_sigma[j].exp().detach().numpy(), sigma, rtol=1e-4)
         np.testing.assert_allclose(p.pi[j].detach().numpy(), pi, rtol=1e-5)
-    assert torch.equal(p.theta.detach(), net.base.layers[0].weight)
+    assert torch.equal(p.theta.detach(), net.base.net.hidden1.weight)
 
 
 def test_outlier_windows_use_five_iqr_tails_and_split_the_body_at_its_median():
@@ -127,10 +133,10 @@ def test_objective_terms_of_eq8_and_the_gaussian_prior_ablation():
     bernoulli = sum(kl_bernoulli(spike.posterior(n).keep_probability(spike.tau_prime), spike.prior_inclusion).sum().detach()
                     for n in spike.wrapped)
     assert float(reg - gauss.kl().detach()) == pytest.approx(float(bernoulli), rel=1e-4)
-    p = spike.posterior("layers.1")  # the mean weight is lambda~ sum_k mu_k phi_k, the same for both priors
+    p = spike.posterior("net.hidden2")  # the mean weight is lambda~ sum_k mu_k phi_k, the same for both priors
     expected = p.keep_probability(spike.tau_prime) * (p.phi(spike.tau) * p.mu[p.window]).sum(-1)
-    assert torch.allclose(weights["layers.1.weight"], expected)
-    assert torch.allclose(gauss.weights_and_regularizer()[0]["layers.1.weight"], expected)
+    assert torch.allclose(weights["net.hidden2.weight"], expected)
+    assert torch.allclose(gauss.weights_and_regularizer()[0]["net.hidden2.weight"], expected)
 
 
 def test_polynomial_pruning_schedule():
@@ -210,8 +216,8 @@ def test_a_users_checkpoint_is_the_starting_point(tmp_path):
 
     cfg = PipelineConfig(model=PipelineConfig().model.__class__(family="sqs", hidden=[8]))
     splits = load_data(cfg.data, cfg.seed)
-    user = MLP(64, [8], 10, family="dnn", prior_cfg=cfg.prior)
-    torch.save(user.state_dict(), tmp_path / "user.pt")
+    user = dnn(splits.input_shape, [8], 10)
+    torch.save(user.net.state_dict(), tmp_path / "user.pt")  # the plain network's own keys
     cfg.sqs = SQSConfig(checkpoint=str(tmp_path / "user.pt"))
     base, _ = pretrained_base(cfg, splits, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), user.state_dict().values()))
@@ -250,3 +256,25 @@ def test_pipeline_with_family_sqs_on_digits(tmp_path):
     results = json.loads((run / "deploy/local/results.json").read_text())
     assert results["metrics"]["accuracy"] >= 0.85 and results["max_abs_prob_diff"] < 1e-4
     assert (run / "report/local/report.html").is_file()
+
+
+def test_sqs_wraps_the_convolutions_of_lenet5_caffe(tmp_path):
+    cfg = PipelineConfig()
+    cfg.model.family, cfg.model.arch = "dnn", "lenet5-caffe"
+    torch.manual_seed(0)
+    base = build_model(cfg.model, cfg.prior, (1, 28, 28), 10, n_train=100)
+    net = SQSNet(base, components=4, windowing="outlier").initialise(seed=0)
+    assert [n for n in net.wrapped] == ["net.conv1", "net.conv2", "net.fc1", "net.fc2"]
+    with torch.no_grad():
+        for p in net.posteriors.values():
+            p.score.copy_(torch.randn(p.score.shape))
+    compressed = compress(net, 0.25, 2, seed=0)
+    sample = compressed.samples[0]
+    total = sum(net.posterior(n).theta.numel() for n in net.wrapped)
+    weights = [m.weight for m in sample.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    assert sum(int((w != 0).sum()) for w in weights) == round(0.25 * total)
+    rates = net.write_compressed(tmp_path / "lenet.sqs", 0.25, m=2, seed=0)
+    reloaded = load_compressed(tmp_path / "lenet.sqs", net.base, sample=0)
+    x = torch.rand(3, 1, 28, 28)
+    assert torch.allclose(torch.softmax(reloaded(x), -1), compressed.mc_model(1)(x), atol=1e-6)
+    assert rates["rate_formula"] == pytest.approx(64)

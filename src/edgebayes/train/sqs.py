@@ -37,8 +37,9 @@ Where this deviates from or completes the paper, and why:
     r, and the network deployed at r has weights switched on or off that training never saw that way
     (digits, MLP 64x64, kl_weight 0.01: 81% kept in training, 34% test accuracy at r = 0.5).
   - The paper does not say how s is initialised: all s_i start at tau' logit(keep_init) plus a tie-break
-    of 0.1 tau' |theta_i| / std_layer |theta| (keep probabilities stay within 1e-3 of keep_init), so the
-    first steps of the schedule prune small weights; after a few steps the learned scores decide.
+    of 0.1 tau' |theta_i| / std_layer |theta| (0.1 in logit per standard deviation: lambda~ stays near
+    keep_init), so the first steps of the schedule prune small weights, not the last ones by index; after
+    a few steps (the pruning lr moves s by about tau' per step) the learned scores decide.
   - pi_k enters eq. 2 as written (a weight on the density, clamped at 0), not as a log-prior; sigma_k is
     stored as log sigma_k so it stays positive.
   - Windows with fewer weights than K fit as many components as they have weights; the others get pi = 0
@@ -61,7 +62,7 @@ from tqdm.auto import tqdm
 
 from edgebayes.errors import InputError
 from edgebayes.export import codebook
-from edgebayes.provenance import read_json, write_json
+from edgebayes.provenance import atomic_torch_save, read_json, write_json
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 
 WINDOWS = {"outlier": 4, "equal": 4, "single": 1}
@@ -206,6 +207,7 @@ class SQSNet(nn.Module):
         if windowing not in WINDOWS:
             raise ValueError(f"unknown windowing {windowing!r}; expected one of {sorted(WINDOWS)}")
         self.base = base
+        self.input_shape = getattr(base, "input_shape", None)  # export's surgery probes with it
         self.components, self.windowing, self.iqr_factor = components, windowing, iqr_factor
         self.tau, self.sigma0_sq, self.prior = tau, sigma0_sq, prior
         self.default_knob = nonzero_rate
@@ -377,12 +379,12 @@ def base_config(cfg):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="dnn"))
 
 
-def build_sqs(cfg, in_features, classes, n_train):
+def build_sqs(cfg, input_shape, classes, n_train):
     """An SQS network of the configured architecture (untrained; `initialise` or load a state dict)."""
     from edgebayes.train.models import build_model
 
     s = cfg.sqs
-    base = build_model(base_config(cfg).model, cfg.prior, in_features, classes, n_train)
+    base = build_model(base_config(cfg).model, cfg.prior, input_shape, classes, n_train)
     return SQSNet(base, components=s.components, windowing=s.windows, iqr_factor=s.iqr_factor, tau=s.tau,
                   tau_prime=s.tau_prime, sigma0_sq=cfg.prior.sigma0_sq, prior=s.prior,
                   nonzero_rate=s.nonzero_rate, operating_points=s.operating_points)
@@ -409,7 +411,10 @@ def pretrained_base(cfg, splits, train_dir, log=print):
         base = model_for(base_cfg, splits)
         try:
             state = torch.load(s.checkpoint, map_location="cpu", weights_only=True)
-            base.load_state_dict(state.get("model", state) if isinstance(state, dict) else state)
+            state = state.get("model", state)  # a pipeline checkpoint holds the state dict under "model"
+            # The plain architecture's own keys (hidden1.weight, ...) or the pipeline's (net.hidden1.weight).
+            plain = hasattr(base, "net") and not any(k.startswith("net.") for k in state)
+            (base.net if plain else base).load_state_dict(state)
         except (OSError, RuntimeError, KeyError, AttributeError, TypeError) as e:
             raise InputError(f"sqs.checkpoint {s.checkpoint}: not a state dict of the configured "
                              f"{cfg.model.arch} {cfg.model.hidden}: {str(e).splitlines()[0]}") from None
@@ -436,12 +441,12 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
 
     Resumable like the ELBO trainer: a checkpoint after every epoch with the optimizer and RNG states.
     """
-    from edgebayes.train.trainer import evaluate, resolve_device, resume_checkpoint, save_checkpoint
+    from edgebayes.train.trainer import evaluate, resolve_device
 
     s, device = cfg.sqs, resolve_device(cfg.train.device)
     base, base_test = pretrained_base(cfg, splits, checkpoint_path.parent, log)
     torch.manual_seed(cfg.seed)
-    model = build_sqs(cfg, int(np.prod(splits.input_shape)), len(splits.classes), len(splits.train_x))
+    model = build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
     model.base.load_state_dict(base.state_dict())
     model.initialise(s.keep_init, cfg.seed)
     model.to(device)
@@ -449,8 +454,13 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
     optimizer = torch.optim.AdamW([{"params": quantization, "lr": s.lr_quantization},
                                    {"params": pruning, "lr": s.lr_pruning}], weight_decay=s.weight_decay)
     history, start_epoch = [], 0
-    if checkpoint_path.exists():
-        history, start_epoch = resume_checkpoint(checkpoint_path, model, optimizer, device, log)
+    if checkpoint_path.exists():  # the layout of the ELBO trainer's checkpoints (train/trainer.py)
+        state = torch.load(checkpoint_path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_cpu"])
+        history, start_epoch = state["history"], state["epoch"]
+        log(f"resuming SQS fine-tuning from {checkpoint_path} after epoch {start_epoch}")
 
     x, y = splits.train_x.to(device), splits.train_y.to(device)
     n, bs = len(x), cfg.train.batch_size
@@ -492,7 +502,8 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
         history.append(record)
         bar.set_postfix(loss=f"{sums['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}",
                         keep=f"{record['train_keep_fraction']:.2f}")
-        save_checkpoint(checkpoint_path, model, optimizer, history, epoch + 1, device)
+        atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
+                           "rng_cpu": torch.get_rng_state(), "epoch": epoch + 1}, checkpoint_path)
     return model.cpu().eval(), history
 
 
