@@ -490,7 +490,7 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
             for key, value in (("loss", loss), ("nll", nll), ("kl", kl)):  # epoch means
                 sums[key] += value.item() * len(idx) / n
         model.eval()
-        val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_eval,
+        val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_val,
                              cfg.seed)
         with torch.no_grad():
             keep = torch.cat([model.posterior(nm).keep_probability(model.tau_prime).reshape(-1)
