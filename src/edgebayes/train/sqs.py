@@ -421,7 +421,7 @@ def pretrained_base(cfg, splits, train_dir, log=print):
         source = {"source": "checkpoint", "path": str(s.checkpoint)}
     else:
         pre_cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(
-            cfg.train, epochs=s.pretrain_epochs, lr=s.pretrain_lr, kl_weight=1.0, mc_samples_eval=1))
+            cfg.train, epochs=s.pretrain_epochs, lr=s.pretrain_lr, kl_weight=1.0, mc_samples_eval=1, mc_samples_val=1))
         path, marker = train_dir / "pretrained.pt", train_dir / "pretrained.json"
         key = fingerprint("sqs-pretrain", cfg.seed, cfg.data, base_cfg.model, pre_cfg.train)
         if path.exists() and (not marker.is_file() or read_json(marker).get("fingerprint") != key):
