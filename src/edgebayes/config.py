@@ -46,7 +46,8 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     # dnn: deterministic; bnn: dense mean-field Gaussian; ss-*: spike-and-slab node/channel selection
-    family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs"] = "ss-gl"
+    # sqs: sparse + quantized (paper 001), wrapping the dnn of the same architecture (section sqs)
+    family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs"] = "ss-gl"
     arch: Literal["mlp", "lenet5-caffe", "resnet20", "resnet32"] = "mlp"
     hidden: list[int] = field(default_factory=lambda: [400, 400])   # mlp only
     activation: Literal["silu", "relu", "tanh"] = "silu"
@@ -80,6 +81,28 @@ class TrainConfig:
     mc_samples_eval: int = 10           # paper 000 evaluates with 10 MC samples
     mc_samples_val: int = 2             # per-epoch validation: a cheap progress signal
     device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class SQSConfig:
+    """Family sqs (paper 001, train/sqs.py): fine-tuning epochs, batch size and kl_weight come from `train`,
+    sigma0^2 from `prior`."""
+    components: int = 4                 # K per layer and window: 4 = 2 bits, 16 = 4 bits
+    windows: Literal["outlier", "equal", "single"] = "outlier"
+    iqr_factor: float = 5.0             # outlier windows: tails beyond q1 - 5 IQR and q3 + 5 IQR
+    prior: Literal["spike-slab", "gaussian"] = "spike-slab"
+    nonzero_rate: float = 0.5           # target of the pruning schedule and the default knob value
+    operating_points: Optional[list[float]] = None   # default non-zero rates to try; null: [nonzero_rate]
+    keep_init: float = 0.99             # initial keep probability lambda~ and prior inclusion lambda
+    schedule_fraction: float = 0.5      # the polynomial schedule reaches the target after this share of steps
+    tau: float = 5.0e-4                 # eq. 2
+    tau_prime: float = 0.0125           # eq. 33, halved after half of the steps
+    lr_quantization: float = 5.0e-5     # AdamW, theta / mu / sigma / pi / biases
+    lr_pruning: float = 0.012           # AdamW, keep scores s
+    weight_decay: float = 0.0
+    pretrain_epochs: int = 10           # the deterministic stage (ignored with a checkpoint)
+    pretrain_lr: float = 1.0e-3
+    checkpoint: Optional[str] = None    # a user's state dict of the dnn network (loaded weights_only)
 
 
 @dataclass
@@ -125,6 +148,7 @@ class PipelineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     prior: PriorConfig = field(default_factory=PriorConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sqs: SQSConfig = field(default_factory=SQSConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
@@ -336,8 +360,24 @@ def load_pipeline_config(path) -> PipelineConfig:
            f"expected each format once, got {cfg.export.formats}")
     _check(cfg.export.calibration_size > 0, f"{p}: export.calibration_size", "expected a positive integer")
     _check(0 <= cfg.export.max_accuracy_drop < 1, f"{p}: export.max_accuracy_drop", "expected a number in [0, 1)")
+    _check_sqs(cfg.sqs, p)
     _check(cfg.benchmark.min_runs > 0, f"{p}: benchmark.min_runs", "expected a positive integer")
     return cfg
+
+
+def _check_sqs(s: SQSConfig, p):
+    k = s.components
+    _check(2 <= k <= 256 and k & (k - 1) == 0, f"{p}: sqs.components", "expected a power of two in 2..256")
+    for key in ("nonzero_rate", "keep_init", "schedule_fraction"):
+        _check(0 < getattr(s, key) <= 1, f"{p}: sqs.{key}", "expected a number in (0, 1]")
+    _check(s.operating_points is None or all(0 < v <= 1 for v in s.operating_points), f"{p}: sqs.operating_points",
+           "expected non-zero rates in (0, 1]")
+    for key in ("iqr_factor", "tau", "tau_prime", "lr_quantization", "lr_pruning", "pretrain_lr"):
+        _check(getattr(s, key) > 0, f"{p}: sqs.{key}", "expected a positive number")
+    _check(s.weight_decay >= 0, f"{p}: sqs.weight_decay", "expected a non-negative number")
+    _check(s.pretrain_epochs > 0, f"{p}: sqs.pretrain_epochs", "expected a positive integer")
+    if s.checkpoint is not None:
+        _check(Path(s.checkpoint).is_file(), f"{p}: sqs.checkpoint", f"file not found: {s.checkpoint}")
 
 
 def known_devices() -> list[str]:

@@ -50,7 +50,8 @@ class Context:
     def fingerprint(self, stage):
         c, p = self.cfg, self.profile
         if stage == "train":
-            return fingerprint("train", c.seed, c.data, c.model, c.prior, c.train)
+            sqs = [c.sqs] if c.model.family == "sqs" else []  # other families' fingerprints stay as they were
+            return fingerprint("train", c.seed, c.data, c.model, c.prior, c.train, *sqs)
         if stage == "select":
             return fingerprint("select", self.fingerprint("train"), c.select, c.export, p)
         if stage == "export":
@@ -134,6 +135,11 @@ def run_train(ctx):
         "history": history,
         "provenance": ctx.provenance("train"),
     }
+    if cfg.model.family == "sqs":  # accuracy against the full-precision start, compression by formula and bytes
+        from edgebayes.train.sqs import stage_summary
+        metrics["sqs"] = stage_summary(model, splits, out, knob_value, test)
+        ctx.log(f"train: SQS drop {metrics['sqs']['accuracy_drop']:+.4f} against full precision; compression "
+                f"{metrics['sqs']['rate_formula']:.1f}x by formula, {metrics['sqs']['rate_bytes']:.1f}x by file bytes")
     if splits.ood_x is not None:
         ood_probs = compressed.mc_model()(splits.ood_x).detach().numpy()
         metrics["ood"] = {"set": cfg.data.ood, **ood_scores(probs, ood_probs)}
@@ -247,6 +253,9 @@ def run_export(ctx):
                       for name, art in manifest["artifacts"].items()},
         "provenance": ctx.provenance("export"),
     }
+    if hasattr(model, "write_compressed"):  # SQS: the real compressed form of the M exported samples
+        summary["compressed_form"] = {"file": "model.sqs", **model.write_compressed(out / "model.sqs", knob_value, m,
+                                                                                    ctx.cfg.seed)}
     write_json(out / "export.json", summary)
     ctx.log(f"export: {out / 'bundle'} with {', '.join(artifacts)}; ONNX parameters {onnx_params} = {m} x "
             f"{kept_per_sample} kept weights: {summary['params_match']}")

@@ -36,6 +36,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def model_for(cfg, splits):
+    if cfg.model.family == "sqs":  # paper 001 wraps a trained dnn: train/sqs.py
+        from edgebayes.train.sqs import build_sqs
+        return build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
     return build_model(cfg.model, cfg.prior, splits.input_shape, len(splits.classes), n_train=len(splits.train_x))
 
 
@@ -67,6 +70,9 @@ def mc_predict(model, x, m, seed, batch_size=1024):
 
 def train(cfg, splits, checkpoint_path, log=print):
     """Train (or resume) the configured model; returns (model, history)."""
+    if cfg.model.family == "sqs":  # pretraining stage then SQS fine-tuning: train/sqs.py
+        from edgebayes.train.sqs import train_sqs
+        return train_sqs(cfg, splits, checkpoint_path, log)
     device = resolve_device(cfg.train.device)
     torch.manual_seed(cfg.seed)
     model = model_for(cfg, splits).to(device)

@@ -1,0 +1,521 @@
+"""SQS (paper 001): sparse + quantized Bayesian compression of a trained network with a spike-and-GMM family.
+
+Starting point: a trained full-precision plain network (the pipeline's own `dnn` family, trained here in a
+deterministic pretraining stage, or a user's state dict loaded with weights_only=True). Every nn.Linear /
+nn.Conv2d weight theta_i gets the variational law of eq. 6
+
+    q(theta~_i) = lambda~_i sum_k phi_k(theta_i) N(mu_k, sigma_k^2) + (1 - lambda~_i) delta_0
+
+  - phi_k(theta_i) = softmax_k(varphi_k / tau),  varphi_k = softmax_k(pi_k N(theta_i | mu_k, sigma_k^2))
+    (eq. 2, tau = 5e-4); theta_i stays a trainable full-precision latent weight;
+  - lambda~_i = sigmoid(s_i / tau') (eq. 33), tau' = 0.0125, halved after half of the fine-tuning steps;
+  - a K-component mixture (mu, sigma, pi) per layer and window, initialised by scikit-learn's KMeans on the
+    window's weights with each cluster's empirical mean, spread (ddof 1) and share (appendix C);
+  - windows (appendix C): "outlier" = [min, q1 - 5 IQR), the body split in two at its median,
+    (q3 + 5 IQR, max]; "equal" = four equal-width windows over [min, max] (the paper's ablation);
+    "single" = one mixture per layer (exactly K levels per layer: log2 K bits is then what is stored).
+
+Objective (eq. 8) per mini-batch: mean NLL at the mean weight lambda~_i sum_k mu_k phi_k(theta_i), plus
+train.kl_weight x regularizer / N_train, with the regularizer
+    sum_i KL(Ber(lambda~_i) || Ber(lambda)) + sum_i lambda~_i KL(N(mu_k*, sigma_k*^2) || N(0, sigma0^2)),
+k* = argmax_k phi_k. sqs.prior = gaussian is the ablation of appendix D.2: the spike is replaced by
+N(0, sigma0^2) and the Bernoulli term goes (the mean weight is the same). AdamW with one learning rate for
+the quantization parameters (theta, mu, sigma, pi and the biases) and one for the pruning parameters (s).
+
+Inference (section 3.1): prune deterministically to a non-zero rate r, keeping the round(r T) weights of
+largest keep score over the whole network (T = all wrapped weights; biases are never pruned); draw each
+kept weight's level k with probability phi_k (eq. 9) and average M such networks (eq. 10, in export's
+MCAverage); the greedy alternative (eq. 34) takes k* = argmax phi_k.
+
+Where this deviates from or completes the paper, and why:
+  - The pruning schedule is "polynomial" in the paper without a formula. Here it is Zhu & Gupta's (2017)
+    gradual pruning: the non-zero rate of step t falls from sqs.keep_init to the target r along
+    r_t = r + (keep_init - r)(1 - t / (f T))^3 for t < f T (f = sqs.schedule_fraction), then stays at r;
+    the training forward pass prunes the mean weights to r_t with the inference rule (largest keep
+    scores), and r_t is also the prior inclusion probability lambda of the Bernoulli KL. Without the
+    mask the keep fraction that training settles at is set by the balance of NLL and regularizer, not by
+    r, and the network deployed at r has weights switched on or off that training never saw that way
+    (digits, MLP 64x64, kl_weight 0.01: 81% kept in training, 34% test accuracy at r = 0.5).
+  - The paper does not say how s is initialised: all s_i start at tau' logit(keep_init) plus a tie-break
+    of 0.1 tau' |theta_i| / std_layer |theta| (0.1 in logit per standard deviation: lambda~ stays near
+    keep_init), so the first steps of the schedule prune small weights, not the last ones by index; after
+    a few steps (the pruning lr moves s by about tau' per step) the learned scores decide.
+  - pi_k enters eq. 2 as written (a weight on the density, clamped at 0), not as a log-prior; sigma_k is
+    stored as log sigma_k so it stays positive.
+  - Windows with fewer weights than K fit as many components as they have weights; the others get pi = 0
+    (they never win). A singleton cluster has no ddof-1 spread: it gets the smallest spread of the layer.
+  - One K per training run: the pipeline's deploy-time knob is the non-zero rate alone (with M), so select
+    sees rate x M; a different K is a different run (config), as the paper trains one model per K.
+"""
+
+import copy
+import dataclasses
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from tqdm.auto import tqdm
+
+from edgebayes.errors import InputError
+from edgebayes.export import codebook
+from edgebayes.provenance import atomic_torch_save, read_json, write_json
+from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
+
+WINDOWS = {"outlier": 4, "equal": 4, "single": 1}
+WRAPPED = (nn.Linear, nn.Conv2d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation: windows and K-means
+# ---------------------------------------------------------------------------------------------
+def assign_windows(theta: np.ndarray, kind: str, iqr_factor: float = 5.0) -> np.ndarray:
+    """Window index (0 .. W-1) of every weight of a layer, for the windowing `kind`."""
+    theta = np.asarray(theta, dtype=np.float64).ravel()
+    if kind == "single":
+        return np.zeros(theta.size, dtype=np.int64)
+    if kind == "equal":
+        lo, hi = theta.min(), theta.max()
+        edges = lo + (hi - lo) * np.arange(1, 4) / 4
+        return np.searchsorted(edges, theta, side="right").astype(np.int64)
+    if kind != "outlier":
+        raise ValueError(f"unknown windowing {kind!r}; expected one of {sorted(WINDOWS)}")
+    q1, q3 = np.quantile(theta, [0.25, 0.75])
+    iqr = q3 - q1
+    lower, upper = q1 - iqr_factor * iqr, q3 + iqr_factor * iqr
+    body = theta[(theta >= lower) & (theta <= upper)]
+    middle = np.median(body)
+    window = np.where(theta < lower, 0, np.where(theta < middle, 1, np.where(theta <= upper, 2, 3)))
+    return window.astype(np.int64)
+
+
+def kmeans_gmm(values: np.ndarray, components: int, seed: int = 0):
+    """K-means initialisation of one K-component mixture (appendix C).
+
+    Returns (mu, sigma, pi, labels): per cluster G_k its mean, its spread sqrt(sum (x - mu)^2 / (|G_k| - 1))
+    and its share |G_k| / n, components sorted by mean; labels give each value's cluster.
+    """
+    from sklearn.cluster import KMeans
+
+    values = np.asarray(values, dtype=np.float64).ravel()
+    mu, sigma, pi = np.zeros(components), np.ones(components), np.zeros(components)
+    labels = np.zeros(values.size, dtype=np.int64)
+    if values.size == 0:
+        return mu, sigma, pi, labels
+    k = min(components, np.unique(values).size)
+    fit = KMeans(n_clusters=k, n_init=1, random_state=seed).fit(values[:, None])
+    order = np.argsort(fit.cluster_centers_.ravel())
+    rank = np.empty(k, dtype=np.int64)
+    rank[order] = np.arange(k)
+    labels = rank[fit.labels_]
+    for c in range(k):
+        group = values[labels == c]
+        mu[c] = group.mean()
+        sigma[c] = group.std(ddof=1) if group.size > 1 else np.nan
+        pi[c] = group.size / values.size
+    filled = sigma[:k]
+    smallest = np.nanmin(filled) if np.isfinite(filled).any() else max(1e-3 * np.abs(values).max(), 1e-8)
+    sigma[:k] = np.where(np.isfinite(filled) & (filled > 0), filled, smallest)
+    mu[k:] = mu[0]  # unused components (pi = 0) sit on a real level, never selected
+    return mu, sigma, pi, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# The variational family over one weight tensor
+# ---------------------------------------------------------------------------------------------
+class SpikeGMMWeight(nn.Module):
+    """Spike-and-GMM posterior of one weight tensor: latent theta, keep scores s, a mixture per window."""
+
+    def __init__(self, shape, components: int, windows: int):
+        super().__init__()
+        self.components, self.windows = components, windows
+        self.theta = nn.Parameter(torch.zeros(shape))
+        self.score = nn.Parameter(torch.zeros(shape))
+        self.mu = nn.Parameter(torch.zeros(windows, components))
+        self.log_sigma = nn.Parameter(torch.zeros(windows, components))
+        self.pi = nn.Parameter(torch.zeros(windows, components))
+        self.register_buffer("window", torch.zeros(shape, dtype=torch.long))
+
+    @torch.no_grad()
+    def initialise(self, weight, windowing, iqr_factor, keep_logit, tie_scale, seed):
+        w = weight.detach().cpu().double().numpy()
+        window = assign_windows(w, windowing, iqr_factor).reshape(w.shape)
+        self.theta.copy_(weight)
+        self.window.copy_(torch.from_numpy(window))
+        for j in range(self.windows):
+            mu, sigma, pi, _ = kmeans_gmm(w[window == j], self.components, seed)
+            self.mu[j] = torch.from_numpy(mu)
+            self.log_sigma[j] = torch.from_numpy(np.log(sigma))
+            self.pi[j] = torch.from_numpy(pi)
+        # Equal keep probabilities, with a tie-break (0.1 tau' per layer standard deviation of |theta|)
+        # so that the first steps of the pruning schedule remove small weights, not the last ones by index.
+        magnitude = weight.detach().abs()
+        self.score.copy_(keep_logit + 0.1 * tie_scale * magnitude / magnitude.std().clamp(min=1e-12))
+
+    def _per_weight(self, table):
+        """A (W, K) table broadcast to every weight: (K,) for one window, else gathered by window."""
+        return table[0] if self.windows == 1 else table[self.window]
+
+    def phi(self, tau):
+        """phi_k(theta_i) of eq. 2, shape (*weight shape, K)."""
+        mu, sigma = self._per_weight(self.mu), self._per_weight(self.log_sigma.exp())
+        density = torch.exp(-0.5 * ((self.theta.unsqueeze(-1) - mu) / sigma) ** 2) / (math.sqrt(2 * math.pi) * sigma)
+        varphi = torch.softmax(self._per_weight(self.pi.clamp(min=0)) * density, dim=-1)
+        return torch.softmax(varphi / tau, dim=-1)
+
+    def terms(self, tau, tau_prime, sigma0_sq, spike, mask=None):
+        """(mean weight, regularizer) of eq. 8 for this tensor, from one evaluation of phi.
+
+        `mask` (training only): the pruning schedule's current keep mask, applied to the mean weight.
+        """
+        phi, keep = self.phi(tau), self.keep_probability(tau_prime)
+        mu = self._per_weight(self.mu).expand(phi.shape)
+        mean = keep * (phi * mu).sum(-1)
+        if mask is not None:
+            mean = mean * mask
+        best = phi.argmax(-1, keepdim=True)
+        mu_best = mu.gather(-1, best).squeeze(-1)
+        sigma_best = self._per_weight(self.log_sigma.exp()).expand(phi.shape).gather(-1, best).squeeze(-1)
+        reg = (keep * kl_gaussian_gaussian(mu_best, sigma_best, math.log(sigma0_sq), 1 / sigma0_sq)).sum()
+        if spike is not None:
+            reg = reg + kl_bernoulli(keep, spike).sum()
+        return mean, reg
+
+    def keep_probability(self, tau_prime):
+        return torch.sigmoid(self.score / tau_prime)
+
+    def levels(self):
+        """The layer's codebook, window-major: level window * K + k is mu[window, k]."""
+        return self.mu.detach().reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The network
+# ---------------------------------------------------------------------------------------------
+class SQSNet(nn.Module):
+    """A plain network whose Linear / Conv2d weights carry the spike-and-GMM posterior (model interface)."""
+
+    knob = "nonzero_rate"
+
+    def __init__(self, base: nn.Module, *, components=4, windowing="outlier", iqr_factor=5.0, tau=5e-4,
+                 tau_prime=0.0125, sigma0_sq=1.0, prior="spike-slab", nonzero_rate=0.5,
+                 operating_points=None):
+        super().__init__()
+        if windowing not in WINDOWS:
+            raise ValueError(f"unknown windowing {windowing!r}; expected one of {sorted(WINDOWS)}")
+        self.base = base
+        self.input_shape = getattr(base, "input_shape", None)  # export's surgery probes with it
+        self.components, self.windowing, self.iqr_factor = components, windowing, iqr_factor
+        self.tau, self.sigma0_sq, self.prior = tau, sigma0_sq, prior
+        self.default_knob = nonzero_rate
+        self.default_operating_points = tuple(operating_points or (nonzero_rate,))
+        self.wrapped = [name for name, m in base.named_modules() if isinstance(m, WRAPPED)]
+        self.posteriors = nn.ModuleDict({
+            self._key(name): SpikeGMMWeight(base.get_submodule(name).weight.shape, components, WINDOWS[windowing])
+            for name in self.wrapped})
+        for name in self.wrapped:  # the posterior replaces the weight; theta holds its trained value
+            base.get_submodule(name).weight.requires_grad_(False)
+        self.register_buffer("tau_prime", torch.tensor(float(tau_prime)))
+        self.register_buffer("prior_inclusion", torch.tensor(float(nonzero_rate)))
+
+    @staticmethod
+    def _key(name):
+        return name.replace(".", "/")
+
+    def posterior(self, name) -> SpikeGMMWeight:
+        return self.posteriors[self._key(name)]
+
+    @torch.no_grad()
+    def initialise(self, keep_init=0.99, seed=0):
+        """K-means mixtures and keep scores from the base network's trained weights."""
+        keep_logit = float(self.tau_prime) * math.log(keep_init / (1 - keep_init))
+        for name in self.wrapped:
+            self.posterior(name).initialise(self.base.get_submodule(name).weight, self.windowing,
+                                            self.iqr_factor, keep_logit, float(self.tau_prime), seed)
+        return self
+
+    # -- training ---------------------------------------------------------------------------------
+    def weights_and_regularizer(self, nonzero_rate=None):
+        """({weight name: E_q[theta~_i] = lambda~_i sum_k mu_k phi_k(theta_i)}, eq. 8's regularizer).
+
+        The mean weights enter eq. 8's likelihood term; the regularizer is
+        sum_i KL(Ber(lambda~_i) || Ber(lambda)) + lambda~_i KL(N(mu_k*, sigma_k*^2) || N(0, sigma0^2)),
+        without the Bernoulli term for the Gaussian-prior ablation. With `nonzero_rate` (the pruning
+        schedule's rate during training) the mean weights are pruned by the inference rule (keep_masks).
+        """
+        spike = self.prior_inclusion if self.prior == "spike-slab" else None
+        masks = self.keep_masks(nonzero_rate) if nonzero_rate is not None and nonzero_rate < 1 else {}
+        weights, total = {}, torch.zeros((), device=self.tau_prime.device)
+        for name in self.wrapped:
+            mean, reg = self.posterior(name).terms(self.tau, self.tau_prime, self.sigma0_sq, spike, masks.get(name))
+            weights[f"{name}.weight"] = mean
+            total = total + reg
+        return weights, total
+
+    def forward(self, x):
+        return functional_call(self.base, self.weights_and_regularizer()[0], (x,))
+
+    def kl(self):
+        """The regularizer of eq. 8 (or of the Gaussian-prior ablation), summed over all wrapped weights."""
+        return self.weights_and_regularizer()[1]
+
+    def parameter_groups(self):
+        """(quantization parameters, pruning parameters) for AdamW's two learning rates."""
+        pruning = [p.score for p in self.posteriors.values()]
+        ids = {id(p) for p in pruning}
+        quantization = [p for p in self.parameters() if p.requires_grad and id(p) not in ids]
+        return quantization, pruning
+
+    # -- inference --------------------------------------------------------------------------------
+    def operating_points(self, values=None):
+        """The non-zero rates to try; each must lie in (0, 1]."""
+        values = list(self.default_operating_points if values is None else values)
+        bad = [v for v in values if not 0 < v <= 1]
+        if bad:
+            raise ValueError(f"non-zero rates must lie in (0, 1], got {bad}")
+        return values
+
+    @torch.no_grad()
+    def keep_masks(self, nonzero_rate):
+        """{layer: bool mask}: the round(rate T) weights of largest keep score over the network are kept.
+
+        Ties (equal scores) go to the weight that comes first, so the count is exact.
+        """
+        scores = torch.cat([self.posterior(n).score.detach().reshape(-1) for n in self.wrapped])
+        n_keep = int(round(float(nonzero_rate) * scores.numel()))
+        order = torch.sort(scores, descending=True, stable=True).indices
+        flat = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+        flat[order[:n_keep]] = True
+        masks, start = {}, 0
+        for name in self.wrapped:
+            shape = self.posterior(name).score.shape
+            masks[name] = flat[start: start + shape.numel()].reshape(shape)
+            start += shape.numel()
+        return masks
+
+    @torch.no_grad()
+    def sample_levels(self, generator=None, greedy=False):
+        """{layer: codebook index of every weight}: drawn with probability phi_k (eq. 9) or argmax (eq. 34)."""
+        out = {}
+        for name in self.wrapped:
+            p = self.posterior(name)
+            phi = p.phi(self.tau).cpu()
+            if greedy:
+                k = phi.argmax(-1)
+            else:
+                u = torch.rand(phi.shape[:-1] + (1,), generator=generator, dtype=phi.dtype)
+                k = (phi.cumsum(-1) < u).sum(-1).clamp(max=self.components - 1)
+            out[name] = p.window.cpu() * self.components + k
+        return out
+
+    @torch.no_grad()
+    def quantized_weights(self, nonzero_rate, generator=None, greedy=False):
+        """{layer: dense weight} of one sample: codebook values at kept weights, exact zeros elsewhere."""
+        masks, levels = self.keep_masks(nonzero_rate), self.sample_levels(generator, greedy)
+        return {name: self.posterior(name).levels().cpu()[levels[name]] * masks[name].cpu() for name in self.wrapped}
+
+    @torch.no_grad()
+    def posterior_sample(self, nonzero_rate, generator=None, greedy=False):
+        """One sampled sparse quantized network as a plain module, with {layer: all-True mask}.
+
+        The pruning is unstructured, so no unit is removed: the masks keep every output unit.
+        """
+        plain = copy.deepcopy(self.base).cpu()
+        for name, w in self.quantized_weights(nonzero_rate, generator, greedy).items():
+            plain.get_submodule(name).weight.copy_(w)
+        if hasattr(plain, "posterior_sample"):  # the pipeline's architectures give a named Sequential
+            return plain.posterior_sample(None, None)
+        return plain.eval(), {}
+
+    # -- compressed form --------------------------------------------------------------------------
+    @torch.no_grad()
+    def layer_codes(self, nonzero_rate, m=1, seed=0, greedy=False):
+        """The codebook form (export/codebook.py) of the m samples that export's compress() draws."""
+        from edgebayes.export.compress import sample_generator
+
+        gen, masks = sample_generator(seed), self.keep_masks(nonzero_rate)
+        draws = [self.sample_levels(gen, greedy) for _ in range(m)]
+        codes = []
+        for name in self.wrapped:
+            mask = masks[name].cpu().numpy()
+            kept = np.stack([d[name].numpy()[mask] for d in draws])
+            used, indices = np.unique(kept, return_inverse=True)
+            levels = self.posterior(name).levels().cpu().numpy()[used].astype(np.float32)
+            bias = self.base.get_submodule(name).bias
+            codes.append(codebook.LayerCode(name, levels, mask, indices.reshape(kept.shape),
+                                            None if bias is None else bias.detach().cpu().numpy()))
+        return codes
+
+    def write_compressed(self, path, nonzero_rate, m=1, seed=0, greedy=False):
+        """Write the compressed file; returns its rates (paper formula and bytes, export/codebook.py)."""
+        codes = self.layer_codes(nonzero_rate, m, seed, greedy)
+        meta = {"nonzero_rate": nonzero_rate, "components": self.components, "windowing": self.windowing,
+                "samples": m, "greedy": greedy}
+        info = codebook.write(path, codes, meta)
+        return codebook.rates(codes, info["bytes"], math.log2(self.components))
+
+
+def load_compressed(path, base: nn.Module, sample=0) -> nn.Module:
+    """A copy of `base` with the weights and biases of one sample of a compressed file."""
+    codes, _ = codebook.read(path)
+    plain = copy.deepcopy(base).cpu()
+    with torch.no_grad():
+        for code in codes:
+            layer = plain.get_submodule(code.name)
+            layer.weight.copy_(torch.from_numpy(code.weights(sample)))
+            if code.bias is not None:
+                layer.bias.copy_(torch.from_numpy(code.bias))
+    return plain.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Building, training
+# ---------------------------------------------------------------------------------------------
+def base_config(cfg):
+    """The config of the deterministic network SQS wraps: the same architecture, family dnn."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="dnn"))
+
+
+def build_sqs(cfg, input_shape, classes, n_train):
+    """An SQS network of the configured architecture (untrained; `initialise` or load a state dict)."""
+    from edgebayes.train.models import build_model
+
+    s = cfg.sqs
+    base = build_model(base_config(cfg).model, cfg.prior, input_shape, classes, n_train)
+    return SQSNet(base, components=s.components, windowing=s.windows, iqr_factor=s.iqr_factor, tau=s.tau,
+                  tau_prime=s.tau_prime, sigma0_sq=cfg.prior.sigma0_sq, prior=s.prior,
+                  nonzero_rate=s.nonzero_rate, operating_points=s.operating_points)
+
+
+def pruning_schedule(step, total_steps, keep_init, target, fraction, power=3):
+    """Prior inclusion probability at a step: polynomial decay from keep_init to target (module docstring)."""
+    end = max(1, fraction * total_steps)
+    progress = min(1.0, step / end)
+    return target + (keep_init - target) * (1 - progress) ** power
+
+
+def pretrained_base(cfg, splits, train_dir, log=print):
+    """The starting network: a user's state dict (sqs.checkpoint) or the pipeline's own dnn, trained here.
+
+    The deterministic stage checkpoints to train_dir/pretrained.pt (resumable) and is reused while its
+    config (seed, data, model, the pretraining settings) is unchanged; pretrained.json holds its metrics.
+    """
+    from edgebayes.config import fingerprint
+    from edgebayes.train.trainer import evaluate, model_for, train
+
+    s, base_cfg = cfg.sqs, base_config(cfg)
+    if s.checkpoint:
+        base = model_for(base_cfg, splits)
+        try:
+            state = torch.load(s.checkpoint, map_location="cpu", weights_only=True)
+            state = state.get("model", state)  # a pipeline checkpoint holds the state dict under "model"
+            # The plain architecture's own keys (hidden1.weight, ...) or the pipeline's (net.hidden1.weight).
+            plain = hasattr(base, "net") and not any(k.startswith("net.") for k in state)
+            (base.net if plain else base).load_state_dict(state)
+        except (OSError, RuntimeError, KeyError, AttributeError, TypeError) as e:
+            raise InputError(f"sqs.checkpoint {s.checkpoint}: not a state dict of the configured "
+                             f"{cfg.model.arch} {cfg.model.hidden}: {str(e).splitlines()[0]}") from None
+        source = {"source": "checkpoint", "path": str(s.checkpoint)}
+    else:
+        pre_cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(
+            cfg.train, epochs=s.pretrain_epochs, lr=s.pretrain_lr, kl_weight=1.0, mc_samples_eval=1, mc_samples_val=1))
+        path, marker = train_dir / "pretrained.pt", train_dir / "pretrained.json"
+        key = fingerprint("sqs-pretrain", cfg.seed, cfg.data, base_cfg.model, pre_cfg.train)
+        if path.exists() and (not marker.is_file() or read_json(marker).get("fingerprint") != key):
+            path.unlink()
+        write_json(marker, {"fingerprint": key})
+        log(f"sqs: pretraining the deterministic {cfg.model.arch} for {s.pretrain_epochs} epochs")
+        base, _ = train(pre_cfg, splits, path, log=log)
+        source = {"source": "pretrained", "epochs": s.pretrain_epochs, "fingerprint": key}
+    base = base.cpu().eval()
+    test, _, _ = evaluate(base, splits.test_x, splits.test_y, 1.0, 1, cfg.seed)
+    write_json(train_dir / "pretrained.json", {**source, "test": test})
+    return base, test
+
+
+def train_sqs(cfg, splits, checkpoint_path, log=print):
+    """Pretrain (or load) the full-precision network, then SQS fine-tuning; returns (model, history).
+
+    Resumable like the ELBO trainer: a checkpoint after every epoch with the optimizer and RNG states.
+    """
+    from edgebayes.train.trainer import evaluate, resolve_device
+
+    s, device = cfg.sqs, resolve_device(cfg.train.device)
+    base, base_test = pretrained_base(cfg, splits, checkpoint_path.parent, log)
+    torch.manual_seed(cfg.seed)
+    model = build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
+    model.base.load_state_dict(base.state_dict())
+    model.initialise(s.keep_init, cfg.seed)
+    model.to(device)
+    quantization, pruning = model.parameter_groups()
+    optimizer = torch.optim.AdamW([{"params": quantization, "lr": s.lr_quantization},
+                                   {"params": pruning, "lr": s.lr_pruning}], weight_decay=s.weight_decay)
+    history, start_epoch = [], 0
+    if checkpoint_path.exists():  # the layout of the ELBO trainer's checkpoints (train/trainer.py)
+        state = torch.load(checkpoint_path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_cpu"])
+        history, start_epoch = state["history"], state["epoch"]
+        log(f"resuming SQS fine-tuning from {checkpoint_path} after epoch {start_epoch}")
+
+    x, y = splits.train_x.to(device), splits.train_y.to(device)
+    n, bs = len(x), cfg.train.batch_size
+    steps_per_epoch = math.ceil(n / bs)
+    total = cfg.train.epochs * steps_per_epoch
+    log(f"sqs: K={s.components}, windows={s.windows}, prior={s.prior}, target non-zero {s.nonzero_rate}; "
+        f"full-precision test accuracy {base_test['accuracy']:.4f}")
+    bar = tqdm(range(start_epoch, cfg.train.epochs), desc="sqs", unit="epoch", initial=start_epoch,
+               total=cfg.train.epochs)
+    for epoch in bar:
+        model.train()
+        t0 = time.perf_counter()
+        perm = torch.randperm(n).to(device)
+        sums = {"loss": 0.0, "nll": 0.0, "kl": 0.0}
+        for b, i in enumerate(range(0, n, bs)):
+            step = epoch * steps_per_epoch + b
+            rate = pruning_schedule(step, total, s.keep_init, s.nonzero_rate, s.schedule_fraction)
+            model.prior_inclusion.fill_(rate)
+            model.tau_prime.fill_(s.tau_prime / 2 if step >= total / 2 else s.tau_prime)
+            idx = perm[i: i + bs]
+            weights, kl = model.weights_and_regularizer(rate)  # phi once per step for both terms
+            nll = F.cross_entropy(functional_call(model.base, weights, (x[idx],)), y[idx])
+            loss = nll + cfg.train.kl_weight * kl / n  # the ELBO trainer's scaling (train/trainer.py)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            for key, value in (("loss", loss), ("nll", nll), ("kl", kl)):  # epoch means
+                sums[key] += value.item() * len(idx) / n
+        model.eval()
+        val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_val,
+                             cfg.seed)
+        with torch.no_grad():
+            keep = torch.cat([model.posterior(nm).keep_probability(model.tau_prime).reshape(-1)
+                              for nm in model.wrapped])
+        record = {"epoch": epoch + 1, **sums, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
+                  "train_keep_fraction": float((keep > 0.5).float().mean()),
+                  "prior_inclusion": float(model.prior_inclusion), "tau_prime": float(model.tau_prime),
+                  "seconds": time.perf_counter() - t0}
+        history.append(record)
+        bar.set_postfix(loss=f"{sums['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}",
+                        keep=f"{record['train_keep_fraction']:.2f}")
+        atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
+                           "rng_cpu": torch.get_rng_state(), "epoch": epoch + 1}, checkpoint_path)
+    return model.cpu().eval(), history
+
+
+def stage_summary(model, splits, train_dir, knob_value, test_metrics):
+    """Train-stage figures of an SQS run: accuracy against the full-precision start and compression.
+
+    The compressed file of one posterior sample (eq. 9) at the default non-zero rate is written to
+    train_dir/model.sqs, so its bytes are measured, not estimated.
+    """
+    start = read_json(train_dir / "pretrained.json")
+    rates = model.write_compressed(train_dir / "model.sqs", knob_value, m=1)
+    return {"components": model.components, "windows": model.windowing, "prior": model.prior,
+            "full_precision_test": start["test"], "start": {k: v for k, v in start.items() if k != "test"},
+            "accuracy_drop": start["test"]["accuracy"] - test_metrics["accuracy"],
+            "compressed_file": "model.sqs", **rates}

@@ -1,0 +1,280 @@
+"""SQS (paper 001, issue 5): initialisation, inference rule, compressed form, and the pipeline on digits."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from sklearn.cluster import KMeans
+
+from edgebayes.cli import main
+from edgebayes.config import ConfigError, PipelineConfig, SQSConfig, load_pipeline_config
+from edgebayes.errors import InputError
+from edgebayes.export import codebook
+from edgebayes.export.compress import compress
+from edgebayes.train.models import build_model
+from edgebayes.train.sqs import (
+    SQSNet,
+    assign_windows,
+    kmeans_gmm,
+    load_compressed,
+    pretrained_base,
+    pruning_schedule,
+)
+from edgebayes.train.kl import kl_bernoulli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dnn(input_shape, hidden, classes):
+    cfg = PipelineConfig()
+    cfg.model.family, cfg.model.hidden = "dnn", hidden
+    return build_model(cfg.model, cfg.prior, input_shape, classes, n_train=100)
+
+
+def small_net(components=4, windowing="outlier", seed=0, **kw):
+    torch.manual_seed(seed)
+    base = dnn((20,), [16, 12], 3)
+    with torch.no_grad():  # a heavy-tailed layer so that the outlier windows are not empty
+        base.net.hidden1.weight[0, :3] = torch.tensor([2.0, -3.0, 2.5])
+    net = SQSNet(base, components=components, windowing=windowing, **kw).initialise(keep_init=0.9, seed=seed)
+    with torch.no_grad():  # distinct keep scores, as after training
+        for p in net.posteriors.values():
+            p.score.copy_(torch.randn(p.score.shape))
+    return net
+
+
+def test_kmeans_init_gives_each_component_its_clusters_mean_spread_and_share():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.normal(-1, 0.1, 300), rng.normal(0, 0.2, 500), rng.normal(1.5, 0.05, 200)])
+    mu, sigma, pi, labels = kmeans_gmm(values, 3, seed=0)
+    # The clusters are scikit-learn's K-means clusters (labels up to a renaming).
+    reference = KMeans(n_clusters=3, n_init=1, random_state=0).fit(values[:, None]).labels_
+    assert {frozenset(np.flatnonzero(labels == k)) for k in range(3)} == \
+           {frozenset(np.flatnonzero(reference == k)) for k in range(3)}
+    for k in range(3):
+        group = values[labels == k]
+        assert mu[k] == pytest.approx(group.mean())
+        assert sigma[k] == pytest.approx(group.std(ddof=1))
+        assert pi[k] == pytest.approx(group.size / values.size)
+    assert list(mu) == sorted(mu) and pi.sum() == pytest.approx(1)
+
+
+def test_layer_mixtures_are_initialised_per_window():
+    net = small_net(windowing="outlier")
+    p = net.posterior("net.hidden1")
+    theta = net.base.net.hidden1.weight.detach().double().numpy()
+    for j in range(4):
+        values = theta[p.window.numpy() == j]
+        mu, sigma, pi, _ = kmeans_gmm(values, 4, seed=0)
+        np.testing.assert_allclose(p.mu[j].detach().numpy(), mu, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(p.log_sigma[j].exp().detach().numpy(), sigma, rtol=1e-4)
+        np.testing.assert_allclose(p.pi[j].detach().numpy(), pi, rtol=1e-5)
+    assert torch.equal(p.theta.detach(), net.base.net.hidden1.weight)
+
+
+def test_outlier_windows_use_five_iqr_tails_and_split_the_body_at_its_median():
+    rng = np.random.default_rng(1)
+    body = rng.normal(0, 1, 1000)
+    theta = np.concatenate([body, [-30.0, -25.0, 40.0]])
+    q1, q3 = np.quantile(theta, [0.25, 0.75])
+    lower, upper = q1 - 5 * (q3 - q1), q3 + 5 * (q3 - q1)
+    window = assign_windows(theta, "outlier", 5.0)
+    assert set(theta[window == 0]) == {-30.0, -25.0} and set(theta[window == 3]) == {40.0}
+    inside = theta[(theta >= lower) & (theta <= upper)]
+    assert np.all(theta[window == 1] < np.median(inside)) and np.all(theta[window == 2] >= np.median(inside))
+    equal = assign_windows(theta, "equal")
+    edges = theta.min() + (theta.max() - theta.min()) * np.arange(1, 4) / 4
+    assert np.array_equal(equal, np.searchsorted(edges, theta, side="right"))
+    assert set(assign_windows(theta, "single")) == {0}
+
+
+@pytest.mark.parametrize("rate", [0.07, 0.37, 0.5, 1.0])
+def test_nonzero_rate_is_met_exactly_and_sampled_weights_take_codebook_values(rate):
+    net = small_net()
+    total = sum(net.posterior(n).theta.numel() for n in net.wrapped)
+    gen = torch.Generator().manual_seed(0)
+    for greedy in (False, True):
+        module, kept = net.posterior_sample(rate, gen, greedy=greedy)
+        assert all(bool(m.all()) for m in kept.values())  # unstructured: no unit removed
+        linears = [m for m in module if isinstance(m, torch.nn.Linear)]
+        nonzero = sum(int((m.weight != 0).sum()) for m in linears)
+        assert nonzero == round(rate * total)
+        for name, linear in zip(net.wrapped, linears):
+            levels = net.posterior(name).levels()
+            w = linear.weight[linear.weight != 0]
+            assert bool(torch.isin(w, levels).all())
+
+
+def test_pruning_keeps_the_largest_keep_scores():
+    net = small_net()
+    masks = net.keep_masks(0.3)
+    scores = torch.cat([net.posterior(n).score.detach().reshape(-1) for n in net.wrapped])
+    kept = torch.cat([masks[n].reshape(-1) for n in net.wrapped])
+    assert scores[kept].min() >= scores[~kept].max()
+
+
+def test_operating_points_are_checked():
+    net = small_net(operating_points=(0.3, 0.5))
+    assert net.operating_points(None) == [0.3, 0.5] and net.operating_points([1.0]) == [1.0]
+    for bad in ([0.0], [1.2], [-0.1]):
+        with pytest.raises(ValueError, match="non-zero rates"):
+            net.operating_points(bad)
+
+
+def test_objective_terms_of_eq8_and_the_gaussian_prior_ablation():
+    spike, gauss = small_net(prior="spike-slab"), small_net(prior="gaussian")
+    gauss.load_state_dict(spike.state_dict())
+    weights, reg = spike.weights_and_regularizer()
+    reg = reg.detach()
+    bernoulli = sum(kl_bernoulli(spike.posterior(n).keep_probability(spike.tau_prime), spike.prior_inclusion).sum().detach()
+                    for n in spike.wrapped)
+    assert float(reg - gauss.kl().detach()) == pytest.approx(float(bernoulli), rel=1e-4)
+    p = spike.posterior("net.hidden2")  # the mean weight is lambda~ sum_k mu_k phi_k, the same for both priors
+    expected = p.keep_probability(spike.tau_prime) * (p.phi(spike.tau) * p.mu[p.window]).sum(-1)
+    assert torch.allclose(weights["net.hidden2.weight"], expected)
+    assert torch.allclose(gauss.weights_and_regularizer()[0]["net.hidden2.weight"], expected)
+
+
+def test_polynomial_pruning_schedule():
+    values = [pruning_schedule(t, 100, 0.99, 0.5, 0.5) for t in range(101)]
+    assert values[0] == pytest.approx(0.99) and values[50] == pytest.approx(0.5) and values[100] == 0.5
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert values[25] == pytest.approx(0.5 + 0.49 * 0.5**3)
+
+
+@pytest.mark.parametrize("k", [2, 4, 16])
+def test_pack_and_unpack_of_level_indices_is_lossless(k):
+    rng = np.random.default_rng(k)
+    bits = codebook.index_bits(k)
+    assert bits == int(math.log2(k))
+    for count in (0, 1, 7, 8, 1001):
+        indices = rng.integers(0, k, count)
+        indices[:2] = [0, k - 1][: count]
+        data = codebook.pack_indices(indices, bits)
+        assert len(data) == math.ceil(count * bits / 8)
+        assert np.array_equal(codebook.unpack_indices(data, bits, count), indices)
+    with pytest.raises(ValueError):
+        codebook.pack_indices(np.array([k]), bits)
+
+
+def test_compressed_file_reloads_to_the_same_weights(tmp_path):
+    net = small_net(components=4)
+    m, seed = 3, 5
+    rates = net.write_compressed(tmp_path / "model.sqs", 0.4, m=m, seed=seed)
+    codes, meta = codebook.read(tmp_path / "model.sqs")
+    samples = compress(net, 0.4, m, seed).samples  # what export puts into the ONNX graph
+    linears = [[l for l in s if isinstance(l, torch.nn.Linear)] for s in samples]
+    for j, code in enumerate(codes):
+        for s in range(m):
+            assert np.array_equal(code.weights(s), linears[s][j].weight.detach().numpy())
+        assert np.array_equal(code.bias, linears[0][j].bias.detach().numpy())
+    reloaded = load_compressed(tmp_path / "model.sqs", net.base, sample=1)
+    x = torch.randn(5, 20)
+    assert torch.equal(reloaded(x), samples[1](x))
+    assert meta["samples"] == m and rates["file_bytes"] == (tmp_path / "model.sqs").stat().st_size
+    assert rates["rate_formula"] == pytest.approx(32 / 2 / rates["nonzero_rate"])
+    assert rates["rate_bytes"] == pytest.approx(rates["fp32_bytes"] / rates["file_bytes"])
+
+
+def test_input_major_masks_round_trip_and_dead_columns_cost_little(tmp_path):
+    rng = np.random.default_rng(0)
+    mask = rng.random((64, 200)) < 0.5
+    mask[:, rng.random(200) < 0.5] = False  # dead inputs: whole columns pruned
+    layer = codebook.LayerCode("w", np.array([-1, -0.5, 0.5, 1], np.float32), mask,
+                               rng.integers(0, 4, (2, int(mask.sum()))), np.zeros(64, np.float32))
+    info = codebook.write(tmp_path / "c.sqs", [layer])
+    assert info["header"]["layers"][0]["mask_order"] == "input-major"
+    (back,), _ = codebook.read(tmp_path / "c.sqs")
+    assert np.array_equal(back.mask, mask) and np.array_equal(back.indices, layer.indices)
+    packed = codebook.rates([layer], info["bytes"], 2)["packed_bytes"]
+    assert info["bytes"] < packed  # the entropy coder exploits the structure
+
+
+def test_a_corrupt_compressed_file_is_refused_with_its_name(tmp_path):
+    bad = tmp_path / "bad.sqs"
+    bad.write_bytes(b"not a codebook")
+    with pytest.raises(codebook.CodebookError, match="bad.sqs"):
+        codebook.read(bad)
+
+
+def test_sqs_config_is_validated(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"family": "sqs"}, "sqs": {"components": 3}}))
+    with pytest.raises(ConfigError, match="sqs.components"):
+        load_pipeline_config(path)
+    path.write_text(yaml.safe_dump({"model": {"family": "sqs"}, "sqs": {"checkpoint": "missing.pt"}}))
+    with pytest.raises(ConfigError, match="sqs.checkpoint"):
+        load_pipeline_config(path)
+
+
+def test_a_users_checkpoint_is_the_starting_point(tmp_path):
+    from edgebayes.data import load_data
+
+    cfg = PipelineConfig(model=PipelineConfig().model.__class__(family="sqs", hidden=[8]))
+    splits = load_data(cfg.data, cfg.seed)
+    user = dnn(splits.input_shape, [8], 10)
+    torch.save(user.net.state_dict(), tmp_path / "user.pt")  # the plain network's own keys
+    cfg.sqs = SQSConfig(checkpoint=str(tmp_path / "user.pt"))
+    base, _ = pretrained_base(cfg, splits, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), user.state_dict().values()))
+    torch.save({"something": torch.zeros(3)}, tmp_path / "other.pt")
+    cfg.sqs = SQSConfig(checkpoint=str(tmp_path / "other.pt"))
+    with pytest.raises(InputError, match="sqs.checkpoint"):
+        pretrained_base(cfg, splits, tmp_path)
+
+
+def test_pipeline_with_family_sqs_on_digits(tmp_path):
+    cfg = yaml.safe_load((ROOT / "pipeline.yaml").read_text())
+    cfg["name"] = "digits-sqs"
+    cfg["model"]["family"] = "sqs"
+    cfg["train"].update(epochs=4, kl_weight=0.01, mc_samples_eval=2)
+    cfg["sqs"] = {"components": 4, "windows": "single", "nonzero_rate": 0.5, "operating_points": [0.5, 1.0],
+                  "pretrain_epochs": 30, "pretrain_lr": 3.0e-3}
+    cfg["select"] = {"mc_samples": [1, 2], "objective": "accuracy"}
+    cfg["benchmark"] = {"warmup": 5, "min_runs": 20, "min_seconds": 0.1}
+    config = tmp_path / "sqs.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    runs = tmp_path / "runs"
+    assert main(["pipeline", "--config", str(config), "--runs-dir", str(runs)]) == 0
+    run = runs / "digits-sqs"
+    metrics = json.loads((run / "train/metrics.json").read_text())
+    s = metrics["sqs"]
+    assert metrics["family"] == "sqs" and metrics["test"]["knob"] == "nonzero_rate"
+    assert s["nonzero_rate"] == pytest.approx(0.5, abs=1e-3) and s["rate_formula"] == pytest.approx(32, rel=1e-2)
+    assert s["file_bytes"] == (run / "train/model.sqs").stat().st_size
+    assert s["accuracy_drop"] == pytest.approx(s["full_precision_test"]["accuracy"] - metrics["test"]["accuracy"])
+    export = json.loads((run / "export/local/export.json").read_text())
+    form = export["compressed_form"]
+    assert form["samples"] == export["mc_samples"] and form["file_bytes"] == (run / "export/local/model.sqs").stat().st_size
+    # The exporter stores identical initializers once (the biases, and a weight tensor that two samples
+    # share when phi is one-hot), so the graph holds at most M x the weights of one sample.
+    assert 0 < export["onnx_params"] <= export["kept_weights_total"]
+    results = json.loads((run / "deploy/local/results.json").read_text())
+    assert results["metrics"]["accuracy"] >= 0.85 and results["max_abs_prob_diff"] < 1e-4
+    assert (run / "report/local/report.html").is_file()
+
+
+def test_sqs_wraps_the_convolutions_of_lenet5_caffe(tmp_path):
+    cfg = PipelineConfig()
+    cfg.model.family, cfg.model.arch = "dnn", "lenet5-caffe"
+    torch.manual_seed(0)
+    base = build_model(cfg.model, cfg.prior, (1, 28, 28), 10, n_train=100)
+    net = SQSNet(base, components=4, windowing="outlier").initialise(seed=0)
+    assert [n for n in net.wrapped] == ["net.conv1", "net.conv2", "net.fc1", "net.fc2"]
+    with torch.no_grad():
+        for p in net.posteriors.values():
+            p.score.copy_(torch.randn(p.score.shape))
+    compressed = compress(net, 0.25, 2, seed=0)
+    sample = compressed.samples[0]
+    total = sum(net.posterior(n).theta.numel() for n in net.wrapped)
+    weights = [m.weight for m in sample.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    assert sum(int((w != 0).sum()) for w in weights) == round(0.25 * total)
+    rates = net.write_compressed(tmp_path / "lenet.sqs", 0.25, m=2, seed=0)
+    reloaded = load_compressed(tmp_path / "lenet.sqs", net.base, sample=0)
+    x = torch.rand(3, 1, 28, 28)
+    assert torch.allclose(torch.softmax(reloaded(x), -1), compressed.mc_model(1)(x), atol=1e-6)
+    assert rates["rate_formula"] == pytest.approx(64)
