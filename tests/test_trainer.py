@@ -60,3 +60,20 @@ def test_training_reduces_the_loss_and_learns(setup, tmp_path):
     model, history = trainer.train(cfg, splits, tmp_path / "l.pt", log=lambda *_: None)
     assert history[-1]["loss"] < history[0]["loss"]
     assert history[-1]["val_accuracy"] > 0.8
+
+
+def test_history_records_mean_inclusion_of_prunable_layers(setup, tmp_path):
+    """kept_nodes (gamma > 0.5) alone cannot tell a layer whose gammas all sit just below 0.5 from a dead one."""
+    cfg, splits = setup
+    cfg = copy.deepcopy(cfg)
+    cfg.model.family, cfg.train.epochs = "ss-ig", 1
+    model, history = trainer.train(cfg, splits, tmp_path / "m.pt", log=lambda *_: None)
+    record = history[-1]["mean_inclusion"]
+    prunable = [n for n, layer in model.bayesian_layers() if layer.prunable]
+    assert list(record) == prunable and len(prunable) == 2
+    for name, layer in model.bayesian_layers():
+        if layer.prunable:
+            assert record[name] == pytest.approx(float(layer.inclusion_probability().mean()))
+            assert 0 < record[name] < 1
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert state["history"][-1]["mean_inclusion"] == record
