@@ -264,7 +264,7 @@ def test_sqs_wraps_the_convolutions_of_lenet5_caffe(tmp_path):
     torch.manual_seed(0)
     base = build_model(cfg.model, cfg.prior, (1, 28, 28), 10, n_train=100)
     net = SQSNet(base, components=4, windowing="outlier").initialise(seed=0)
-    assert [n for n in net.wrapped] == ["net.conv1", "net.conv2", "net.fc1", "net.fc2"]
+    assert [n for n in net.wrapped] == ["net.conv1", "net.conv2", "net.fc1", "net.fc2", "net.fc3"]
     with torch.no_grad():
         for p in net.posteriors.values():
             p.score.copy_(torch.randn(p.score.shape))

@@ -86,21 +86,25 @@ def test_surgery_is_a_noop_when_nothing_is_dead():
 
 
 def test_lenet_surgery_cuts_channels_across_the_flatten_and_matches_a_hand_count():
-    """LeNet-5-Caffe: dead channels of conv1/conv2 and units of fc1 go; fc1 loses the 16 inputs (4 x 4)
-    of each dead conv2 channel; outputs equal; FLOPs by appendix A.1 equal a hand count."""
+    """LeNet-5-Caffe (paper 000: 800 flattened features -> 800 -> 500 -> 10): dead channels of conv1/conv2
+    and units of fc1/fc2 go; fc1 loses the 16 inputs (4 x 4) of each dead conv2 channel; outputs equal;
+    FLOPs by appendix A.1 equal a hand count."""
     model = _model("ss-ghs", arch="lenet5-caffe", input_shape=(1, 28, 28))
     _kill_random_half(model)
     dense, keep, pruned = _prune(model)
-    c1, c2, f1 = (int(keep[n].sum()) for n in ("conv1", "conv2", "fc1"))
-    assert (c1, c2, f1) == (10, 25, 250)
+    c1, c2, f1, f2 = (int(keep[n].sum()) for n in ("conv1", "conv2", "fc1", "fc2"))
+    assert (c1, c2, f1, f2) == (10, 25, 400, 250)
     assert (pruned.conv1.out_channels, pruned.conv2.in_channels, pruned.conv2.out_channels) == (c1, c1, c2)
     assert (pruned.fc1.in_features, pruned.fc1.out_features, pruned.fc2.in_features) == (16 * c2, f1, f1)
+    assert (pruned.fc2.out_features, pruned.fc3.in_features) == (f2, f2)
     _assert_same_outputs(pruned, dense, (1, 28, 28))
 
-    def flops(k1, k2, h):  # conv (C_in K K + 1) Ow Oh C_out + linear (I + 1) O
-        return ((1 * 25 + 1) * 24 * 24 * k1 + (k1 * 25 + 1) * 8 * 8 * k2 + (16 * k2 + 1) * h + (h + 1) * CLASSES)
-    assert paper_flops(dense, (1, 28, 28)) == flops(20, 50, 500) == 2_308_230 - 5_010 + 501 * CLASSES
-    assert paper_flops(pruned, (1, 28, 28)) == flops(c1, c2, f1)
+    def flops(k1, k2, h1, h2):  # conv (C_in K K + 1) Ow Oh C_out + linear (I + 1) O
+        return ((1 * 25 + 1) * 24 * 24 * k1 + (k1 * 25 + 1) * 8 * 8 * k2 + (16 * k2 + 1) * h1 + (h1 + 1) * h2
+                + (h2 + 1) * CLASSES)
+    # conv 299,520 + 1,603,200, fc 640,800 + 400,500, output 501 per class: counted by hand
+    assert paper_flops(dense, (1, 28, 28)) == flops(20, 50, 800, 500) == 2_944_020 + 501 * CLASSES
+    assert paper_flops(pruned, (1, 28, 28)) == flops(c1, c2, f1, f2)
 
 
 def test_resnet_stream_channel_goes_only_when_dead_in_every_writer():

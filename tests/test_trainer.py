@@ -77,3 +77,32 @@ def test_history_records_mean_inclusion_of_prunable_layers(setup, tmp_path):
             assert 0 < record[name] < 1
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     assert state["history"][-1]["mean_inclusion"] == record
+
+
+def test_posterior_mean_samples_inclusion_where_the_median_model_is_empty(setup, tmp_path):
+    """Paper 000's estimator draws z ~ Ber(gamma) per sample: with gamma near 1 it agrees with the median model;
+    with every node of a layer at gamma = 0.3 the median model (threshold 0.5) is empty and cannot be
+    exported, yet each eval forward inside sampled_inclusion switches on about 30% of the nodes."""
+    from edgebayes.export.compress import EmptyLayerError
+
+    cfg, splits = copy.deepcopy(setup[0]), setup[1]
+    cfg.train.epochs, cfg.train.batch_size = 30, 64  # enough for the digits MLP to learn (~0.9)
+    model, _ = trainer.train(cfg, splits, tmp_path / "m.pt", log=lambda *_: None)
+    median = trainer.evaluate(model, splits.test_x, splits.test_y, 0.5, 8, cfg.seed)[0]["accuracy"]
+    sampled = trainer.posterior_mean_metrics(model, splits.test_x, splits.test_y, 8, cfg.seed)["accuracy"]
+    assert median > 0.6 and abs(sampled - median) < 0.05
+
+    layer = next(mod for mod in model.modules() if getattr(mod, "prunable", False))
+    with torch.no_grad():
+        layer.gamma_logit.fill_(torch.logit(torch.tensor(0.3)).item())
+    with pytest.raises(EmptyLayerError):
+        trainer.evaluate(model, splits.test_x, splits.test_y, 0.5, 2, cfg.seed)
+    outputs = []
+    layer.register_forward_hook(lambda mod, inp, out: outputs.append(out))
+    model.eval()
+    with trainer.sampled_inclusion(model), torch.no_grad():
+        for _ in range(200):
+            model(splits.test_x[:4])
+    on = torch.stack([(o != 0).any(0).float() for o in outputs])  # which nodes were on in each call
+    assert abs(on.mean().item() - 0.3) < 0.03
+    assert not layer.sample_inclusion  # the block restores the threshold

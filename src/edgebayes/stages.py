@@ -100,9 +100,14 @@ def load_trained_model(ctx):
 
 
 # ---------------------------------------------------------------------------------------------
+def _has_inclusion(model):
+    return any(hasattr(mod, "sample_inclusion") for mod in model.modules())
+
+
 def run_train(ctx):
+    from edgebayes.export.compress import EmptyLayerError
     from edgebayes.train.metrics import ood_scores, reliability_bins, structure_report
-    from edgebayes.train.trainer import evaluate, train
+    from edgebayes.train.trainer import evaluate, posterior_mean_metrics, train
 
     cfg, splits = ctx.cfg, splits_for(ctx)  # first: bad data must fail before anything is touched
     out = ctx.stage_dir("train")
@@ -116,7 +121,25 @@ def run_train(ctx):
 
     model, history = train(cfg, splits, checkpoint, log=ctx.log)
     knob_value, m = model.default_knob, cfg.train.mc_samples_eval
-    test, compressed, probs = evaluate(model, splits.test_x, splits.test_y, knob_value, m, cfg.seed)
+    # Paper 000's accuracy: z ~ q(z) in each of the m samples (export deploys the thresholded net instead).
+    posterior_mean = (posterior_mean_metrics(model, splits.test_x, splits.test_y, m, cfg.seed)
+                      if _has_inclusion(model) else None)
+    try:
+        test, compressed, probs = evaluate(model, splits.test_x, splits.test_y, knob_value, m, cfg.seed)
+    except EmptyLayerError as e:
+        if posterior_mean is None:
+            raise StageError(f"train: {e}") from None
+        # Early in training the inclusion probabilities of a layer fall together and may all sit below 0.5
+        # before they split (trainer docstring); the training is kept, the median model is just empty yet.
+        write_json(out / "metrics.json", {
+            "family": cfg.model.family, "epochs": cfg.train.epochs, "median_model_empty": str(e),
+            "test_posterior_mean": {**posterior_mean, "mc_samples": m}, "history": history,
+            "provenance": ctx.provenance("train")})
+        inclusion = history[-1].get("mean_inclusion") if history else None
+        ctx.log(f"train: WARNING {e}: the median model is empty (mean inclusion per layer {inclusion}); "
+                f"with z ~ q(z) the net has test accuracy {posterior_mean['accuracy']:.4f}. Train longer (the "
+                f"paper trains {cfg.model.arch} for hundreds of epochs) or deploy at a lower select.knob_values")
+        return
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
     metrics = {
@@ -127,6 +150,7 @@ def run_train(ctx):
                  "test": len(splits.test_x)},
         "epochs": cfg.train.epochs,
         "test": {**test, "mc_samples": m, "knob": model.knob, "knob_value": knob_value},
+        "test_posterior_mean": None if posterior_mean is None else {**posterior_mean, "mc_samples": m},
         "reliability": reliability_bins(probs, splits.test_y.numpy()),
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",

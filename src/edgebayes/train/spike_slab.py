@@ -29,8 +29,10 @@ and q(w0_j) = N(mu_j, diag sigma_j^2); the weight KL is then against the fixed N
 sampled (reparameterized) in the forward pass. The KL of w0 is weighted by gamma_j as in the centered form.
 
 Training forward: z from the relaxed Bernoulli with a hard forward pass (temperature 0.5), weights through
-local reparameterization. Evaluation forward: z = 1[gamma > inclusion threshold] and one weight sample per
-call, so a call is one coherent posterior sample. The output layer is never pruned (lambda = gamma = 1).
+local reparameterization. Evaluation forward: z = 1[gamma > inclusion threshold] (the median model at 0.5,
+what export deploys) and one weight sample per call, so a call is one coherent posterior sample; with
+`sample_inclusion` set (trainer.sampled_inclusion) z ~ Ber(gamma) is drawn per call instead, which is
+the paper's posterior-mean estimator of accuracy. The output layer is never pruned (lambda = gamma = 1).
 
 Deviation, for exact surgery: a layer may own a batch norm (`norm`), and then the node indicator
 multiplies the batch-norm output, z * BN(conv(x)), not the convolution output. With z on the convolution
@@ -227,6 +229,7 @@ class SpikeSlabLayer(nn.Module):
         self.noncentered = bool(noncentered) and prior != "ss-ig"  # tau* = 1: both forms are the same
         self.prior_inclusion = float(prior_inclusion) if prunable else 1.0
         self.inclusion_threshold = 0.5
+        self.sample_inclusion = False  # eval forward: z ~ Ber(gamma) instead of the threshold
 
         self.weight_mu = nn.Parameter(torch.empty(weight_shape))
         self.weight_rho = nn.Parameter(torch.full(weight_shape, RHO_INIT))
@@ -331,7 +334,8 @@ class SpikeSlabLayer(nn.Module):
                 out = out * self._unit_view(z, out.dim())
             return out
         weight, bias = self.sample_weights()
-        keep = self.kept_units().to(weight.dtype)
+        keep = (torch.bernoulli(self.inclusion_probability()) if self.sample_inclusion
+                else self.kept_units()).to(weight.dtype)
         out = self._affine(x, weight * self._per_group(keep), None if bias is None else bias * keep)
         if self.norm is not None:
             out = self.norm(out) * self._unit_view(keep, out.dim())

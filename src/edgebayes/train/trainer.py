@@ -25,6 +25,7 @@ the median model. SS-GHS learns its slab scale and its slab KL per node falls to
 so its gammas barely move early; it prunes much later.
 """
 
+import contextlib
 import copy
 import time
 
@@ -60,6 +61,29 @@ def evaluate(model, x, y, knob_value, m, seed):
     compressed = compress(cpu_model, knob_value, m, seed)
     probs = predict(compressed.mc_model(), x).numpy()
     return classification_metrics(probs, y.numpy()), compressed, probs
+
+
+@contextlib.contextmanager
+def sampled_inclusion(model):
+    """Within this block, evaluation forwards of spike-and-slab layers draw z ~ Ber(gamma) per call instead
+    of thresholding gamma: paper 000's posterior-mean estimator (its accuracy figures average 10 such
+    samples). It matters before the inclusion probabilities have split into ~0 and ~1 (see train)."""
+    layers = [mod for mod in model.modules() if hasattr(mod, "sample_inclusion")]
+    for layer in layers:
+        layer.sample_inclusion = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.sample_inclusion = False
+
+
+def posterior_mean_metrics(model, x, y, m, seed):
+    """Accuracy, NLL and ECE of m posterior samples with z ~ q(z) (sampled_inclusion), on the CPU."""
+    cpu_model = copy.deepcopy(model).cpu()
+    with sampled_inclusion(cpu_model):
+        probs = mc_predict(cpu_model, x, m, seed)
+    return classification_metrics(probs, y.numpy())
 
 
 @torch.no_grad()
