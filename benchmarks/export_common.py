@@ -1,8 +1,9 @@
 """Shared by the export benchmarks: LeNet-5-Caffe / MLP shapes, artifact timing on onnxruntime and
 ai-edge-litert, and the results files (JSON with provenance + a Markdown table).
 
-Timing: batch 1, 2 threads, `warmup` untimed calls, then `repeats` rounds of `calls` timed calls; a
-round's figure is its median call latency, the reported figure the median over rounds. Run the
+Timing: batch 1, 2 threads, `warmup` untimed calls, then `repeats` rounds of `calls` timed calls,
+interleaved across the artifacts compared (time_artifacts); a round's figure is its median call latency,
+the reported figure the median over rounds. Run the
 benchmarks under `flock /tmp/edgebayes-bench.lock` so timing runs never overlap.
 """
 
@@ -57,22 +58,31 @@ def export_for(runtime, mc_model, x, path, layout):
     return export_artifact(mc_model, fmt, Path(str(path) + FORMATS[fmt].suffix), x, opset=17, layout=layout), fmt
 
 
-def time_artifact(path, fmt, x1, warmup=50, calls=200, repeats=7):
-    """Median over `repeats` rounds of the median latency (ms) of `calls` calls at batch 1."""
-    backend = make_backend(FORMATS[fmt].runtime, str(path), THREADS)
+def time_artifacts(artifacts, x1, warmup=50, calls=200, repeats=7):
+    """{name: (path, fmt)} -> {name: {"median_ms", "rounds_ms", "calls_per_round"}} at batch 1.
+
+    A round's figure is the median latency (ms) of `calls` calls, the reported figure the median over
+    `repeats` rounds. The rounds of the artifacts are interleaved (round 1 of each, then round 2 of each,
+    ...), so that load from other processes on a shared machine falls on every artifact alike and the
+    ratios between them, which the targets are about, stay fair.
+    """
     if QUICK:
         warmup, calls, repeats = 1, 3, 1
-    for _ in range(warmup):
-        backend.run(x1)
-    rounds = []
-    for _ in range(repeats):
-        lat = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
+    backends = {name: make_backend(FORMATS[fmt].runtime, str(path), THREADS) for name, (path, fmt) in artifacts.items()}
+    for backend in backends.values():
+        for _ in range(warmup):
             backend.run(x1)
-            lat.append(time.perf_counter() - t0)
-        rounds.append(statistics.median(lat) * 1e3)
-    return {"median_ms": statistics.median(rounds), "rounds_ms": rounds, "calls_per_round": calls}
+    rounds = {name: [] for name in backends}
+    for _ in range(repeats):
+        for name, backend in backends.items():
+            lat = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                backend.run(x1)
+                lat.append(time.perf_counter() - t0)
+            rounds[name].append(statistics.median(lat) * 1e3)
+    return {name: {"median_ms": statistics.median(r), "rounds_ms": r, "calls_per_round": calls}
+            for name, r in rounds.items()}
 
 
 def write_results(name, payload, table_lines):

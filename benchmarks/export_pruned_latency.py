@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from export_common import RUNTIMES, export_for, inputs, lenet5_caffe, mlp, np1, time_artifact, write_results
+from export_common import RUNTIMES, export_for, inputs, lenet5_caffe, mlp, np1, time_artifacts, write_results
 from edgebayes.export.compress import MCAverage
 from edgebayes.export.surgery import remove_dead_units
 from edgebayes.train.metrics import paper_flops
@@ -70,12 +70,15 @@ def main():
         dense_flops = paper_flops(variants["dense"], shape)
         results[net] = {"pruned_vs_masked_max_abs_logit_diff": gap, "variants": {}}
         with tempfile.TemporaryDirectory() as tmp:
-            for name, module in variants.items():
-                row = {"flops": paper_flops(module, shape), "flops_ratio": paper_flops(module, shape) / dense_flops}
-                for runtime in RUNTIMES:
-                    path, fmt = export_for(runtime, MCAverage([module]).eval(), x, Path(tmp) / f"{net}-{name}", "unrolled")
-                    row[runtime] = time_artifact(path, fmt, np1(x))
-                results[net]["variants"][name] = row
+            rows = {name: {"flops": paper_flops(module, shape), "flops_ratio": paper_flops(module, shape) / dense_flops}
+                    for name, module in variants.items()}
+            for runtime in RUNTIMES:
+                timed = time_artifacts({name: export_for(runtime, MCAverage([module]).eval(), x,
+                                                         Path(tmp) / f"{net}-{name}", "unrolled")
+                                        for name, module in variants.items()}, np1(x))
+                for name in variants:
+                    rows[name][runtime] = timed[name]
+            results[net]["variants"] = rows
         v = results[net]["variants"]
         for runtime in RUNTIMES:
             d = v["dense"][runtime]["median_ms"]

@@ -60,6 +60,12 @@ def test_packed_compressed_posterior_samples(family):
     assert mc_graph(mc, "unrolled", x) is mc
 
 
+def test_packed_layout_of_one_sample_is_the_plain_graph():
+    """With M = 1 there is nothing to pack: export gets the plain network, not the reshaping packed graph."""
+    mc = MCAverage([nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 5)).eval()])
+    assert mc_graph(mc, "packed", torch.randn(4, 20)) is mc
+
+
 def test_packed_zoo_lenet5_caffe_from_compress():
     """LeNet-5-Caffe of the zoo, spike-and-slab channels, through compress() as the pipeline does it."""
     torch.manual_seed(0)
