@@ -104,6 +104,50 @@ def test_packed_zoo_resnet20():
         assert (mc_graph(mc, "packed", x)(x) - ref).abs().max() <= 1e-5
 
 
+class FeatureHead(nn.Module):
+    """Linears after a conv whose outputs meet a batch norm, a residual add, a concatenation and a flatten that
+    also feeds a non-Linear: each place where the packed graph's [B, M*F, 1, 1] features must be handled."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(4 * 6 * 6, 12), nn.Linear(12, 12), nn.Linear(12, 5)
+        self.norm = nn.BatchNorm1d(12)
+        self.out = nn.Linear(5 + 144 + 12, 3)
+
+    def forward(self, x):
+        flat = torch.flatten(torch.relu(self.conv(x)), 1)
+        h = torch.relu(self.fc1(flat))
+        h = h + self.fc2(h) * 0.5          # residual between Linears, and a scalar operand
+        n = self.norm(self.fc2(h))         # batch norm over features
+        return self.out(torch.cat([self.fc3(h), flat.sigmoid(), n], 1))
+
+
+def test_packed_linear_features_stay_feature_maps_and_convert_where_needed():
+    samples = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        net = FeatureHead()
+        net.norm.running_mean.normal_()
+        net.norm.running_var.uniform_(0.5, 1.5)
+        samples.append(net.eval())
+    mc, x = MCAverage(samples).eval(), torch.randn(6, 1, 8, 8)
+    packed = mc_graph(mc, "packed", x)
+    with torch.no_grad():
+        assert (packed(x) - mc(x)).abs().max() <= 1e-5
+    # Only the Linear of the first sample's chain after the flatten reads [B, M*F, 1, 1] without a reshape:
+    # the flatten also feeds a sigmoid, so it stays a flatten.
+    assert sum(n.target is torch.flatten for n in packed.net.graph.nodes) == 1
+
+
+def test_packed_mlp_linears_run_as_grouped_convolutions_without_reshapes_between_them():
+    samples, x = samples_and_inputs("mlp", 4)
+    packed = mc_graph(MCAverage(samples).eval(), "packed", x)
+    reshapes = [n for n in packed.net.graph.nodes if n.op == "call_method" and n.target == "reshape"]
+    # one into the first grouped convolution, one to [B, M, classes] at the output
+    assert len(reshapes) == 2
+
+
 def test_unsupported_operation_is_refused_by_name():
     class Sorts(nn.Module):
         def __init__(self):

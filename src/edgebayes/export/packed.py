@@ -11,8 +11,10 @@ their weights, so each layer can instead run all M samples in one operator call:
     BatchNorm    folded into the preceding convolution first (torch.fx fuse, eval statistics); one that
                  cannot be folded becomes a per-channel affine map over the M*C channels.
     Linear       features are laid out like channels, [B, M*F]: a Linear is a grouped 1x1 convolution
-                 (groups = M) on [B, M*F, 1, 1]. The first Linear reads the shared input and is one
-                 matmul with M*out outputs. (A batched matmul over [M, B, F] was 3x slower in onnxruntime
+                 (groups = M) on [B, M*F, 1, 1]. Its output stays [B, M*out, 1, 1] (FEATURE_MAPS) through
+                 activations into the next Linear, and a flatten feeding a Linear reshapes straight to
+                 [B, M*F, 1, 1]: each reshape is one more operator call, the cost packing exists to cut.
+                 The first Linear reads the shared input and is one matmul with M*out outputs. (A batched matmul over [M, B, F] was 3x slower in onnxruntime
                  1.31, whose fused batched MatMul has no fast path for it, and its int8 kernel refuses it.)
     activations, residual additions, pooling
                  unchanged: they act per element or per channel.
@@ -28,6 +30,7 @@ unrolled MC average.
 """
 
 import copy
+import math
 import operator
 
 import torch
@@ -43,6 +46,7 @@ LAYOUTS = ("packed", "unrolled")
 # Where a value of the packed graph keeps its M samples.
 SHARED = "shared"      # does not depend on the sample (the network input, and what only it feeds)
 CHANNELS = "channels"  # [B, M*C, ...]: sample m's channels (or features) at m*C .. (m+1)*C
+FEATURE_MAPS = "feature maps"  # per-sample [B, F] features held as [B, M*F, 1, 1], as a grouped 1x1 conv makes them
 
 # Parameter-free modules and functions acting per element or per channel: they keep the layout.
 ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
@@ -75,10 +79,16 @@ class PackedMC(nn.Module):
 
 def _fold_batch_norm(sample: nn.Module) -> fx.GraphModule:
     try:
-        return fuse(copy.deepcopy(sample).eval())
+        traced = fx.symbolic_trace(copy.deepcopy(sample).eval())
     except Exception as e:  # fx tracing failed: data-dependent control flow and the like
         raise PackingError(f"cannot trace the posterior sample with torch.fx ({type(e).__name__}: {e}); "
                            f"export it with export.layout: unrolled") from None
+    calls = [n.target for n in traced.graph.nodes if n.op == "call_module"]
+    if len(calls) != len(set(calls)):
+        # A layer called twice (shared weights): fx's fuse would fold a batch norm that follows one call into
+        # the layer itself, changing the other call too. Keep batch norms as per-channel affine maps instead.
+        return traced
+    return fuse(traced)
 
 
 class _Packer:
@@ -118,9 +128,16 @@ class _Packer:
         mods = [mods[node.target] for mods in self.modules]
         return [getattr(mod, attr) for mod in mods]
 
+    def as_features(self, value, shape):
+        """A FEATURE_MAPS value as [B, M*F] (CHANNELS); any other value unchanged."""
+        node, have = value
+        if have != FEATURE_MAPS:
+            return value
+        return self.method("reshape", node, -1, self.m * shape[1]), CHANNELS
+
     def lift(self, value, shape):
         """The value in the CHANNELS layout: a shared value is replicated per sample (rarely needed)."""
-        node, have = value
+        node, have = self.as_features(value, shape)
         if have == CHANNELS:
             return node
         return self.method("repeat", node, 1, self.m, *([1] * (len(shape) - 2)))
@@ -147,11 +164,10 @@ class _Packer:
         bias = None if biases[0] is None else self.constant(torch.cat(biases), node.target + ".bias")
         if x[1] == SHARED:  # one matmul with M*out outputs: [B, M*out], sample-major
             return self.call(F.linear, x[0], self.constant(torch.cat(weights), node.target + ".weight"), bias), CHANNELS
-        # [B, M*in] -> [B, M*in, 1, 1] -> grouped 1x1 convolution -> [B, M*out]
+        # [B, M*in, 1, 1] -> grouped 1x1 convolution -> [B, M*out, 1, 1]
         weight = self.constant(torch.cat(weights)[:, :, None, None], node.target + ".weight")
-        h = self.method("reshape", x[0], -1, self.m * in_shape[1], 1, 1)
-        y = self.call(F.conv2d, h, weight, bias, 1, 0, 1, self.m)
-        return self.method("reshape", y, -1, self.m * weights[0].shape[0]), CHANNELS
+        h = x[0] if x[1] == FEATURE_MAPS else self.method("reshape", x[0], -1, self.m * in_shape[1], 1, 1)
+        return self.call(F.conv2d, h, weight, bias, 1, 0, 1, self.m), FEATURE_MAPS
 
     def batch_norm(self, node, x):
         """A batch norm that could not be folded: y = x * scale + shift per channel (eval statistics)."""
@@ -177,8 +193,15 @@ class _Packer:
         shape = self.shape(node.args[0])
         if start_dim % len(shape) != 1:
             raise PackingError(f"{node.format_node()}: only flatten from dimension 1 (per example) is supported")
-        # Sample m's channels are contiguous, so its C*H*W features are too: a plain flatten.
+        # Sample m's channels are contiguous, so its C*H*W features are too: a plain flatten, or when a
+        # Linear reads it, one reshape straight to the [B, M*F, 1, 1] that the Linear's convolution takes.
+        if x[1] == CHANNELS and len(shape) > 2 and all(self._feeds_linear(user) for user in node.users):
+            features = self.m * math.prod(shape[1:])
+            return self.method("reshape", x[0], -1, features, 1, 1), FEATURE_MAPS
         return self.call(torch.flatten, x[0], 1), x[1]
+
+    def _feeds_linear(self, node):
+        return node.op == "call_module" and isinstance(self.modules[0][node.target], nn.Linear)
 
     def cat(self, node, tensors, dim):
         shapes = [self.shape(t) for t in tensors]
@@ -199,11 +222,17 @@ class _Packer:
         """x + y, x - y, x * y: elementwise, so only the two layouts must agree."""
         operands = [(self.env[v], self.shape(v)) if isinstance(v, fx.Node) else (None, v) for v in (a, b)]
         layouts = {value[1] for value, _ in operands if value is not None}
-        target = CHANNELS if CHANNELS in layouts else SHARED
+        if layouts == {FEATURE_MAPS}:  # e.g. a residual connection between Linears: both are [B, M*F, 1, 1]
+            return self.call(self._binary_function(node), *[v if value is None else value[0]
+                                                            for value, v in operands]), FEATURE_MAPS
+        target = SHARED if layouts == {SHARED} else CHANNELS
         args = [s if value is None else value[0] if target == SHARED else self.lift(value, s) for value, s in operands]
-        return self.call(operator.add if node.target in (operator.add, torch.add, "add") else
-                         operator.sub if node.target in (operator.sub, torch.sub, "sub") else operator.mul,
-                         *args), target
+        return self.call(self._binary_function(node), *args), target
+
+    @staticmethod
+    def _binary_function(node):
+        return (operator.add if node.target in (operator.add, torch.add, "add") else
+                operator.sub if node.target in (operator.sub, torch.sub, "sub") else operator.mul)
 
     def unsupported(self, node, what):
         raise PackingError(f"the packed MC layout does not support {what} ({node.format_node()}); supported: "
