@@ -39,6 +39,7 @@ class DataConfig:
     download: bool = False              # only download when the user allows it
     val_fraction: float = 0.2
     test_fraction: float = 0.2          # digits only; the torchvision sets have an official test split
+    train_subset: Optional[int] = None  # train on the first N images of the training split (quick runs); null: all
     # null | noise | a data set with the same input shape
     ood: Optional[Literal["noise", "digits", "mnist", "fashion-mnist", "cifar10"]] = None
 
@@ -339,6 +340,8 @@ def load_pipeline_config(path) -> PipelineConfig:
            f"expected letters, digits, '-', '_' or '.', got {cfg.name!r}")
     _check(0 < cfg.data.val_fraction < 1, f"{p}: data.val_fraction", "expected a number in (0, 1)")
     _check(0 < cfg.data.test_fraction < 1, f"{p}: data.test_fraction", "expected a number in (0, 1)")
+    _check(cfg.data.train_subset is None or cfg.data.train_subset > 0, f"{p}: data.train_subset",
+           "expected a positive integer or null")
     _check(all(h > 0 for h in cfg.model.hidden), f"{p}: model.hidden", "expected positive layer widths")
     _check(cfg.prior.sigma0_sq > 0, f"{p}: prior.sigma0_sq", "expected a positive number")
     _check(0 < cfg.prior.gamma_init < 1, f"{p}: prior.gamma_init", "expected a number in (0, 1)")

@@ -12,8 +12,8 @@
   exponent range, so the small posterior variances (softplus(-6)^2, about 6e-6) do not underflow the way
   they would in fp16, and no gradient scaler is needed.
 - `channels_last`: NHWC memory format for the model and its inputs (tensor-core convolutions on GPUs).
-- `compile_forward`: optional torch.compile of the forward, tried once on a copy of the model; if compiling
-  fails (no compiler, an unsupported op, an old GPU), training runs eager and the log says why.
+- `compile_step`: optional torch.compile of the forward and of the KL, tried once on a copy of the model;
+  if compiling fails (no compiler, an unsupported op, an old GPU), training runs eager and the log says why.
 """
 
 import copy
@@ -89,22 +89,25 @@ def to_channels_last(model, enabled):
     return model.to(memory_format=torch.channels_last) if enabled else model
 
 
-def compile_forward(forward, model, example, log):
-    """torch.compile(forward), or `forward` itself when compiling fails; `log` says which and why.
+def compile_step(forward, model, example, log):
+    """(torch.compile(forward), torch.compile(model.kl)), or both uncompiled when compiling fails; `log` says
+    which and why.
 
     `forward` is what the training loop calls (the model, or its DDP wrapper), `model` the plain network.
-    Compilation is lazy (errors surface at the first call), so it is tried once on a deep copy of `model`
-    with a forward and backward pass of `example` (RNG forked: the run's noise is untouched); the copy's
-    compiled code is thrown away and the real forward compiles again on its first step.
+    The KL is compiled too: it is hundreds of small elementwise ops over every variational parameter (a
+    kernel launch each on a GPU, eager), which the compiler fuses. Compilation is lazy (errors surface at
+    the first call), so it is tried once on a deep copy of `model` with a forward and backward pass of
+    `example` (RNG forked: the run's noise is untouched); the copy's compiled code is thrown away and the
+    real forward compiles again on its first step.
     """
     try:
         trial = copy.deepcopy(model)
         devices = [example.device] if example.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.compile(trial)(example).float().sum().backward()
+            (torch.compile(trial)(example).float().sum() + torch.compile(trial.kl)()).backward()
     except Exception as e:  # noqa: BLE001 (any compiler failure means: train eager)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log(f"train.compile: torch.compile failed ({type(e).__name__}: {first}); training without it (eager)")
-        return forward
-    log("train.compile: forward compiled with torch.compile")
-    return torch.compile(forward)
+        return forward, model.kl
+    log("train.compile: forward and KL compiled with torch.compile")
+    return torch.compile(forward), torch.compile(model.kl)

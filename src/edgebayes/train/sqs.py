@@ -496,6 +496,7 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
             optimizer.step()
             sums += torch.stack([loss.detach(), nll.detach(), kl.detach()]) * batch / n
         sums = dict(zip(("loss", "nll", "kl"), sums.tolist()))
+        train_seconds = time.perf_counter() - t0
         model.eval()
         val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_val,
                              cfg.seed)
@@ -505,7 +506,7 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
         record = {"epoch": epoch + 1, **sums, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
                   "train_keep_fraction": float((keep > 0.5).float().mean()),
                   "prior_inclusion": float(model.prior_inclusion), "tau_prime": float(model.tau_prime),
-                  "seconds": time.perf_counter() - t0}
+                  "train_seconds": train_seconds, "seconds": time.perf_counter() - t0}
         history.append(record)
         bar.set_postfix(loss=f"{sums['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}",
                         keep=f"{record['train_keep_fraction']:.2f}")

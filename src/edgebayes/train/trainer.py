@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from edgebayes.export.compress import compress, predict
 from edgebayes.provenance import atomic_torch_save
 from edgebayes.train import distributed
-from edgebayes.train.accel import DeviceData, autocast, compile_forward, to_channels_last
+from edgebayes.train.accel import DeviceData, autocast, compile_step, to_channels_last
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.models import build_model
 
@@ -165,8 +165,9 @@ def train(cfg, splits, checkpoint_path, log=print):
     data = DeviceData(splits.train_x, splits.train_y, device, t.batch_size, cfg.seed, world.rank, world.size,
                       t.augment_padding if t.augment else None, t.channels_last)
     n = len(data)
+    kl_term = model.kl
     if t.compile:
-        forward = compile_forward(forward, model, data.x[: t.batch_size], log)
+        forward, kl_term = compile_step(forward, model, data.x[: t.batch_size], log)
     bar = tqdm(range(start_epoch, t.epochs), desc="train", unit="epoch", initial=start_epoch, total=t.epochs,
                disable=not world.main)
     for epoch in bar:
@@ -178,7 +179,7 @@ def train(cfg, splits, checkpoint_path, log=print):
                 logits = forward(x)
             # The shard's NLL sum / (B / W): once DDP averages the W gradients, the batch's mean NLL.
             nll = F.cross_entropy(logits.float(), y, reduction="sum") * world.size / batch
-            kl = model.kl()  # fp32, outside autocast; added whole in every process (train/distributed.py)
+            kl = kl_term()  # fp32, outside autocast; added whole in every process (train/distributed.py)
             loss = nll + t.kl_weight * kl / n
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
