@@ -22,6 +22,7 @@ The CPU figures committed here (small training sets, so the epoch time is of tha
 
 import argparse
 import copy
+import os
 import platform
 import sys
 import tempfile
@@ -95,7 +96,9 @@ def markdown(result):
                          f"{'' if ratio is None else ('yes' if ratio <= WITHIN else 'no')} | "
                          f"{r['full_train_images'] / r['images_per_second']:.1f} |")
         lines.append("")
-    lines.append(f"Machine: {result['provenance']['machine']}.")
+    lines.append(f"Machine: {result['provenance']['machine']}; load average (1, 5, 15 min) before "
+                 f"{result['load_average_before']}, after {result['load_average_after']} (a shared machine loads "
+                 f"every figure).")
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +123,7 @@ def main(argv=None):
     device = resolve_device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    rows = []
+    rows, load_before = [], os.getloadavg()
     for i, arch in enumerate(args.archs):
         config, shape, full = SETUPS[arch]
         cfg = load_pipeline_config(ROOT / config)
@@ -140,7 +143,8 @@ def main(argv=None):
             rows += timed
     result = {"device": str(device), "device_name": device_name(device), "archs": args.archs,
               "epochs": args.epochs, "argv": sys.argv[1:] if argv is None else argv, "rows": rows,
-              "cuda": torch.version.cuda, "provenance": provenance(None)}
+              "cuda": torch.version.cuda, "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "provenance": provenance(None)}
     write_json(Path(args.out + ".json"), result)
     md = markdown(result)
     Path(args.out + ".md").write_text(md)

@@ -130,7 +130,7 @@ def train(cfg, splits, checkpoint_path, log=print):
     """Train (or resume) the configured model; returns (model, history).
 
     Under torchrun (train/distributed.py) every process returns the trained model; process 0 alone
-    validates, writes the checkpoint and returns the history (the others return an empty one).
+    validates, writes the checkpoint and keeps the history (the others' is not kept up to date).
     """
     if cfg.model.family == "sqs":  # pretraining stage then SQS fine-tuning: train/sqs.py
         from edgebayes.train.sqs import train_sqs
