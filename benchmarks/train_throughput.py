@@ -3,9 +3,11 @@
 For each architecture (LeNet-5-Caffe at MNIST shapes, ResNet-20 at CIFAR-10 shapes), precision and family
 (dnn, bnn, ss-ig, ss-gl, ss-ghs, sqs), the pipeline's own trainer (train/trainer.py; train/sqs.py for sqs)
 trains on random tensors of the data set's shape (throughput does not depend on the pixel values) for
---epochs epochs; the last epoch's training time (the trainer's `train_seconds`: the optimisation steps,
-without validation) is the epoch time, and images/s = training images / epoch time. Earlier epochs are
-warm-up (cuDNN autotuning, torch.compile). The settings are the paper configs' (configs/mnist-lenet5-ssgl.yaml,
+--epochs epochs; the epoch time is the shortest training time (the trainer's `train_seconds`: the
+optimisation steps, without validation) of the epochs after the first, which is warm-up (cuDNN autotuning,
+torch.compile), and images/s = training images / epoch time. The shortest, not the mean: on a shared
+machine other processes only ever add time (on this project's 2-core VM one ResNet-20 step took 0.9 s or
+10.5 s minutes apart), so the minimum is the estimate of what the hardware does. The settings are the paper configs' (configs/mnist-lenet5-ssgl.yaml,
 configs/cifar10-resnet20-ssgl.yaml: optimizer, batch size, priors, the ResNet's augmentation) with the family
 swapped; `sqs` times its fine-tuning epochs (its one-epoch deterministic pretraining is not timed).
 
@@ -16,7 +18,7 @@ Results: <out>.json (every row; device name, commit, versions, machine) and <out
 
 The CPU figures committed here (small training sets, so the epoch time is of that set, not of MNIST):
 
-    python benchmarks/train_throughput.py --device cpu --train-size 2048 512 --epochs 2 \\
+    python benchmarks/train_throughput.py --device cpu --train-size 1024 128 --epochs 4 \\
         --out benchmarks/results/train_throughput_cpu
 """
 
@@ -61,7 +63,7 @@ def time_family(base_cfg, family, splits, args, precision):
     cfg.sqs.pretrain_epochs = 1
     with tempfile.TemporaryDirectory() as tmp:
         _, history = train(cfg, splits, Path(tmp) / "checkpoint.pt", log=lambda *_: None)
-    epoch_seconds = history[-1]["train_seconds"]
+    epoch_seconds = min(h["train_seconds"] for h in history[1:])  # the first epoch is warm-up
     return {"family": family, "precision": precision, "batch_size": t.batch_size, "epochs": t.epochs,
             "train_images": len(splits.train_x), "epoch_seconds": epoch_seconds,
             "images_per_second": len(splits.train_x) / epoch_seconds,
@@ -78,10 +80,14 @@ def device_name(device):
 def markdown(result):
     lines = [f"# Training throughput ({result['device_name']})", "",
              f"Device `{result['device']}` ({result['device_name']}); commit {result['provenance']['git_commit']}; "
-             f"torch {torch.__version__}; {result['epochs']} epochs per run, the last one timed (training steps "
-             "only, no validation); random tensors of the data set's shape; the paper configs' settings. "
+             f"torch {torch.__version__}; {result['epochs']} epochs per run, epoch time = the shortest after the "
+             "first (training steps only, no validation); random tensors of the data set's shape; the paper configs' settings. "
              f"'x dnn' is the family's epoch time over the deterministic network's (same architecture, "
              f"precision and run); issue 6 asks for at most {WITHIN}x.", ""]
+    if not result["device"].startswith("cuda"):
+        lines += ["**CPU figures** (small training sets, few steps): they show the benchmark runs and how the "
+                  "families compare on this CPU; issue 6's criterion is about a GPU, whose figures come from the "
+                  "GPU command in benchmarks/train_throughput.py.", ""]
     for arch in result["archs"]:
         rows = [r for r in result["rows"] if r["arch"] == arch]
         r0 = rows[0]
@@ -111,7 +117,7 @@ def main(argv=None):
     ap.add_argument("--train-size", nargs="+", type=int,
                     help="training images per epoch, one per --archs entry (default: the real sets' 60000 / 50000)")
     ap.add_argument("--batch-size", type=int, help="override the configs' batch size (1024 LeNet, 128 ResNet)")
-    ap.add_argument("--epochs", type=int, default=2, help="epochs per run; the last one is timed")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs per run; the first is warm-up")
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--compile", action="store_true", help="torch.compile the forward (train.compile)")
     ap.add_argument("--out", required=True, help="results path without suffix (.json and .md are written)")

@@ -87,7 +87,7 @@ class TrainConfig:
     augment_padding: int = 4            # pixels of zero padding around each image before the crop
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast of the forward; KL terms and parameters stay fp32
     channels_last: bool = False         # NHWC memory format for the convolutions (faster tensor cores on GPUs)
-    compile: bool = False               # torch.compile the forward; falls back to eager with a logged reason
+    compile: bool = False               # torch.compile the forward and the KL; falls back to eager, logging why
     processes: int = 1                  # > 1: `edgebayes train` relaunches itself under torchrun (DDP)
 
 
