@@ -7,14 +7,17 @@ trains on random tensors of the data set's shape (throughput does not depend on 
 optimisation steps, without validation) of the epochs after the first, which is warm-up (cuDNN autotuning,
 torch.compile), and images/s = training images / epoch time. The shortest, not the mean: on a shared
 machine other processes only ever add time (on this project's 2-core VM one ResNet-20 step took 0.9 s or
-10.5 s minutes apart), so the minimum is the estimate of what the hardware does. The settings are the paper configs' (configs/mnist-lenet5-ssgl.yaml,
-configs/cifar10-resnet20-ssgl.yaml: optimizer, batch size, priors, the ResNet's augmentation) with the family
-swapped; `sqs` times its fine-tuning epochs (its one-epoch deterministic pretraining is not timed).
+10.5 s minutes apart), so the minimum is the estimate of what the hardware does. The settings are the
+paper configs' (configs/mnist-lenet5-ssgl.yaml, configs/cifar10-resnet20-ssgl.yaml: optimizer, batch size,
+priors, the ResNet's augmentation) with the family swapped; `sqs` times its fine-tuning epochs (its one-epoch
+deterministic pretraining is not timed).
 
 Results: <out>.json (every row; device name, commit, versions, machine) and <out>.md. The GPU figures:
 
     python benchmarks/train_throughput.py --device cuda --precisions fp32 bf16 --epochs 3 \\
         --out benchmarks/results/train_throughput_gpu
+    python benchmarks/train_throughput.py --device cuda --precisions bf16 --compile --epochs 3 \\
+        --out benchmarks/results/train_throughput_gpu_compiled
 
 The CPU figures committed here (small training sets, so the epoch time is of that set, not of MNIST):
 
