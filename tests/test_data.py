@@ -56,3 +56,9 @@ def test_shared_mnist_gz_files_load():
     splits = load_data(DataConfig(dataset="mnist", root=str(SHARED), val_fraction=5000 / 60000), seed=0)
     assert len(splits.train_x) + len(splits.val_x) == 60000 and len(splits.test_x) == 10000
     assert splits.test_y[:5].tolist() == [7, 2, 1, 0, 4]  # MNIST's first test labels
+
+
+def test_train_subset_keeps_the_first_training_images_and_whole_val_and_test():
+    full, part = load_data(DataConfig(), 0), load_data(DataConfig(train_subset=100), 0)
+    assert torch.equal(part.train_x, full.train_x[:100]) and torch.equal(part.train_y, full.train_y[:100])
+    assert torch.equal(part.val_x, full.val_x) and torch.equal(part.test_x, full.test_x)

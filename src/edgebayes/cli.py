@@ -111,7 +111,8 @@ def main(argv=None) -> int:
         if args.command == "devices":
             return _devices(args)
         ctx = Context(load_pipeline_config(args.config), load_device_profile(args.device),
-                      runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config)
+                      runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config,
+                      device_arg=args.device)
         if args.command == "pipeline":
             run_pipeline(ctx)
         else:

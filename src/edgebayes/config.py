@@ -39,6 +39,7 @@ class DataConfig:
     download: bool = False              # only download when the user allows it
     val_fraction: float = 0.2
     test_fraction: float = 0.2          # digits only; the torchvision sets have an official test split
+    train_subset: Optional[int] = None  # train on the first N images of the training split (quick runs); null: all
     # null | noise | a data set with the same input shape
     ood: Optional[Literal["noise", "digits", "mnist", "fashion-mnist", "cifar10"]] = None
 
@@ -81,6 +82,13 @@ class TrainConfig:
     mc_samples_eval: int = 10           # paper 000 evaluates with 10 MC samples
     mc_samples_val: int = 2             # per-epoch validation: a cheap progress signal
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Speed (train/accel.py, train/distributed.py); none of these changes the objective.
+    augment: bool = False               # random crop (zero padding augment_padding) + horizontal flip, on the device
+    augment_padding: int = 4            # pixels of zero padding around each image before the crop
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast of the forward; KL terms and parameters stay fp32
+    channels_last: bool = False         # NHWC memory format for the convolutions (faster tensor cores on GPUs)
+    compile: bool = False               # torch.compile the forward and the KL; falls back to eager, logging why
+    processes: int = 1                  # > 1: `edgebayes train` relaunches itself under torchrun (DDP)
 
 
 @dataclass
@@ -332,6 +340,8 @@ def load_pipeline_config(path) -> PipelineConfig:
            f"expected letters, digits, '-', '_' or '.', got {cfg.name!r}")
     _check(0 < cfg.data.val_fraction < 1, f"{p}: data.val_fraction", "expected a number in (0, 1)")
     _check(0 < cfg.data.test_fraction < 1, f"{p}: data.test_fraction", "expected a number in (0, 1)")
+    _check(cfg.data.train_subset is None or cfg.data.train_subset > 0, f"{p}: data.train_subset",
+           "expected a positive integer or null")
     _check(all(h > 0 for h in cfg.model.hidden), f"{p}: model.hidden", "expected positive layer widths")
     _check(cfg.prior.sigma0_sq > 0, f"{p}: prior.sigma0_sq", "expected a positive number")
     _check(0 < cfg.prior.gamma_init < 1, f"{p}: prior.gamma_init", "expected a number in (0, 1)")
@@ -348,6 +358,12 @@ def load_pipeline_config(path) -> PipelineConfig:
            "expected epochs between 1 and train.epochs")
     _check(cfg.train.mc_samples_eval > 0, f"{p}: train.mc_samples_eval", "expected a positive integer")
     _check(cfg.train.mc_samples_val > 0, f"{p}: train.mc_samples_val", "expected a positive integer")
+    _check(cfg.train.augment_padding >= 0, f"{p}: train.augment_padding", "expected a non-negative integer")
+    _check(cfg.train.processes > 0, f"{p}: train.processes", "expected a positive integer")
+    _check(cfg.train.batch_size >= cfg.train.processes, f"{p}: train.batch_size",
+           f"expected at least train.processes ({cfg.train.processes}): the batch is split over the processes")
+    _check(cfg.train.processes == 1 or cfg.model.family != "sqs", f"{p}: train.processes",
+           "SQS fine-tuning runs in one process (the distributed trainer serves the ELBO families); set 1")
     _check(cfg.select.knob_values is None or len(cfg.select.knob_values) > 0, f"{p}: select.knob_values",
            "expected a non-empty list (or null for the model's default operating points)")
     _check(all(m > 0 for m in cfg.select.mc_samples), f"{p}: select.mc_samples", "expected positive integers")

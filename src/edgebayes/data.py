@@ -143,6 +143,7 @@ def load_data(cfg, seed: int) -> Splits:
         x, y, classes = load(cfg.dataset, cfg, train=True)
         test_x, test_y, _ = load(cfg.dataset, cfg, train=False)
     train, val = _split(len(x), cfg.val_fraction, g)
+    train = train[: cfg.train_subset]  # a quick run's subset (None: all); validation and test stay whole
     splits = Splits(x[train], y[train], x[val], y[val], test_x, test_y, classes)
     if cfg.ood:
         splits.ood_x = _ood_set(cfg, splits, g)

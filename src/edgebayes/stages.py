@@ -25,6 +25,7 @@ from edgebayes.config import ConfigError, as_dict, fingerprint
 from edgebayes.data import load_data
 from edgebayes.errors import StageError
 from edgebayes.provenance import atomic_path, provenance, read_json, write_json
+from edgebayes.train.distributed import is_main_process
 
 STAGES = ("train", "select", "export", "deploy", "report")
 
@@ -37,6 +38,7 @@ class Context:
     force: bool = False
     log: object = print
     config_path: str = "pipeline.yaml"   # named in error messages
+    device_arg: str = "local"            # --device as given (a relaunch under torchrun passes it on)
 
     @property
     def run_dir(self):
@@ -107,19 +109,34 @@ def _has_inclusion(model):
 def run_train(ctx):
     from edgebayes.export.compress import EmptyLayerError
     from edgebayes.train.metrics import ood_scores, reliability_bins, structure_report
+    from edgebayes.train import distributed
     from edgebayes.train.trainer import evaluate, posterior_mean_metrics, train
 
     cfg, splits = ctx.cfg, splits_for(ctx)  # first: bad data must fail before anything is touched
+    if cfg.train.processes > 1 and not distributed.launched():
+        # Several processes: this stage runs again under torchrun (train/distributed.py); process 0 there
+        # writes everything this stage writes.
+        ctx.log(f"train: {cfg.train.processes} processes (DDP) under torchrun")
+        args = ["train", "--config", str(ctx.config_path), "--device", ctx.device_arg,
+                "--runs-dir", str(ctx.runs_dir)] + (["--force"] if ctx.force else [])
+        code = distributed.launch(args, cfg.train.processes)
+        if code != 0:
+            raise StageError(f"train: the {cfg.train.processes} training processes failed (exit code {code}); "
+                             f"their messages are above")
+        return
     out = ctx.stage_dir("train")
     checkpoint = out / "checkpoint.pt"
-    # A checkpoint of another config must not be resumed: start over.
-    marker = out / "run.json"
-    if checkpoint.exists() and (ctx.force or not marker.is_file()
-                                or read_json(marker).get("fingerprint") != ctx.fingerprint("train")):
-        checkpoint.unlink()
-    write_json(marker, {"fingerprint": ctx.fingerprint("train")})
+    if distributed.is_main_process():  # the other processes wait for this in train()
+        # A checkpoint of another config must not be resumed: start over.
+        marker = out / "run.json"
+        if checkpoint.exists() and (ctx.force or not marker.is_file()
+                                    or read_json(marker).get("fingerprint") != ctx.fingerprint("train")):
+            checkpoint.unlink()
+        write_json(marker, {"fingerprint": ctx.fingerprint("train")})
 
     model, history = train(cfg, splits, checkpoint, log=ctx.log)
+    if not distributed.is_main_process():
+        return
     knob_value, m = model.default_knob, cfg.train.mc_samples_eval
     # Paper 000's accuracy: z ~ q(z) in each of the m samples (export deploys the thresholded net instead).
     posterior_mean = (posterior_mean_metrics(model, splits.test_x, splits.test_y, m, cfg.seed)
@@ -380,7 +397,8 @@ def run_stage(ctx, stage):
         return
     ctx.log(f"{stage}: running")
     RUNNERS[stage](ctx)
-    ctx.mark_done(stage)
+    if is_main_process():  # under torchrun, process 0 alone writes (train/distributed.py)
+        ctx.mark_done(stage)
 
 
 def run_pipeline(ctx, stages=STAGES):

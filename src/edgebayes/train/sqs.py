@@ -63,6 +63,8 @@ from tqdm.auto import tqdm
 from edgebayes.errors import InputError
 from edgebayes.export import codebook
 from edgebayes.provenance import atomic_torch_save, read_json, write_json
+from edgebayes.train import distributed
+from edgebayes.train.accel import DeviceData, autocast, to_channels_last
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 
 WINDOWS = {"outlier": 4, "equal": 4, "single": 1}
@@ -443,13 +445,17 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
     """
     from edgebayes.train.trainer import evaluate, resolve_device
 
-    s, device = cfg.sqs, resolve_device(cfg.train.device)
+    s, t, device = cfg.sqs, cfg.train, resolve_device(cfg.train.device)
     base, base_test = pretrained_base(cfg, splits, checkpoint_path.parent, log)
     torch.manual_seed(cfg.seed)
     model = build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
     model.base.load_state_dict(base.state_dict())
     model.initialise(s.keep_init, cfg.seed)
     model.to(device)
+    to_channels_last(model, t.channels_last)
+    if t.compile:
+        log("train.compile: not applied to SQS fine-tuning (its forward is a functional_call with new weights "
+            "every step); the pretraining stage compiles")
     quantization, pruning = model.parameter_groups()
     optimizer = torch.optim.AdamW([{"params": quantization, "lr": s.lr_quantization},
                                    {"params": pruning, "lr": s.lr_pruning}], weight_decay=s.weight_decay)
@@ -458,12 +464,13 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
         state = torch.load(checkpoint_path, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_cpu"])
+        distributed.restore_rng(state["rng_states"], distributed.World(), device, cfg.seed)
         history, start_epoch = state["history"], state["epoch"]
         log(f"resuming SQS fine-tuning from {checkpoint_path} after epoch {start_epoch}")
 
-    x, y = splits.train_x.to(device), splits.train_y.to(device)
-    n, bs = len(x), cfg.train.batch_size
+    data = DeviceData(splits.train_x, splits.train_y, device, t.batch_size, cfg.seed,
+                      augment_padding=t.augment_padding if t.augment else None, channels_last=t.channels_last)
+    n, bs = len(data), t.batch_size
     steps_per_epoch = math.ceil(n / bs)
     total = cfg.train.epochs * steps_per_epoch
     log(f"sqs: K={s.components}, windows={s.windows}, prior={s.prior}, target non-zero {s.nonzero_rate}; "
@@ -473,22 +480,23 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
     for epoch in bar:
         model.train()
         t0 = time.perf_counter()
-        perm = torch.randperm(n).to(device)
-        sums = {"loss": 0.0, "nll": 0.0, "kl": 0.0}
-        for b, i in enumerate(range(0, n, bs)):
+        sums = torch.zeros(3, device=device)  # epoch means of loss, NLL and regularizer, summed on the device
+        for b, (x, y, batch) in enumerate(data.batches(epoch)):
             step = epoch * steps_per_epoch + b
             rate = pruning_schedule(step, total, s.keep_init, s.nonzero_rate, s.schedule_fraction)
             model.prior_inclusion.fill_(rate)
             model.tau_prime.fill_(s.tau_prime / 2 if step >= total / 2 else s.tau_prime)
-            idx = perm[i: i + bs]
-            weights, kl = model.weights_and_regularizer(rate)  # phi once per step for both terms
-            nll = F.cross_entropy(functional_call(model.base, weights, (x[idx],)), y[idx])
-            loss = nll + cfg.train.kl_weight * kl / n  # the ELBO trainer's scaling (train/trainer.py)
+            weights, kl = model.weights_and_regularizer(rate)  # phi once per step for both terms; fp32
+            with autocast(device, t.precision):  # bf16 matmuls / convolutions only (train/accel.py)
+                logits = functional_call(model.base, weights, (x,))
+            nll = F.cross_entropy(logits.float(), y)
+            loss = nll + t.kl_weight * kl / n  # the ELBO trainer's scaling (train/trainer.py)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            for key, value in (("loss", loss), ("nll", nll), ("kl", kl)):  # epoch means
-                sums[key] += value.item() * len(idx) / n
+            sums += torch.stack([loss.detach(), nll.detach(), kl.detach()]) * batch / n
+        sums = dict(zip(("loss", "nll", "kl"), sums.tolist()))
+        train_seconds = time.perf_counter() - t0
         model.eval()
         val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_val,
                              cfg.seed)
@@ -498,13 +506,14 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
         record = {"epoch": epoch + 1, **sums, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
                   "train_keep_fraction": float((keep > 0.5).float().mean()),
                   "prior_inclusion": float(model.prior_inclusion), "tau_prime": float(model.tau_prime),
-                  "seconds": time.perf_counter() - t0}
+                  "train_seconds": train_seconds, "seconds": time.perf_counter() - t0}
         history.append(record)
         bar.set_postfix(loss=f"{sums['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}",
                         keep=f"{record['train_keep_fraction']:.2f}")
         atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
-                           "rng_cpu": torch.get_rng_state(), "epoch": epoch + 1}, checkpoint_path)
-    return model.cpu().eval(), history
+                           "rng_states": distributed.rng_states(distributed.World(), device), "epoch": epoch + 1},
+                          checkpoint_path)
+    return model.cpu().to(memory_format=torch.contiguous_format).eval(), history
 
 
 def stage_summary(model, splits, train_dir, knob_value, test_metrics):

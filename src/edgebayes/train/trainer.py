@@ -4,7 +4,13 @@ Loss per mini-batch = mean NLL + KL / N_train, i.e. the negative ELBO of paper 0
 data set plus the KLs) divided by the data set size N, so the learning rate means the same whatever N is.
 Adam as in paper 000 (1e-3 for MLP / LeNet), or SGD with momentum and step decays (ResNets). CPU or CUDA. A checkpoint is written (atomically) after every
 epoch with the optimizer and RNG state; a run interrupted at any point resumes from the last finished
-epoch and ends with the same result as an uninterrupted one.
+epoch and ends with the same result as an uninterrupted one (an epoch's order depends on seed and epoch only).
+
+Speed (none of it changes the objective): the training split lives on the device and is augmented there
+in batches (train.augment), the forward runs under bf16 autocast (train.precision) with the KL in fp32,
+channels_last convolutions, optional torch.compile: train/accel.py. Several processes (train.processes,
+DDP): each adds its shard's share of the batch's NLL and the whole KL / N; why that is the ELBO of the
+single-process run is written out in train/distributed.py.
 
 `train.kl_weight` (default 1, the exact ELBO) multiplies the KL term: a tempered posterior. This deviates
 from the paper and exists for small data sets: on the 1,078 training images of the digits default, the KL
@@ -34,8 +40,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from torch.nn.parallel import DistributedDataParallel
+
 from edgebayes.export.compress import compress, predict
 from edgebayes.provenance import atomic_torch_save
+from edgebayes.train import distributed
+from edgebayes.train.accel import DeviceData, autocast, compile_step, to_channels_last
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.models import build_model
 
@@ -117,65 +127,80 @@ def mean_inclusion(model):
 
 
 def train(cfg, splits, checkpoint_path, log=print):
-    """Train (or resume) the configured model; returns (model, history)."""
+    """Train (or resume) the configured model; returns (model, history).
+
+    Under torchrun (train/distributed.py) every process returns the trained model; process 0 alone
+    validates, writes the checkpoint and keeps the history (the others' is not kept up to date).
+    """
     if cfg.model.family == "sqs":  # pretraining stage then SQS fine-tuning: train/sqs.py
         from edgebayes.train.sqs import train_sqs
         return train_sqs(cfg, splits, checkpoint_path, log)
-    device = resolve_device(cfg.train.device)
-    torch.manual_seed(cfg.seed)
-    model = model_for(cfg, splits).to(device)
     t = cfg.train
+    world, device = distributed.setup(resolve_device(t.device))
+    torch.manual_seed(cfg.seed)  # the same initial weights in every process
+    model = to_channels_last(model_for(cfg, splits).to(device), t.channels_last)
     if t.optimizer == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=t.lr)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones, gamma=t.lr_gamma)
     history, start_epoch = [], 0
+    if world.size > 1:
+        torch.manual_seed(cfg.seed + world.rank)  # each process draws its own training noise
 
+    world.barrier()  # process 0 may just have removed a stale checkpoint (stages.run_train)
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng_cpu"])
-        if device.type == "cuda" and "rng_cuda" in state:
-            torch.cuda.set_rng_state(state["rng_cuda"], device)
+        if not distributed.restore_rng(state["rng_states"], world, device, cfg.seed):
+            log(f"resuming with {world.size} processes a run checkpointed with {len(state['rng_states'])}: "
+                f"the training noise is reseeded, so the result differs from an uninterrupted run")
         history, start_epoch = state["history"], state["epoch"]
         log(f"resuming from {checkpoint_path} after epoch {start_epoch}")
 
-    x, y = splits.train_x.to(device), splits.train_y.to(device)
-    n = len(x)
-    bar = tqdm(range(start_epoch, cfg.train.epochs), desc="train", unit="epoch",
-               initial=start_epoch, total=cfg.train.epochs)
+    forward = model if world.size == 1 else DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+    data = DeviceData(splits.train_x, splits.train_y, device, t.batch_size, cfg.seed, world.rank, world.size,
+                      t.augment_padding if t.augment else None, t.channels_last)
+    n = len(data)
+    kl_term = model.kl
+    if t.compile:
+        forward, kl_term = compile_step(forward, model, data.x[: t.batch_size], log)
+    bar = tqdm(range(start_epoch, t.epochs), desc="train", unit="epoch", initial=start_epoch, total=t.epochs,
+               disable=not world.main)
     for epoch in bar:
         model.train()
         t0 = time.perf_counter()
-        perm = torch.randperm(n).to(device)
-        sums = {"loss": 0.0, "nll": 0.0, "kl": 0.0}
-        for i in range(0, n, cfg.train.batch_size):
-            idx = perm[i: i + cfg.train.batch_size]
-            nll = F.cross_entropy(model(x[idx]), y[idx])
-            kl = model.kl()
-            loss = nll + cfg.train.kl_weight * kl / n
+        sums = torch.zeros(2, device=device)  # epoch means of the NLL and the KL, summed on the device
+        for x, y, batch in data.batches(epoch):
+            with autocast(device, t.precision):  # bf16 matmuls / convolutions only (train/accel.py)
+                logits = forward(x)
+            # The shard's NLL sum / (B / W): once DDP averages the W gradients, the batch's mean NLL.
+            nll = F.cross_entropy(logits.float(), y, reduction="sum") * world.size / batch
+            kl = kl_term()  # fp32, outside autocast; added whole in every process (train/distributed.py)
+            loss = nll + t.kl_weight * kl / n
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            w = len(idx) / n
-            sums["loss"] += loss.item() * w
-            sums["nll"] += nll.item() * w
-            sums["kl"] += kl.item() * w
+            sums += torch.stack([nll.detach(), kl.detach().to(device)]) * batch / n
         scheduler.step()
-
-        val = classification_metrics(mc_predict(model, splits.val_x.to(device), cfg.train.mc_samples_val, cfg.seed),
-                                     splits.val_y.numpy())
-        kept = [int(k.sum()) for k in model.kept_units(model.default_knob).values()][:-1]  # hidden layers
-        record = {"epoch": epoch + 1, **sums, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
-                  "kept_nodes": kept, "mean_inclusion": mean_inclusion(model), "seconds": time.perf_counter() - t0}
-        history.append(record)
-        bar.set_postfix(loss=f"{sums['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}", kept=kept)
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "rng_cpu": torch.get_rng_state(), "history": history, "epoch": epoch + 1}
-        if device.type == "cuda":  # the training noise is drawn on the GPU
-            state["rng_cuda"] = torch.cuda.get_rng_state(device)
-        atomic_torch_save(state, checkpoint_path)
-    return model.cpu().eval(), history
+        nll_mean, kl_mean = (world.all_reduce_sum(sums) / world.size).tolist()  # over processes (see above)
+        train_seconds = time.perf_counter() - t0
+        if world.main:  # validation: process 0 only
+            val = classification_metrics(mc_predict(model, splits.val_x.to(device), t.mc_samples_val, cfg.seed),
+                                         splits.val_y.numpy())
+            kept = [int(k.sum()) for k in model.kept_units(model.default_knob).values()][:-1]  # hidden layers
+            history.append({"epoch": epoch + 1, "loss": nll_mean + t.kl_weight * kl_mean / n, "nll": nll_mean,
+                            "kl": kl_mean, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
+                            "kept_nodes": kept, "mean_inclusion": mean_inclusion(model),
+                            "train_seconds": train_seconds, "seconds": time.perf_counter() - t0})
+            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}", kept=kept)
+        rng = distributed.rng_states(world, device)  # after validation (kept_units draws); every process
+        if world.main:
+            atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                               "scheduler": scheduler.state_dict(), "rng_states": rng, "history": history,
+                               "epoch": epoch + 1}, checkpoint_path)
+    world.close()
+    return model.cpu().to(memory_format=torch.contiguous_format).eval(), history

@@ -1,0 +1,113 @@
+"""What makes training fast on a GPU without changing the objective; used by both trainers (trainer.py, sqs.py).
+
+- `DeviceData`: the training split held as tensors on the training device (MNIST, Fashion-MNIST and CIFAR-10
+  fit in GPU memory many times over), an epoch's order from a permutation seeded by (seed, epoch), so every
+  process of a distributed run draws the same one and a resumed run the same as an uninterrupted one; each
+  process takes its shard of every global batch (train/distributed.py). `augment` crops and flips on the
+  device, a whole batch at a time: no per-sample Python, no DataLoader workers.
+- `autocast`: bf16 autocast of the forward pass (train.precision: bf16). Autocast runs only the matmuls and
+  convolutions in bf16; parameters stay fp32 (so do the log-variances rho, the inclusion logits and the
+  scale posteriors), and the trainers compute the KL terms and the cross-entropy outside autocast, in fp32
+  (tests/test_accel.py checks the KL under autocast is fp32 and equal to the fp32 one). bf16 has fp32's
+  exponent range, so the small posterior variances (softplus(-6)^2, about 6e-6) do not underflow the way
+  they would in fp16, and no gradient scaler is needed.
+- `channels_last`: NHWC memory format for the model and its inputs (tensor-core convolutions on GPUs).
+- `compile_step`: optional torch.compile of the forward and of the KL, tried once on a copy of the model;
+  if compiling fails (no compiler, an unsupported op, an old GPU), training runs eager and the log says why.
+"""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+
+def augment(x, padding):
+    """Random crop with zero padding and random horizontal flip of a batch (N, C, H, W), on x's device.
+
+    Each image is padded by `padding` zeros on every side and an H x W window is cut at an offset drawn
+    uniformly from 0..2 padding in each direction (torchvision's RandomCrop(size, padding)); then it is
+    mirrored with probability 1/2 (RandomHorizontalFlip). One gather for the whole batch.
+    """
+    n, c, h, w = x.shape
+    padded = F.pad(x, (padding,) * 4)
+    dy = torch.randint(0, 2 * padding + 1, (n, 1), device=x.device)
+    dx = torch.randint(0, 2 * padding + 1, (n, 1), device=x.device)
+    rows = (dy + torch.arange(h, device=x.device))[:, None, :, None]          # (n, 1, h, 1)
+    cols = (dx + torch.arange(w, device=x.device))[:, None, None, :]          # (n, 1, 1, w)
+    flip = torch.rand(n, device=x.device) < 0.5
+    cols = torch.where(flip[:, None, None, None], cols.flip(-1), cols)        # a mirrored window = a flip
+    batch = torch.arange(n, device=x.device)[:, None, None, None]
+    channel = torch.arange(c, device=x.device)[None, :, None, None]
+    return padded[batch, channel, rows, cols]
+
+
+def epoch_permutation(n, seed, epoch):
+    """The order of an epoch: the same in every process and after a resume (it depends on seed and epoch only)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+class DeviceData:
+    """The training split on the device; `batches(epoch)` yields this process's shard of each global batch.
+
+    A global batch is `batch_size` consecutive indices of the epoch's permutation; process r of W takes
+    every W-th of them (idx[r::W]), so the W shards together are exactly the single-process batch. Yields
+    (x, y, global batch size). With several processes, a final batch with fewer than W images is dropped
+    (a process with an empty shard cannot run batch norm); with one process nothing is dropped.
+    """
+
+    def __init__(self, x, y, device, batch_size, seed, rank=0, world_size=1, augment_padding=None,
+                 channels_last=False):
+        self.x, self.y = x.to(device), y.to(device)
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.augment_padding, self.channels_last = augment_padding, channels_last and x.dim() == 4
+
+    def __len__(self):
+        return len(self.x)
+
+    def batches(self, epoch):
+        perm = epoch_permutation(len(self.x), self.seed, epoch).to(self.x.device)
+        for i in range(0, len(perm), self.batch_size):
+            idx = perm[i: i + self.batch_size]
+            if len(idx) < self.world_size:
+                continue
+            shard = idx[self.rank:: self.world_size]
+            x = self.x[shard]
+            if self.augment_padding is not None:
+                x = augment(x, self.augment_padding)
+            if self.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            yield x, self.y[shard], len(idx)
+
+
+def autocast(device, precision):
+    """The forward pass's autocast context: bf16 on CUDA or CPU, or a no-op for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
+def to_channels_last(model, enabled):
+    return model.to(memory_format=torch.channels_last) if enabled else model
+
+
+def compile_step(forward, model, example, log):
+    """(torch.compile(forward), torch.compile(model.kl)), or both uncompiled when compiling fails; `log` says
+    which and why.
+
+    `forward` is what the training loop calls (the model, or its DDP wrapper), `model` the plain network.
+    The KL is compiled too: it is hundreds of small elementwise ops over every variational parameter (a
+    kernel launch each on a GPU, eager), which the compiler fuses. Compilation is lazy (errors surface at
+    the first call), so it is tried once on a deep copy of `model` with a forward and backward pass of
+    `example` (RNG forked: the run's noise is untouched); the copy's compiled code is thrown away and the
+    real forward compiles again on its first step.
+    """
+    try:
+        trial = copy.deepcopy(model)
+        devices = [example.device] if example.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            (torch.compile(trial)(example).float().sum() + torch.compile(trial.kl)()).backward()
+    except Exception as e:  # noqa: BLE001 (any compiler failure means: train eager)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log(f"train.compile: torch.compile failed ({type(e).__name__}: {first}); training without it (eager)")
+        return forward, model.kl
+    log("train.compile: forward and KL compiled with torch.compile")
+    return torch.compile(forward), torch.compile(model.kl)

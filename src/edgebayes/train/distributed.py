@@ -1,0 +1,131 @@
+"""Training in several processes (DDP): NCCL between GPUs, gloo between CPU processes.
+
+`train.processes: N` (N > 1) makes `edgebayes train` (and the train stage of `edgebayes pipeline`) run
+itself again under torchrun, N processes on this machine (`launch`); running `torchrun --nproc_per_node N
+-m edgebayes.cli train --config ...` by hand does the same (then WORLD_SIZE decides, not the config).
+
+The ELBO across processes. The single-process loss of a step is
+
+    L = (1/B) sum_{i in batch} NLL_i + KL / N        (B: the global batch, N: the training set size)
+
+Process r of W sees its shard S_r of the batch (train/accel.py: DeviceData) and minimises
+
+    L_r = (W/B) sum_{i in S_r} NLL_i + KL / N
+
+DDP all-reduces the gradients and divides by W, so the update follows
+
+    (1/W) sum_r grad L_r = (1/B) sum_i grad NLL_i + grad KL / N = grad L.
+
+The KL is therefore added whole by every process and divided by W once, by DDP's averaging: it is not
+counted W times, and it is scaled by the data set size N, not by the shard's. Summing the shard's NLL and
+dividing by B / W (rather than taking the shard's mean) keeps this exact when the shards of the last batch
+differ in size. With equal shards L_r is the mean NLL of the shard + KL / N.
+
+What matches a single-process run: for a deterministic forward (family dnn without batch norm) the
+updates are the single-process updates up to float summation order (tests/test_distributed.py). For the
+Bayesian families each process draws its own training noise (seed + rank), so process r's shard sees
+other weight noise and node indicators than the single process's would: the gradient is another unbiased
+estimate of the same ELBO gradient (it averages W draws of z per step, one per process), not the same
+numbers. With the noise made identical (zero) the runs match again, which the test checks, KL included.
+Batch-norm statistics are per process (plain DDP, as torchvision's reference scripts without SyncBN).
+
+Only process 0 validates, writes checkpoints and keeps the history; the checkpoint holds every process's
+RNG state, so a run resumed with the same number of processes continues exactly.
+"""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import edgebayes
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    owns_group: bool = False            # this process group was opened by `setup` (and is closed by `close`)
+
+    @property
+    def main(self):
+        return self.rank == 0
+
+    def barrier(self):
+        if self.size > 1:
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor):
+        if self.size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def all_gather_object(self, obj):
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self):
+        if self.owns_group:
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets WORLD_SIZE)."""
+    return "WORLD_SIZE" in os.environ
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def setup(device: torch.device):
+    """(World, device) of this process; opens the process group when torchrun started several processes."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World(), device
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":  # one GPU per process
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(rank, size, owns), device
+
+
+def launch(cli_args, processes):
+    """Run `python -m edgebayes.cli <cli_args>` in `processes` processes under torchrun; returns the exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+           "-m", "edgebayes.cli", *cli_args]
+    # Every process imports this very edgebayes, whatever sys.path the launching process was given.
+    source = str(Path(edgebayes.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
+    return subprocess.call(cmd, env=env)
+
+
+def rng_states(world, device):
+    """Every process's RNG state, indexed by rank (a collective: every process calls it)."""
+    mine = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":  # the training noise is drawn on the GPU
+        mine["cuda"] = torch.cuda.get_rng_state(device)
+    return world.all_gather_object(mine)
+
+
+def restore_rng(states, world, device, seed):
+    """Set this process's RNG from a checkpoint's `rng_states`; False (and reseeded) if the count differs."""
+    if len(states) != world.size:
+        torch.manual_seed(seed + world.rank)
+        return False
+    mine = states[world.rank]
+    torch.set_rng_state(mine["cpu"])
+    if device.type == "cuda" and "cuda" in mine:
+        torch.cuda.set_rng_state(mine["cuda"], device)
+    return True

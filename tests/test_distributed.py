@@ -1,0 +1,106 @@
+"""Two CPU processes (gloo, DDP) against one: the ELBO's scaling across processes (train/distributed.py).
+
+- dnn (a deterministic forward), through the user's command: `edgebayes train` with train.processes: 2
+  relaunches itself under torchrun and ends with the parameters of the one-process run, to float tolerance.
+- ss-gl with the training noise made identical (zero) in every process: the same, KL terms included; a
+  run whose KL were counted twice (kl_weight 2) lands far from both, so the comparison can fail.
+- ss-ig with each process's own noise: resuming a two-process run from its checkpoint gives exactly the
+  uninterrupted two-process run (every process's RNG state is in the checkpoint).
+"""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _ddp_worker as worker  # noqa: E402
+
+from edgebayes.cli import main  # noqa: E402
+from edgebayes.config import ConfigError, load_pipeline_config  # noqa: E402
+from edgebayes.data import load_data  # noqa: E402
+from edgebayes.train.trainer import train  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+QUIET = dict(log=lambda *_: None)
+
+
+def _assert_close(a, b, atol):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=0), (k, (a[k] - b[k]).abs().max())
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The worker's trainings in two gloo processes (one torchrun launch for all of them)."""
+    out = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(Path(worker.__file__)), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out / "results.pt", weights_only=True)
+
+
+def test_dnn_two_processes_through_the_cli_match_one(tmp_path):
+    runs = {}
+    for processes in (1, 2):
+        cfg = {"name": "ddp", "seed": 0, "model": {"family": "dnn", "hidden": [16, 16]},
+               "train": {"epochs": 3, "batch_size": 128, "lr": 3e-3, "device": "cpu", "mc_samples_eval": 1,
+                         "mc_samples_val": 1, "processes": processes}}
+        path = tmp_path / f"p{processes}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        assert main(["train", "--config", str(path), "--runs-dir", str(tmp_path / f"runs{processes}")]) == 0
+        runs[processes] = tmp_path / f"runs{processes}" / "ddp" / "train"
+    one, two = (torch.load(runs[p] / "checkpoint.pt", weights_only=True) for p in (1, 2))
+    _assert_close(one["model"], two["model"], atol=1e-5)
+    assert one["model"]["net.hidden1.weight"].abs().sum() > 0
+    assert [h["loss"] for h in two["history"]] == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
+    assert len(two["rng_states"]) == 2 and len(one["rng_states"]) == 1
+    for name in ("metrics.json", "stage.json", "run.json"):  # process 0 wrote the stage's files
+        assert (runs[2] / name).is_file(), name
+
+
+def test_bayesian_two_processes_match_one_when_the_noise_is_identical(two_processes, tmp_path):
+    splits = load_data(worker.PipelineConfig().data, 0)
+    cfg = worker.config("ss-gl", 3)
+    with worker.zero_noise():
+        one, one_history = train(cfg, splits, tmp_path / "one.pt", **QUIET)
+        double_kl = copy.deepcopy(cfg)
+        double_kl.train.kl_weight = 2.0
+        wrong, _ = train(double_kl, splits, tmp_path / "kl2.pt", **QUIET)
+    two, two_history = two_processes["ss-gl zero noise"]
+    _assert_close(one.state_dict(), two, atol=1e-5)
+    assert [h["kl"] for h in two_history] == pytest.approx([h["kl"] for h in one_history], rel=1e-5)
+    assert [h["loss"] for h in two_history] == pytest.approx([h["loss"] for h in one_history], rel=1e-5)
+    # The check has teeth: the KL counted twice moves the parameters by far more than the tolerance.
+    gap = max((wrong.state_dict()[k] - two[k]).abs().max().item() for k in two)
+    assert gap > 1e-3
+
+
+def test_two_process_resume_matches_the_uninterrupted_run(two_processes):
+    straight, straight_history = two_processes["ss-ig straight"]
+    resumed, resumed_history = two_processes["ss-ig resumed"]
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+    assert [h["epoch"] for h in resumed_history] == [1, 2, 3]
+
+
+def test_processes_are_validated(tmp_path):
+    for train_cfg, key in (({"processes": 0}, "train.processes"),
+                           ({"processes": 4, "batch_size": 2}, "train.batch_size")):
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({"train": train_cfg}))
+        with pytest.raises(ConfigError, match=f"{path}: {key}"):
+            load_pipeline_config(path)
+    path.write_text(yaml.safe_dump({"model": {"family": "sqs"}, "train": {"processes": 2}}))
+    with pytest.raises(ConfigError, match=f"{path}: train.processes"):
+        load_pipeline_config(path)
+
