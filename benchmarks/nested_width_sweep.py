@@ -8,7 +8,7 @@ channels) and measures on the test split: accuracy, NLL, ECE (15 bins), and OOD 
 entropy (AUROC, AUPR; the OOD set is the config's data.ood, uniform noise images for MNIST here).
 BN3 averages M posterior samples (6, as the paper); FN3 and the dnn are deterministic (one sample).
 
-Results: <out>/nested_width_sweep.json (with provenance: machine, commit, versions), .md and .png.
+Results: <out>/<name>.json (with provenance: machine, commit, versions), .md and .png.
 Checkpoints go to --work, so an interrupted run resumes. The paper-002 reproduction command on MNIST:
 
     EDGEBAYES_DATA=/work/shared/datasets nice -n 10 .venv/bin/python benchmarks/nested_width_sweep.py \
@@ -79,16 +79,16 @@ def run(args):
         entry = {"train_seconds": train_seconds, "wall_seconds": time.perf_counter() - t0, "mc_samples": m,
                  "final_epoch": history[-1] if history else None, "points": rows}
         if family == "bn3":  # the learned order: P(z_j = 1) per nested layer (paper 002, Figure 2)
-            entry["keep_probability"] = {name: [round(float(p), 4) for p in layer.ordering.keep_probability()]
+            entry["keep_probability"] = {name: [round(float(p), 4) for p in layer.ordering.keep_probability().detach()]
                                          for name, layer in model.nested_layers() if layer.nested}
         results["families"][family] = entry
     results["checks"] = checks(results, args.noise)
     results["provenance"] = provenance(f"nested_width_sweep {args.config}")
     out = Path(args.out)
-    write_json(out / "nested_width_sweep.json", results)
-    (out / "nested_width_sweep.md").write_text(markdown(results, args))
-    plot(results, out / "nested_width_sweep.png")
-    print((out / "nested_width_sweep.md").read_text())
+    write_json(out / f"{args.name}.json", results)
+    (out / f"{args.name}.md").write_text(markdown(results, args))
+    plot(results, out / f"{args.name}.png")
+    print((out / f"{args.name}.md").read_text())
 
 
 def checks(r, noise):
@@ -166,6 +166,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default="runs/nested_width_sweep", help="checkpoints (resumable)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--name", default="nested_width_sweep", help="file name of the results (.json, .md, .png)")
     args = p.parse_args()
     run(args)
 

@@ -117,8 +117,8 @@ class NestedConfig:
     prior_keep_logit: float = 3.0       # the prior chain's pi = sigmoid(this) (not given in the paper)
     log_alpha_init: float = -1.0
     log_alpha_init_first: float = -8.0  # the network's first layer
-    temperature: float = 1.0            # Downhill temperature in the first epoch ...
-    temperature_min: float = 0.1        # ... annealed exponentially to this in the last
+    temperature: float = 0.3            # Downhill temperature in the first epoch ...
+    temperature_min: float = 0.03       # ... annealed exponentially to this in the last (not in the paper)
     bn_batches: int = 2                 # batch-norm statistics at a width: 2 batches of 512 (appendix 9.2)
     bn_batch_size: int = 512
 

@@ -36,7 +36,9 @@ Where this completes or deviates from the paper, and why:
   - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
     (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
   - The temperature schedule is not given: exponential per epoch from nested.temperature to
-    nested.temperature_min (start_epoch below).
+    nested.temperature_min (start_epoch below), 0.3 -> 0.03 by default. Measured on digits (MLP 64x64,
+    kappa 0.01, 100 epochs): starting at 1 (-> 0.1) the soft "slope" masks of a high temperature rarely
+    truncate, and the narrowest width lost accuracy (0.936 vs 0.955 at 2 of 8 groups).
   - In MobileNetV2 the ordering unit sits on the depthwise convolution of each inverted residual block
     (appendix 9.1); since a depthwise channel reads exactly one expand channel, dropping it drops that
     filter of the expand convolution too (`truncates`), which the paper states and surgery needs.
