@@ -205,4 +205,4 @@ def build_model(model_cfg, prior_cfg, input_shape, classes, n_train):
         raise ValueError(f"unknown architecture {model_cfg.arch!r}; available: {', '.join(ARCHITECTURES)}")
     return BayesianNet(model_cfg.arch, model_cfg.family, prior_cfg, input_shape, classes, n_train,
                        activation=model_cfg.activation, hidden=model_cfg.hidden,
-                       width_multiplier=getattr(model_cfg, "width_multiplier", 1.0))
+                       width_multiplier=model_cfg.width_multiplier)
