@@ -47,7 +47,7 @@ def _set(path, value):
     def edit(d):
         *parents, last = path.split(".")
         for p in parents:
-            d = d[p]
+            d = d.setdefault(p, {})
         d[last] = value
     return edit
 
@@ -69,6 +69,11 @@ BAD_CONFIGS = {
     "export format twice": (_set("export.formats", ["onnx", "onnx"]), r"export\.formats: expected each format once"),
     "bad MC layout": (_set("export.layout", "diagonal"), r"export\.layout: expected one of 'packed', 'unrolled'"),
     "bad calibration size": (_set("export.calibration_size", 0), r"export\.calibration_size: expected a positive"),
+    "nested: fixed groups not below groups": (_set("nested.fixed_groups", 32),
+                                              r"nested\.fixed_groups: expected an integer in 0\.\.groups - 1 = 31"),
+    "nested: annealing upwards": (_set("nested.temperature_min", 2.0),
+                                  r"nested\.temperature_min: expected a positive number no larger than"),
+    "nested: width multiplier": (_set("model.width_multiplier", 0), r"model\.width_multiplier: expected a positive"),
 }
 
 

@@ -48,10 +48,12 @@ class DataConfig:
 class ModelConfig:
     # dnn: deterministic; bnn: dense mean-field Gaussian; ss-*: spike-and-slab node/channel selection
     # sqs: sparse + quantized (paper 001), wrapping the dnn of the same architecture (section sqs)
-    family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs"] = "ss-gl"
-    arch: Literal["mlp", "lenet5-caffe", "resnet20", "resnet32"] = "mlp"
+    # bn3: Bayesian nested net (paper 002); fn3: its fixed nested-dropout baseline (section nested)
+    family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs", "bn3", "fn3"] = "ss-gl"
+    arch: Literal["mlp", "lenet5-caffe", "resnet20", "resnet32", "vgg11", "mobilenetv2"] = "mlp"
     hidden: list[int] = field(default_factory=lambda: [400, 400])   # mlp only
     activation: Literal["silu", "relu", "tanh"] = "silu"
+    width_multiplier: float = 1.0       # vgg11, mobilenetv2: channels x this (paper 002 trains VGG11 x1.5)
 
 
 @dataclass
@@ -114,6 +116,22 @@ class SQSConfig:
 
 
 @dataclass
+class NestedConfig:
+    """Families bn3 / fn3 (paper 002, train/nested.py): D groups of output channels per nested layer, the
+    first fixed_groups always kept; the knob is the width (groups kept, 1..groups). kappa is train.kl_weight."""
+    groups: int = 32                    # D: 32 for VGG11 / ResNeXt, 16 for MobileNetV2
+    fixed_groups: int = 2               # leading groups for base features (VGG11 on CIFAR-10: 2)
+    mubar_init: float = 3.0             # conditional keep probability mu = sigmoid(mubar) at init
+    prior_keep_logit: float = 3.0       # the prior chain's pi = sigmoid(this) (not given in the paper)
+    log_alpha_init: float = -1.0
+    log_alpha_init_first: float = -8.0  # the network's first layer
+    temperature: float = 0.3            # Downhill temperature in the first epoch ...
+    temperature_min: float = 0.03       # ... annealed exponentially to this in the last (not in the paper)
+    bn_batches: int = 2                 # batch-norm statistics at a width: 2 batches of 512 (appendix 9.2)
+    bn_batch_size: int = 512
+
+
+@dataclass
 class SelectConfig:
     # Values of the family's deploy-time knob to try (inclusion threshold, width, non-zero rate);
     # null: the model's own default operating points.
@@ -157,6 +175,7 @@ class PipelineConfig:
     prior: PriorConfig = field(default_factory=PriorConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sqs: SQSConfig = field(default_factory=SQSConfig)
+    nested: NestedConfig = field(default_factory=NestedConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
@@ -376,7 +395,9 @@ def load_pipeline_config(path) -> PipelineConfig:
            f"expected each format once, got {cfg.export.formats}")
     _check(cfg.export.calibration_size > 0, f"{p}: export.calibration_size", "expected a positive integer")
     _check(0 <= cfg.export.max_accuracy_drop < 1, f"{p}: export.max_accuracy_drop", "expected a number in [0, 1)")
+    _check(cfg.model.width_multiplier > 0, f"{p}: model.width_multiplier", "expected a positive number")
     _check_sqs(cfg.sqs, p)
+    _check_nested(cfg.nested, p)
     _check(cfg.benchmark.min_runs > 0, f"{p}: benchmark.min_runs", "expected a positive integer")
     return cfg
 
@@ -394,6 +415,17 @@ def _check_sqs(s: SQSConfig, p):
     _check(s.pretrain_epochs > 0, f"{p}: sqs.pretrain_epochs", "expected a positive integer")
     if s.checkpoint is not None:
         _check(Path(s.checkpoint).is_file(), f"{p}: sqs.checkpoint", f"file not found: {s.checkpoint}")
+
+
+def _check_nested(n: NestedConfig, p):
+    _check(n.groups >= 1, f"{p}: nested.groups", "expected a positive integer")
+    _check(0 <= n.fixed_groups < n.groups, f"{p}: nested.fixed_groups",
+           f"expected an integer in 0..groups - 1 = {n.groups - 1}, got {n.fixed_groups}")
+    _check(n.temperature > 0, f"{p}: nested.temperature", "expected a positive number")
+    _check(0 < n.temperature_min <= n.temperature, f"{p}: nested.temperature_min",
+           "expected a positive number no larger than nested.temperature")
+    _check(n.bn_batches > 0, f"{p}: nested.bn_batches", "expected a positive integer")
+    _check(n.bn_batch_size > 0, f"{p}: nested.bn_batch_size", "expected a positive integer")
 
 
 def known_devices() -> list[str]:

@@ -52,8 +52,9 @@ class Context:
     def fingerprint(self, stage):
         c, p = self.cfg, self.profile
         if stage == "train":
-            sqs = [c.sqs] if c.model.family == "sqs" else []  # other families' fingerprints stay as they were
-            return fingerprint("train", c.seed, c.data, c.model, c.prior, c.train, *sqs)
+            # A family's own section counts for it only: other families' fingerprints stay as they were.
+            own = {"sqs": [c.sqs], "bn3": [c.nested], "fn3": [c.nested]}.get(c.model.family, [])
+            return fingerprint("train", c.seed, c.data, c.model, c.prior, c.train, *own)
         if stage == "select":
             return fingerprint("select", self.fingerprint("train"), c.select, c.export, p)
         if stage == "export":

@@ -4,7 +4,9 @@
 architecture is built from:
   - dnn:    plain nn.Linear / nn.Conv2d (+ nn.BatchNorm2d), the deterministic baseline;
   - bnn:    dense mean-field Gaussian layers (the SS-IG layer that is never pruned), the dense BNN baseline;
-  - ss-ig, ss-gl, ss-ghs: spike-and-slab layers over nodes and channels (paper 000).
+  - ss-ig, ss-gl, ss-ghs: spike-and-slab layers over nodes and channels (paper 000);
+  - bn3, fn3: nested layers with an ordering unit over groups of output channels (paper 002; the
+    network, NestedNet, is in train/nested.py).
 Architectures (edgebayes.train.zoo) only call the factory.
 
 `BayesianNet` wraps a network and answers the interface of ../shared/DESIGN.md:
@@ -30,9 +32,10 @@ from edgebayes.train.spike_slab import (
     SpikeSlabLinear,
     prior_inclusion_probability,
 )
+from edgebayes.train.nested import NESTED_FAMILIES, NestedConv2d, NestedLinear
 from edgebayes.train.zoo import ARCHITECTURES
 
-FAMILIES = ("dnn", "bnn") + PRIORS
+FAMILIES = ("dnn", "bnn") + PRIORS + NESTED_FAMILIES
 ACTIVATIONS = {"silu": nn.SiLU, "relu": nn.ReLU, "tanh": nn.Tanh}
 
 
@@ -44,14 +47,22 @@ class ConvNorm(nn.Sequential):
 
 
 class LayerFactory:
-    """Builds the layers of one family. `linear_inclusion(fan_in, units)` gives lambda_l of FC layers."""
+    """Builds the layers of one family. `linear_inclusion(fan_in, units)` gives lambda_l of FC layers.
 
-    def __init__(self, family, prior_cfg=None, global_scale=None, linear_inclusion=None, activation="silu"):
+    `prunable=False` marks a layer that is never pruned: no spike-and-slab selection, no nested dropout
+    (the output layer; VGG's first and dense layers). `truncates` (nested families only) names the layer
+    whose output channels a depthwise layer's mask also drops (MobileNetV2, see train/nested.py).
+    """
+
+    def __init__(self, family, prior_cfg=None, global_scale=None, linear_inclusion=None, activation="silu",
+                 nested_cfg=None):
         if family not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
         self.family, self.prior_cfg, self.global_scale = family, prior_cfg, global_scale
         self.linear_inclusion = linear_inclusion
         self.activation_name = activation
+        self.nested_cfg = nested_cfg
+        self._made = 0   # layers built so far: the first gets its own log alpha init (paper 002)
 
     def activation(self):
         return ACTIVATIONS[self.activation_name]()
@@ -64,17 +75,30 @@ class LayerFactory:
                     global_scale=self.global_scale, c_reg=p.c_reg,
                     noncentered=p.parameterization == "non-centered")
 
+    def _nested(self, prunable):
+        c, first = self.nested_cfg, self._made == 0
+        self._made += 1
+        return dict(groups=c.groups, fixed_groups=c.fixed_groups, nested=prunable, bayesian=self.family == "bn3",
+                    learned_order=self.family == "bn3", mubar_init=c.mubar_init, prior_keep_logit=c.prior_keep_logit,
+                    log_alpha_init=c.log_alpha_init_first if first else c.log_alpha_init)
+
     def linear(self, in_features, out_features, prunable=True):
         if self.family == "dnn":
             return nn.Linear(in_features, out_features)
+        if self.family in NESTED_FAMILIES:
+            return NestedLinear(in_features, out_features, **self._nested(prunable))
         lam = self.linear_inclusion(in_features, out_features) if prunable else 1.0
         return SpikeSlabLinear(in_features, out_features, **self._bayesian(prunable, lam))
 
     def conv(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, bias=True, norm=False,
-             prunable=True):
+             prunable=True, truncates=None):
         if self.family == "dnn":
             conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, groups=groups, bias=bias)
             return ConvNorm(conv, nn.BatchNorm2d(out_channels)) if norm else conv
+        if self.family in NESTED_FAMILIES:
+            return NestedConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, bias=bias,
+                                norm=nn.BatchNorm2d(out_channels) if norm else None, truncates=truncates,
+                                **self._nested(prunable))
         return SpikeSlabConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, bias=bias,
                                norm=nn.BatchNorm2d(out_channels) if norm else None,
                                **self._bayesian(prunable, self.prior_cfg.conv_inclusion))
@@ -174,8 +198,11 @@ class BayesianNet(nn.Module):
 
 
 def build_model(model_cfg, prior_cfg, input_shape, classes, n_train):
-    """Builder function: config -> network of the configured family and architecture."""
+    """Builder function: config -> network of the configured family and architecture.
+
+    The nested families need their own config section and training batches: train/nested.py build_nested."""
     if model_cfg.arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {model_cfg.arch!r}; available: {', '.join(ARCHITECTURES)}")
     return BayesianNet(model_cfg.arch, model_cfg.family, prior_cfg, input_shape, classes, n_train,
-                       activation=model_cfg.activation, hidden=model_cfg.hidden)
+                       activation=model_cfg.activation, hidden=model_cfg.hidden,
+                       width_multiplier=model_cfg.width_multiplier)

@@ -62,6 +62,9 @@ def model_for(cfg, splits):
     if cfg.model.family == "sqs":  # paper 001 wraps a trained dnn: train/sqs.py
         from edgebayes.train.sqs import build_sqs
         return build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
+    if cfg.model.family in ("bn3", "fn3"):  # paper 002's nested nets: train/nested.py
+        from edgebayes.train.nested import build_nested
+        return build_nested(cfg, splits)
     return build_model(cfg.model, cfg.prior, splits.input_shape, len(splits.classes), n_train=len(splits.train_x))
 
 
@@ -172,6 +175,8 @@ def train(cfg, splits, checkpoint_path, log=print):
                disable=not world.main)
     for epoch in bar:
         model.train()
+        if hasattr(model, "start_epoch"):  # per-epoch schedules of a family (nested: Downhill temperature)
+            model.start_epoch(epoch, cfg.train.epochs)
         t0 = time.perf_counter()
         sums = torch.zeros(2, device=device)  # epoch means of the NLL and the KL, summed on the device
         for x, y, batch in data.batches(epoch):

@@ -1,0 +1,450 @@
+"""Bayesian nested neural networks, BN3 (paper 002), and the fixed nested-dropout baseline FN3.
+
+The output channels (units) of a layer are split into D groups: channel c of C belongs to group
+floor(c D / C) (contiguous groups of C/D channels; a layer with C < D leaves some groups empty). The first
+F groups are fixed (always kept, "base features"); the other K = D - F are ordered by a variational
+ordering unit:
+
+  - posterior: conditional keep probabilities mu_j = sigmoid(mubar_j) (appendix 8.2 and footnote 3), mu_1 = 1,
+    mu_{K+1} = 0, mubar initialised at 3; beta_j = (1 - mu_{j+1}) prod_{k<=j} mu_k is the probability that
+    exactly the first j groups are kept (q(v_j), eq. 12), and P(z_j = 1) = prod_{k<=j} mu_k = sum_{v>=j} beta_v;
+  - Downhill sample (Property 1): g ~ Gumbel(0, 1), c = softmax((log beta + g) / tau), z_i = 1 - sum_{j<i} c_j
+    (the exclusive cumulative sum: z_1 = 1, z non-increasing in [0, 1]); tau is annealed during training;
+  - prior: the Bernoulli chain of eq. 1 with pi_1 = 1 and pi_j = sigmoid(prior_keep_logit) for j >= 2, so
+    p(v_j) = (1 - pi_{j+1}) prod_{k<=j} pi_k (eq. 12, 33), pi_{K+1} = 0.
+
+Weights carry multiplicative Gaussian noise w = theta (1 + sqrt(alpha) eps) (eq. 17) with the local
+reparameterization of eq. 21-22 (mean x theta, variance x^2 alpha theta^2); log alpha starts at -1, at -8 in
+the network's first layer (appendix 9.1). The sampled mask multiplies the layer's output channels (eq. 21,
+38), group-wise, one mask per example.
+
+KL of a nested layer (eq. 11) = Phi1 + Phi2, scaled by kappa (train.kl_weight) in the trainer:
+  - Phi1 = sum_j beta_j log(beta_j / p(v_j)) over the K ordered masks (eq. 12, 31);
+  - Phi2 = e^T K^1 J_L^T beta (eq. 15 with the zero component dropped: q(w | z = 0) is the prior's spike,
+    section 3.4), K^1_ij the KL of weight i of group j, from eq. 20:
+        -K^1_ij = a1 exp(-exp(a4) (a2 + a3 log alpha_ij)^2) - 0.5 log(1 + 1/alpha_ij) + C.
+    The fixed groups are kept with probability 1, so their weights count in full; a layer without nested
+    dropout (the output layer, VGG's first layer and dense layers) is a plain variational layer, KL sum_ij K^1_ij.
+
+Where this completes or deviates from the paper, and why:
+  - C of eq. 20 is not given. Here C = -a1, so K^1 = a1 - f(log alpha) > 0 for every alpha (the fitted curve
+    peaks below a1), as a KL must be: Phi2 then penalizes larger sub-networks, which is the ordered-l0
+    reading of appendix 7.3. Over the fitted range log alpha in [-5, 0.5] this K^1 lies within 0.1 nats of
+    Molchanov et al.'s approximation of the same eq. 19 (tests/test_nested.py checks it).
+  - The prior's pi is not given. Default: pi = sigmoid(3), the posterior's initial mu, so Phi1 = 0 at init.
+  - Biases are deterministic (the paper omits them, section 3.2) and carry no KL.
+  - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
+    (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
+  - The temperature schedule is not given: exponential per epoch from nested.temperature to
+    nested.temperature_min (start_epoch below), 0.3 -> 0.03 by default. Measured on digits (MLP 64x64,
+    kappa 0.01, 100 epochs): starting at 1 (-> 0.1) the soft "slope" masks of a high temperature rarely
+    truncate, and the narrowest width lost accuracy (0.936 vs 0.955 at 2 of 8 groups).
+  - In MobileNetV2 the ordering unit sits on the depthwise convolution of each inverted residual block
+    (appendix 9.1); since a depthwise channel reads exactly one expand channel, dropping it drops that
+    filter of the expand convolution too (`truncates`), which the paper states and surgery needs.
+
+FN3 (Cui et al. 2020, the paper's baseline) is the same network with a fixed nested-dropout distribution
+and deterministic weights: beta is uniform over the K tail indices (mubar_j = log(K - j + 1), not trained),
+masks are hard samples (the tau -> 0 limit, Property 2: z = v_b, b ~ Categorical(beta)), and there is no KL.
+
+Test time at width k (appendix 8.2, 9.2): keep the first k groups, scale group j's output by its keep
+probability P(z_j = 1) (1 for the fixed groups), draw the weights (one draw per posterior sample), and
+recollect the batch-norm statistics of that plain network on a few training batches (2 x 512 by default).
+`posterior_sample` returns that network with dense shapes and the masks of the kept channels; compress and
+surgery (export/) then remove the other channels physically.
+"""
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NESTED_FAMILIES = ("bn3", "fn3")
+
+# Eq. 20: the paper's fit of -KL(q(w | theta, alpha) || log-uniform) for multiplicative Gaussian noise.
+A1, A2, A3, A4 = 0.7294, -0.2041, 0.3492, 0.5387
+
+
+# ---------------------------------------------------------------------------------------------
+# The variational ordering unit
+# ---------------------------------------------------------------------------------------------
+def ordered_mask_log_probs(logits):
+    """log P(z = v_j), j = 1..K, of a Bernoulli chain whose conditional keep probabilities are
+    sigmoid(logits) for j = 2..K (K - 1 logits); mu_1 = 1 and mu_{K+1} = 0 (eq. 12, 33)."""
+    zero = logits.new_zeros(1)
+    log_keep = torch.cat([zero, F.logsigmoid(logits)])         # log mu_1 .. log mu_K
+    log_stop = torch.cat([F.logsigmoid(-logits), zero])        # log (1 - mu_2) .. log (1 - mu_{K+1})
+    return torch.cumsum(log_keep, 0) + log_stop
+
+
+def keep_probabilities(logits):
+    """P(z_j = 1) = prod_{k<=j} mu_k, j = 1..K (appendix 8.2's scaling factor)."""
+    return torch.exp(torch.cumsum(torch.cat([logits.new_zeros(1), F.logsigmoid(logits)]), 0))
+
+
+def downhill_sample(log_beta, temperature, shape=(), generator=None, hard=False):
+    """Samples of Downhill(beta, tau) (Property 1), shape (*shape, K): non-increasing, in [0, 1], z_1 = 1.
+
+    hard=True is the tau -> 0 limit (Property 2): c is one-hot at argmax(log beta + g), z an ordered mask.
+    """
+    u = torch.rand(tuple(shape) + tuple(log_beta.shape), generator=generator, dtype=log_beta.dtype,
+                   device=log_beta.device).clamp(1e-10, 1 - 1e-7)
+    scores = log_beta - torch.log(-torch.log(u))
+    if hard:
+        c = F.one_hot(scores.argmax(-1), log_beta.numel()).to(log_beta.dtype)
+    else:
+        c = torch.softmax(scores / temperature, -1)
+    return (1 - (torch.cumsum(c, -1) - c)).clamp(0, 1)
+
+
+def phi1(log_beta, log_prior):
+    """Phi1 = sum_j beta_j log(beta_j / p(v_j)) (eq. 12, 31)."""
+    return (log_beta.exp() * (log_beta - log_prior)).sum()
+
+
+def phi2(group_kl, log_beta):
+    """Phi2 = e^T K^1 J_L^T beta (eq. 15, zero component dropped); group_kl = e^T K^1, one entry per group."""
+    k = log_beta.numel()
+    lower = torch.tril(torch.ones(k, k, dtype=log_beta.dtype, device=log_beta.device))   # J_L
+    return group_kl @ (lower.T @ log_beta.exp())
+
+
+def weight_kl(log_alpha):
+    """K^1 of every weight: -(eq. 20) with C = -a1 (module docstring), positive for every alpha."""
+    bump = A1 * torch.exp(-math.exp(A4) * (A2 + A3 * log_alpha) ** 2)
+    return A1 - bump + 0.5 * F.softplus(-log_alpha)   # 0.5 log(1 + 1/alpha) = 0.5 softplus(-log alpha)
+
+
+class OrderingUnit(nn.Module):
+    """q(z | beta) over K ordered groups (learned, BN3) or a fixed nested-dropout distribution (FN3)."""
+
+    def __init__(self, k, mubar_init=3.0, prior_keep_logit=3.0, learned=True):
+        super().__init__()
+        self.k, self.learned = k, learned
+        if learned:
+            self.mubar = nn.Parameter(torch.full((k - 1,), float(mubar_init)))
+        else:  # uniform beta_j = 1/K: mu_j = (K - j + 1) / (K - j + 2), logit log(K - j + 1), j = 2..K
+            self.register_buffer("mubar", torch.log(torch.arange(k - 1, 0, -1, dtype=torch.float32)))
+        self.register_buffer("prior_logits", torch.full((k - 1,), float(prior_keep_logit)), persistent=False)
+
+    def log_beta(self):
+        return ordered_mask_log_probs(self.mubar)
+
+    def keep_probability(self):
+        return keep_probabilities(self.mubar)
+
+    def sample(self, batch, temperature, generator=None):
+        return downhill_sample(self.log_beta(), temperature, (batch,), generator, hard=not self.learned)
+
+    def kl(self):
+        return phi1(self.log_beta(), ordered_mask_log_probs(self.prior_logits))
+
+
+# ---------------------------------------------------------------------------------------------
+# Nested layers
+# ---------------------------------------------------------------------------------------------
+class NestedLayer(nn.Module):
+    """Shared machinery; subclasses give the affine op and the weight shape (output channels on dim 0).
+
+    nested=False: a variational layer without ordering unit (all channels always kept).
+    bayesian=False (FN3): deterministic weights, no KL.
+    """
+
+    def __init__(self, weight_shape, fan_in, *, groups, fixed_groups, nested, bayesian, learned_order,
+                 log_alpha_init, mubar_init, prior_keep_logit, bias=True, norm=None, truncates=None):
+        super().__init__()
+        channels = weight_shape[0]
+        if nested and not 0 <= fixed_groups < groups:
+            raise ValueError(f"fixed groups must lie in [0, groups), got {fixed_groups} of {groups}")
+        self.nested, self.bayesian = nested, bayesian
+        self.prunable = nested  # read by the trainer's mean_inclusion record
+        self.groups, self.fixed_groups = groups, fixed_groups
+        self.theta = nn.Parameter(torch.empty(weight_shape))
+        nn.init.kaiming_uniform_(self.theta, a=math.sqrt(5))   # as nn.Linear / nn.Conv2d
+        if bayesian:
+            self.log_alpha = nn.Parameter(torch.full(weight_shape, float(log_alpha_init)))
+        if bias:
+            bound = 1 / math.sqrt(fan_in)
+            self.bias = nn.Parameter(torch.empty(channels).uniform_(-bound, bound))
+        else:
+            self.register_parameter("bias", None)
+        self.norm = norm
+        self.register_buffer("group", torch.arange(channels) * groups // channels, persistent=False)
+        if nested:
+            self.ordering = OrderingUnit(groups - fixed_groups, mubar_init, prior_keep_logit, learned_order)
+        self.temperature = 1.0
+        self.width = groups                     # evaluation width (groups kept)
+        self.__dict__["truncates"] = truncates  # a layer whose output channels this one's mask also drops
+
+    # -- posterior quantities ---------------------------------------------------------------------
+    def group_keep_probability(self):
+        """P(z_j = 1) per group: 1 for the fixed groups (and every group of a layer without nested dropout)."""
+        ones = self.theta.new_ones(self.fixed_groups if self.nested else self.groups)
+        return torch.cat([ones, self.ordering.keep_probability()]) if self.nested else ones
+
+    def inclusion_probability(self):
+        """P(z = 1) per channel."""
+        return self.group_keep_probability()[self.group]
+
+    def kept_channels(self, width):
+        """Channels of the first `width` groups (all of them in a layer without nested dropout)."""
+        if not self.nested:
+            return torch.ones(self.group.numel(), dtype=torch.bool, device=self.group.device)
+        return self.group < width
+
+    def channel_scale(self, width):
+        """Appendix 8.2: P(z_j = 1) on the kept channels, exactly 0 on the others."""
+        return self.inclusion_probability() * self.kept_channels(width)
+
+    def sample_weight(self, generator=None):
+        """One draw w = theta (1 + sqrt(alpha) eps) (eq. 17); theta itself for deterministic weights."""
+        if not self.bayesian:
+            return self.theta
+        eps = torch.randn(self.theta.shape, generator=generator, dtype=self.theta.dtype, device=self.theta.device)
+        return self.theta * (1 + torch.exp(0.5 * self.log_alpha) * eps)
+
+    # -- KL -----------------------------------------------------------------------------------
+    def kl(self):
+        if not self.bayesian:
+            return self.theta.new_zeros(())
+        per_channel = weight_kl(self.log_alpha).flatten(1).sum(1)
+        if not self.nested:
+            return per_channel.sum()
+        per_group = per_channel.new_zeros(self.groups).index_add(0, self.group, per_channel)
+        f = self.fixed_groups
+        return per_group[:f].sum() + phi2(per_group[f:], self.ordering.log_beta()) + self.ordering.kl()
+
+    # -- forward -------------------------------------------------------------------------------
+    def _affine(self, x, weight, bias):
+        raise NotImplementedError
+
+    def _channel_view(self, v, ndim):
+        """(batch, C) or (C,) -> broadcastable over an output of `ndim` dimensions (channels on dim 1)."""
+        return v.view(tuple(v.shape) + (1,) * (ndim - 2)) if v.dim() == 2 else v.view((1, -1) + (1,) * (ndim - 2))
+
+    def forward(self, x):
+        if self.training:
+            out = self._affine(x, self.theta, self.bias)
+            if self.bayesian:  # local reparameterization, eq. 21-22
+                var = self._affine(x * x, torch.exp(self.log_alpha) * self.theta ** 2, None)
+                out = out + torch.sqrt(var + 1e-16) * torch.randn_like(out)
+            if self.norm is not None:
+                out = self.norm(out)
+            if self.nested:
+                z = self.ordering.sample(x.shape[0], self.temperature)                # (batch, K)
+                z = torch.cat([z.new_ones(x.shape[0], self.fixed_groups), z], 1)     # (batch, D)
+                out = out * self._channel_view(z[:, self.group], out.dim())
+            return out
+        # Evaluation: one weight draw per call at the set width, rescaled (appendix 8.2).
+        scale = self.channel_scale(self.width)
+        if self.norm is None:
+            w = self.sample_weight() * scale.view((-1,) + (1,) * (self.theta.dim() - 1))
+            return self._affine(x, w, None if self.bias is None else self.bias * scale)
+        out = self.norm(self._affine(x, self.sample_weight(), self.bias))
+        return out * self._channel_view(scale, out.dim())
+
+
+class NestedLinear(NestedLayer):
+    def __init__(self, in_features, out_features, **kw):
+        super().__init__((out_features, in_features), in_features, **kw)
+        self.in_features, self.out_features = in_features, out_features
+
+    def _affine(self, x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, nested={self.nested}, bayesian={self.bayesian}"
+
+
+class NestedConv2d(NestedLayer):
+    """`conv_groups` is the convolution's own groups argument (depthwise: = channels); `groups` is D."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, conv_groups=1, **kw):
+        k = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+        super().__init__((out_channels, in_channels // conv_groups) + k, in_channels // conv_groups * k[0] * k[1],
+                         **kw)
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, k
+        self.stride, self.padding, self.conv_groups = stride, padding, conv_groups
+
+    def _affine(self, x, weight, bias):
+        return F.conv2d(x, weight, bias, self.stride, self.padding, 1, self.conv_groups)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"groups={self.conv_groups}, nested={self.nested}, bayesian={self.bayesian}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch-norm statistics at a width (appendix 9.2)
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def recollect_batch_norm(module, x, batch_size=512):
+    """Re-estimate every batch norm's running mean and variance of `module` on the inputs x.
+
+    Cumulative averages (momentum None) over the batches, each batch norm in training mode and the rest
+    in evaluation mode; the module is left in evaluation mode. A no-op without batch norms.
+    """
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return module.eval()
+    module.eval()
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+        m.train()
+    for i in range(0, len(x), batch_size):
+        module(x[i: i + batch_size])
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+    return module.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# The network
+# ---------------------------------------------------------------------------------------------
+class NestedNet(nn.Module):
+    """A nested network (BN3 or FN3) with the interface of the later stages (train/models.py).
+
+    knob = width, the number of groups kept in every nested layer (1..D); operating points are widths.
+    `calibration_x` holds the training inputs whose batches recollect the batch-norm statistics of every
+    posterior sample (not saved in checkpoints: build_nested takes them from the training split again).
+    """
+
+    knob = "width"
+
+    def __init__(self, arch, family, nested_cfg, input_shape, classes, activation="silu", calibration_x=None,
+                 bn_batch_size=512, **arch_kw):
+        super().__init__()
+        from edgebayes.train.models import LayerFactory
+        from edgebayes.train.zoo import ARCHITECTURES
+
+        if family not in NESTED_FAMILIES:
+            raise ValueError(f"unknown nested family {family!r}; expected one of {NESTED_FAMILIES}")
+        self.family, self.input_shape, self.classes = family, tuple(input_shape), classes
+        self.groups, self.fixed_groups = nested_cfg.groups, nested_cfg.fixed_groups
+        self.temperature, self.temperature_min = nested_cfg.temperature, nested_cfg.temperature_min
+        self.default_knob = self.groups
+        self.bn_batch_size = bn_batch_size
+        self._build_plain = lambda: ARCHITECTURES[arch](LayerFactory("dnn", activation=activation),
+                                                        input_shape, classes, **arch_kw)
+        self.net = ARCHITECTURES[arch](LayerFactory(family, nested_cfg=nested_cfg, activation=activation),
+                                       input_shape, classes, **arch_kw)
+        self.register_buffer("calibration_x", calibration_x, persistent=False)
+        self.set_temperature(self.temperature)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def nested_layers(self):
+        """(name, layer) of every variational / nested layer, in module order."""
+        return [(n, m) for n, m in self.net.named_modules() if isinstance(m, NestedLayer)]
+
+    bayesian_layers = nested_layers   # the name the trainer's per-epoch record reads
+
+    def kl(self):
+        return sum((layer.kl() for _, layer in self.nested_layers()), torch.zeros((), device=self._device()))
+
+    def _device(self):
+        return next(self.parameters()).device
+
+    # -- training schedule ----------------------------------------------------------------------
+    def temperature_at(self, epoch, epochs):
+        """Exponential annealing from nested.temperature (first epoch) to nested.temperature_min (last)."""
+        progress = epoch / max(1, epochs - 1)
+        return self.temperature * (self.temperature_min / self.temperature) ** progress
+
+    def set_temperature(self, tau):
+        for _, layer in self.nested_layers():
+            layer.temperature = float(tau)
+
+    def start_epoch(self, epoch, epochs):
+        """Called by the trainer before each epoch (0-based): anneal the Downhill temperature."""
+        self.set_temperature(self.temperature_at(epoch, epochs))
+
+    # -- the deploy interface ---------------------------------------------------------------------
+    def set_width(self, width):
+        for _, layer in self.nested_layers():
+            layer.width = int(width)
+
+    def operating_points(self, values=None):
+        """The widths to try: integers in 1..D. Default: 8 widths spread over F+1..D (D included)."""
+        if values is None:
+            return sorted({int(round(v)) for v in np.linspace(self.fixed_groups + 1, self.groups, 8)})
+        bad = [v for v in values if v != int(v) or not 1 <= v <= self.groups]
+        if bad:
+            raise ValueError(f"widths must be whole numbers of groups in 1..{self.groups}, got {bad}")
+        return [int(v) for v in values]
+
+    @staticmethod
+    def _plain_name(name, layer):
+        return f"{name}.conv" if layer.norm is not None else name
+
+    def _truncated(self):
+        """{plain name of a layer: the nested layer whose mask also drops its output channels}."""
+        names = {id(m): n for n, m in self.nested_layers()}
+        return {self._plain_name(names[id(layer.truncates)], layer.truncates): layer
+                for _, layer in self.nested_layers() if layer.truncates is not None}
+
+    def kept_units(self, width):
+        """{plain Linear/Conv2d name: boolean mask of kept outputs} at this width, in module order."""
+        own = {self._plain_name(n, m): m.kept_channels(width).cpu() for n, m in self.nested_layers()}
+        own.update({name: layer.kept_channels(width).cpu() for name, layer in self._truncated().items()})
+        return {name: own.get(name, torch.ones(m.weight.shape[0], dtype=torch.bool))
+                for name, m in self._build_plain().named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+
+    @torch.no_grad()
+    def posterior_sample(self, width, generator=None):
+        """One posterior sample at a width as a plain module with dense shapes, and its kept masks.
+
+        Weights drawn once (eq. 17), channels beyond the width exactly zero (weights, bias and batch-norm
+        scale and shift), kept channels scaled by P(z_j = 1), batch-norm statistics recollected.
+        """
+        width = self.operating_points([width])[0]
+        plain = self._build_plain()
+        own, target = self.net.state_dict(), plain.state_dict()
+        plain.load_state_dict({k: (own[k] if k in own and own[k].shape == v.shape else v) for k, v in target.items()})
+        for name, layer in self.nested_layers():
+            affine = plain.get_submodule(self._plain_name(name, layer))
+            scale = layer.channel_scale(width)
+            weight = layer.sample_weight(generator).to(affine.weight.device)
+            if layer.norm is None:   # scale folded into the affine map
+                affine.weight.copy_(weight * scale.view((-1,) + (1,) * (weight.dim() - 1)))
+                if layer.bias is not None:
+                    affine.bias.copy_(layer.bias * scale)
+            else:                    # scale after the batch norm: folded into its affine parameters
+                keep = layer.kept_channels(width).to(weight.dtype)
+                affine.weight.copy_(weight * keep.view((-1,) + (1,) * (weight.dim() - 1)))
+                if layer.bias is not None:
+                    affine.bias.copy_(layer.bias * keep)
+                norm = plain.get_submodule(f"{name}.norm")
+                norm.weight.mul_(scale)
+                norm.bias.mul_(scale)
+        for name, layer in self._truncated().items():   # e.g. MobileNetV2's expand conv before a depthwise
+            keep = layer.kept_channels(width).float()
+            self._drop_outputs(plain, name, keep)
+        if self.calibration_x is not None:
+            recollect_batch_norm(plain, self.calibration_x.cpu(), self.bn_batch_size)
+        return plain.cpu().eval(), self.kept_units(width)
+
+    @staticmethod
+    def _drop_outputs(plain, name, keep):
+        affine = plain.get_submodule(name)
+        affine.weight.mul_(keep.view((-1,) + (1,) * (affine.weight.dim() - 1)))
+        if affine.bias is not None:
+            affine.bias.mul_(keep)
+        if name.endswith(".conv"):
+            norm = plain.get_submodule(name[: -len(".conv")] + ".norm")
+            norm.weight.mul_(keep)
+            norm.bias.mul_(keep)
+
+
+def build_nested(cfg, splits):
+    """Builder: config + data splits -> NestedNet (the calibration batches are the training split's first rows)."""
+    n = cfg.nested
+    calibration = splits.train_x[: n.bn_batches * n.bn_batch_size]
+    return NestedNet(cfg.model.arch, cfg.model.family, n, splits.input_shape, len(splits.classes),
+                     activation=cfg.model.activation, calibration_x=calibration, bn_batch_size=n.bn_batch_size,
+                     hidden=cfg.model.hidden, width_multiplier=cfg.model.width_multiplier)
