@@ -12,7 +12,7 @@ ai-edge-litert. Target: packed at M = 8 at most 0.6x the unrolled latency on onn
 Packing saves per-operator dispatch (one operator per layer instead of M), so it pays where that
 dominates: the pruned nets. The dense LeNet's fc1 at M = 8 streams 8 x 1.6 MB of weights per inference
 and its grouped conv2 is not moved to onnxruntime's NCHWc kernels (the unrolled M convolutions are), so
-there the two layouts do nearly the same memory-bound work. At M = 1 export uses the plain graph for both
+there the two layouts do nearly the same memory-bound work (0.87x measured, against 0.51x for the pruned LeNet). At M = 1 export uses the plain graph for both
 layouts (packed.mc_graph), so the M = 1 rows compare a graph with itself."""
 
 import tempfile
