@@ -6,9 +6,12 @@ report with --force (training is reused if up to date), and read from the report
 predicted latency (the table fit) against the latency the deployment measured, at the budget's
 percentile. Target (issue 7): |error| < 25 % on this machine, for `local` and `ssh-localhost`.
 
-    flock /tmp/edgebayes-bench.lock .venv/bin/python benchmarks/latency_prediction.py local ssh-localhost
+    flock /tmp/edgebayes-bench.lock .venv/bin/python benchmarks/latency_prediction.py local ssh-localhost \
+        --repeats 5 --out benchmarks/results/latency_prediction.json
 
-Writes runs/benchmarks/latency_prediction.json (machine, commit and versions in `provenance`).
+--repeats runs the whole profile -> deploy -> report cycle that many times per device (the machine's own
+noise is the point). Writes --out (default runs/benchmarks/latency_prediction.json) with machine, commit
+and versions in `provenance`.
 """
 
 import argparse
@@ -45,10 +48,13 @@ def main(argv=None):
     parser.add_argument("devices", nargs="+")
     parser.add_argument("--config", default="pipeline.yaml")
     parser.add_argument("--runs-dir", default="runs")
+    parser.add_argument("--repeats", type=int, default=1, help="profile -> deploy -> report cycles per device")
+    parser.add_argument("--out", default=None, help="results JSON (default <runs-dir>/benchmarks/latency_prediction.json)")
     args = parser.parse_args(argv)
-    rows = [run(d, args.config, args.runs_dir) for d in args.devices]
-    out = Path(args.runs_dir) / "benchmarks" / "latency_prediction.json"
-    write_json(out, {"target_abs_error": TARGET, "results": rows, "provenance": provenance(None)})
+    rows = [run(d, args.config, args.runs_dir) for _ in range(args.repeats) for d in args.devices]
+    out = Path(args.out or Path(args.runs_dir) / "benchmarks" / "latency_prediction.json")
+    write_json(out, {"target_abs_error": TARGET, "config": args.config, "results": rows,
+                     "provenance": provenance(None)})
     for r in rows:
         print(f"{r['device']}: chosen {r['chosen']}; p{r['percentile']} predicted {r['predicted_ms']:.4f} ms, "
               f"measured {r['measured_ms']:.4f} ms, error {100 * r['error']:+.1f} % "

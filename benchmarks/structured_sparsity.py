@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from edgebayes.config import load_device_profile, load_pipeline_config
-from edgebayes.deploy.runner import make_backend, measure_latency
+from edgebayes.deploy.runner import make_backend, measure_rounds
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.provenance import provenance, write_json
 from edgebayes.stages import Context, load_trained_model, run_stage, splits_for
@@ -61,7 +61,7 @@ def onnx_latency_ms(module, example, repeats=5):
         export_onnx(module, example, path)
         backend = make_backend("onnxruntime", str(path), threads=2)
         batch = example.numpy()
-        p50s = [measure_latency(backend, batch, warmup=50, min_runs=300, min_seconds=1.0, progress=False)
+        p50s = [measure_rounds(backend, batch, warmup=50, min_runs=300, min_seconds=1.0, progress=False)
                 ["latency_ms"]["p50"] for _ in range(repeats)]
     return statistics.median(p50s)
 

@@ -224,7 +224,7 @@ def test_unreachable_measure_device_falls_back_to_its_table(trained_runs, ssh_de
     code, _, err = cli(capsys, "select", "--config", CONFIG, "--device", device, "--runs-dir", trained_runs)
     assert code == 1 and "host unreachable" in err and "devices profile" in err   # no table: nothing to predict
     table = tmp_path / "table.json"
-    rows = [{"id": f"r{g}", "precision": "fp32", "gemms": g, "flops": 1000 * g, "params": 1000 * g,
+    rows = [{"id": f"r{g}", "precision": "fp32", "operators": g, "flops": 1000 * g, "params": 1000 * g,
              "latency_ms": {"p50": 0.01 * g, "p90": 0.012 * g, "p99": 0.02 * g, "mean": 0.011 * g}}
             for g in (3, 6, 12, 24)]
     table.write_text(json.dumps({"batch_size": 1, "rows": rows}))
@@ -237,7 +237,7 @@ def test_unreachable_measure_device_falls_back_to_its_table(trained_runs, ssh_de
     choice = json.loads((trained_runs / "digits-ssgl/select/down/choice.json").read_text())
     cost = choice["candidate"]["cost"]
     assert cost["latency_source"].startswith("predicted (table fit")
-    assert cost["latency_ms"] == pytest.approx(0.012 * cost["gemms"], rel=1e-6)   # the table is exactly linear
+    assert cost["latency_ms"] == pytest.approx(0.012 * cost["operators"], rel=1e-6)   # the table is exactly linear
 
 
 def test_two_profiles_with_different_budgets_choose_different_points(trained_runs, capsys):
@@ -319,12 +319,15 @@ def test_runner_times_models_in_interleaved_rounds(tmp_path):
         {"id": "small", "file": "m0.onnx"}, {"id": "big", "file": "m1.onnx", "runtime": "onnxruntime"}]}))
     out = tmp_path / "out.json"
     assert runner_main(["--time-models", str(tmp_path / "spec.json"), "--out", str(out), "--warmup", "2",
-                        "--min-runs", "30", "--min-seconds", "0", "--threads", "1", "--tag", "device=t"]) == 0
+                        "--min-runs", "30", "--min-seconds", "0", "--rounds", "3", "--threads", "1",
+                        "--tag", "device=t"]) == 0
     res = json.loads(out.read_text())
     assert [m["id"] for m in res["models"]] == ["small", "big"]
     for m in res["models"]:
         assert m["runs"] >= 30 and m["rounds"] == 3
         assert 0 < m["latency_ms"]["p50"] <= m["latency_ms"]["p90"] <= m["latency_ms"]["p99"]
+        assert m["latency_ms"]["p90"] == min(r["p90"] for r in m["round_ms"]) and len(m["round_ms"]) == 3
+    assert res["protocol"]["rounds"] == 3
     assert res["tags"] == {"device": "t"} and res["protocol"]["threads"] == 1 and res["runtime"]["name"] == "onnxruntime"
     assert runner_main(["--time-models", str(tmp_path / "nope.json"), "--out", str(out)]) == 1
 

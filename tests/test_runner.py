@@ -122,7 +122,8 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
 
     lat = res["latency_ms"]
     assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
-    assert res["runs"] >= 5 and res["seconds"] >= 0.02
+    assert res["runs"] >= 5 and res["seconds"] >= 0.02 and res["rounds"] == runner.DEFAULT_ROUNDS
+    assert lat["p90"] == pytest.approx(min(r["p90"] for r in res["latency_rounds_ms"]))
     assert res["warmup"] == 2 and res["batch_size"] == 3
     assert res["throughput_per_s"] == pytest.approx(3 * res["runs"] / res["seconds"])
     assert res["peak_rss_mb"] > 1
@@ -134,6 +135,23 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
     assert res["max_abs_prob_diff"] < 1e-5
     assert res["started_at"] <= res["finished_at"]
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]  # atomic write cleaned up
+
+
+def test_latency_is_the_best_rounds_so_slow_spells_move_nothing_unless_they_cover_every_round():
+    rng = np.random.default_rng(0)
+    fast = [{"samples_ms": list(0.020 + 0.002 * rng.random(500)), "runs": 500, "seconds": 0.01} for _ in range(3)]
+    slow = [{"samples_ms": list(0.040 + 0.004 * rng.random(500)), "runs": 500, "seconds": 0.02} for _ in range(3)]
+    summary = runner.latency_summary(fast[:1] + slow[:1] + fast[1:2] + slow[1:], batch_size=1)
+    calm = runner.latency_summary(fast, batch_size=1)
+    assert summary["latency_ms"]["p90"] == pytest.approx(calm["latency_ms"]["p90"], rel=0.02)
+    assert summary["latency_ms_median"]["p90"] > 0.039   # 3 of 5 rounds in the spell: the median round
+    assert summary["latency_ms_pooled"]["p90"] > 0.039   # and the pooled samples are the spell's,
+    assert summary["spread"]["p90"] > 0.8                # and the rounds' range shows it
+    assert calm["spread"]["p90"] < 0.15
+    assert runner.latency_summary(slow, batch_size=1)["latency_ms"]["p90"] > 0.04   # a spell over all rounds
+    assert summary["rounds"] == 5 and summary["runs"] == 2500
+    assert summary["throughput_per_s"] == pytest.approx(2500 / 0.08)
+    assert len(summary["round_ms"]) == 5 and summary["round_ms"][1]["p50"] > 0.04
 
 
 def test_progress_goes_to_stderr_unless_quiet(bundle, tmp_path, capsys):

@@ -65,7 +65,7 @@ def _devices(args):
           f"batch {table['batch_size']})")
     for key, fit in table["fit"].items():
         c = fit["coefficients"]
-        print(f"  {key}: latency_ms = {c[0]:.4f} + {c[1]:.4f} x gemms + {c[2]:.4f} x MFLOPs + {c[3]:.4f} x param MB"
+        print(f"  {key}: latency_ms = {c[0]:.4f} + {c[1]:.4f} x operators + {c[2]:.4f} x MFLOPs + {c[3]:.4f} x param MB"
               f"  (max in-sample error {100 * fit['max_relative_error']:.1f} %)")
     print(f"devices profile: table written to {path}")
     return 0

@@ -164,6 +164,7 @@ class BenchmarkConfig:
     warmup: int = 20
     min_runs: int = 200
     min_seconds: float = 1.0
+    rounds: int = 10         # the runner reports each percentile as its best round's (runner.latency_summary)
 
 
 @dataclass
@@ -399,6 +400,8 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check_sqs(cfg.sqs, p)
     _check_nested(cfg.nested, p)
     _check(cfg.benchmark.min_runs > 0, f"{p}: benchmark.min_runs", "expected a positive integer")
+    _check(cfg.benchmark.rounds > 0, f"{p}: benchmark.rounds", "expected a positive integer")
+    _check(cfg.benchmark.min_seconds >= 0, f"{p}: benchmark.min_seconds", "expected a number >= 0")
     return cfg
 
 

@@ -9,10 +9,11 @@ Three sources, in the order selection prefers them (device profile key `latency_
    precision the runtime takes) and stores them in a table. Latency at each percentile is then fitted by
    non-negative least squares on relative error,
 
-       latency ~ c0 + c1 * gemms + c2 * MFLOPs + c3 * parameter MB,
+       latency ~ c0 + c1 * operators + c2 * MFLOPs + c3 * parameter MB,
 
-   gemms = the matrix-product operators one inference dispatches (per-operator cost dominates small
-   models; `gemm_ops`: M x layers in the unrolled layout, layers in the packed one), MFLOPs = paper FLOPs
+   operators = the operators one inference dispatches, counted in the exported file (`operator_count`;
+   per-operator cost dominates small models, and it is what separates M = 1's plain graph from the
+   packed one's reshapes, or the unrolled layout's M branches, at equal FLOPs), MFLOPs = paper FLOPs
    (appendix A.1, multiplies) x batch size, parameter MB = kept weights x bytes per value. Tables live in
    runs/devices/<device>/latency_table.json (this machine's measurements; not in git) or, for boards
    measured elsewhere, devices/profiles/<device>.json (shipped); `latency_model.table` names another file.
@@ -48,15 +49,25 @@ class LatencyModelError(StageError):
     pass
 
 
-def gemm_ops(layers, mc_samples, layout):
-    """Matrix-product operators per inference: the packed layout runs the M samples of a layer as one
-    grouped operator (export/packed.py), the unrolled one as M."""
-    return layers if layout == "packed" else mc_samples * layers
+def operator_count(path):
+    """Operators an inference with the exported file dispatches: the ONNX graph's nodes (Constant and
+    Identity nodes hold no work), or the TFLite model's ops. A TensorRT format ships ONNX, counted as such."""
+    path = Path(path)
+    if path.suffix == ".onnx":
+        import onnx
+
+        return sum(n.op_type not in ("Constant", "Identity") for n in onnx.load(str(path)).graph.node)
+    if path.suffix == ".tflite":
+        from edgebayes.deploy.runner import _tflite_interpreter
+
+        interpreter_class, _, _ = _tflite_interpreter()
+        return len(interpreter_class(model_path=str(path))._get_ops_details())
+    raise LatencyModelError(f"{path}: cannot count the operators of a {path.suffix or 'suffix-less'} file")
 
 
-def features(gemms, flops, param_count, precision, batch_size):
+def features(operators, flops, param_count, precision, batch_size):
     """The regressors of the table model for one operating point (see the module docstring)."""
-    return [1.0, float(gemms), flops * batch_size / 1e6, param_count * BYTES_PER_VALUE[precision] / 1e6]
+    return [1.0, float(operators), flops * batch_size / 1e6, param_count * BYTES_PER_VALUE[precision] / 1e6]
 
 
 def table_path(profile, runs_dir):
@@ -77,7 +88,7 @@ class TablePredictor:
         self.coefs, self.fit_error = {}, {}
         for precision in sorted({r["precision"] for r in table["rows"]}):
             rows = [r for r in table["rows"] if r["precision"] == precision]
-            x = np.array([features(r["gemms"], r["flops"], r["params"], precision, self.batch_size) for r in rows])
+            x = np.array([features(r["operators"], r["flops"], r["params"], precision, self.batch_size) for r in rows])
             for p in PERCENTILES:
                 y = np.array([r["latency_ms"][p] for r in rows])
                 # Divide each row by its latency: least squares on relative error, so the small models that
@@ -94,7 +105,7 @@ class TablePredictor:
             raise LatencyModelError(f"{path}: not a readable latency table ({e}); re-run "
                                     "`edgebayes devices profile`") from None
 
-    def predict(self, gemms, flops, params, precision, percentile, batch_size):
+    def predict(self, operators, flops, params, precision, percentile, batch_size):
         key = (precision, f"p{percentile}")
         if key not in self.coefs:
             raise LatencyModelError(f"{self.path} has no {precision} measurements; re-run `edgebayes devices "
@@ -102,7 +113,7 @@ class TablePredictor:
         if batch_size != self.batch_size:
             raise LatencyModelError(f"{self.path} was measured at batch size {self.batch_size}, the budget is "
                                     f"for batch size {batch_size}; re-run `edgebayes devices profile`")
-        return float(np.dot(features(gemms, flops, params, precision, batch_size), self.coefs[key]))
+        return float(np.dot(features(operators, flops, params, precision, batch_size), self.coefs[key]))
 
     def describe(self):
         return f"predicted (table fit, {self.path.name})"
@@ -112,7 +123,7 @@ class FlopsPredictor:
     def __init__(self, lm):
         self.lm = lm
 
-    def predict(self, gemms, flops, params, precision, percentile, batch_size):
+    def predict(self, operators, flops, params, precision, percentile, batch_size):
         return self.lm.overhead_ms + 1000.0 * flops * batch_size / self.lm.flops_per_second
 
     def describe(self):
@@ -159,7 +170,8 @@ def measure_models(transport, profile, models, example, bench, log=print):
         log(f"timing {len(models)} models on {profile.name} ({transport.where()})")
         code, err = transport.run(["runner.py", "--time-models", "timing/spec.json", "--out", "timing/results.json",
                                    "--warmup", bench["warmup"], "--min-runs", bench["min_runs"],
-                                   "--min-seconds", bench["min_seconds"], "--threads", profile.runtime.threads,
+                                   "--min-seconds", bench["min_seconds"], "--rounds", bench["rounds"],
+                                   "--threads", profile.runtime.threads,
                                    "--tag", f"device={profile.name}", "--quiet"])
         if code != 0:
             raise TransportError(transport.disk_full(err) or f"the runner failed on device {profile.name} "
@@ -209,7 +221,7 @@ def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
                                            example, example, cfg.export.opset, layout=cfg.export.layout)
                     rows.append({"id": ident, "format": fmt.name, "precision": fmt.precision, "widths": widths,
                                  "mc_samples": m, "layout": cfg.export.layout,
-                                 "gemms": gemm_ops(len(widths) - 1, m, cfg.export.layout),
+                                 "operators": operator_count(path),
                                  "flops": m * paper_flops(samples[0], (in_features,)),
                                  "params": m * count_weights(samples[0])})
                     models.append((ident, path, fmt.runtime))

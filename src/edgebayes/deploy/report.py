@@ -266,9 +266,12 @@ def _summarize(d: dict) -> dict:
     # chosen point, at the budget's percentile: how far the latency model can be trusted on this device.
     predicted = _num(_get(chosen, "cost", "predicted_latency_ms"))
     error = None if predicted is None or not lat_measured else (predicted - lat_measured) / lat_measured
+    # The measurement's own noise: the range of the benchmark rounds' percentiles relative to their median.
+    spread = _num(_get(results, "latency_spread", lat_key)) if lat_key else None
     latency_prediction = {"percentile": budgets.get("percentile"), "predicted_ms": predicted,
                           "predicted_by": _get(chosen, "cost", "predicted_by"), "measured_ms": lat_measured,
-                          "error": error, "abs_error": None if error is None else abs(error)}
+                          "error": error, "abs_error": None if error is None else abs(error),
+                          "measurement_spread": spread}
 
     return {
         "run_name": d.get("run_name"),
@@ -711,6 +714,8 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
         ["predicted for the chosen point", _e(_fmt(lp["predicted_ms"], "ms") + (f" ({lp['predicted_by']})" if lp["predicted_by"] else ""))],
         ["measured on the device (deployment)", _e(_fmt(lp["measured_ms"], "ms"))],
         ["error (predicted - measured) / measured", _e(NA if lp["error"] is None else f"{100 * lp['error']:+.1f} %")],
+        ["measurement spread (range of the rounds' values / best round)",
+         _e(NA if lp.get("measurement_spread") is None else f"{100 * lp['measurement_spread']:.1f} %")],
     ]))
     p.append(_img(pngs.get("latency_prediction.png"), "predicted vs measured latency"))
     p.append("<h2>Kept nodes per layer</h2>" + _img(pngs["sparsity.png"], "kept nodes per layer"))
@@ -735,7 +740,8 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
     p.append("<h2>Latency and calibration on device</h2>")
     rows = [[_e(k), _e(_fmt(_num(lat.get(k)), "ms"))] for k in ("p50", "p90", "p99", "mean", "min", "max")]
     rows += [[_e(label), _e(_fmt(results.get(k), unit))] for k, label, unit in (
-        ("runs", "timed runs", ""), ("warmup", "warm-up runs", ""), ("seconds", "wall time", "s"),
+        ("runs", "timed runs", ""), ("rounds", "rounds (figures: the best round's)", ""),
+        ("warmup", "warm-up runs", ""), ("seconds", "wall time", "s"),
         ("batch_size", "batch size", ""), ("throughput_per_s", "throughput", "examples/s"),
         ("peak_rss_mb", "peak RSS", "MB"))]
     rt, hw = results.get("runtime") or {}, results.get("device") or {}

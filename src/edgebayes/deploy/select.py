@@ -19,10 +19,9 @@ in the report. If nothing fits, the error lists the closest candidates and what 
 import tempfile
 from pathlib import Path
 
-from torch import nn
 from tqdm.auto import tqdm
 
-from edgebayes.deploy.latency_model import (LatencyModelError, TablePredictor, gemm_ops, measure_models,
+from edgebayes.deploy.latency_model import (LatencyModelError, TablePredictor, measure_models, operator_count,
                                             predictor_for, profile_device)
 from edgebayes.deploy.runner import RuntimeProblem, make_backend, predict_all
 from edgebayes.deploy.transport import TransportError
@@ -52,7 +51,7 @@ def select_bench(benchmark):
     """The timing protocol of selection and profiling: the run's, with a shorter minimum time per model
     (tens of models are timed; p90/p99 settle after a few hundred runs)."""
     return {"warmup": benchmark.warmup, "min_runs": benchmark.min_runs,
-            "min_seconds": min(benchmark.min_seconds, 0.25)}
+            "min_seconds": min(benchmark.min_seconds, 0.25), "rounds": benchmark.rounds}
 
 
 def violations(candidate, budgets, max_ece=None):
@@ -132,7 +131,6 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 continue
             mc_model = compressed.mc_model()
             kept_weights = sum(count_weights(s, fold_batch_norm=True) for s in compressed.samples)
-            layers = sum(isinstance(mod, (nn.Linear, nn.Conv2d)) for mod in compressed.samples[0].modules())
             for fmt in fmts:
                 progress.update(1)
                 ident = f"k{knob_value}-m{m}-{fmt.name}"
@@ -149,7 +147,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                     "val": classification_metrics(probs, val_y.numpy()), "val_scored_as": scored_as,
                     "cost": {"model_mb": path.stat().st_size / 1e6,
                              "flops": m * paper_flops(compressed.samples[0], val_x.shape[1:]),
-                             "gemms": gemm_ops(layers, m, layout), "kept_weights": kept_weights},
+                             "operators": operator_count(path), "kept_weights": kept_weights},
                 })
                 models.append((ident, path, fmt.runtime))
         progress.close()
@@ -162,7 +160,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
         cost = c["cost"]
         try:
             cost["predicted_latency_ms"] = None if predictor is None else predictor.predict(
-                cost["gemms"], cost["flops"], cost["kept_weights"], c["precision"], b.percentile, b.batch_size)
+                cost["operators"], cost["flops"], cost["kept_weights"], c["precision"], b.percentile, b.batch_size)
         except LatencyModelError as e:
             if measured[c["id"]] is None:
                 raise SelectionError(str(e)) from None
