@@ -154,6 +154,19 @@ def test_fn3_has_a_fixed_uniform_order_deterministic_weights_and_no_kl():
     assert set(z.unique().tolist()) <= {0.0, 1.0}
 
 
+def test_bn3_can_start_from_fn3s_uniform_order_and_learn_it(tmp_path):
+    net = NestedNet("mlp", "bn3", NestedConfig(groups=5, fixed_groups=1, mubar_init="uniform"), (1, 4, 4), 3,
+                    hidden=[10, 10])
+    layer = [m for _, m in net.nested_layers() if m.nested][0]
+    torch.testing.assert_close(layer.ordering.log_beta().exp(), torch.full((4,), 0.25))
+    assert layer.ordering.mubar.requires_grad
+    default = NestedNet("mlp", "bn3", NestedConfig(groups=5, fixed_groups=1), (1, 4, 4), 3, hidden=[10, 10])
+    assert torch.all([m for _, m in default.nested_layers() if m.nested][0].ordering.mubar == 3.0)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "x", "model": {"family": "bn3"}, "nested": {"mubar_init": "flat"}}))
+    assert main(["train", "--config", str(bad), "--runs-dir", str(tmp_path)]) == 2
+
+
 def test_temperature_is_annealed_per_epoch_from_start_to_min():
     net = NestedNet("mlp", "bn3", NestedConfig(groups=4, fixed_groups=0, temperature=2.0, temperature_min=0.2),
                     (1, 4, 4), 3, hidden=[8])

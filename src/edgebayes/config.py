@@ -121,7 +121,9 @@ class NestedConfig:
     first fixed_groups always kept; the knob is the width (groups kept, 1..groups). kappa is train.kl_weight."""
     groups: int = 32                    # D: 32 for VGG11 / ResNeXt, 16 for MobileNetV2
     fixed_groups: int = 2               # leading groups for base features (VGG11 on CIFAR-10: 2)
-    mubar_init: float = 3.0             # conditional keep probability mu = sigmoid(mubar) at init
+    # conditional keep probabilities mu = sigmoid(mubar) at init: a number (paper: 3), or "uniform" to
+    # start from FN3's distribution, every width equally likely (train/nested.py OrderingUnit)
+    mubar_init: float | Literal["uniform"] = 3.0
     prior_keep_logit: float = 3.0       # the prior chain's pi = sigmoid(this) (not given in the paper)
     log_alpha_init: float = -1.0
     log_alpha_init_first: float = -8.0  # the network's first layer
