@@ -50,7 +50,9 @@ def evaluate_point(model, splits, knob, m, seed):
 
 def run(args):
     cfg = load_pipeline_config(args.config)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=args.epochs or cfg.train.epochs))
+    kl_weight = cfg.train.kl_weight if args.kl_weight is None else args.kl_weight
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=args.epochs or cfg.train.epochs,
+                                                             kl_weight=kl_weight))
     torch.set_num_threads(args.threads)
     splits = load_data(cfg.data, cfg.seed)
     if args.train_subset:
@@ -111,7 +113,7 @@ def markdown(r, args):
     lines = [f"# Width sweep, paper 002: BN3 vs FN3 ({r['arch']}, {r['dataset']})", "",
              f"`{' '.join(sys.argv)}` (commit {provenance('')['git_commit']}).",
              f"{r['train_images']} training images, {r['epochs']} epochs (batch {r['batch_size']}, lr {r['lr']}, "
-             f"kappa {r['kappa']}), D = {r['groups']} groups ({r['fixed_groups']} fixed); test {r['test_images']} "
+             f"kappa {r['kappa']:g}), D = {r['groups']} groups ({r['fixed_groups']} fixed); test {r['test_images']} "
              f"images; OOD: {r['ood']}. BN3: M = {r['mc_samples']} posterior samples; FN3 and dnn deterministic.",
              "Training time (CPU): " + ", ".join(f"{f} {fams[f]['train_seconds']:.0f} s" for f in fams) + ".", "",
              "| width | " + " | ".join(f"{f.upper()} {label}" for _, label, _ in METRICS for f in ("bn3", "fn3")) + " |",
@@ -161,6 +163,8 @@ def main():
     p.add_argument("--config", required=True, help="a bn3 (or fn3) pipeline config")
     p.add_argument("--epochs", type=int, default=None, help="override train.epochs")
     p.add_argument("--train-subset", type=int, default=None, help="train on the first N training images")
+    p.add_argument("--kl-weight", type=float, default=None,
+                   help="override train.kl_weight (paper 002's kappa)")
     p.add_argument("--mc-samples", type=int, default=6, help="BN3 posterior samples per prediction (paper: 6)")
     p.add_argument("--noise", type=float, default=0.005, help="accuracy tolerance of the monotonicity check")
     p.add_argument("--threads", type=int, default=2)
