@@ -5,7 +5,7 @@ For each family and seed: train (resumable, cached by the stage fingerprint unde
 test split with 10 MC samples: the paper's posterior-mean accuracy (z ~ q(z) in each sample), and at
 inclusion threshold 0.5 (the median model, what export deploys): accuracy, NLL, ECE; compression (%) and pruned
 FLOPs (%) by paper 000 (appendix A.1, counted by the masks), the FLOPs of the physically pruned network;
-and the batch-1 onnxruntime latency (2 threads, median of 5 repeats of the runner's protocol) of one
+and the batch-1 onnxruntime latency (2 threads, interleaved rounds: onnx_latencies_ms) of one
 posterior sample, dense (dead units zeroed, full shapes) and physically pruned, in the same run.
 
 Results: <out>.json (every run, provenance: machine, commit, versions) and <out>.md (mean and spread over
@@ -18,7 +18,6 @@ seeds). Timing takes /tmp/edgebayes-bench.lock so timing runs of parallel sessio
 import argparse
 import copy
 import fcntl
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -27,13 +26,13 @@ import numpy as np
 import torch
 
 from edgebayes.config import load_device_profile, load_pipeline_config
-from edgebayes.deploy.runner import make_backend, measure_rounds
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.provenance import provenance, write_json
 from edgebayes.stages import Context, load_trained_model, run_stage, splits_for
 from edgebayes.train.metrics import structure_report
 from edgebayes.export.compress import EmptyLayerError
 from edgebayes.train.trainer import evaluate, posterior_mean_metrics
+from export_common import time_artifacts
 
 FAMILIES = ("dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs")
 PAPER_LABEL = {"dnn": "DNN", "bnn": "BNN", "ss-ig": "SS-IG", "ss-gl": "SS-GL", "ss-ghs": "SS-GHS"}
@@ -54,16 +53,18 @@ def variant(cfg, family, seed, epochs, batch_size):
     return v
 
 
-def onnx_latency_ms(module, example, repeats=5):
-    """Median over `repeats` of the runner's p50 at batch 1 (onnxruntime, 2 threads)."""
+def onnx_latencies_ms(modules, example):
+    """{name: module} -> {name: batch-1 onnxruntime latency in ms} (2 threads): the median over 7 rounds of
+    each round's median of 200 calls, the rounds of the networks interleaved (export_common.time_artifacts),
+    so load from other processes falls on dense and pruned alike."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "m.onnx"
-        export_onnx(module, example, path)
-        backend = make_backend("onnxruntime", str(path), threads=2)
-        batch = example.numpy()
-        p50s = [measure_rounds(backend, batch, warmup=50, min_runs=300, min_seconds=1.0, progress=False)
-                ["latency_ms"]["p50"] for _ in range(repeats)]
-    return statistics.median(p50s)
+        artifacts = {}
+        for name, module in modules.items():
+            path = Path(tmp) / f"{name}.onnx"
+            export_onnx(module, example, path)
+            artifacts[name] = (path, "onnx")
+        timed = time_artifacts(artifacts, example.numpy())
+    return {name: t["median_ms"] for name, t in timed.items()}
 
 
 def measure(ctx, log, latency=True):
@@ -90,8 +91,8 @@ def measure(ctx, log, latency=True):
     example = splits.test_x[:1]
     with open("/tmp/edgebayes-bench.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        dense_ms = onnx_latency_ms(compressed.dense_sample, example)
-        pruned_ms = onnx_latency_ms(compressed.samples[0], example)
+        ms = onnx_latencies_ms({"dense": compressed.dense_sample, "pruned": compressed.samples[0]}, example)
+        dense_ms, pruned_ms = ms["dense"], ms["pruned"]
     row.update({"latency_dense_ms": dense_ms, "latency_pruned_ms": pruned_ms, "latency_ratio": pruned_ms / dense_ms})
     log(f"{ctx.cfg.name}: posterior-mean accuracy {row['posterior_mean_accuracy']:.4f}, median-model accuracy "
         f"{row['accuracy']:.4f}, compression {100 * row['compression']:.2f}%, FLOPs {100 * row['flops_ratio']:.2f}% "
