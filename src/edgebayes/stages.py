@@ -322,8 +322,8 @@ def run_deploy(ctx):
     transport.put(bundle, "bundle")
     transport.put(RUNNER, "runner.py")
     common = ["runner.py", "--bundle", "bundle", "--warmup", b.warmup, "--min-runs", b.min_runs,
-              "--min-seconds", b.min_seconds, "--rounds", b.rounds, "--batch-size", r.budgets.batch_size, "--threads", r.runtime.threads,
-              "--workspace-mb", r.runtime.workspace_mb, "--tag", f"device={r.name}",
+              "--min-seconds", b.min_seconds, "--rounds", b.rounds, "--batch-size", r.budgets.batch_size,
+              "--threads", r.runtime.threads, "--workspace-mb", r.runtime.workspace_mb, "--tag", f"device={r.name}",
               "--tag", f"connection={r.connection.kind}"]
     # Every artifact of the bundle is run and timed with its own runtime: the primary one (the chosen
     # format, the manifest's model_file) must run; another whose runtime the device lacks is skipped.

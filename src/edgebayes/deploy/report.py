@@ -266,7 +266,7 @@ def _summarize(d: dict) -> dict:
     # chosen point, at the budget's percentile: how far the latency model can be trusted on this device.
     predicted = _num(_get(chosen, "cost", "predicted_latency_ms"))
     error = None if predicted is None or not lat_measured else (predicted - lat_measured) / lat_measured
-    # The measurement's own noise: the range of the benchmark rounds' percentiles relative to their median.
+    # The measurement's own noise: the range of the benchmark rounds' percentiles relative to the best round.
     spread = _num(_get(results, "latency_spread", lat_key)) if lat_key else None
     latency_prediction = {"percentile": budgets.get("percentile"), "predicted_ms": predicted,
                           "predicted_by": _get(chosen, "cost", "predicted_by"), "measured_ms": lat_measured,

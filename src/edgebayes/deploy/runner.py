@@ -916,12 +916,15 @@ def measure_rounds(backend, batch, warmup=10, min_runs=100, min_seconds=2.0, rou
                    progress=True):
     """The protocol of a benchmark: warm-up, then `rounds` rounds that together make at least `min_runs`
     runs and `min_seconds` seconds; returns latency_summary of them."""
-    timings = []
-    for r in range(rounds):
-        timings.append(measure_latency(backend, batch, warmup=warmup if r == 0 else 0,
-                                       min_runs=max(1, -(-min_runs // rounds)), min_seconds=min_seconds / rounds,
-                                       progress=progress))
+    timings = [timed_round(backend, batch, r, rounds, warmup, min_runs, min_seconds, progress) for r in range(rounds)]
     return latency_summary(timings, len(batch))
+
+
+def timed_round(backend, batch, r, rounds, warmup, min_runs, min_seconds, progress=False):
+    """Round r of `rounds`: the warm-up before the first, and each round a 1/rounds share of the minimum
+    runs (rounded up) and seconds."""
+    return measure_latency(backend, batch, warmup=warmup if r == 0 else 0, min_runs=max(1, -(-min_runs // rounds)),
+                           min_seconds=min_seconds / rounds, progress=progress)
 
 
 def peak_rss_mb():
@@ -1083,9 +1086,7 @@ def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, ro
     timings = [[] for _ in backends]
     for r in range(rounds):
         for i, backend in enumerate(backends):
-            timings[i].append(measure_latency(backend, batch, warmup=warmup if r == 0 else 0,
-                                              min_runs=max(1, -(-min_runs // rounds)),
-                                              min_seconds=min_seconds / rounds, progress=False))
+            timings[i].append(timed_round(backend, batch, r, rounds, warmup, min_runs, min_seconds))
     timed = []
     for entry, model_rounds in zip(spec["models"], timings):
         summary = latency_summary(model_rounds, batch_size)

@@ -37,7 +37,8 @@ Where this completes or deviates from the paper, and why:
     mubar = 3 puts 68 % of the mass on the full width and 4.7 % on widths <= 2, and in a CPU-length run
     (2,000-4,000 Adam steps, mubar moves at most about lr per step) the narrow sub-networks are then
     rarely trained: after 5 epochs on 10,000 images, width 2 of 10 reached 0.850 accuracy against FN3's
-    0.895; from the uniform start, 0.921 (and BN3 >= FN3 at widths 3, 5 and 10 as well).
+    0.895; from the uniform start, 0.921. After 30 epochs BN3 still trails FN3 at widths 2 and 3
+    (benchmarks/results/nested_width_sweep_mnist_lenet5_30ep.md).
   - Biases are deterministic (the paper omits them, section 3.2) and carry no KL.
   - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
     (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
