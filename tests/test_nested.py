@@ -167,6 +167,19 @@ def test_bn3_can_start_from_fn3s_uniform_order_and_learn_it(tmp_path):
     assert main(["train", "--config", str(bad), "--runs-dir", str(tmp_path)]) == 2
 
 
+def test_uniform_prior_is_fn3s_distribution_so_phi1_vanishes_at_the_uniform_start(tmp_path):
+    def ordering(**kw):
+        net = NestedNet("mlp", "bn3", NestedConfig(groups=5, fixed_groups=1, mubar_init="uniform", **kw), (1, 4, 4),
+                        3, hidden=[10])
+        return [m for _, m in net.nested_layers() if m.nested][0].ordering
+
+    assert float(ordering(prior_keep_logit="uniform").kl()) == pytest.approx(0.0, abs=1e-6)
+    assert float(ordering(prior_keep_logit=3.0).kl()) > 0.1   # the default prior favours the full width
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "x", "model": {"family": "bn3"}, "nested": {"prior_keep_logit": "flat"}}))
+    assert main(["train", "--config", str(bad), "--runs-dir", str(tmp_path)]) == 2
+
+
 def test_temperature_is_annealed_per_epoch_from_start_to_min():
     net = NestedNet("mlp", "bn3", NestedConfig(groups=4, fixed_groups=0, temperature=2.0, temperature_min=0.2),
                     (1, 4, 4), 3, hidden=[8])

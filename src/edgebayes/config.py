@@ -124,7 +124,8 @@ class NestedConfig:
     # conditional keep probabilities mu = sigmoid(mubar) at init: a number (paper: 3), or "uniform" to
     # start from FN3's distribution, every width equally likely (train/nested.py OrderingUnit)
     mubar_init: float | Literal["uniform"] = 3.0
-    prior_keep_logit: float = 3.0       # the prior chain's pi = sigmoid(this) (not given in the paper)
+    prior_keep_logit: float | Literal["uniform"] = 3.0   # the prior chain's pi = sigmoid(this), or FN3's
+                                                         # uniform distribution (not given in the paper)
     log_alpha_init: float = -1.0
     log_alpha_init_first: float = -8.0  # the network's first layer
     temperature: float = 0.3            # Downhill temperature in the first epoch ...

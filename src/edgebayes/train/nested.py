@@ -134,6 +134,7 @@ class OrderingUnit(nn.Module):
     """q(z | beta) over K ordered groups (learned, BN3) or a fixed nested-dropout distribution (FN3).
 
     mubar_init: a number (every mubar_j; the paper's 3), or "uniform": BN3 starts from FN3's distribution.
+    prior_keep_logit: the prior chain's conditional keep logit (a number), or "uniform": FN3's distribution.
     """
 
     def __init__(self, k, mubar_init=3.0, prior_keep_logit=3.0, learned=True):
@@ -144,7 +145,8 @@ class OrderingUnit(nn.Module):
             self.mubar = nn.Parameter(init)
         else:
             self.register_buffer("mubar", uniform_logits(k))
-        self.register_buffer("prior_logits", torch.full((k - 1,), float(prior_keep_logit)), persistent=False)
+        prior = uniform_logits(k) if prior_keep_logit == "uniform" else torch.full((k - 1,), float(prior_keep_logit))
+        self.register_buffer("prior_logits", prior, persistent=False)
 
     def log_beta(self):
         return ordered_mask_log_probs(self.mubar)
