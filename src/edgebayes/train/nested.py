@@ -31,14 +31,18 @@ Where this completes or deviates from the paper, and why:
     peaks below a1), as a KL must be: Phi2 then penalizes larger sub-networks, which is the ordered-l0
     reading of appendix 7.3. Over the fitted range log alpha in [-5, 0.5] this K^1 lies within 0.1 nats of
     Molchanov et al.'s approximation of the same eq. 19 (tests/test_nested.py checks it).
-  - The prior's pi is not given. Default: pi = sigmoid(3), the posterior's initial mu, so Phi1 = 0 at init.
+  - The prior's pi is not given. Default: pi = sigmoid(3), the posterior's initial mu, so Phi1 = 0 at init; or
+    "uniform" (FN3's distribution), with mubar_init "uniform" likewise Phi1 = 0 at init.
   - nested.mubar_init: "uniform" starts BN3 from FN3's distribution (every width equally likely) instead of
     mubar = 3; our MNIST LeNet-5-Caffe config uses it (the paper has no LeNet setup). With D = 10 groups,
     mubar = 3 puts 68 % of the mass on the full width and 4.7 % on widths <= 2, and in a CPU-length run
     (2,000-4,000 Adam steps, mubar moves at most about lr per step) the narrow sub-networks are then
     rarely trained: after 5 epochs on 10,000 images, width 2 of 10 reached 0.850 accuracy against FN3's
-    0.895; from the uniform start, 0.921. After 30 epochs BN3 still trails FN3 at widths 2 and 3
-    (benchmarks/results/nested_width_sweep_mnist_lenet5_30ep.md).
+    0.895; from the uniform start, 0.921. nested.prior_keep_logit: "uniform" makes FN3's distribution the
+    prior as well (the sigmoid(3) chain pulls q towards the full width). After 15 epochs on all of MNIST
+    BN3 still trails FN3 at width 2 of 10 by 0.5-0.8 points whatever the prior, noise init or kappa
+    (benchmarks/results/nested_width_sweep_mnist_lenet5_full15ep*.md): the data term itself moves q's mass
+    towards wider sub-networks, and the width-2 network carries the weight noise of all widths.
   - Biases are deterministic (the paper omits them, section 3.2) and carry no KL.
   - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
     (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
