@@ -136,6 +136,12 @@ def uniform_logits(k):
     return torch.log(torch.arange(k - 1, 0, -1, dtype=torch.float32))
 
 
+def chain_logits(k, value):
+    """The K - 1 conditional keep logits of a Bernoulli chain given as a config value: a number (every
+    logit), or "uniform" (uniform_logits)."""
+    return uniform_logits(k) if value == "uniform" else torch.full((k - 1,), float(value))
+
+
 class OrderingUnit(nn.Module):
     """q(z | beta) over K ordered groups (learned, BN3) or a fixed nested-dropout distribution (FN3).
 
@@ -147,12 +153,10 @@ class OrderingUnit(nn.Module):
         super().__init__()
         self.k, self.learned = k, learned
         if learned:
-            init = uniform_logits(k) if mubar_init == "uniform" else torch.full((k - 1,), float(mubar_init))
-            self.mubar = nn.Parameter(init)
+            self.mubar = nn.Parameter(chain_logits(k, mubar_init))
         else:
             self.register_buffer("mubar", uniform_logits(k))
-        prior = uniform_logits(k) if prior_keep_logit == "uniform" else torch.full((k - 1,), float(prior_keep_logit))
-        self.register_buffer("prior_logits", prior, persistent=False)
+        self.register_buffer("prior_logits", chain_logits(k, prior_keep_logit), persistent=False)
 
     def log_beta(self):
         return ordered_mask_log_probs(self.mubar)
