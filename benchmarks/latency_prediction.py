@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from edgebayes.cli import main as edgebayes
-from edgebayes.deploy.runner import _positive_int
+from edgebayes.deploy.runner import positive_int
 from edgebayes.config import load_pipeline_config
 from edgebayes.provenance import provenance, write_json
 
@@ -49,7 +49,7 @@ def main(argv=None):
     parser.add_argument("devices", nargs="+")
     parser.add_argument("--config", default="pipeline.yaml")
     parser.add_argument("--runs-dir", default="runs")
-    parser.add_argument("--repeats", type=_positive_int, default=1, help="profile -> deploy -> report cycles per device")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="profile -> deploy -> report cycles per device")
     parser.add_argument("--out", default=None, help="results JSON (default <runs-dir>/benchmarks/latency_prediction.json)")
     args = parser.parse_args(argv)
     rows = [run(d, args.config, args.runs_dir) for _ in range(args.repeats) for d in args.devices]

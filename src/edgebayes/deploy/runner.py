@@ -1007,7 +1007,7 @@ def _non_negative_int(text):
     return value
 
 
-def _positive_int(text):
+def positive_int(text):
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -1032,11 +1032,11 @@ def build_parser():
                            "(`edgebayes devices profile` and selection on a remote device); see time_models")
     parser.add_argument("--out", required=True, help="results JSON path (written atomically)")
     parser.add_argument("--warmup", type=_non_negative_int, default=10, help="untimed warm-up runs")
-    parser.add_argument("--min-runs", type=_positive_int, default=100, help="minimum timed runs")
+    parser.add_argument("--min-runs", type=positive_int, default=100, help="minimum timed runs")
     parser.add_argument("--min-seconds", type=_non_negative_float, default=2.0, help="minimum timed seconds")
-    parser.add_argument("--rounds", type=_positive_int, default=DEFAULT_ROUNDS,
+    parser.add_argument("--rounds", type=positive_int, default=DEFAULT_ROUNDS,
                         help="timed rounds; each reported percentile is the best round's (latency_summary)")
-    parser.add_argument("--batch-size", type=_positive_int, default=1, help="rows per timed run")
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="rows per timed run")
     parser.add_argument("--threads", type=_non_negative_int, default=0, help="intra-op threads, 0 = runtime default")
     parser.add_argument("--runtime", default=None,
                         help=f"runtime to use ({', '.join(sorted(BACKENDS))}); default: from the manifest's format")
@@ -1046,7 +1046,7 @@ def build_parser():
     parser.add_argument("--artifact", default=None,
                         help="which of the bundle's artifacts to run (e.g. onnx-int8, tflite-fp16); "
                              "default: the manifest's model_file")
-    parser.add_argument("--workspace-mb", type=_positive_int, default=1024,
+    parser.add_argument("--workspace-mb", type=positive_int, default=1024,
                         help="TensorRT builder workspace in MiB (engines are built on this device)")
     parser.add_argument("--engine-cache", default=None,
                         help="folder of cached TensorRT engines (default: trt-engines/ beside the bundle)")
