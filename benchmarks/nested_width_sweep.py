@@ -55,6 +55,9 @@ def run(args):
                                                              kl_weight=kl_weight))
     torch.set_num_threads(args.threads)
     splits = load_data(cfg.data, cfg.seed)
+    # --seed changes training only (initial weights, batch order, weight noise, MC samples): the same
+    # training, test and OOD images, so two seeds differ by training randomness alone
+    cfg = dataclasses.replace(cfg, seed=cfg.seed if args.seed is None else args.seed)
     if args.train_subset:
         splits.train_x, splits.train_y = splits.train_x[: args.train_subset], splits.train_y[: args.train_subset]
     work = Path(args.work)
@@ -62,7 +65,7 @@ def run(args):
     widths = list(range(n.fixed_groups + 1, n.groups + 1))
     results = {"config": str(args.config), "arch": cfg.model.arch, "dataset": cfg.data.dataset,
                "train_images": len(splits.train_x), "test_images": len(splits.test_x), "ood": cfg.data.ood,
-               "epochs": cfg.train.epochs, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
+               "seed": cfg.seed, "epochs": cfg.train.epochs, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
                "kappa": cfg.train.kl_weight, "groups": n.groups, "fixed_groups": n.fixed_groups,
                "mc_samples": args.mc_samples, "widths": widths, "families": {}}
     for family in ("bn3", "fn3", "dnn"):
@@ -112,7 +115,7 @@ def markdown(r, args):
     fams = r["families"]
     lines = [f"# Width sweep, paper 002: BN3 vs FN3 ({r['arch']}, {r['dataset']})", "",
              f"`{' '.join(sys.argv)}` (commit {provenance('')['git_commit']}).",
-             f"{r['train_images']} training images, {r['epochs']} epochs (batch {r['batch_size']}, lr {r['lr']}, "
+             f"{r['train_images']} training images, seed {r['seed']}, {r['epochs']} epochs (batch {r['batch_size']}, lr {r['lr']}, "
              f"kappa {r['kappa']:g}), D = {r['groups']} groups ({r['fixed_groups']} fixed); test {r['test_images']} "
              f"images; OOD: {r['ood']}. BN3: M = {r['mc_samples']} posterior samples; FN3 and dnn deterministic.",
              "Training time (CPU): " + ", ".join(f"{f} {fams[f]['train_seconds']:.0f} s" for f in fams) + ".", "",
@@ -167,6 +170,8 @@ def main():
                    help="override train.kl_weight (paper 002's kappa)")
     p.add_argument("--mc-samples", type=int, default=6, help="BN3 posterior samples per prediction (paper: 6)")
     p.add_argument("--noise", type=float, default=0.005, help="accuracy tolerance of the monotonicity check")
+    p.add_argument("--seed", type=int, default=None,
+                   help="override the config's seed for training (the data split stays the config's)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default="runs/nested_width_sweep", help="checkpoints (resumable)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
