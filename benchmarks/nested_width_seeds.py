@@ -1,8 +1,8 @@
 """Width sweeps of several seeds side by side: is BN3's gap to FN3 larger than seed noise?
 
-Reads two or more results of benchmarks/nested_width_sweep.py that differ only in --seed (same config,
-data, epochs and kappa; checked) and writes <out>/<name>.json, .md and .png: per width the mean over seeds
-of each family's accuracy, NLL and ECE, and BN3 - FN3 accuracy per seed and on average.
+Reads two or more results of benchmarks/nested_width_sweep.py that differ only in --seed (same data,
+architecture, epochs, optimizer settings, kappa and groups; checked, the config files' paths may differ) and writes <out>/<name>.json, .md and .png: per width the mean over seeds
+of each family's accuracy, NLL, ECE and OOD AUROC, and BN3 - FN3 accuracy per seed and on average.
 
 Seed noise: s is the standard deviation over seeds of one family's test accuracy at one width (ddof 1),
 pooled over both families and all widths. The mean over n seeds of BN3 - FN3 then has standard error
@@ -20,19 +20,20 @@ from pathlib import Path
 
 import numpy as np
 
-from edgebayes.config import load_pipeline_config
 from edgebayes.errors import InputError
 from edgebayes.provenance import provenance, read_json, write_json
 
 FAMILIES = ("bn3", "fn3")
-SAME = ("config", "arch", "dataset", "train_images", "epochs", "batch_size", "lr", "kappa", "groups", "fixed_groups", "mc_samples",
+MEAN_METRICS = ("accuracy", "nll", "ece", "ood_auroc")
+SAME = ("arch", "dataset", "train_images", "epochs", "batch_size", "lr", "kappa", "groups", "fixed_groups", "mc_samples",
         "widths")
 
 
 def load(paths):
     runs = [read_json(p) for p in paths]
-    for r in runs:  # sweeps from before --seed trained at the config's seed
-        r.setdefault("seed", load_pipeline_config(r["config"]).seed)
+    for path, r in zip(paths, runs):
+        if "seed" not in r:
+            raise InputError(f"{path}: no 'seed' recorded (a sweep from before --seed existed)")
     for path, r in zip(paths[1:], runs[1:]):
         differ = [k for k in SAME if r.get(k) != runs[0].get(k)]
         if differ:
@@ -45,8 +46,8 @@ def load(paths):
 
 def combine(runs):
     """Per family and metric an array (seeds, widths); the gap, its noise and the checks."""
-    table = {f: {key: np.array([[p[key] for p in r["families"][f]["points"]] for r in runs])
-                 for key in ("accuracy", "nll", "ece")} for f in FAMILIES}
+    table = {f: {key: np.array([[p.get(key, np.nan) for p in r["families"][f]["points"]] for r in runs])
+                 for key in MEAN_METRICS} for f in FAMILIES}
     n = len(runs)
     seed_std = math.sqrt(np.mean([table[f]["accuracy"].var(axis=0, ddof=1) for f in FAMILIES]))
     gap = table["bn3"]["accuracy"] - table["fn3"]["accuracy"]
@@ -72,13 +73,13 @@ def markdown(runs, table, gap, checks, paths):
              f"kappa {r0['kappa']:g}, D = {r0['groups']} ({r0['fixed_groups']} fixed), BN3 M = {r0['mc_samples']}.",
              "",
              "| width | BN3 acc (mean) | FN3 acc (mean) | " + " | ".join(f"BN3 - FN3, seed {s}" for s in seeds)
-             + " | BN3 - FN3, mean | BN3 NLL | FN3 NLL | BN3 ECE | FN3 ECE |",
-             "|---" * (8 + n) + "|"]
+             + " | BN3 - FN3, mean | BN3 NLL | FN3 NLL | BN3 ECE | FN3 ECE | BN3 OOD AUROC | FN3 OOD AUROC |",
+             "|---" * (10 + n) + "|"]
     for i, k in enumerate(r0["widths"]):
         cells = [f"{k}/{r0['groups']}", f"{table['bn3']['accuracy'][:, i].mean():.4f}",
                  f"{table['fn3']['accuracy'][:, i].mean():.4f}"]
         cells += [f"{g * 100:+.2f}" for g in gap[:, i]] + [f"{gap[:, i].mean() * 100:+.2f}"]
-        cells += [f"{table[f][key][:, i].mean():.4f}" for key in ("nll", "ece") for f in FAMILIES]
+        cells += [f"{table[f][key][:, i].mean():.4f}" for key in MEAN_METRICS[1:] for f in FAMILIES]
         lines.append("| " + " | ".join(cells) + " |")
     c = checks
     lines += ["", f"Gaps in points (1 point = {r0['test_images'] // 100} of the test images). Seed noise: the pooled seed-to-seed standard "
