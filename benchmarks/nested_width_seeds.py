@@ -1,8 +1,9 @@
 """Width sweeps of several seeds side by side: is BN3's gap to FN3 larger than seed noise?
 
 Reads two or more results of benchmarks/nested_width_sweep.py that differ only in --seed (same data,
-architecture, epochs, optimizer settings, kappa and groups; checked, the config files' paths may differ) and writes <out>/<name>.json, .md and .png: per width the mean over seeds
-of each family's accuracy, NLL, ECE and OOD AUROC, and BN3 - FN3 accuracy per seed and on average.
+architecture, epochs, optimizer settings, kappa and groups; checked, the config files' paths may differ)
+and writes <out>/<name>.json, .md and .png: per width the mean over seeds of each family's accuracy, NLL,
+ECE and OOD AUROC, and BN3 - FN3 accuracy per seed and on average.
 
 Seed noise: s is the standard deviation over seeds of one family's test accuracy at one width (ddof 1),
 pooled over both families and all widths. The mean over n seeds of BN3 - FN3 then has standard error
@@ -22,23 +23,35 @@ import numpy as np
 
 from edgebayes.errors import InputError
 from edgebayes.provenance import provenance, read_json, write_json
+from nested_width_sweep import checks as sweep_checks
+from nested_width_sweep import largest_drop
 
 FAMILIES = ("bn3", "fn3")
 MEAN_METRICS = ("accuracy", "nll", "ece", "ood_auroc")
-SAME = ("arch", "dataset", "train_images", "epochs", "batch_size", "lr", "kappa", "groups", "fixed_groups", "mc_samples",
-        "widths")
+SAME = ("arch", "dataset", "train_images", "epochs", "batch_size", "lr", "kappa", "groups", "fixed_groups",
+        "mc_samples", "widths")
+
+
+def read_sweep(path):
+    """One nested_width_sweep.py result; an unreadable file or one without a seed is refused by name."""
+    try:
+        r = read_json(path)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: cannot read a sweep result: {e}") from e
+    missing = [k for k in ("seed", "families", *SAME) if k not in r]
+    if missing:
+        raise InputError(f"{path}: not a nested_width_sweep.py result with a seed (no {', '.join(missing)}; "
+                         f"sweeps from before --seed record none)")
+    return r
 
 
 def load(paths):
-    runs = [read_json(p) for p in paths]
-    for path, r in zip(paths, runs):
-        if "seed" not in r:
-            raise InputError(f"{path}: no 'seed' recorded (a sweep from before --seed existed)")
+    runs = [read_sweep(p) for p in paths]
     for path, r in zip(paths[1:], runs[1:]):
-        differ = [k for k in SAME if r.get(k) != runs[0].get(k)]
+        differ = [k for k in SAME if r[k] != runs[0][k]]
         if differ:
             raise InputError(f"{path}: {', '.join(differ)} differ from {paths[0]}; only the seed may")
-    seeds = [r.get("seed") for r in runs]
+    seeds = [r["seed"] for r in runs]
     if len(set(seeds)) != len(seeds):
         raise InputError(f"{', '.join(map(str, paths))}: seeds {seeds} are not all different")
     return runs
@@ -52,15 +65,13 @@ def combine(runs):
     seed_std = math.sqrt(np.mean([table[f]["accuracy"].var(axis=0, ddof=1) for f in FAMILIES]))
     gap = table["bn3"]["accuracy"] - table["fn3"]["accuracy"]
     tolerance = 2 * seed_std * math.sqrt(2 / n)
-    bn3_mean = table["bn3"]["accuracy"].mean(0)
-    drops = [max(bn3_mean[:i + 1]) - a for i, a in enumerate(bn3_mean)]
+    drop = largest_drop(list(table["bn3"]["accuracy"].mean(0)))
     checks = {"seed_std": seed_std, "tolerance": tolerance,
               "bn3_at_least_fn3_within_noise": bool((gap.mean(0) >= -tolerance).all()),
               "bn3_at_least_fn3_every_width_and_seed": bool((gap >= 0).all()),
-              "bn3_mean_accuracy_not_dropping": bool(max(drops) <= tolerance), "largest_mean_drop": max(drops),
-              "bn3_full_width_ece_below_dnn_every_seed": bool(all(
-                  r["families"]["bn3"]["points"][-1]["ece"] < r["families"]["dnn"]["points"][0]["ece"]
-                  for r in runs))}
+              "bn3_mean_accuracy_not_dropping": bool(drop <= tolerance), "largest_mean_drop": drop,
+              "bn3_full_width_ece_below_dnn_every_seed": all(
+                  sweep_checks(r, tolerance)["bn3_full_width_ece_below_dnn"] for r in runs)}
     return table, gap, checks
 
 
@@ -82,9 +93,10 @@ def markdown(runs, table, gap, checks, paths):
         cells += [f"{table[f][key][:, i].mean():.4f}" for key in MEAN_METRICS[1:] for f in FAMILIES]
         lines.append("| " + " | ".join(cells) + " |")
     c = checks
-    lines += ["", f"Gaps in points (1 point = {r0['test_images'] // 100} of the test images). Seed noise: the pooled seed-to-seed standard "
-              f"deviation of one family's accuracy at one width is {c['seed_std'] * 100:.3f} points; the mean "
-              f"gap's tolerance (2 standard errors) is {c['tolerance'] * 100:.3f} points.", "",
+    lines += ["", f"Gaps in points (1 point = {r0['test_images'] // 100} of the test images). Seed noise: "
+              f"the pooled seed-to-seed standard deviation of one family's accuracy at one width is "
+              f"{c['seed_std'] * 100:.3f} points; the mean gap's tolerance (2 standard errors) is "
+              f"{c['tolerance'] * 100:.3f} points.", "",
               f"- BN3 >= FN3 at every width within seed noise: {c['bn3_at_least_fn3_within_noise']}",
               f"- BN3 >= FN3 at every width in every seed: {c['bn3_at_least_fn3_every_width_and_seed']}",
               f"- BN3 mean accuracy does not drop as width grows (within the tolerance): "
@@ -136,7 +148,7 @@ def main():
         p.error("give at least two results (one per seed)")
     try:
         runs = load(args.results)
-    except (InputError, OSError, ValueError, KeyError) as e:
+    except InputError as e:
         raise SystemExit(f"nested_width_seeds: {e}")
     table, gap, checks = combine(runs)
     md = markdown(runs, table, gap, checks, args.results)
