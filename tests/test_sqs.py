@@ -117,6 +117,38 @@ def test_pruning_keeps_the_largest_keep_scores():
     assert scores[kept].min() >= scores[~kept].max()
 
 
+@pytest.mark.parametrize("rate", [0.5, 0.37])
+def test_per_input_scores_prune_whole_inputs_of_the_first_layer_at_the_exact_rate(rate):
+    net = small_net(first_layer_scores="per-input")
+    first, rest = net.posterior("net.hidden1"), [net.posterior(n) for n in net.wrapped[1:]]
+    assert first.score.shape == (20,) and all(p.score.shape == p.theta.shape for p in rest)
+    masks = net.keep_masks(rate)
+    total = sum(m.numel() for m in masks.values())
+    assert sum(int(m.sum()) for m in masks.values()) == round(rate * total)
+    kept_per_input = masks["net.hidden1"].sum(0)
+    partial = ((kept_per_input > 0) & (kept_per_input < 16)).sum()
+    assert partial <= 1  # whole inputs, but for the one group the exact count may cut part-way
+    # The ranking is by the group's score: every kept weight's score is >= every pruned weight's.
+    scores = torch.cat([net.posterior(n).weight_scores().reshape(-1) for n in net.wrapped])
+    kept = torch.cat([masks[n].reshape(-1) for n in net.wrapped])
+    assert scores[kept].min() >= scores[~kept].max()
+
+
+def test_per_input_scores_count_the_bernoulli_kl_once_per_input():
+    spike = small_net(first_layer_scores="per-input", prior="spike-slab")
+    gauss = small_net(first_layer_scores="per-input", prior="gaussian")
+    gauss.load_state_dict(spike.state_dict())
+    p = spike.posterior("net.hidden1")
+    keep = p.keep_probability(spike.tau_prime)
+    first = kl_bernoulli(keep, spike.prior_inclusion).sum()  # 20 terms, not 16 x 20
+    others = sum(kl_bernoulli(spike.posterior(n).keep_probability(spike.tau_prime), spike.prior_inclusion).sum()
+                 for n in spike.wrapped[1:])
+    weights, reg = spike.weights_and_regularizer()
+    assert float((reg - gauss.kl()).detach()) == pytest.approx(float((first + others).detach()), rel=1e-4)
+    expected = keep * (p.phi(spike.tau) * p.mu[p.window]).sum(-1)  # lambda~ of the input, per weight
+    assert torch.allclose(weights["net.hidden1.weight"], expected)
+
+
 def test_operating_points_are_checked():
     net = small_net(operating_points=(0.3, 0.5))
     assert net.operating_points(None) == [0.3, 0.5] and net.operating_points([1.0]) == [1.0]
@@ -194,6 +226,21 @@ def test_input_major_masks_round_trip_and_dead_columns_cost_little(tmp_path):
     assert info["bytes"] < packed  # the entropy coder exploits the structure
 
 
+def test_section_bytes_show_that_whole_pruned_inputs_make_the_mask_cheap():
+    rng = np.random.default_rng(0)
+    unstructured = rng.random((64, 200)) < 0.5
+    whole_inputs = np.repeat(rng.random((1, 200)) < 0.5, 64, axis=0)  # the same density, by columns
+    parts = {}
+    for name, mask in (("unstructured", unstructured), ("whole_inputs", whole_inputs)):
+        layer = codebook.LayerCode("w", np.array([-1, -0.5, 0.5, 1], np.float32), mask,
+                                   rng.integers(0, 4, (1, int(mask.sum()))), np.zeros(64, np.float32))
+        parts[name] = codebook.section_bytes([layer])
+    assert parts["unstructured"]["mask"] > 0.8 * 64 * 200 / 8  # ~1 bit per weight: no structure to use
+    assert parts["whole_inputs"]["mask"] < 0.2 * parts["unstructured"]["mask"]
+    for name in parts:  # the indices: ~2 bits per kept weight either way
+        assert parts[name]["indices"] > 0.9 * 2 * 0.5 * 64 * 200 / 8
+
+
 def test_a_corrupt_compressed_file_is_refused_with_its_name(tmp_path):
     bad = tmp_path / "bad.sqs"
     bad.write_bytes(b"not a codebook")
@@ -205,6 +252,9 @@ def test_sqs_config_is_validated(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"family": "sqs"}, "sqs": {"components": 3}}))
     with pytest.raises(ConfigError, match="sqs.components"):
+        load_pipeline_config(path)
+    path.write_text(yaml.safe_dump({"model": {"family": "sqs"}, "sqs": {"first_layer_scores": "columns"}}))
+    with pytest.raises(ConfigError, match="sqs.first_layer_scores"):
         load_pipeline_config(path)
     path.write_text(yaml.safe_dump({"model": {"family": "sqs"}, "sqs": {"checkpoint": "missing.pt"}}))
     with pytest.raises(ConfigError, match="sqs.checkpoint"):

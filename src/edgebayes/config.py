@@ -103,6 +103,9 @@ class SQSConfig:
     prior: Literal["spike-slab", "gaussian"] = "spike-slab"
     nonzero_rate: float = 0.5           # target of the pruning schedule and the default knob value
     operating_points: Optional[list[float]] = None   # default non-zero rates to try; null: [nonzero_rate]
+    # first layer's keep scores: one per weight (the paper), or one per input feature shared by the layer's
+    # output units, so that whole inputs (pixels) are pruned and the mask costs ~nothing there (train/sqs.py)
+    first_layer_scores: Literal["per-weight", "per-input"] = "per-weight"
     keep_init: float = 0.99             # initial keep probability lambda~ and prior inclusion lambda
     schedule_fraction: float = 0.5      # the polynomial schedule reaches the target after this share of steps
     tau: float = 5.0e-4                 # eq. 2

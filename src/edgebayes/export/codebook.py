@@ -196,6 +196,19 @@ def read(path) -> tuple:
     return layers, header.get("meta", {})
 
 
+def section_bytes(layers: list) -> dict:
+    """Where a file's bytes go: the masks, the level indices and the rest (codebooks, biases), each stream
+    entropy-coded on its own as `write` codes them together (their sum is within a few % of the payload)."""
+    parts = {"mask": [], "indices": [], "codebooks_biases": []}
+    for layer in layers:
+        _, sections = _encode_layer(layer)
+        samples = len(layer.indices)
+        parts["codebooks_biases"] += [sections[0]] + sections[2 + samples:]
+        parts["mask"].append(sections[1])
+        parts["indices"] += sections[2: 2 + samples]
+    return {k: len(lzma.compress(b"".join(v), preset=LZMA_PRESET)) for k, v in parts.items()}
+
+
 def fp32_bytes(layers: list) -> int:
     """Bytes of one sample's weights and biases as dense float32."""
     return 4 * sum(l.mask.size + (0 if l.bias is None else np.asarray(l.bias).size) for l in layers)

@@ -44,6 +44,14 @@ Where this deviates from or completes the paper, and why:
     stored as log sigma_k so it stays positive.
   - Windows with fewer weights than K fit as many components as they have weights; the others get pi = 0
     (they never win). A singleton cluster has no ddof-1 spread: it gets the smallest spread of the layer.
+  - sqs.first_layer_scores = per-input (opt-in; the paper's per-weight scores are the default): the first
+    layer's weights reading one input feature share one inclusion variable, as in the group spike-and-slab
+    of paper 000 with the input feature as the group. The regularizer then counts KL(Ber(lambda~_g) ||
+    Ber(lambda)) once per group and lambda~_g KL(slab) per weight, the global quantile ranks each weight by
+    its group's score (one boundary group may be cut part-way, so the count stays exact), and whole inputs
+    are pruned. Why: an unstructured 50% mask costs ~0.7-1 bit per weight on disk, as much as the 2-bit
+    indices of the kept weights (export/codebook.py), and an MLP's first layer holds most of its weights;
+    with whole inputs pruned there the first layer's mask costs one bit per input.
   - One K per training run: the pipeline's deploy-time knob is the non-zero rate alone (with M), so select
     sees rate x M; a different K is a different run (config), as the paper trains one model per K.
 """
@@ -131,11 +139,13 @@ def kmeans_gmm(values: np.ndarray, components: int, seed: int = 0):
 class SpikeGMMWeight(nn.Module):
     """Spike-and-GMM posterior of one weight tensor: latent theta, keep scores s, a mixture per window."""
 
-    def __init__(self, shape, components: int, windows: int):
+    def __init__(self, shape, components: int, windows: int, per_input: bool = False):
         super().__init__()
         self.components, self.windows = components, windows
         self.theta = nn.Parameter(torch.zeros(shape))
-        self.score = nn.Parameter(torch.zeros(shape))
+        # One keep score per weight (the paper), or one per input feature shared by all output units
+        # (shape[1:]: it broadcasts against the weight), so that pruning removes whole inputs.
+        self.score = nn.Parameter(torch.zeros(shape[1:] if per_input else shape))
         self.mu = nn.Parameter(torch.zeros(windows, components))
         self.log_sigma = nn.Parameter(torch.zeros(windows, components))
         self.pi = nn.Parameter(torch.zeros(windows, components))
@@ -154,8 +164,13 @@ class SpikeGMMWeight(nn.Module):
             self.pi[j] = torch.from_numpy(pi)
         # Equal keep probabilities, with a tie-break (0.1 tau' per layer standard deviation of |theta|)
         # so that the first steps of the pruning schedule remove small weights, not the last ones by index.
+        # A per-input score ranks its input by the mean |theta| of the weights reading it, on the same
+        # scale (the layer's per-weight standard deviation) as per-weight scores.
         magnitude = weight.detach().abs()
-        self.score.copy_(keep_logit + 0.1 * tie_scale * magnitude / magnitude.std().clamp(min=1e-12))
+        scale = magnitude.std().clamp(min=1e-12)
+        if self.score.shape != magnitude.shape:
+            magnitude = magnitude.mean(0)
+        self.score.copy_(keep_logit + 0.1 * tie_scale * magnitude / scale)
 
     def _per_weight(self, table):
         """A (W, K) table broadcast to every weight: (K,) for one window, else gathered by window."""
@@ -187,7 +202,12 @@ class SpikeGMMWeight(nn.Module):
         return mean, reg
 
     def keep_probability(self, tau_prime):
+        """lambda~ of eq. 33: per weight, or per input (broadcasts against the weight)."""
         return torch.sigmoid(self.score / tau_prime)
+
+    def weight_scores(self):
+        """Every weight's keep score (a per-input score repeated over the output units)."""
+        return self.score.detach().expand(self.theta.shape)
 
     def levels(self):
         """The layer's codebook, window-major: level window * K + k is mu[window, k]."""
@@ -204,7 +224,7 @@ class SQSNet(nn.Module):
 
     def __init__(self, base: nn.Module, *, components=4, windowing="outlier", iqr_factor=5.0, tau=5e-4,
                  tau_prime=0.0125, sigma0_sq=1.0, prior="spike-slab", nonzero_rate=0.5,
-                 operating_points=None):
+                 operating_points=None, first_layer_scores="per-weight"):
         super().__init__()
         if windowing not in WINDOWS:
             raise ValueError(f"unknown windowing {windowing!r}; expected one of {sorted(WINDOWS)}")
@@ -215,9 +235,13 @@ class SQSNet(nn.Module):
         self.default_knob = nonzero_rate
         self.default_operating_points = tuple(operating_points or (nonzero_rate,))
         self.wrapped = [name for name, m in base.named_modules() if isinstance(m, WRAPPED)]
+        if first_layer_scores not in ("per-weight", "per-input"):
+            raise ValueError(f"first_layer_scores must be 'per-weight' or 'per-input', got {first_layer_scores!r}")
+        self.first_layer_scores = first_layer_scores
         self.posteriors = nn.ModuleDict({
-            self._key(name): SpikeGMMWeight(base.get_submodule(name).weight.shape, components, WINDOWS[windowing])
-            for name in self.wrapped})
+            self._key(name): SpikeGMMWeight(base.get_submodule(name).weight.shape, components, WINDOWS[windowing],
+                                            per_input=first_layer_scores == "per-input" and i == 0)
+            for i, name in enumerate(self.wrapped)})
         for name in self.wrapped:  # the posterior replaces the weight; theta holds its trained value
             base.get_submodule(name).weight.requires_grad_(False)
         self.register_buffer("tau_prime", torch.tensor(float(tau_prime)))
@@ -286,14 +310,14 @@ class SQSNet(nn.Module):
 
         Ties (equal scores) go to the weight that comes first, so the count is exact.
         """
-        scores = torch.cat([self.posterior(n).score.detach().reshape(-1) for n in self.wrapped])
+        scores = torch.cat([self.posterior(n).weight_scores().reshape(-1) for n in self.wrapped])
         n_keep = int(round(float(nonzero_rate) * scores.numel()))
         order = torch.sort(scores, descending=True, stable=True).indices
         flat = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
         flat[order[:n_keep]] = True
         masks, start = {}, 0
         for name in self.wrapped:
-            shape = self.posterior(name).score.shape
+            shape = self.posterior(name).theta.shape
             masks[name] = flat[start: start + shape.numel()].reshape(shape)
             start += shape.numel()
         return masks
@@ -389,7 +413,8 @@ def build_sqs(cfg, input_shape, classes, n_train):
     base = build_model(base_config(cfg).model, cfg.prior, input_shape, classes, n_train)
     return SQSNet(base, components=s.components, windowing=s.windows, iqr_factor=s.iqr_factor, tau=s.tau,
                   tau_prime=s.tau_prime, sigma0_sq=cfg.prior.sigma0_sq, prior=s.prior,
-                  nonzero_rate=s.nonzero_rate, operating_points=s.operating_points)
+                  nonzero_rate=s.nonzero_rate, operating_points=s.operating_points,
+                  first_layer_scores=s.first_layer_scores)
 
 
 def pruning_schedule(step, total_steps, keep_init, target, fraction, power=3):
@@ -501,8 +526,8 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
         val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_val,
                              cfg.seed)
         with torch.no_grad():
-            keep = torch.cat([model.posterior(nm).keep_probability(model.tau_prime).reshape(-1)
-                              for nm in model.wrapped])
+            keep = torch.cat([model.posterior(nm).keep_probability(model.tau_prime).expand(
+                model.posterior(nm).theta.shape).reshape(-1) for nm in model.wrapped])
         record = {"epoch": epoch + 1, **sums, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
                   "train_keep_fraction": float((keep > 0.5).float().mean()),
                   "prior_inclusion": float(model.prior_inclusion), "tau_prime": float(model.tau_prime),
@@ -525,6 +550,7 @@ def stage_summary(model, splits, train_dir, knob_value, test_metrics):
     start = read_json(train_dir / "pretrained.json")
     rates = model.write_compressed(train_dir / "model.sqs", knob_value, m=1)
     return {"components": model.components, "windows": model.windowing, "prior": model.prior,
+            "first_layer_scores": model.first_layer_scores,
             "full_precision_test": start["test"], "start": {k: v for k, v in start.items() if k != "test"},
             "accuracy_drop": start["test"]["accuracy"] - test_metrics["accuracy"],
             "compressed_file": "model.sqs", **rates}
