@@ -4,15 +4,16 @@
   inference  Bayesian averaging over M samples (eq. 10) vs greedy argmax (eq. 34) across K, no pruning
              (paper: Figure 3);
   windows    outlier-aware vs equal windows (appendix C / D.2; paper: Figure 2), plus one window per layer:
-             accuracy, file bytes and how well the quantized weights match the full-precision distribution.
+             accuracy, file bytes and how well the quantized weights match the full-precision distribution;
+  scores     the first layer's keep scores per weight (the paper) vs per input pixel (sqs.first_layer_scores,
+             not in the paper) across non-zero rates: accuracy and where the file's bytes go.
 
 Every variant fine-tunes the same full-precision network (pretrained once, cached in --work) with the
 config's SQS settings, changing only what the ablation varies. Accuracy drops are against that network on
 the 10,000 MNIST test images. Results: <out>/sqs_ablations.json (with provenance: machine, commit,
 versions) and sqs_ablations.md. Re-running resumes finished variants from their checkpoints.
 
-    nice -n 19 .venv/bin/python benchmarks/sqs_ablations.py --config configs/mnist-mlp-sqs.yaml --epochs 2 \
-        --hidden 100 100 --batch-size 512
+    .venv/bin/python benchmarks/sqs_ablations.py --config configs/mnist-mlp100-sqs.yaml --epochs 10 --threads 2
 """
 
 import argparse
@@ -29,6 +30,7 @@ from scipy.stats import wasserstein_distance
 
 from edgebayes.config import as_dict, load_pipeline_config
 from edgebayes.data import load_data
+from edgebayes.export import codebook
 from edgebayes.export.compress import MCAverage, compress, predict
 from edgebayes.provenance import provenance, write_json
 from edgebayes.train.metrics import classification_metrics
@@ -137,12 +139,34 @@ def windows_ablation(r: Runner):
     return rows
 
 
+def scores_ablation(r: Runner):
+    """The first layer's keep scores per weight (paper 001) vs per input pixel (train/sqs.py), across
+    non-zero rates: accuracy, and where the file's bytes go (mask vs indices)."""
+    rows = []
+    for rate in RATES:
+        row = {"nonzero_rate": rate, "rate_formula": 32 / math.log2(r.cfg.sqs.components) / rate}
+        for scores in ("per-weight", "per-input"):
+            extra = {} if scores == "per-weight" else {"first_layer_scores": scores}  # shares prior's variant
+            model, seconds = r.fine_tune(prior="spike-slab", nonzero_rate=rate, **extra)
+            acc = accuracy(model, r.splits, rate, m=4)
+            rates = model.write_compressed(r.work / "tmp.sqs", rate, m=1)
+            parts = codebook.section_bytes(model.layer_codes(rate, m=1))
+            row[scores] = {"accuracy": acc, "drop": r.drop(acc), "rate_bytes": rates["rate_bytes"],
+                           "file_bytes": rates["file_bytes"], "seconds": seconds,
+                           **{f"{k}_bits_per_weight": 8 * v / rates["weights"] for k, v in parts.items()}}
+        rows.append(row)
+        r.log(f"scores: non-zero {rate}: drop per-weight {row['per-weight']['drop']:+.4f} "
+              f"({row['per-weight']['rate_bytes']:.1f}x), per-input {row['per-input']['drop']:+.4f} "
+              f"({row['per-input']['rate_bytes']:.1f}x)")
+    return rows
+
+
 def markdown(result) -> str:
     p = result["provenance"]
     machine = p["machine"]
     lines = [f"# SQS ablations (paper 001) on {result['dataset']}, MLP {result['hidden']}",
              "", f"Machine: {machine.get('processor') or machine.get('machine')}, {machine.get('cpu_count')} CPU cores "
-             f"(shared, nice 19), {machine.get('platform')}; torch threads {result['threads']}; commit {p['git_commit']}; seed {result['seed']}; "
+             f"(shared), {machine.get('platform')}; torch threads {result['threads']}; commit {p['git_commit']}; seed {result['seed']}; "
              f"{result['epochs']} fine-tuning epochs per variant from one full-precision network "
              f"({result['pretrain_epochs']} epochs, test accuracy {result['full_precision_accuracy']:.4f}). "
              f"Drops are full-precision minus compressed test accuracy ({result['test_images']} test images; "
@@ -177,6 +201,19 @@ def markdown(result) -> str:
                          f"{row['wasserstein1_mean']:.2e} | {row['abs_error_mean']:.2e} | {row['outliers']} | "
                          f"{'n/a' if tail is None else f'{tail:.2e}'} |")
         lines.append("")
+    if "scores" in result:
+        lines += ["## First layer's keep scores: per weight (paper 001) vs per input pixel (MC average, M = 4)", "",
+                  "Mask and indices: bits per weight of each stream entropy-coded alone (export/codebook.py "
+                  "section_bytes).", "",
+                  "| Non-zero | Rate (formula) | Scores | Drop | Rate by bytes | File bytes | Mask bits / weight | "
+                  "Index bits / weight |", "|---|---|---|---|---|---|---|---|"]
+        for row in result["scores"]:
+            for scores in ("per-weight", "per-input"):
+                v = row[scores]
+                lines.append(f"| {row['nonzero_rate']:.0%} | {row['rate_formula']:.0f}x | {scores} | {v['drop']:+.2%} | "
+                             f"{v['rate_bytes']:.1f}x | {v['file_bytes']} | {v['mask_bits_per_weight']:.2f} | "
+                             f"{v['indices_bits_per_weight']:.2f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -184,8 +221,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/mnist-mlp-sqs.yaml")
     parser.add_argument("--epochs", type=int, default=2, help="SQS fine-tuning epochs per variant")
-    parser.add_argument("--only", nargs="*", choices=("prior", "inference", "windows"),
-                        default=["inference", "windows", "prior"])
+    parser.add_argument("--only", nargs="*", choices=("prior", "inference", "windows", "scores"),
+                        default=["inference", "windows", "prior", "scores"])
     parser.add_argument("--work", default="runs/sqs-ablations", help="checkpoints (resumable)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--threads", type=int, default=1)
@@ -208,7 +245,8 @@ def main(argv=None):
               "pretrain_epochs": cfg.sqs.pretrain_epochs, "full_precision_accuracy": runner.base_test["accuracy"],
               "sqs": as_dict(cfg.sqs), "kl_weight": cfg.train.kl_weight, "batch_size": cfg.train.batch_size}
     for name in args.only:  # results are written after each ablation, so a cut-short run keeps what finished
-        result[name] = {"prior": prior_ablation, "inference": inference_ablation, "windows": windows_ablation}[name](runner)
+        result[name] = {"prior": prior_ablation, "inference": inference_ablation, "windows": windows_ablation,
+                        "scores": scores_ablation}[name](runner)
         result["seconds"] = time.perf_counter() - t0
         result["provenance"] = provenance("sqs-ablations")
         write_json(out / "sqs_ablations.json", result)
