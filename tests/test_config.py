@@ -5,7 +5,9 @@ import copy
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
 from edgebayes.cli import EXIT_BAD_INPUT, main
@@ -250,3 +252,30 @@ def test_unknown_ood_set_names_file_and_key(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "p.yaml: data.ood: expected" in err and "'svhn'" in err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_builds_its_network(path):
+    from types import SimpleNamespace
+
+    from edgebayes.train.trainer import model_for
+
+    cfg = load_pipeline_config(path)
+    shape = {"cifar10": (3, 32, 32), "digits": (1, 8, 8)}.get(cfg.data.dataset, (1, 28, 28))
+    if cfg.model.arch == "mlp":
+        shape = (int(np.prod(shape)),)
+    splits = SimpleNamespace(input_shape=shape, classes=list(range(10)), train_x=torch.zeros(4, *shape))
+    net = model_for(cfg, splits).eval()
+    with torch.no_grad():
+        assert net(torch.zeros(2, *shape)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("depth", [20, 32, 56])
+def test_cifar_resnets_have_6n_plus_2_weighted_layers(depth):
+    from edgebayes.config import ModelConfig, PriorConfig
+    from edgebayes.train.models import build_model
+
+    net = build_model(ModelConfig(family="dnn", arch=f"resnet{depth}"), PriorConfig(), (3, 32, 32), 10, n_train=100)
+    weighted = [n for n, m in net.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
+                and "shortcut" not in n]
+    assert len(weighted) == depth  # the stem, 2 per basic block, the classifier; projections not counted

@@ -50,7 +50,7 @@ class ModelConfig:
     # sqs: sparse + quantized (paper 001), wrapping the dnn of the same architecture (section sqs)
     # bn3: Bayesian nested net (paper 002); fn3: its fixed nested-dropout baseline (section nested)
     family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs", "bn3", "fn3"] = "ss-gl"
-    arch: Literal["mlp", "lenet5-caffe", "resnet20", "resnet32", "vgg11", "mobilenetv2"] = "mlp"
+    arch: Literal["mlp", "lenet5-caffe", "resnet20", "resnet32", "resnet56", "vgg11", "mobilenetv2"] = "mlp"
     hidden: list[int] = field(default_factory=lambda: [400, 400])   # mlp only
     activation: Literal["silu", "relu", "tanh"] = "silu"
     width_multiplier: float = 1.0       # vgg11, mobilenetv2: channels x this (paper 002 trains VGG11 x1.5)

@@ -8,8 +8,8 @@ spike-and-slab nets and the nested nets (see edgebayes.train.models.LayerFactory
 from edgebayes.train.zoo.lenet import lenet5_caffe
 from edgebayes.train.zoo.mlp import mlp
 from edgebayes.train.zoo.mobilenet import mobilenetv2
-from edgebayes.train.zoo.resnet import resnet20, resnet32
+from edgebayes.train.zoo.resnet import resnet20, resnet32, resnet56
 from edgebayes.train.zoo.vgg import vgg11
 
 ARCHITECTURES = {"mlp": mlp, "lenet5-caffe": lenet5_caffe, "resnet20": resnet20, "resnet32": resnet32,
-                 "vgg11": vgg11, "mobilenetv2": mobilenetv2}
+                 "resnet56": resnet56, "vgg11": vgg11, "mobilenetv2": mobilenetv2}

@@ -1,4 +1,5 @@
-"""ResNet-20 / ResNet-32 for CIFAR (He et al. 2016, section 4.2): 3 stages of 16, 32, 64 channels.
+"""ResNet-20 / 32 / 56 for CIFAR (He et al. 2016, section 4.2): 3 stages of 16, 32, 64 channels, depth
+6n + 2 with n = 3, 5, 9 basic blocks per stage.
 
 Every convolution is followed by batch norm (owned by the layer, so a switched-off channel is exactly
 zero, see train/spike_slab.py). Shortcuts that change shape are 1x1 convolutions with batch norm (option B)
@@ -56,3 +57,7 @@ def resnet20(make, input_shape, classes, **_):
 
 def resnet32(make, input_shape, classes, **_):
     return _resnet(32, make, input_shape, classes)
+
+
+def resnet56(make, input_shape, classes, **_):
+    return _resnet(56, make, input_shape, classes)
