@@ -113,7 +113,7 @@ def plot(result, path):
     ax.axvline(MIN_RATE, color="grey", ls="--", lw=1)
     ax.set_xlabel("compression rate by file bytes (x)")
     ax.set_ylabel("accuracy drop against full precision (points)")
-    ax.set_title("SQS, 2 bits, 50% non-zero: one point per seed; issue 5's target is top-left of the lines",
+    ax.set_title("SQS, 2 bits, 50% non-zero: one point per seed; issue 5's target: right of 25x, below 1 point",
                  fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
