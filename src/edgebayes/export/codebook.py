@@ -22,13 +22,13 @@ They differ by the mask (at a 50% non-zero rate an i.i.d. mask costs as much as 
 weight; its entropy coding recovers only what the mask's structure allows), by the biases and codebooks
 (small), and, with windowing, by the extra levels (W windows x K components per layer can use more than K
 distinct values, which log2 K does not count). Measured on MNIST (benchmarks/results/sqs_mnist_mlp100.md,
-MLP 2x100, K = 4, one window, 50% non-zero, 3 seeds; `section_bytes` splits the bytes):
-  - paper 001's per-weight keep scores (configs/mnist-mlp100-sqs.yaml): 32x by the formula, 18.1-18.3x by
+MLP 2x100, K = 4, one window, 50% non-zero, 5 seeds; `section_bytes` splits the bytes):
+  - paper 001's per-weight keep scores (configs/mnist-mlp100-sqs.yaml): 32x by the formula, 18.1-18.4x by
     bytes, 1.75-1.78 bits per weight: ~0.68 for the mask (dead input pixels zero whole columns of the first
     layer, stored input-major; the rest of the mask is close to i.i.d.), ~0.93 for the indices (half the
     weights at ~1.85 bits after entropy coding);
   - per-input keep scores in the first layer (configs/mnist-mlp100-sqs-inputs.yaml, train/sqs.py): whole
-    pixels pruned, so the mask costs ~0.13 bits per weight and the file comes to 28.3-29.3x, 88-92% of
+    pixels pruned, so the mask costs ~0.13 bits per weight and the file comes to 27.8-29.3x, 87-92% of
     the formula; what is left is the indices at ~1.7 bits per kept weight, the biases and the codebooks.
 25x by bytes at 50% non-zero needs mask + indices <= 1.28 bits per weight, which an unstructured mask of
 ~1 bit does not leave room for; at 20% non-zero the per-weight model gives 27.4x, losing 0.98 points
