@@ -174,7 +174,7 @@ def test_uniform_prior_is_fn3s_distribution_so_phi1_vanishes_at_the_uniform_star
         return [m for _, m in net.nested_layers() if m.nested][0].ordering
 
     assert float(ordering(prior_keep_logit="uniform").kl().detach()) == pytest.approx(0.0, abs=1e-6)
-    assert float(ordering(prior_keep_logit=3.0).kl()) > 0.1   # the default prior favours the full width
+    assert float(ordering(prior_keep_logit=3.0).kl().detach()) > 0.1   # the default prior favours the full width
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"name": "x", "model": {"family": "bn3"}, "nested": {"prior_keep_logit": "flat"}}))
     assert main(["train", "--config", str(bad), "--runs-dir", str(tmp_path)]) == 2
