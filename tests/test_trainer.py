@@ -73,7 +73,7 @@ def test_history_records_mean_inclusion_of_prunable_layers(setup, tmp_path):
     assert list(record) == prunable and len(prunable) == 2
     for name, layer in model.bayesian_layers():
         if layer.prunable:
-            assert record[name] == pytest.approx(float(layer.inclusion_probability().mean()))
+            assert record[name] == pytest.approx(float(layer.inclusion_probability().mean().detach()))
             assert 0 < record[name] < 1
     state = torch.load(tmp_path / "m.pt", weights_only=True)
     assert state["history"][-1]["mean_inclusion"] == record
