@@ -27,8 +27,8 @@ from edgebayes.config import as_dict, load_pipeline_config
 from edgebayes.data import load_data
 from edgebayes.errors import InputError
 from edgebayes.export import codebook
-from edgebayes.provenance import atomic_path, provenance, read_json, write_json
-from edgebayes.train.sqs import train_sqs
+from edgebayes.provenance import atomic_path, provenance, write_json
+from edgebayes.train.sqs import stage_summary, train_sqs
 from edgebayes.train.trainer import evaluate
 
 MAX_DROP, MIN_RATE = 0.01, 25.0  # issue 5
@@ -40,12 +40,12 @@ def run_one(cfg, splits, work: Path, log) -> dict:
     model, history = train_sqs(cfg, splits, work / "checkpoint.pt", log=log)
     rate = cfg.sqs.nonzero_rate
     test, _, _ = evaluate(model, splits.test_x, splits.test_y, rate, cfg.train.mc_samples_eval, cfg.seed)
-    start = read_json(work / "pretrained.json")["test"]
-    rates = model.write_compressed(work / "model.sqs", rate, m=1)
+    rates = stage_summary(model, splits, work, rate, test)  # the train stage's figures, model.sqs written
     parts = codebook.section_bytes(model.layer_codes(rate, m=1))
     first = model.keep_masks(rate)[model.wrapped[0]]
-    drop = start["accuracy"] - test["accuracy"]
-    return {"seed": cfg.seed, "full_precision_accuracy": start["accuracy"], "val_accuracy": history[-1]["val_accuracy"],
+    drop = rates["accuracy_drop"]
+    return {"seed": cfg.seed, "full_precision_accuracy": rates["full_precision_test"]["accuracy"],
+            "val_accuracy": history[-1]["val_accuracy"],
             "test_accuracy": test["accuracy"], "test_nll": test["nll"], "test_ece": test["ece"], "drop": drop,
             "fine_tune_seconds": sum(h["seconds"] for h in history), "seconds": time.perf_counter() - t0,
             "first_layer_inputs_kept": int(first.reshape(first.shape[0], -1).any(0).sum()),
