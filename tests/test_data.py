@@ -62,3 +62,292 @@ def test_train_subset_keeps_the_first_training_images_and_whole_val_and_test():
     full, part = load_data(DataConfig(), 0), load_data(DataConfig(train_subset=100), 0)
     assert torch.equal(part.train_x, full.train_x[:100]) and torch.equal(part.train_y, full.train_y[:100])
     assert torch.equal(part.val_x, full.val_x) and torch.equal(part.test_x, full.test_x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Your own data: npz, image-folder, csv, package.module:function
+# ---------------------------------------------------------------------------------------------
+def _own(dataset, path, **kw):
+    return DataConfig(dataset=dataset, path=str(path), **kw)
+
+
+def _npz(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+def _images(folder, classes=("cat", "dog", "eel"), n=12, size=(8, 8), mode="L"):
+    """n images per class; pixel values encode the class (40 * class + image index), so a test can check
+    that every input kept its own label."""
+    from PIL import Image
+
+    for k, name in enumerate(classes):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            value = 40 * k + i
+            shape = size if mode == "L" else size + (len(mode),)
+            Image.fromarray(np.full(shape, value, dtype=np.uint8), mode).save(folder / name / f"{i}.png")
+    return folder
+
+
+def test_npz_channels_last_uint8_images_with_string_labels_and_a_test_set(tmp_path):
+    rng = np.random.default_rng(0)
+    x_test = rng.integers(0, 256, (9, 8, 8, 3), dtype=np.uint8)
+    path = _npz(tmp_path / "d.npz", x_train=rng.integers(0, 256, (60, 8, 8, 3), dtype=np.uint8),
+                y_train=np.repeat(["eel", "cat", "dog"], 20), x_test=x_test, y_test=np.array(["dog", "cat", "eel"] * 3))
+    s = load_data(_own("npz", path, val_fraction=0.25), seed=0)
+    assert s.input_shape == (3, 8, 8) and s.classes == ["cat", "dog", "eel"]
+    assert (len(s.train_x), len(s.val_x), len(s.test_x)) == (45, 15, 9)
+    assert s.train_x.dtype == torch.float32 and 0 <= float(s.train_x.min()) and float(s.train_x.max()) <= 1
+    assert torch.equal(s.test_x, torch.tensor(x_test / 255.0, dtype=torch.float32).permute(0, 3, 1, 2))
+    assert s.test_y.tolist() == [1, 0, 2] * 3
+
+
+def test_npz_channels_first_floats_are_kept_and_grayscale_gets_a_channel(tmp_path):
+    x = np.random.default_rng(1).normal(0, 2, (40, 3, 5, 5)).astype(np.float32)
+    s = load_data(_own("npz", _npz(tmp_path / "cf.npz", x=x, y=np.arange(40) % 4)), seed=0)
+    assert s.input_shape == (3, 5, 5) and s.classes == ["0", "1", "2", "3"]
+    pool = torch.cat([s.train_x, s.val_x, s.test_x])
+    assert sorted(pool.flatten().tolist()) == sorted(x.flatten().tolist())  # kept, not rescaled
+    small = np.zeros((20, 4, 4, 3), dtype=np.uint8)  # both axes 1, 3 or 4: numpy arrays are channels last
+    assert load_data(_own("npz", _npz(tmp_path / "s.npz", x=small, y=np.arange(20) % 2)), 0).input_shape == (3, 4, 4)
+    gray = np.zeros((20, 6, 7), dtype=np.uint8)
+    s = load_data(_own("npz", _npz(tmp_path / "g.npz", x=gray, y=np.arange(20) % 2)), seed=0)
+    assert s.input_shape == (1, 6, 7)
+
+
+def test_npz_single_feature_set_is_split_seeded_like_digits(tmp_path):
+    x = np.arange(200, dtype=np.float64).reshape(100, 2)
+    path = _npz(tmp_path / "t.npz", x=x, y=np.arange(100) % 2)
+    cfg = _own("npz", path, test_fraction=0.2, val_fraction=0.25)
+    a, b, c = load_data(cfg, 0), load_data(cfg, 0), load_data(cfg, 1)
+    assert a.input_shape == (2,) and (len(a.train_x), len(a.val_x), len(a.test_x)) == (60, 20, 20)
+    assert torch.equal(a.train_x, b.train_x) and torch.equal(a.test_x, b.test_x) and not torch.equal(a.test_x, c.test_x)
+    rows = torch.cat([a.train_x, a.val_x, a.test_x])[:, 0].long()
+    assert sorted(rows.tolist()) == list(range(0, 200, 2))  # every row once
+    assert torch.equal(torch.cat([a.train_y, a.val_y, a.test_y]), (rows // 2) % 2)  # rows keep their labels
+
+
+def test_npz_labels_classes_array_and_given_validation_set(tmp_path):
+    x = np.zeros((30, 4), dtype=np.float32)
+    # integer labels that are not 0..K-1 map to their sorted values
+    s = load_data(_own("npz", _npz(tmp_path / "a.npz", x=x, y=np.array([9, 3, 7] * 10))), seed=0)
+    assert s.classes == ["3", "7", "9"] and set(s.train_y.tolist()) <= {0, 1, 2}
+    # a classes array names integer labels (and float labels that are whole numbers are labels)
+    s = load_data(_own("npz", _npz(tmp_path / "b.npz", x_train=x, y_train=np.arange(30.0) % 3, x_val=x[:5],
+                                   y_val=np.array([0, 1, 2, 0, 1]), classes=np.array(["a", "b", "c"]))), seed=0)
+    assert s.classes == ["a", "b", "c"] and len(s.val_x) == 5 and s.val_y.tolist() == [0, 1, 2, 0, 1]
+    assert len(s.train_x) + len(s.test_x) == 30  # no validation carved out of train
+
+
+def test_image_folder_one_set_grayscale_split_with_labels_kept(tmp_path):
+    root = _images(tmp_path / "imgs")
+    (root / "cat" / "notes.txt").write_text("not an image")  # other files are skipped
+    cfg = _own("image-folder", root, test_fraction=0.2, val_fraction=0.2)
+    s = load_data(cfg, seed=0)
+    assert s.input_shape == (1, 8, 8) and s.classes == ["cat", "dog", "eel"]
+    assert len(s.train_x) + len(s.val_x) + len(s.test_x) == 36 and len(s.test_x) == 7
+    for x, y in ((s.train_x, s.train_y), (s.val_x, s.val_y), (s.test_x, s.test_y)):
+        values = torch.round(x[:, 0, 0, 0] * 255).long()
+        assert torch.equal(values // 40, y)  # each image kept its class
+    assert torch.equal(load_data(cfg, seed=0).train_x, s.train_x)
+
+
+def test_image_folder_rgb_decides_channels_and_drops_alpha(tmp_path):
+    root = _images(tmp_path / "imgs", classes=("a", "b"), n=6, mode="L")
+    _images(root, classes=("c",), n=6, mode="RGBA")
+    s = load_data(_own("image-folder", root), seed=0)
+    assert s.input_shape == (3, 8, 8)
+    pool = torch.cat([s.train_x, s.val_x, s.test_x])
+    assert torch.equal(pool[:, 0], pool[:, 1]) and torch.equal(pool[:, 1], pool[:, 2])  # gray repeated, alpha gone
+
+
+def test_image_folder_train_test_layout_and_resizing(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "imgs"
+    _images(root / "train", n=10)
+    _images(root / "test", classes=("cat", "eel"), n=3)
+    s = load_data(_own("image-folder", root, val_fraction=0.2), seed=0)
+    assert s.classes == ["cat", "dog", "eel"] and len(s.test_x) == 6 and len(s.train_x) + len(s.val_x) == 30
+    assert sorted(s.test_y.tolist()) == [0, 0, 0, 2, 2, 2]
+    Image.fromarray(np.zeros((12, 10), dtype=np.uint8)).save(root / "train" / "dog" / "big.png")
+    with pytest.raises(DataError, match=r"differ in size: .*is 8x8 \(HxW\), .*big\.png is 12x10; set data\.image_size"):
+        load_data(_own("image-folder", root), seed=0)
+    s = load_data(_own("image-folder", root, image_size=[6, 5]), seed=0)
+    assert s.input_shape == (1, 6, 5) and len(s.train_x) + len(s.val_x) == 31
+
+
+def test_csv_header_label_column_rules(tmp_path):
+    rows = "".join(f"{i},{['x', 'y'][i % 2]},{i * 0.5}\n" for i in range(40))
+    (tmp_path / "h.csv").write_text("f1,target,f2\n" + rows)
+    s = load_data(_own("csv", tmp_path / "h.csv"), seed=0)
+    assert s.input_shape == (2,) and s.classes == ["x", "y"]
+    pool = torch.cat([s.train_x, s.val_x, s.test_x])
+    assert torch.equal(pool[:, 1], pool[:, 0] * 0.5)  # the label column is not a feature
+    (tmp_path / "n.csv").write_text("".join(f"{i * 0.1},{i},{i % 3}\n" for i in range(30)))  # no header
+    s = load_data(_own("csv", tmp_path / "n.csv"), seed=0)
+    assert s.input_shape == (2,) and s.classes == ["0", "1", "2"]
+    assert len(s.train_x) + len(s.val_x) + len(s.test_x) == 30
+    with pytest.raises(DataError, match=r"n\.csv: y_train holds non-integer numbers"):  # column 0 is 0.0, 0.1, ...
+        load_data(_own("csv", tmp_path / "n.csv", label_column=0), seed=0)
+    (tmp_path / "s.csv").write_text("a,b\n" + "".join(f"{i},{'uv'[i % 2]}\n" for i in range(20)))
+    assert load_data(_own("csv", tmp_path / "s.csv"), seed=0).classes == ["u", "v"]  # header over string labels
+
+
+def test_csv_label_column_by_name_and_index(tmp_path):
+    (tmp_path / "c.csv").write_text("kind,a,b\n" + "".join(f"{'pq'[i % 2]},{i},{-i}\n" for i in range(20)))
+    by_name = load_data(_own("csv", tmp_path / "c.csv", label_column="kind"), seed=0)
+    by_index = load_data(_own("csv", tmp_path / "c.csv", label_column=-3), seed=0)
+    assert by_name.classes == by_index.classes == ["p", "q"]
+    assert torch.equal(by_name.train_x, by_index.train_x)
+    assert torch.equal(by_name.train_x[:, 1], -by_name.train_x[:, 0])
+
+
+def _write_module(tmp_path, monkeypatch, body):
+    (tmp_path / "userdata.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sys
+    sys.modules.pop("userdata", None)
+
+
+def test_loader_function_by_import_path(tmp_path, monkeypatch):
+    _write_module(tmp_path, monkeypatch, """
+import numpy as np, torch
+seen = []
+def tuple_form(cfg):
+    seen.append(cfg)
+    x = torch.rand(50, 1, 4, 4)
+    return x, torch.arange(50) % 2, x[:10], torch.arange(10) % 2, ["even", "odd"]
+def dict_form(cfg):
+    return {"x": np.ones((30, 3)), "y": ["a", "b", "c"] * 10}
+""")
+    cfg = DataConfig(dataset="userdata:tuple_form", path="anything")
+    s = load_data(cfg, seed=0)
+    import userdata
+    assert userdata.seen[0] is cfg and s.classes == ["even", "odd"] and s.input_shape == (1, 4, 4)
+    assert len(s.test_x) == 10 and len(s.train_x) + len(s.val_x) == 50
+    s = load_data(DataConfig(dataset="userdata:dict_form", ood="noise"), seed=0)
+    assert s.input_shape == (3,) and s.classes == ["a", "b", "c"] and len(s.test_x) == 6
+    assert float(s.ood_x.min()) == float(s.ood_x.max()) == 1.0  # noise in the training inputs' range [1, 1]
+
+
+def test_noise_ood_follows_the_range_of_tabular_inputs(tmp_path):
+    x = np.linspace(-50, 50, 80).reshape(40, 2)
+    s = load_data(_own("npz", _npz(tmp_path / "t.npz", x=x, y=np.arange(40) % 2), ood="noise"), seed=0)
+    assert s.ood_x.shape == s.test_x.shape
+    assert float(s.ood_x.min()) >= float(s.train_x.min()) and float(s.ood_x.max()) <= float(s.train_x.max())
+    assert float(s.ood_x.max()) - float(s.ood_x.min()) > 10
+
+
+def _bad_npz(**arrays):
+    def write(tmp_path):
+        return _npz(tmp_path / "bad.npz", **arrays)
+    return write
+
+
+X, Y = np.zeros((10, 4), dtype=np.float32), np.arange(10) % 2
+OWN_DATA_ERRORS = {
+    "missing file": ("npz", lambda t: t / "absent.npz", r"data\.path: .*absent\.npz: no such file"),
+    "not an npz": ("npz", lambda t: (t / "x.npz").write_text("a,b\n") and t / "x.npz", r"not an \.npz archive"),
+    "an npy": ("npz", lambda t: np.save(t / "x.npy", X) or t / "x.npy", r"a single array \(\.npy\)"),
+    "a file for image-folder": ("image-folder", lambda t: _npz(t / "x.npz", x=X, y=Y), r"reads a folder"),
+    "a folder for csv": ("csv", lambda t: t, r"reads a file, got a folder"),
+    "npz without x/y": ("npz", _bad_npz(images=X, labels=Y),
+                        r"expected arrays x_train and y_train.*it holds: images, labels"),
+    "npz x_train without y_train": ("npz", _bad_npz(x_train=X), r"has x_train but no y_train"),
+    "npz misspelt set": ("npz", _bad_npz(x_train=X, y_train=Y, x_tset=X, y_test=Y), r"unexpected x_tset"),
+    "npz object labels": ("npz", _bad_npz(x=X, y=np.array([1, "a"] * 5, dtype=object)), r"plain arrays"),
+    "lengths differ": ("npz", _bad_npz(x=X, y=Y[:9]), r"x_train has 10 inputs but y_train has 9 labels"),
+    "train vs test shapes": ("npz", _bad_npz(x_train=X, y_train=Y, x_test=X[:, :3], y_test=Y),
+                             r"x_test inputs have shape \(3,\) but x_train inputs \(4,\)"),
+    "single class": ("npz", _bad_npz(x=X, y=np.zeros(10, dtype=int)), r"y_train holds a single class \(0\)"),
+    "test label unseen": ("npz", _bad_npz(x_train=X, y_train=Y, x_test=X[:2], y_test=np.array([1, 2])),
+                          r"y_test has labels that are not classes: 2"),
+    "test string label unseen": ("npz", _bad_npz(x_train=X, y_train=np.array(["a", "b"] * 5), x_test=X[:2],
+                                                 y_test=np.array(["a", "c"])), r"y_test.*not classes: 'c'"),
+    "nan inputs": ("npz", _bad_npz(x=np.full((10, 2), np.nan), y=Y), r"x_train has 20 values that are NaN"),
+    "one-hot labels": ("npz", _bad_npz(x=X, y=np.eye(2)[Y]), r"one label per input.*argmax"),
+    "non-integer labels": ("npz", _bad_npz(x=X, y=Y + 0.5), r"non-integer numbers"),
+    "5-d inputs": ("npz", _bad_npz(x=np.zeros((10, 1, 2, 2, 2)), y=Y), r"shape \(10, 1, 2, 2, 2\); expected"),
+    "csv non-numeric": ("csv", lambda t: (t / "a.csv").write_text("a,b,label\n1,2,x\n3,four,y\n") and t / "a.csv",
+                        r"feature column 'b' is not numeric: line 3 holds 'four'"),
+    "csv missing value": ("csv", lambda t: (t / "a.csv").write_text("1,2,x\n3,,y\n") and t / "a.csv",
+                          r"feature column 'column 1' is not numeric: line 2 is empty"),
+    "csv ragged": ("csv", lambda t: (t / "a.csv").write_text("1,2,x\n3,y\n") and t / "a.csv",
+                   r"line 2 has 2 cells, line 1 has 3"),
+    "csv one column": ("csv", lambda t: (t / "a.csv").write_text("1\n2\n") and t / "a.csv", r"one column"),
+    "csv binary": ("csv", lambda t: (t / "a.csv").write_bytes(b"\x89PNG\xff\xfe\x00") and t / "a.csv",
+                   r"not a text CSV file"),
+    "empty folder": ("image-folder", lambda t: t, r"no images in class folders"),
+    "loose images": ("image-folder", lambda t: _images(t / "x", classes=("a",), n=1) and
+                     ((t / "x" / "a" / "0.png").rename(t / "0.png"), (t / "x" / "a").rmdir(), (t / "x").rmdir()) and t,
+                     r"\(0\.png, \.\.\.\) need one sub-folder per class"),
+    "one class folder": ("image-folder", lambda t: _images(t / "x", classes=("a",), n=3), r"one class folder \(a\)"),
+    "empty class folder": ("image-folder", lambda t: (_images(t / "x", classes=("a", "b"), n=3) / "c").mkdir()
+                           or t / "x", r"class folder .*c holds no images"),
+    "test class unseen": ("image-folder", lambda t: _images(t / "x" / "train", classes=("a", "b"), n=3) and
+                          _images(t / "x" / "test", classes=("z",), n=1) and t / "x",
+                          r"test/z is not a class of train/"),
+    "unreadable image": ("image-folder", lambda t: (_images(t / "x", classes=("a", "b"), n=3) / "a" / "9.png")
+                         .write_bytes(b"garbage") and t / "x", r"9\.png: not a readable image"),
+}
+
+
+@pytest.mark.parametrize("case", OWN_DATA_ERRORS, ids=list(OWN_DATA_ERRORS))
+def test_own_data_errors_name_the_file_and_the_problem(case, tmp_path):
+    dataset, make, message = OWN_DATA_ERRORS[case]
+    (tmp_path / "data").mkdir()
+    path = make(tmp_path / "data")
+    with pytest.raises(DataError, match=message) as error:
+        load_data(_own(dataset, path), seed=0)
+    assert "data.path" in str(error.value)
+
+
+def test_loader_function_errors(tmp_path, monkeypatch):
+    _write_module(tmp_path, monkeypatch, "def wrong(cfg):\n    return 3\n"
+                                         "def short(cfg):\n    return [1, 2]\n"
+                                         "def bad_shapes(cfg):\n"
+                                         "    return [[0.0] * 3] * 4, [0, 1, 0, 1], [[0.0] * 2], [0]\n")
+    with pytest.raises(DataError, match=r"data\.dataset: userdata:wrong: returned int; expected \(x_train"):
+        load_data(DataConfig(dataset="userdata:wrong"), 0)
+    with pytest.raises(DataError, match=r"returned list"):
+        load_data(DataConfig(dataset="userdata:short"), 0)
+    with pytest.raises(DataError, match=r"userdata:bad_shapes: x_test inputs have shape \(2,\)"):
+        load_data(DataConfig(dataset="userdata:bad_shapes"), 0)
+    with pytest.raises(DataError, match=r"userdata has no function absent"):
+        load_data(DataConfig(dataset="userdata:absent"), 0)
+    with pytest.raises(DataError, match=r"cannot import nosuchmodule .*PYTHONPATH"):
+        load_data(DataConfig(dataset="nosuchmodule:load"), 0)
+
+
+def test_too_few_inputs_for_the_splits(tmp_path):
+    path = _npz(tmp_path / "few.npz", x=np.zeros((2, 3)), y=np.array([0, 1]))
+    with pytest.raises(DataError, match=r"the validation split is empty \(2 inputs in the training set"):
+        load_data(_own("npz", path), seed=0)
+
+
+def test_data_fingerprint_follows_the_files(tmp_path):
+    import os
+
+    from edgebayes.data import data_fingerprint
+
+    assert data_fingerprint(DataConfig()) is None
+    cfg = _own("npz", _npz(tmp_path / "d.npz", x=X, y=Y))
+    before = data_fingerprint(cfg)
+    assert before == data_fingerprint(cfg)
+    _npz(tmp_path / "d.npz", x=X + 1, y=Y)
+    os.utime(tmp_path / "d.npz", ns=(1, 1))
+    assert data_fingerprint(cfg) != before
+    folder = _images(tmp_path / "imgs", n=2)
+    cfg = _own("image-folder", folder)
+    before = data_fingerprint(cfg)
+    _images(folder, classes=("cat",), n=3)  # one more image
+    assert data_fingerprint(cfg) != before
+
+
+def test_loaders_cover_the_configured_data_sets():
+    from edgebayes.config import BUILTIN_DATASETS, DATA_FORMATS
+    from edgebayes.data import LOADERS
+
+    assert tuple(LOADERS) == BUILTIN_DATASETS + DATA_FORMATS

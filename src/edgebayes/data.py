@@ -1,16 +1,33 @@
 """Datasets as in-memory tensors with seeded train / val / test splits (and an optional OOD set).
 
+Built in:
 - digits: scikit-learn's 8x8 digits (1797 images, shipped inside the wheel): the embedded default, offline.
 - mnist, fashion-mnist (IDX files read directly, .gz or not), cifar10 (torchvision): from a root folder (data.root, else $EDGEBAYES_DATA,
   else ./data). Nothing is downloaded unless data.download is true; absent files give one clear error.
 
-Images are float32 in [0, 1], shape (C, H, W). Validation is carved out of the training split with a
-generator seeded by the run's seed, so a split never changes between runs.
+Your own data (data.path: a file or folder; a relative path is read from the working directory):
+- npz: arrays x_train, y_train and optionally x_test, y_test and x_val, y_val, or one set x, y; an optional
+  `classes` array names the classes.
+- image-folder: torchvision's ImageFolder layout, path/<class>/*.png|jpg|... or path/train/<class>/ and
+  path/test/<class>/ (and optionally path/val/<class>/).
+- csv: numeric feature columns and one label column (data.label_column; see _csv for the header rule).
+- package.module:function: a loader of your own, called with the DataConfig (see _function).
+
+Every source goes through the same checks (_checked): one label per input, the same input shape in every
+set, finite values, at least two classes, no test / val label unseen in training. Sets a source does not
+provide are carved out of its training set: test first (data.test_fraction), then validation
+(data.val_fraction), with a generator seeded by the run's seed, so a split never changes between runs.
+
+Inputs are float32, images (C, H, W), feature vectors (F,). Labels are int64 class indices into `classes`.
 """
 
+import csv
 import dataclasses
 import gzip
+import hashlib
+import importlib
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,19 +63,29 @@ class Splits:
 TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CIFAR10"}
 FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                    "Ankle boot"]
+SET_NAMES = ("train", "val", "test")
+# What PIL reads and torchvision's ImageFolder accepts; other files in the folders (notes, .DS_Store) are skipped.
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
+# A CSV column with one of these names (any case) is the label column unless data.label_column says otherwise.
+LABEL_COLUMN_NAMES = ("label", "target", "class")
+# `package.module:function`, the form of data.dataset that names a loader of your own.
+LOADER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 def data_root(cfg) -> Path:
     return Path(cfg.root or os.environ.get("EDGEBAYES_DATA") or "data")
 
 
-def _digits():
+# ---------------------------------------------------------------------------------------------
+# Built-in data sets. Each loader takes the DataConfig and returns ({set name: (x, y)}, classes).
+# ---------------------------------------------------------------------------------------------
+def _digits(cfg=None):
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)
-    return x, y, [str(c) for c in bunch.target_names]
+    return {"train": (x, y)}, [str(c) for c in bunch.target_names]
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -120,8 +147,517 @@ def _torchvision(name, cfg, train):
     return x, y, [str(c) for c in ds.classes]
 
 
-# Loaders of the data sets that live under the data root (digits ships with scikit-learn).
-LOADERS = {"mnist": _mnist_like, "fashion-mnist": _mnist_like, "cifar10": _torchvision}
+# The sets under the data root with an official train / test split: one half at a time (the OOD set
+# needs only the test half).
+OFFICIAL_SPLITS = {"mnist": _mnist_like, "fashion-mnist": _mnist_like, "cifar10": _torchvision}
+
+
+def _official(cfg):
+    load = OFFICIAL_SPLITS[cfg.dataset]
+    x, y, classes = load(cfg.dataset, cfg, train=True)
+    test_x, test_y, _ = load(cfg.dataset, cfg, train=False)
+    return {"train": (x, y), "test": (test_x, test_y)}, classes
+
+
+# ---------------------------------------------------------------------------------------------
+# Your own data
+# ---------------------------------------------------------------------------------------------
+def _path(cfg, folder: bool) -> Path:
+    """data.path, checked to exist and to be a folder (image-folder) or a file (npz, csv)."""
+    if not cfg.path:
+        raise DataError(f"data.path: required for data.dataset {cfg.dataset} (the file or folder to read)")
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        where = "" if path.is_absolute() else f" (a relative data.path is read from the working directory {Path.cwd()})"
+        raise DataError(f"data.path: {path}: no such {'folder' if folder else 'file'}{where}")
+    if folder and not path.is_dir():
+        raise DataError(f"data.path: {path}: data.dataset image-folder reads a folder "
+                        f"(<path>/<class>/*.png, or <path>/train/<class>/ and <path>/test/<class>/), got a file")
+    if not folder and not path.is_file():
+        raise DataError(f"data.path: {path}: data.dataset {cfg.dataset} reads a file, got a folder")
+    return path
+
+
+def _inputs(a, name, where) -> torch.Tensor:
+    """An array from the user as float32 (N, F) or (N, C, H, W).
+
+    2-D: feature vectors. 3-D: grayscale images (N, H, W). 4-D: images, the channels being the axis of
+    size 1, 3 or 4: the last (N, H, W, C) or the second (N, C, H, W). When both are (small images, e.g.
+    (N, 1, 4, 4)) the array's own convention decides: a torch tensor is channels first (PyTorch's layout),
+    anything else channels last (numpy's and PIL's).
+    uint8 is taken as pixels and scaled to [0, 1]; other numbers are kept as they are (other integer
+    types too: counts and codes of tabular data are not pixels).
+    """
+    tie_channels_first = isinstance(a, torch.Tensor)
+    if isinstance(a, torch.Tensor):
+        a = a.detach().cpu().numpy()
+    a = np.asarray(a)
+    if a.dtype.kind not in "biuf":
+        raise DataError(f"{where}: {name} holds {a.dtype} values; expected numbers")
+    if a.ndim == 3:
+        a = a[:, None]
+    elif a.ndim == 4:
+        if a.shape[3] not in (1, 3, 4) and a.shape[1] not in (1, 3, 4):
+            raise DataError(f"{where}: {name} has shape {a.shape}: cannot tell the channel axis; expected "
+                            f"(N, H, W, C) or (N, C, H, W) with C = 1, 3 or 4")
+        if a.shape[3] in (1, 3, 4) and not (tie_channels_first and a.shape[1] in (1, 3, 4)):
+            a = a.transpose(0, 3, 1, 2)
+    elif a.ndim != 2:
+        raise DataError(f"{where}: {name} has shape {a.shape}; expected (N, features), (N, H, W), (N, H, W, C) "
+                        f"or (N, C, H, W)")
+    if not a.flags.writeable:
+        a = a.copy()
+    # One copy at most: converted to float32 and laid out contiguously (N, C, H, W) at once.
+    x = torch.from_numpy(a).to(torch.float32, memory_format=torch.contiguous_format)
+    if a.dtype == np.uint8:
+        x /= 255.0
+    return x
+
+
+def _sets_from_mapping(arrays: dict, where) -> dict:
+    """{x_train, y_train[, x_val, y_val][, x_test, y_test]} or {x, y} -> {set name: (x, y)}.
+
+    Keys starting with x_ or y_ must be one of those: a misspelt x_tset would otherwise be dropped silently
+    and the test set carved out of the training set instead. Other keys (metadata) are ignored.
+    """
+    keys = sorted(arrays)
+    holds = f"it holds: {', '.join(keys) or 'nothing'}"
+    odd = [k for k in keys if k[:2] in ("x_", "y_") and k[2:] not in SET_NAMES]
+    if odd:
+        raise DataError(f"{where}: unexpected {', '.join(odd)}: the sets are x_/y_ + train, val or test ({holds})")
+    if "x_train" in arrays or "y_train" in arrays:
+        if "x" in arrays or "y" in arrays:
+            raise DataError(f"{where}: holds both x/y (one set) and x_train/y_train; keep one form ({holds})")
+        sets = {}
+        for s in SET_NAMES:
+            xk, yk = f"x_{s}", f"y_{s}"
+            if (xk in arrays) != (yk in arrays):
+                missing = yk if xk in arrays else xk
+                raise DataError(f"{where}: has {xk if xk in arrays else yk} but no {missing} ({holds})")
+            if xk in arrays:
+                sets[s] = (_inputs(arrays[xk], xk, where), arrays[yk])
+        if "train" not in sets:
+            raise DataError(f"{where}: x_train and y_train are required with x_val / x_test ({holds})")
+        return sets
+    if "x" in arrays and "y" in arrays:
+        return {"train": (_inputs(arrays["x"], "x", where), arrays["y"])}
+    raise DataError(f"{where}: expected arrays x_train and y_train (optionally x_test, y_test, x_val, y_val), "
+                    f"or x and y ({holds})")
+
+
+def _class_names(values, where):
+    a = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    if a.ndim != 1:
+        raise DataError(f"{where}: classes has shape {a.shape}; expected one name per class (a 1-D array)")
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in a.tolist()]
+
+
+def _npz(cfg):
+    """An .npz archive (np.savez / np.savez_compressed), read without pickle: object arrays are refused
+    because unpickling runs code from the file."""
+    path = _path(cfg, folder=False)
+    where = f"data.path: {path}"
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise DataError(f"{where}: not an .npz archive ({e}); write one with "
+                        f"np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise DataError(f"{where}: holds a single array (.npy); write an .npz with "
+                        f"np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)")
+    with archive:
+        try:
+            arrays = {k: archive[k] for k in archive.files}
+        except ValueError as e:
+            raise DataError(f"{where}: {e}; save labels and class names as plain arrays, e.g. "
+                            f"np.array(names, dtype=str)") from None
+    classes = arrays.pop("classes", None)
+    return _sets_from_mapping(arrays, where), None if classes is None else _class_names(classes, where)
+
+
+def _is_gray(image) -> bool:
+    """Single-channel modes, and palette images whose palette holds only grays."""
+    if image.mode in ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+        return True
+    if image.mode in ("P", "PA"):
+        palette = image.getpalette()
+        if palette is None:
+            return False
+        rgb = np.asarray(palette).reshape(-1, 3)
+        return bool((rgb == rgb[:, :1]).all())
+    return False
+
+
+def _pixels(image, channels, size) -> np.ndarray:
+    """One decoded image as float32 (H, W[, 3]) in [0, 1], resized to size = (W, H) when it differs.
+
+    16-bit and 32-bit grayscale are scaled by 65535 (PNG's 16 bits), float images ('F') kept as they are;
+    other modes are 8-bit and scaled by 255. RGB drops an alpha channel; grayscale among RGB images is
+    repeated over the three channels.
+    """
+    from PIL import Image
+
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+        scale = 1.0 if image.mode == "F" else 65535.0
+        image = image.convert("F")
+    else:
+        scale = 255.0
+        image = image.convert("L" if channels == 1 else "RGB")
+    if image.size != size:
+        image = image.resize(size, Image.Resampling.BILINEAR)
+    a = np.asarray(image, dtype=np.float32) / np.float32(scale)
+    if channels == 3 and a.ndim == 2:
+        a = np.repeat(a[:, :, None], 3, axis=2)
+    return a
+
+
+def _class_files(folder: Path) -> dict:
+    """{class name: image files} of folder/<class>/ (files found at any depth below <class>/)."""
+    classes = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    return {d.name: sorted(f for f in d.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()
+                           and not f.name.startswith("."))
+            for d in classes}
+
+
+def _image_folder(cfg):
+    """torchvision's ImageFolder layout, read with PIL.
+
+    With a path/train/ folder, path/train/<class>/ is the training set and path/test/<class>/ and
+    path/val/<class>/ the others where present (a missing one is carved out of train; other folders beside
+    them are ignored). Without, the folder is one set, path/<class>/, split like digits. Classes are the
+    training folder's sub-folders, sorted. Channels follow the data: 1 when every image is grayscale, else 3
+    (alpha dropped). Images must share one size, unless data.image_size = [H, W] resizes them (bilinear).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    root = _path(cfg, folder=True)
+    where = f"data.path: {root}"
+    layout = f"expected {root}/<class>/*.png (or .jpg, ...), or {root}/train/<class>/ and {root}/test/<class>/"
+    folders = {"train": root}
+    if (root / "train").is_dir():
+        folders = {s: root / s for s in SET_NAMES if (root / s).is_dir()}
+    found = {s: _class_files(f) for s, f in folders.items()}
+    for s in ("val", "test"):
+        if s in found and not any(found[s].values()):
+            raise DataError(f"{where}: {folders[s]} holds no images in class folders; fill it as "
+                            f"{folders[s]}/<class>/*.png or remove it (the {s} set is then carved out of train)")
+    train = found["train"]
+    if not any(train.values()):
+        loose = [f.name for f in folders["train"].iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS]
+        hint = f"; the images there ({loose[0]}, ...) need one sub-folder per class" if loose else ""
+        raise DataError(f"{where}: no images in class folders; {layout}{hint}")
+    empty = [c for c, files in train.items() if not files]
+    if empty:
+        raise DataError(f"{where}: class folder {folders['train'] / empty[0]} holds no images "
+                        f"({', '.join(IMAGE_EXTENSIONS)}); remove it or add its images")
+    classes = sorted(train)
+    if len(classes) < 2:
+        raise DataError(f"{where}: one class folder ({classes[0]}); a classifier needs at least two ({layout})")
+    for s in ("val", "test"):
+        unseen = [c for c, files in found.get(s, {}).items() if files and c not in train]
+        if unseen:
+            raise DataError(f"{where}: {s}/{unseen[0]} is not a class of train/ (classes: {', '.join(classes)}); "
+                            f"labels in {s} must be seen in training")
+
+    files = {s: [(f, i) for i, c in enumerate(classes) for f in found[s].get(c, [])] for s in found}
+    files = {s: pairs for s, pairs in files.items() if pairs}
+    # Pass 1 reads headers only (mode and size), so a size mismatch is reported before any decoding.
+    modes, sizes = {}, {}
+    for pairs in files.values():
+        for f, _ in pairs:
+            try:
+                with Image.open(f) as image:
+                    modes[f], sizes[f] = _is_gray(image), image.size
+            except (OSError, UnidentifiedImageError) as e:
+                raise DataError(f"{where}: {f}: not a readable image ({e})") from None
+    channels = 1 if all(modes.values()) else 3
+    if cfg.image_size:
+        size = (cfg.image_size[1], cfg.image_size[0])
+    else:
+        first = next(iter(sizes))
+        other = next((f for f, s in sizes.items() if s != sizes[first]), None)
+        if other is not None:
+            (w1, h1), (w2, h2) = sizes[first], sizes[other]
+            raise DataError(f"{where}: images differ in size: {first} is {h1}x{w1} (HxW), {other} is {h2}x{w2}; "
+                            f"set data.image_size: [H, W] to resize them all")
+        size = sizes[first]
+    sets = {}
+    for s, pairs in files.items():
+        x = np.empty((len(pairs), size[1], size[0]) + ((3,) if channels == 3 else ()), dtype=np.float32)
+        for i, (f, _) in enumerate(pairs):
+            with Image.open(f) as image:
+                x[i] = _pixels(image, channels, size)
+        x = torch.from_numpy(x)
+        x = x.unsqueeze(1) if channels == 1 else x.permute(0, 3, 1, 2).contiguous()
+        sets[s] = (x, np.array([label for _, label in pairs], dtype=np.int64))
+    return sets, classes
+
+
+def _is_number(text) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _csv(cfg):
+    """A comma-separated file: numeric feature columns and one label column; one set, split like digits.
+
+    Header: the first row is a header when it names data.label_column, or has a cell named label, target
+    or class (any case), or has a cell that is not a number above one that is (a name over numeric data).
+    Label column: data.label_column (a header name, or a 0-based index, negative from the end), else the
+    column named label, target or class (in that order), else the last column. Every other column is a
+    feature and must be numeric; missing values are not filled in.
+    """
+    path = _path(cfg, folder=False)
+    where = f"data.path: {path}"
+    try:
+        with open(path, newline="") as f:
+            reader = csv.reader(f)  # line_num: the file's line a row ends on (quoted cells may span lines)
+            rows = [(reader.line_num, row) for row in reader if any(c.strip() for c in row)]
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: not a text CSV file (it does not decode as UTF-8)") from None
+    except csv.Error as e:
+        raise DataError(f"{where}: not a readable CSV file ({e})") from None
+    if not rows:
+        raise DataError(f"{where}: the file is empty")
+    first = [c.strip() for c in rows[0][1]]
+    lowered = [c.lower() for c in first]
+    header = (isinstance(cfg.label_column, str) and cfg.label_column in first) \
+        or any(n in lowered for n in LABEL_COLUMN_NAMES) \
+        or (len(rows) > 1 and any(not _is_number(a) and _is_number(b) for a, b in zip(first, rows[1][1])))
+    names = first if header else [f"column {j}" for j in range(len(first))]
+    data = rows[1:] if header else rows
+    if not data:
+        raise DataError(f"{where}: a header and no data rows")
+    for line, row in data:
+        if len(row) != len(names):
+            raise DataError(f"{where}: line {line} has {len(row)} cells, line {rows[0][0]} has {len(names)}")
+    if len(names) < 2:
+        raise DataError(f"{where}: one column; expected feature columns and a label column, separated by commas")
+
+    label = cfg.label_column
+    if isinstance(label, str):
+        if label not in names:
+            raise DataError(f"{where}: data.label_column {label!r} is not a column of the header "
+                            f"({', '.join(names) if header else 'the file has no header row'})")
+        j = names.index(label)
+    elif isinstance(label, int):
+        if not -len(names) <= label < len(names):
+            raise DataError(f"{where}: data.label_column {label} is out of range for {len(names)} columns")
+        j = label % len(names)
+    else:
+        j = next((lowered.index(n) for n in LABEL_COLUMN_NAMES if header and n in lowered), len(names) - 1)
+
+    columns = list(zip(*(row for _, row in data)))
+    features = []
+    for k, column in enumerate(columns):
+        if k == j:
+            continue
+        try:
+            features.append(np.asarray(column).astype(np.float32))
+        except ValueError:
+            i = next(i for i, c in enumerate(column) if not _is_number(c))
+            bad = "is empty (missing values are not filled in)" if not column[i].strip() else f"holds {column[i]!r}"
+            raise DataError(f"{where}: feature column {names[k]!r} is not numeric: line {data[i][0]} {bad}; "
+                            f"the label column is {names[j]!r} (data.label_column picks another)") from None
+    y = np.asarray([c.strip() for c in columns[j]])
+    missing = np.flatnonzero(y == "")
+    if len(missing):
+        raise DataError(f"{where}: line {data[missing[0]][0]} has no label in column {names[j]!r}")
+    for kind in (np.int64, np.float64):  # labels written as numbers are numbers (sorted as numbers)
+        try:
+            y = y.astype(kind)
+            break
+        except ValueError:
+            pass
+    return {"train": (torch.from_numpy(np.stack(features, axis=1)), y)}, None
+
+
+def resolve_loader(name):
+    """The function `package.module:function` names (imported now: config validation calls this so that a
+    misspelt module is reported with the config, before any work)."""
+    where = f"data.dataset: {name}"
+    module_name, function_name = name.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise DataError(f"{where}: cannot import {module_name} ({e}); install it or put its folder on "
+                        f"PYTHONPATH (e.g. PYTHONPATH=. for a module in the working directory)") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise DataError(f"{where}: {module_name} has no function {function_name}")
+    return function
+
+
+def _function(cfg):
+    """A loader of your own, data.dataset: package.module:function (the module must be importable: installed,
+    or on PYTHONPATH).
+
+    Called as function(cfg) with the DataConfig (cfg.path, cfg.root and the other data keys are there for it
+    to use). It returns (x_train, y_train, x_test, y_test) or (x_train, y_train, x_test, y_test, classes),
+    as numpy arrays or tensors, or a dict with those keys (x_val / y_val allowed, or x / y for one set that
+    is split like digits). Inputs and labels follow the npz rules (_inputs, _encode_labels).
+    """
+    where = f"data.dataset: {cfg.dataset}"
+    result = resolve_loader(cfg.dataset)(cfg)
+    if isinstance(result, dict):
+        arrays = dict(result)
+    elif isinstance(result, (tuple, list)) and len(result) in (4, 5):
+        arrays = dict(zip(("x_train", "y_train", "x_test", "y_test", "classes"), result))
+    else:
+        raise DataError(f"{where}: returned {type(result).__name__}; expected (x_train, y_train, x_test, y_test"
+                        f"[, classes]) or a dict with those keys")
+    classes = arrays.pop("classes", None)
+    where = f"{where}: returned"
+    return _sets_from_mapping(arrays, where), None if classes is None else _class_names(classes, where)
+
+
+# data.dataset -> loader(cfg) -> ({set name: (x, y)}, classes or None); a `package.module:function` is _function.
+LOADERS = {"digits": _digits, "mnist": _official, "fashion-mnist": _official, "cifar10": _official,
+           "npz": _npz, "image-folder": _image_folder, "csv": _csv}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks shared by every source, and the splits
+# ---------------------------------------------------------------------------------------------
+def _label_array(y, name, where) -> np.ndarray:
+    a = y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+    if a.ndim == 2 and a.shape[1] == 1:
+        a = a[:, 0]
+    if a.ndim != 1:
+        raise DataError(f"{where}: {name} has shape {a.shape}; expected one label per input (1-D); "
+                        f"one-hot labels: use y.argmax(1)")
+    if a.dtype.kind == "b":
+        return a.astype(np.int64)
+    if a.dtype.kind == "f":
+        if not np.isfinite(a).all() or (a != np.round(a)).any():
+            raise DataError(f"{where}: {name} holds non-integer numbers; expected class labels")
+        return a.astype(np.int64)
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64)
+    if a.dtype.kind in "USO":
+        return np.asarray([v.decode() if isinstance(v, bytes) else str(v) for v in a.tolist()])
+    raise DataError(f"{where}: {name} holds {a.dtype} values; expected class labels (integers or strings)")
+
+
+def _encode_labels(labels: dict, classes, where):
+    """{set: labels} -> ({set: int64 class indices}, class names).
+
+    With class names given (npz `classes`, a loader's 5th value, the folder names): integer labels index
+    them, string labels are looked up in them. Without: integers that are exactly 0..K-1 in training stay as
+    they are; any other values (strings too) are mapped to their sorted unique training values, whose
+    text becomes the class names.
+    """
+    train = labels["train"]
+    if classes is not None:
+        names = np.asarray(classes)
+        if train.dtype.kind in "iu":
+            lookup = lambda a: np.where((a >= 0) & (a < len(classes)), a, -1)  # noqa: E731
+        else:
+            order = np.argsort(names)
+            lookup = lambda a: _lookup(names[order], a, order)  # noqa: E731
+    else:
+        values = np.unique(train)
+        if train.dtype.kind in "iu" and np.array_equal(values, np.arange(len(values))):
+            classes = [str(v) for v in values.tolist()]
+            lookup = lambda a: np.where((a >= 0) & (a < len(classes)), a, -1)  # noqa: E731
+        else:
+            classes = [str(v) for v in values.tolist()]
+            lookup = lambda a: _lookup(values, a)  # noqa: E731
+    codes = {}
+    for s, a in labels.items():
+        if (a.dtype.kind in "iu") != (train.dtype.kind in "iu"):
+            raise DataError(f"{where}: y_{s} holds {'numbers' if a.dtype.kind in 'iu' else 'strings'} but "
+                            f"y_train {'numbers' if train.dtype.kind in 'iu' else 'strings'}")
+        codes[s] = lookup(a)
+        bad = np.flatnonzero(codes[s] < 0)
+        if len(bad):
+            shown = ", ".join(repr(v) for v in list(dict.fromkeys(a[bad].tolist()))[:5])
+            raise DataError(f"{where}: y_{s} has labels that are not classes: {shown} "
+                            f"(classes: {', '.join(map(str, classes))})")
+    seen = np.unique(codes["train"])
+    if len(seen) < 2:
+        raise DataError(f"{where}: y_train holds a single class ({classes[seen[0]]}); a classifier needs two or more")
+    for s in ("val", "test"):
+        if s in codes:
+            unseen = np.setdiff1d(np.unique(codes[s]), seen)
+            if len(unseen):
+                raise DataError(f"{where}: labels in y_{s} not seen in training: "
+                                f"{', '.join(repr(classes[i]) for i in unseen[:5])}")
+    return {s: torch.from_numpy(c) for s, c in codes.items()}, [str(c) for c in classes]
+
+
+def _lookup(sorted_values, a, order=None):
+    """Index of each value of a in sorted_values (its position in the unsorted original through order), -1
+    where it is absent."""
+    i = np.clip(np.searchsorted(sorted_values, a), 0, len(sorted_values) - 1)
+    found = sorted_values[i] == a
+    if order is not None:
+        i = order[i]
+    return np.where(found, i, -1)
+
+
+def _checked(sets: dict, classes, where):
+    """The checks every source passes: one label per input, one input shape, finite inputs, the labels."""
+    shape = tuple(sets["train"][0].shape[1:])
+    labels = {}
+    for s, (x, y) in sets.items():
+        y = _label_array(y, f"y_{s}", where)
+        if len(x) != len(y):
+            raise DataError(f"{where}: x_{s} has {len(x)} inputs but y_{s} has {len(y)} labels")
+        if len(x) == 0:
+            raise DataError(f"{where}: x_{s} is empty")
+        if tuple(x.shape[1:]) != shape:
+            raise DataError(f"{where}: x_{s} inputs have shape {tuple(x.shape[1:])} but x_train inputs {shape}")
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:
+            raise DataError(f"{where}: x_{s} has {bad} values that are NaN or infinite")
+        labels[s] = y
+    codes, classes = _encode_labels(labels, classes, where)
+    return {s: (x, codes[s]) for s, (x, _) in sets.items()}, classes
+
+
+def _source(cfg) -> str:
+    if cfg.dataset in ("npz", "image-folder", "csv"):
+        return f"data.path: {Path(cfg.path).expanduser()}"
+    return f"data.dataset: {cfg.dataset}" if ":" in cfg.dataset else f"data set {cfg.dataset!r}"
+
+
+def _load_sets(cfg):
+    """({set name: (x, y)}, classes) of the configured source, checked."""
+    if cfg.dataset in LOADERS:
+        load = LOADERS[cfg.dataset]
+    elif LOADER_PATH.match(cfg.dataset):
+        load = _function
+    else:
+        raise DataError(f"data.dataset: unknown data set {cfg.dataset!r}; expected one of {', '.join(LOADERS)}, "
+                        f"or package.module:function")
+    sets, classes = load(cfg)
+    return _checked(sets, classes, _source(cfg))
+
+
+def data_fingerprint(cfg) -> Optional[str]:
+    """A hash of what data.path holds now (each file's relative path, size and modification time; stat
+    only, no reading), None for the built-in sets and loader functions.
+
+    The stage cache hashes the config, which names data.path but not what is in it: a rewritten npz or a
+    folder with images added would otherwise leave a stale training run in place. Size and mtime change
+    with any rewrite; a copy that keeps both (rsync -a) is the same data.
+    """
+    if cfg.dataset not in ("npz", "image-folder", "csv") or not cfg.path:
+        return None
+    path = Path(cfg.path).expanduser()
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+    else:
+        files = [path] if path.is_file() else []
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(path) if f != path else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def _split(n, fraction, generator):
@@ -131,34 +667,48 @@ def _split(n, fraction, generator):
 
 
 def load_data(cfg, seed: int) -> Splits:
-    """Load the configured data set with seeded splits."""
+    """Load the configured data set with seeded splits: the source's own test / val sets where it has
+    them, else carved out of its training set (test first, then validation)."""
     g = torch.Generator().manual_seed(seed)
-    if cfg.dataset == "digits":
-        x, y, classes = _digits()
+    sets, classes = _load_sets(cfg)
+    x, y = sets["train"]
+    if "test" in sets:
+        test_x, test_y = sets["test"]
+    else:
         rest, test = _split(len(x), cfg.test_fraction, g)
         test_x, test_y = x[test], y[test]
         x, y = x[rest], y[rest]
+    if "val" in sets:
+        train, (val_x, val_y) = torch.arange(len(x)), sets["val"]
     else:
-        load = LOADERS[cfg.dataset]
-        x, y, classes = load(cfg.dataset, cfg, train=True)
-        test_x, test_y, _ = load(cfg.dataset, cfg, train=False)
-    train, val = _split(len(x), cfg.val_fraction, g)
+        train, val = _split(len(x), cfg.val_fraction, g)
+        val_x, val_y = x[val], y[val]
     train = train[: cfg.train_subset]  # a quick run's subset (None: all); validation and test stay whole
-    splits = Splits(x[train], y[train], x[val], y[val], test_x, test_y, classes)
+    for name, part in (("training", train), ("validation", val_x), ("test", test_x)):
+        if len(part) == 0:
+            raise DataError(f"{_source(cfg)}: the {name} split is empty ({len(sets['train'][0])} inputs in the "
+                            f"training set, data.test_fraction {cfg.test_fraction}, data.val_fraction "
+                            f"{cfg.val_fraction}); give more data or change the fractions")
+    splits = Splits(x[train], y[train], val_x, val_y, test_x, test_y, classes)
     if cfg.ood:
         splits.ood_x = _ood_set(cfg, splits, g)
     return splits
 
 
 def _ood_set(cfg, splits, generator):
-    """Out-of-distribution inputs of the same shape: uniform noise images, or another data set."""
+    """Out-of-distribution inputs of the same shape: uniform noise, or another data set's test images.
+
+    Noise is drawn in the training inputs' range [min, max]: [0, 1] for images, the features' own scale
+    for unscaled tabular data (noise in [0, 1] would sit inside or far off such data by accident).
+    """
     n = len(splits.test_x)
     if cfg.ood == "noise":
-        return torch.rand((n,) + splits.input_shape, generator=generator)
+        lo, hi = float(splits.train_x.min()), float(splits.train_x.max())
+        return lo + (hi - lo) * torch.rand((n,) + splits.input_shape, generator=generator)
     if cfg.ood == "digits":
-        x = _digits()[0]
+        x = _digits()[0]["train"][0]
     else:
-        x = LOADERS[cfg.ood](cfg.ood, dataclasses.replace(cfg, dataset=cfg.ood, ood=None), train=False)[0]
+        x = OFFICIAL_SPLITS[cfg.ood](cfg.ood, dataclasses.replace(cfg, dataset=cfg.ood, ood=None), train=False)[0]
     if tuple(x.shape[1:]) != splits.input_shape:
         raise DataError(f"data.ood: {cfg.ood} images have shape {tuple(x.shape[1:])}, "
                         f"but {cfg.dataset} has {splits.input_shape}")
