@@ -1,0 +1,116 @@
+"""Data of your own (issue 18, part 3): the data keys' checks with the config, a bad file reported as bad
+input (exit 2) before any work, and the whole pipeline on a tiny npz and a tiny image folder."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from edgebayes.cli import EXIT_BAD_INPUT, main
+from edgebayes.config import ConfigError, load_pipeline_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(tmp_path, name="own", **data):
+    """pipeline.yaml with the given data keys and a model small enough for seconds on one core."""
+    cfg = yaml.safe_load((ROOT / "pipeline.yaml").read_text())
+    cfg["name"] = name
+    cfg["data"] = {"dataset": "digits", "val_fraction": 0.2, "test_fraction": 0.2, "ood": "noise", **data}
+    cfg["model"]["hidden"] = [16]
+    cfg["train"].update(epochs=2, batch_size=32, mc_samples_eval=2)
+    cfg["select"] = {"knob_values": [0.5], "mc_samples": [1], "objective": "accuracy"}
+    cfg["benchmark"] = {"warmup": 1, "min_runs": 10, "min_seconds": 0, "rounds": 2}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+BAD_DATA_KEYS = {
+    "path required": ({"dataset": "npz"}, r"data\.path: required when data\.dataset is npz"),
+    "path refused for a built-in set": ({"path": "x.npz"}, r"data\.path: read for data\.dataset npz, .*digits does not"),
+    "unknown data set": ({"dataset": "imagenet"}, r"data\.dataset: expected one of 'digits'.*'csv', or "
+                                                   r"package\.module:function.*got 'imagenet'"),
+    "loader not importable": ({"dataset": "no_such_module_xyz:load"}, r"data\.dataset: no_such_module_xyz:load: "
+                                                                       r"cannot import"),
+    "image_size elsewhere": ({"dataset": "npz", "path": "x.npz", "image_size": [8, 8]},
+                             r"data\.image_size: only read for data\.dataset image-folder"),
+    "image_size shape": ({"dataset": "image-folder", "path": "imgs", "image_size": [8]},
+                         r"data\.image_size: expected \[height, width\]"),
+    "image_size positive": ({"dataset": "image-folder", "path": "imgs", "image_size": [8, 0]},
+                            r"data\.image_size: expected \[height, width\]"),
+    "label_column elsewhere": ({"dataset": "npz", "path": "x.npz", "label_column": "y"},
+                               r"data\.label_column: only read for data\.dataset csv"),
+    "label_column type": ({"dataset": "csv", "path": "x.csv", "label_column": True},
+                          r"data\.label_column: expected an integer or a string or null"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA_KEYS, ids=list(BAD_DATA_KEYS))
+def test_data_keys_are_checked_with_the_config(case, tmp_path):
+    data, message = BAD_DATA_KEYS[case]
+    with pytest.raises(ConfigError, match=rf"own\.yaml: {message}"):
+        load_pipeline_config(_config(tmp_path, **data))
+
+
+def test_own_data_keys_load(tmp_path):
+    cfg = load_pipeline_config(_config(tmp_path, dataset="csv", path="t.csv", label_column=-1))
+    assert (cfg.data.dataset, cfg.data.path, cfg.data.label_column) == ("csv", "t.csv", -1)
+    cfg = load_pipeline_config(_config(tmp_path, dataset="image-folder", path="imgs", image_size=[8, 6]))
+    assert cfg.data.image_size == [8, 6]
+
+
+def test_a_bad_data_file_exits_2_before_any_work(tmp_path, capsys):
+    np.savez(tmp_path / "d.npz", images=np.zeros((10, 4)), labels=np.arange(10) % 2)
+    config = _config(tmp_path, dataset="npz", path=str(tmp_path / "d.npz"))
+    runs = tmp_path / "runs"
+    assert main(["pipeline", "--config", str(config), "--runs-dir", str(runs)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "data.path" in err and "d.npz" in err and "it holds: images, labels" in err
+    assert not runs.exists() or not any(runs.rglob("*.json"))
+
+
+def _npz_data(path):
+    """3 classes of 8x8 grayscale images, each class a bright band in its own rows, with noise."""
+    rng = np.random.default_rng(0)
+    y = np.arange(150) % 3
+    x = rng.integers(0, 80, (150, 8, 8)).astype(np.uint8)
+    for k in range(3):
+        x[y == k, 2 * k: 2 * k + 3, :] += 150
+    np.savez(path, x=x, y=np.array(["left", "middle", "right"])[y])
+    return path
+
+
+def _image_data(folder):
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for k, name in enumerate(("red", "green", "blue")):
+        (folder / name).mkdir(parents=True)
+        for i in range(12):
+            image = rng.integers(0, 60, (8, 8, 3)).astype(np.uint8)
+            image[..., k] += 180
+            Image.fromarray(image, "RGB").save(folder / name / f"{i}.png")
+    return folder
+
+
+@pytest.mark.parametrize("dataset", ["npz", "image-folder"])
+def test_pipeline_runs_on_data_of_your_own(dataset, tmp_path):
+    path = _npz_data(tmp_path / "d.npz") if dataset == "npz" else _image_data(tmp_path / "imgs")
+    config = _config(tmp_path, name=f"own-{dataset}", dataset=dataset, path=str(path))
+    runs = tmp_path / "runs"
+    assert main(["pipeline", "--config", str(config), "--runs-dir", str(runs)]) == 0
+    run = runs / f"own-{dataset}"
+    metrics = json.loads((run / "train/metrics.json").read_text())
+    total = 150 if dataset == "npz" else 36
+    assert metrics["data"]["dataset"] == dataset
+    assert metrics["data"]["train"] + metrics["data"]["val"] + metrics["data"]["test"] == total
+    assert metrics["model"]["classes"] == 3 and metrics["model"]["in_features"] == (64 if dataset == "npz" else 192)
+    assert "ood" in metrics
+    manifest = json.loads((run / "export/local/bundle/manifest.json").read_text())
+    assert manifest["classes"] == (["left", "middle", "right"] if dataset == "npz" else ["blue", "green", "red"])
+    results = json.loads((run / "deploy/local/results.json").read_text())
+    assert 0 <= results["metrics"]["accuracy"] <= 1
+    assert (run / "report/local/report.html").is_file()
