@@ -205,14 +205,19 @@ def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
     if cfg.model.arch != "mlp":
         raise LatencyModelError(f"devices profile sweeps MLPs (model.arch mlp); for {cfg.model.arch} use "
                                 "latency_model.kind measure (a reachable device) or flops")
-    in_features = IN_FEATURES[cfg.data.dataset]
+    in_features, classes = IN_FEATURES.get(cfg.data.dataset), 10
+    if in_features is None:  # data of the user's own: size the sweep like its inputs and classes
+        from edgebayes.data import load_data
+
+        splits = load_data(cfg.data, cfg.seed)
+        in_features, classes = int(np.prod(splits.input_shape)), len(splits.classes)
     gen = torch.Generator().manual_seed(cfg.seed)
     example = torch.rand((1, in_features), generator=gen)
     rows, models = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in formats_for(profile):
             for frac in WIDTH_FRACTIONS:
-                widths = [in_features] + [max(1, round(h * frac)) for h in cfg.model.hidden] + [10]
+                widths = [in_features] + [max(1, round(h * frac)) for h in cfg.model.hidden] + [classes]
                 for m in sorted(cfg.select.mc_samples):
                     torch.manual_seed(len(rows))
                     samples = [_mlp(widths, cfg.model.activation) for _ in range(m)]
