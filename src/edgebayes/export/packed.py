@@ -8,17 +8,27 @@ their weights, so each layer can instead run all M samples in one operator call:
                  groups = M x the original groups; the activations are [B, M*C, H, W], sample m's
                  channels at m*C .. (m+1)*C. The first convolution reads the shared input, so it needs
                  no grouping and no replicated input: one convolution with M*C outputs.
-    BatchNorm    folded into the preceding convolution first (torch.fx fuse, eval statistics); one that
-                 cannot be folded becomes a per-channel affine map over the M*C channels.
+    BatchNorm    folded into the Conv2d / Linear before it (eval statistics) when that layer is called
+                 once and feeds only the batch norm (`_fold_batch_norms`); any other batch norm (after a
+                 concatenation, an addition, a layer with shared weights) stays one BatchNormalization
+                 over the M*C channels and is listed in `PackedMC.unfolded_batch_norms` with the reason.
     Linear       features are laid out like channels, [B, M*F]: a Linear is a grouped 1x1 convolution
                  (groups = M) on [B, M*F, 1, 1]. Its output stays [B, M*out, 1, 1] (FEATURE_MAPS) through
-                 activations into the next Linear, and a flatten feeding a Linear reshapes straight to
-                 [B, M*F, 1, 1]: each reshape is one more operator call, the cost packing exists to cut.
-                 The first Linear reads the shared input and is one matmul with M*out outputs. (A batched matmul over [M, B, F] was 3x slower in onnxruntime
-                 1.31, whose fused batched MatMul has no fast path for it, and its int8 kernel refuses it.)
-    activations, residual additions, pooling
+                 activations into the next Linear, and a flatten, reshape or spatial mean feeding a Linear
+                 goes straight to [B, M*F, 1, 1]: each reshape is one more operator call, the cost packing
+                 exists to cut. The first Linear reads the shared input and is one matmul with M*out
+                 outputs. (A batched matmul over [M, B, F] was 3x slower in onnxruntime 1.31, whose fused
+                 batched MatMul has no fast path for it, and its int8 kernel refuses it.)
+    activations, pooling, spatial reductions (mean/amax/amin/sum over dimensions >= 2)
                  unchanged: they act per element or per channel.
-    flatten      conv -> linear per sample: [B, M*C, H, W] -> [B, M*C*H*W] is already sample-major.
+    add/sub/mul  elementwise; operands broadcasting over the channel dimension (an attention map
+                 [B, 1, H, W] times [B, C, H, W]) are viewed as [B, M, C, ...] first. Squeeze-and-
+                 excitation's [B, M*C, 1, 1] x [B, M*C, H, W] broadcasts as it is.
+    reshapes     flatten(1), view/reshape keeping the batch dimension (x.view(x.size(0), -1),
+                 x.reshape(x.shape[0], -1), x.view(-1, F)), squeeze/unsqueeze off the batch dimension: sample
+                 m's values are contiguous in every layout, so any per-example reshape [B, C, ...] ->
+                 [B, C', ...] is the reshape [B, M*C, ...] -> [B, M*C', ...]. x.size()/x.shape are accepted
+                 only as the shape of such a reshape.
     cat          channel concatenation per sample: [B, M, C1, ...] and [B, M, C2, ...] -> [B, M, C1+C2, ...].
     output       [B, M*K] -> [B, M, K]: the mean over M of the softmaxes, exactly as MCAverage.
 
@@ -29,6 +39,8 @@ naming the operation. `pack_samples` checks on the example input that the packed
 unrolled MC average.
 """
 
+import builtins
+import collections
 import copy
 import math
 import operator
@@ -36,8 +48,8 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.fx.experimental.optimization import fuse
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.nn.utils.fusion import fuse_conv_bn_eval, fuse_linear_bn_eval
 
 from edgebayes.errors import StageError
 
@@ -47,6 +59,7 @@ LAYOUTS = ("packed", "unrolled")
 SHARED = "shared"      # does not depend on the sample (the network input, and what only it feeds)
 CHANNELS = "channels"  # [B, M*C, ...]: sample m's channels (or features) at m*C .. (m+1)*C
 FEATURE_MAPS = "feature maps"  # per-sample [B, F] features held as [B, M*F, 1, 1], as a grouped 1x1 conv makes them
+SIZE = "size"          # an x.size() / x.shape value: no tensor, only the shape argument of a reshape
 
 # Parameter-free modules and functions acting per element or per channel: they keep the layout.
 ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
@@ -54,11 +67,16 @@ ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid,
                        nn.Dropout)
 CHANNELWISE_MODULES = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 ELEMENTWISE_FUNCTIONS = {F.relu, torch.relu, F.relu6, torch.sigmoid, F.sigmoid, torch.tanh, F.tanh, F.silu,
-                         F.gelu, F.leaky_relu, F.elu, F.hardswish, F.hardtanh, F.softplus, F.dropout}
+                         F.gelu, F.leaky_relu, F.elu, F.hardswish, F.hardsigmoid, F.hardtanh, F.softplus, F.mish,
+                         F.dropout}
 CHANNELWISE_FUNCTIONS = {F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d}
 ELEMENTWISE_METHODS = {"relu", "sigmoid", "tanh"}
-BINARY_FUNCTIONS = {operator.add, torch.add, operator.sub, torch.sub, operator.mul, torch.mul}
+BINARY_FUNCTIONS = {operator.add, torch.add, operator.sub, torch.sub, operator.mul, torch.mul,
+                    operator.iadd, operator.isub, operator.imul}
 BINARY_METHODS = {"add", "sub", "mul"}
+REDUCTIONS = {torch.mean: "mean", torch.amax: "amax", torch.amin: "amin", torch.sum: "sum"}
+RESHAPE_METHODS = {"view", "reshape"}
+FOLDABLE = ((nn.Conv2d, nn.BatchNorm2d), (nn.Linear, nn.BatchNorm1d))  # (layer, batch norm that folds into it)
 
 
 class PackingError(StageError, ValueError):
@@ -66,29 +84,113 @@ class PackingError(StageError, ValueError):
 
 
 class PackedMC(nn.Module):
-    """The packed MC-averaged network: input [B, ...] -> mean over the M samples of their softmaxes."""
+    """The packed MC-averaged network: input [B, ...] -> mean over the M samples of their softmaxes.
 
-    def __init__(self, graph_module: fx.GraphModule, m: int):
+    `folded_batch_norms` names the batch norms folded into the layer before them, `unfolded_batch_norms`
+    the others as {"node", "reason"}: each is one more BatchNormalization per call in the exported graph.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, m: int, folded=(), unfolded=()):
         super().__init__()
         self.net = graph_module
         self.mc_samples = m
+        self.folded_batch_norms = list(folded)
+        self.unfolded_batch_norms = list(unfolded)
 
     def forward(self, x):
         return self.net(x)
 
 
-def _fold_batch_norm(sample: nn.Module) -> fx.GraphModule:
+def _trace(sample: nn.Module) -> fx.GraphModule:
     try:
-        traced = fx.symbolic_trace(copy.deepcopy(sample).eval())
+        return fx.symbolic_trace(copy.deepcopy(sample).eval())
     except Exception as e:  # fx tracing failed: data-dependent control flow and the like
         raise PackingError(f"cannot trace the posterior sample with torch.fx ({type(e).__name__}: {e}); "
                            f"export it with export.layout: unrolled") from None
-    calls = [n.target for n in traced.graph.nodes if n.op == "call_module"]
-    if len(calls) != len(set(calls)):
-        # A layer called twice (shared weights): fx's fuse would fold a batch norm that follows one call into
-        # the layer itself, changing the other call too. Keep batch norms as per-channel affine maps instead.
-        return traced
-    return fuse(traced)
+
+
+def _describe(node) -> str:
+    if node.op == "call_module":
+        return f"{node.target} ({type(node.graph.owning_module.get_submodule(node.target)).__name__})"
+    if node.op == "placeholder":
+        return "the network input"
+    return f"{node.name} ({getattr(node.target, '__name__', node.target)})"
+
+
+def _why_not_foldable(node, modules, calls):
+    """None when the batch norm called by `node` can be folded into the layer before it, else why not.
+
+    Folding rewrites that layer's weights, which is exact only when the layer's output goes nowhere else
+    and the layer runs nowhere else: a layer called twice (shared weights) would change at its other call
+    too. A parameter-free module called twice (one self.relu used throughout) changes nothing and does not
+    matter. The batch norm itself is left untouched, so it may be shared.
+    """
+    bn = modules[node.target]  # in eval mode: _trace traces an eval copy
+    if bn.running_mean is None or bn.running_var is None:
+        return "no running statistics (track_running_stats=False)"
+    if len(node.args) != 1 or node.kwargs:
+        return "called with more than its input"
+    prev = node.args[0]
+    if not isinstance(prev, fx.Node) or prev.op != "call_module" or \
+            not any(isinstance(modules[prev.target], layer) and isinstance(bn, norm) for layer, norm in FOLDABLE):
+        what = _describe(prev) if isinstance(prev, fx.Node) else repr(prev)
+        return f"follows {what}, not a Conv2d (BatchNorm2d) or Linear (BatchNorm1d)"
+    layer = modules[prev.target]
+    if calls[prev.target] > 1:
+        return f"{prev.target} is called {calls[prev.target]} times (shared weights)"
+    if len(prev.users) > 1:
+        others = ", ".join(u.name for u in prev.users if u is not node)
+        return f"the output of {prev.target} also feeds {others}"
+    width = layer.out_channels if isinstance(layer, nn.Conv2d) else layer.out_features
+    if bn.num_features != width:
+        return f"{bn.num_features} features after {prev.target}'s {width} outputs"
+    return None
+
+
+def _fold_batch_norms(traced: fx.GraphModule):
+    """Folds each batch norm into the Conv2d / Linear before it where that is exact (`_why_not_foldable`).
+
+    torch.fx's `fuse` folds all or, with any module called twice, wrongly; this decides per batch norm.
+    Returns (traced, names of the folded batch-norm nodes, [{"node", "reason"}] of the others).
+    """
+    modules = dict(traced.named_modules())
+    calls = collections.Counter(n.target for n in traced.graph.nodes if n.op == "call_module")
+    folded, unfolded = [], []
+    for node in list(traced.graph.nodes):
+        if node.op != "call_module" or not isinstance(modules[node.target], nn.modules.batchnorm._BatchNorm):
+            continue
+        reason = _why_not_foldable(node, modules, calls)
+        if reason is not None:
+            unfolded.append({"node": node.name, "reason": reason})
+            continue
+        prev = node.args[0]
+        layer, bn = modules[prev.target], modules[node.target]
+        fused = fuse_conv_bn_eval(layer, bn) if isinstance(layer, nn.Conv2d) else fuse_linear_bn_eval(layer, bn)
+        parent, _, name = prev.target.rpartition(".")
+        setattr(traced.get_submodule(parent) if parent else traced, name, fused)
+        modules[prev.target] = fused
+        node.replace_all_uses_with(prev)
+        traced.graph.erase_node(node)
+        folded.append(node.name)
+    traced.graph.lint()
+    traced.delete_all_unused_submodules()
+    traced.recompile()
+    return traced, folded, unfolded
+
+
+def _eval_identities():
+    """Functions that are the identity in eval mode, called with training=False (4th argument)."""
+    try:
+        from torchvision.ops import stochastic_depth  # optional dependency (the `vision` extra)
+    except ImportError:
+        return set()
+    return {stochastic_depth}
+
+
+def _arg(node, index, name, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
 
 
 class _Packer:
@@ -101,6 +203,10 @@ class _Packer:
         self.root = nn.Module()
         self.graph = fx.Graph()
         self.env = {}  # node of sample 0's graph -> (node of the packed graph, layout)
+        self.sizes = {}  # size/shape node of sample 0's graph -> (tensor node, dimension or tuple of dimensions)
+        self.sample_major = {}  # node of sample 0's graph -> its packed value viewed as [B, M, C, ...] (for cat)
+        self.reshaped_from = {}  # per-example reshape node of sample 0's graph -> the node it reshapes (no reshape)
+        self.eval_identities = _eval_identities()
         self.n_constants = 0
 
     # -- helpers -------------------------------------------------------------------------------
@@ -117,11 +223,11 @@ class _Packer:
         self.root.register_buffer(name, tensor.detach().clone().contiguous())
         return self.graph.get_attr(name)
 
-    def call(self, fn, *args):
-        return self.graph.call_function(fn, tuple(args))
+    def call(self, fn, *args, **kwargs):
+        return self.graph.call_function(fn, tuple(args), kwargs)
 
-    def method(self, name, *args):
-        return self.graph.call_method(name, tuple(args))
+    def method(self, name, *args, **kwargs):
+        return self.graph.call_method(name, tuple(args), kwargs)
 
     def per_sample(self, node, attr):
         """The tensor `attr` of the module called by `node`, in each of the M samples."""
@@ -141,6 +247,38 @@ class _Packer:
         if have == CHANNELS:
             return node
         return self.method("repeat", node, 1, self.m, *([1] * (len(shape) - 2)))
+
+    def packed_shape(self, value, shape):
+        """Shape after the batch dimension that a value of per-sample `shape` has in the packed graph."""
+        if value[1] == SHARED:
+            return tuple(shape[1:])
+        if value[1] == FEATURE_MAPS:
+            return (self.m * shape[1], 1, 1)
+        return (self.m * shape[1], *shape[2:])
+
+    def by_sample(self, node):
+        """The packed value of `node` viewed as [B, M, C, ...] (sample m at [:, m]); one view per node."""
+        if node not in self.sample_major:
+            shape = self.shape(node)
+            value = self.env[node]
+            h = value[0] if value[1] == FEATURE_MAPS else self.lift(value, shape)  # FEATURE_MAPS: same memory order
+            self.sample_major[node] = self.method("reshape", h, -1, self.m, *shape[1:])
+        return self.sample_major[node]
+
+    def only_feeds_linears(self, node):
+        """Whether every use of `node` reaches a Linear through elementwise operations only."""
+        def elementwise(user):
+            if user.args[:1] != (node,):
+                return False
+            if user.op == "call_module":
+                return isinstance(self.modules[0][user.target], ELEMENTWISE_MODULES)
+            if user.op == "call_function":
+                return user.target in ELEMENTWISE_FUNCTIONS or user.target in self.eval_identities
+            return user.op == "call_method" and user.target in ELEMENTWISE_METHODS
+
+        return bool(node.users) and all(
+            (user.op == "call_module" and isinstance(self.modules[0][user.target], nn.Linear))
+            or (elementwise(user) and self.only_feeds_linears(user)) for user in node.users)
 
     # -- per operation ---------------------------------------------------------------------------
     def conv2d(self, node, x):
@@ -170,38 +308,138 @@ class _Packer:
         return self.call(F.conv2d, h, weight, bias, 1, 0, 1, self.m), FEATURE_MAPS
 
     def batch_norm(self, node, x):
-        """A batch norm that could not be folded: y = x * scale + shift per channel (eval statistics)."""
+        """A batch norm that could not be folded: one batch norm over the M*C channels (eval statistics).
+
+        One BatchNormalization node in ONNX, where the equivalent x * scale + shift is two (Mul, Add), each
+        a pass over the tensor: ten BatchNormalization+Relu on [32, 512, 8, 8] took 1.8 ms against 4.5 ms as
+        Mul+Add+Relu (onnxruntime 1.31, one thread). A FEATURE_MAPS value [B, M*F, 1, 1] is normalised as it
+        is (channel dimension 1).
+        """
         shape = self.shape(node.args[0])
         mods = [mods[node.target] for mods in self.modules]
         if any(mod.training or mod.running_mean is None for mod in mods):
             raise PackingError(f"{node.target}: batch norm needs running statistics (eval mode)")
-        scales, shifts = [], []
-        for mod in mods:
-            scale = torch.rsqrt(mod.running_var + mod.eps)
-            if mod.weight is not None:
-                scale = scale * mod.weight
-            shift = -mod.running_mean * scale + (mod.bias if mod.bias is not None else 0)
-            scales.append(scale)
-            shifts.append(shift)
-        h = self.lift(x, shape)
-        view = (1, -1, *([1] * (len(shape) - 2)))
-        scale, shift = torch.cat(scales).view(view), torch.cat(shifts).view(view)
-        y = self.call(operator.mul, h, self.constant(scale, node.target + ".scale"))
-        return self.call(operator.add, y, self.constant(shift, node.target + ".shift")), CHANNELS
+        eps = mods[0].eps
+        mean = torch.cat([mod.running_mean for mod in mods])
+        var = torch.cat([mod.running_var + (mod.eps - eps) for mod in mods])  # one eps for all M samples
+        weight = torch.cat([mod.weight if mod.weight is not None else torch.ones_like(mod.running_mean)
+                            for mod in mods])
+        bias = torch.cat([mod.bias if mod.bias is not None else torch.zeros_like(mod.running_mean) for mod in mods])
+        h, layout = (x[0], x[1]) if x[1] in (CHANNELS, FEATURE_MAPS) else (self.lift(x, shape), CHANNELS)
+        hint = node.target
+        return self.call(F.batch_norm, h, self.constant(mean, hint + ".mean"), self.constant(var, hint + ".var"),
+                         self.constant(weight, hint + ".weight"), self.constant(bias, hint + ".bias"),
+                         False, 0.0, eps), layout
 
-    def flatten(self, node, x, start_dim):
+    def reshape(self, node, x):
+        """A per-example reshape: [B, C, ...] -> [B, C', ...] per sample is [B, M*C, ...] -> [B, M*C', ...].
+
+        The output's shape comes from shape propagation; only whether dimension 0 stays the batch is read off
+        the arguments: it must be the batch size (x.size(0), x.shape[0]) or -1 with the other sizes fixed.
+        Reading into a Linear, the result is laid out as the [B, M*F, 1, 1] the Linear's convolution takes.
+        A reshape of a reshape (x.squeeze(-1).squeeze(-1)) reshapes the first one's input once; the first
+        one, if nothing else reads it, is dropped with the dead code.
+        """
+        out = self.shape(node)
+        if len(out) < 2 or out[0] != 1:
+            self.unsupported(node, "a reshape that does not keep the batch dimension")
+        if x[1] == SHARED:
+            return self.method("reshape", x[0], -1, *out[1:]), SHARED
+        source = self.reshaped_from.get(node.args[0], node.args[0])
+        self.reshaped_from[node] = source
+        x = self.env[source]
+        current = self.packed_shape(x, self.shape(source))
+        if len(out) == 2 and self.only_feeds_linears(node):
+            target, layout = (self.m * out[1], 1, 1), FEATURE_MAPS
+        else:
+            target, layout = (self.m * out[1], *out[2:]), CHANNELS
+        if current == target:  # e.g. pooled [B, M*C, 1, 1] flattened for a Linear: nothing to do
+            return x[0], layout
+        return self.method("reshape", x[0], -1, *target), layout
+
+    def view(self, node, x, sizes):
+        """x.view(...) / x.reshape(...) / torch.reshape(x, ...) with `sizes` the shape arguments."""
+        if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, fx.Node)):
+            sizes = sizes[0]
+        if isinstance(sizes, fx.Node):  # x.view(y.size())
+            sizes = (sizes,)
+        dims = []  # ("size", d): dimension d of some value (d == 0: the batch size), ("fixed", n): a literal
+        for s in sizes:
+            if isinstance(s, int):
+                dims.append(("fixed", s))
+            elif isinstance(s, fx.Node) and s in self.sizes:
+                d = self.sizes[s][1]
+                dims.extend(("size", i) for i in (d if isinstance(d, tuple) else (d,)))
+            else:
+                self.unsupported(node, f"a reshape to a computed size {s}")
+        if dims[0] != ("size", 0) and dims[0] != ("fixed", -1):
+            self.unsupported(node, "a reshape whose first dimension is not the batch size (x.size(0) or -1)")
+        if ("size", 0) in dims[1:]:
+            self.unsupported(node, "a reshape that moves the batch dimension")
+        return self.reshape(node, x)
+
+    def size_value(self, node, tensor, dims):
+        """x.size(), x.size(d), x.shape, x.shape[d]: kept aside (no node) for the reshape that reads it.
+
+        The batch size is the one size that differs between the example and the deployed graph, and the
+        packed graph's dimension 1 is M times the sample's: a size is accepted only as a reshape's shape.
+        """
+        for user in node.users:
+            ok = (user.op == "call_function" and user.target is operator.getitem and user.args[0] is node) or \
+                 (self._is_view(user) and user.args[0] is not node)
+            if not ok:
+                raise PackingError(f"the packed MC layout takes {node.name} = {_describe_size(node)} only as the shape "
+                                   f"of a view/reshape, not in {user.format_node()}. Use export.layout: unrolled "
+                                   f"for this network")
+        self.sizes[node] = (tensor, dims)
+        return None, SIZE
+
+    @staticmethod
+    def _is_view(node):
+        return (node.op == "call_method" and node.target in RESHAPE_METHODS) or \
+               (node.op == "call_function" and node.target is torch.reshape)
+
+    def flatten(self, node, x, start_dim, end_dim=-1):
         shape = self.shape(node.args[0])
-        if start_dim % len(shape) != 1:
-            raise PackingError(f"{node.format_node()}: only flatten from dimension 1 (per example) is supported")
+        if start_dim % len(shape) != 1 or end_dim % len(shape) != len(shape) - 1:
+            raise PackingError(f"{node.format_node()}: only flatten from dimension 1 to the last (per example) "
+                               f"is supported")
         # Sample m's channels are contiguous, so its C*H*W features are too: a plain flatten, or when a
         # Linear reads it, one reshape straight to the [B, M*F, 1, 1] that the Linear's convolution takes.
-        if x[1] == CHANNELS and len(shape) > 2 and all(self._feeds_linear(user) for user in node.users):
-            features = self.m * math.prod(shape[1:])
-            return self.method("reshape", x[0], -1, features, 1, 1), FEATURE_MAPS
-        return self.call(torch.flatten, x[0], 1), x[1]
+        if len(shape) == 2:  # already [B, F]
+            return x
+        if x[1] == SHARED:
+            return self.call(torch.flatten, x[0], 1), SHARED
+        if self.only_feeds_linears(node) or node.args[0] in self.reshaped_from:
+            return self.reshape(node, x)
+        return self.call(torch.flatten, x[0], 1), CHANNELS  # CHANNELS: FEATURE_MAPS are 2-D per sample
 
-    def _feeds_linear(self, node):
-        return node.op == "call_module" and isinstance(self.modules[0][node.target], nn.Linear)
+    def squeeze(self, node, x, dim, unsqueeze):
+        rank = len(self.shape(node)) if unsqueeze else len(self.shape(node.args[0]))
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        if dim is None or any(not isinstance(d, int) or d % rank == 0 for d in dims):
+            self.unsupported(node, "a squeeze/unsqueeze that may touch the batch dimension")
+        return self.reshape(node, x)
+
+    def reduce(self, node, x, op, dim, keepdim):
+        """mean/amax/amin/sum over dimensions >= 2 (spatial): per channel, so the layout is unchanged.
+
+        [B, M*C, H, W] -> [B, M*C] (CHANNELS), or [B, M*C, 1, 1] with keepdim. A mean over (2, 3) that only
+        feeds Linears keeps its dims: [B, M*C, 1, 1] is what the Linear's grouped convolution reads.
+        """
+        shape = self.shape(node.args[0])
+        dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+        if dim is None or not all(isinstance(d, int) for d in dims):
+            self.unsupported(node, f"{op} without explicit dimensions")
+        dims = tuple(sorted(d % len(shape) for d in dims))
+        if dims[0] < 2:
+            self.unsupported(node, f"{op} over the batch or channel/feature dimension")
+        if x[1] == SHARED:
+            return self.method(op, x[0], dims, keepdim=keepdim), SHARED
+        h = self.lift(x, shape)
+        if not keepdim and len(shape) == 4 and dims == (2, 3) and self.only_feeds_linears(node):
+            return self.method(op, h, dims, keepdim=True), FEATURE_MAPS
+        return self.method(op, h, dims, keepdim=keepdim), CHANNELS
 
     def cat(self, node, tensors, dim):
         shapes = [self.shape(t) for t in tensors]
@@ -211,33 +449,48 @@ class _Packer:
             raise PackingError(f"{node.format_node()}: concatenation along the batch dimension is not supported")
         if all(layout == SHARED for _, layout in values):
             return self.call(torch.cat, [n for n, _ in values], dim), SHARED
-        # [B, M*C, ...]: view each as [B, M, C, ...], concatenate per sample, view back.
-        parts = [self.method("reshape", self.lift(v, s), -1, self.m, *s[1:])
-                 for v, s in zip(values, shapes)]
+        # [B, M*C, ...]: view each as [B, M, C, ...], concatenate per sample, view back. A densely connected
+        # block concatenates each output many times: its [B, M, C, ...] view is made once (by_sample).
         out_shape = self.shape(node)
-        joined = self.call(torch.cat, parts, dim + 1)
+        joined = self.call(torch.cat, [self.by_sample(t) for t in tensors], dim + 1)
         return self.method("reshape", joined, -1, self.m * out_shape[1], *out_shape[2:]), CHANNELS
 
     def binary(self, node, a, b):
-        """x + y, x - y, x * y: elementwise, so only the two layouts must agree."""
+        """x + y, x - y, x * y: elementwise, so the two layouts must agree.
+
+        Operands of one per-sample shape, or broadcasting only over dimensions >= 2 (squeeze-and-excitation:
+        [B, C, 1, 1] * [B, C, H, W]), combine as they are: the packed channel dimension is M*C on both sides.
+        One broadcasting over the channel dimension ([B, 1, H, W] * [B, C, H, W]) would pair M with M*C, so
+        both sides are viewed as [B, M, C, ...] for the operation.
+        """
+        fn = self._binary_function(node)
         operands = [(self.env[v], self.shape(v)) if isinstance(v, fx.Node) else (None, v) for v in (a, b)]
-        layouts = {value[1] for value, _ in operands if value is not None}
+        tensors = [(value, s) for value, s in operands if value is not None]
+        layouts = {value[1] for value, _ in tensors}
+        if layouts == {SHARED}:
+            return self.call(fn, *[s if value is None else value[0] for value, s in operands]), SHARED
+        if len(tensors) == 2:
+            (_, sa), (_, sb) = tensors
+            if len(sa) != len(sb):
+                self.unsupported(node, f"broadcasting between a {len(sa)}-D and a {len(sb)}-D value")
+            if sa[1] != sb[1]:
+                out = self.shape(node)
+                joined = self.call(fn, self.by_sample(a), self.by_sample(b))
+                return self.method("reshape", joined, -1, self.m * out[1], *out[2:]), CHANNELS
         if layouts == {FEATURE_MAPS}:  # e.g. a residual connection between Linears: both are [B, M*F, 1, 1]
-            return self.call(self._binary_function(node), *[v if value is None else value[0]
-                                                            for value, v in operands]), FEATURE_MAPS
-        target = SHARED if layouts == {SHARED} else CHANNELS
-        args = [s if value is None else value[0] if target == SHARED else self.lift(value, s) for value, s in operands]
-        return self.call(self._binary_function(node), *args), target
+            return self.call(fn, *[s if value is None else value[0] for value, s in operands]), FEATURE_MAPS
+        return self.call(fn, *[s if value is None else self.lift(value, s) for value, s in operands]), CHANNELS
 
     @staticmethod
     def _binary_function(node):
-        return (operator.add if node.target in (operator.add, torch.add, "add") else
-                operator.sub if node.target in (operator.sub, torch.sub, "sub") else operator.mul)
+        return (operator.add if node.target in (operator.add, operator.iadd, torch.add, "add") else
+                operator.sub if node.target in (operator.sub, operator.isub, torch.sub, "sub") else operator.mul)
 
     def unsupported(self, node, what):
         raise PackingError(f"the packed MC layout does not support {what} ({node.format_node()}); supported: "
-                           f"Conv2d, Linear, BatchNorm, elementwise activations, pooling, flatten, add/sub/mul, "
-                           f"cat. Use export.layout: unrolled for this network")
+                           f"Conv2d, Linear, BatchNorm, elementwise activations, pooling, spatial mean/amax, "
+                           f"per-example flatten/view/reshape, add/sub/mul, cat. Use export.layout: unrolled "
+                           f"for this network")
 
     # -- the rewrite -----------------------------------------------------------------------------
     def rewrite(self, node):
@@ -252,29 +505,45 @@ class _Packer:
             if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
                 return self.batch_norm(node, x)
             if isinstance(mod, nn.Flatten):
-                if mod.end_dim not in (-1, len(self.shape(arg)) - 1):
-                    self.unsupported(node, "Flatten with an end_dim")
-                return self.flatten(node, x, mod.start_dim)
+                return self.flatten(node, x, mod.start_dim, mod.end_dim)
             if isinstance(mod, ELEMENTWISE_MODULES + CHANNELWISE_MODULES):
                 if isinstance(mod, CHANNELWISE_MODULES) and len(self.shape(arg)) != 4:
                     self.unsupported(node, "pooling over features")
                 name = f"{node.target.replace('.', '_')}_{self.n_constants}"
                 self.n_constants += 1
-                self.root.add_module(name, copy.deepcopy(mod))
+                mod = copy.deepcopy(mod)
+                if getattr(mod, "inplace", False):
+                    mod.inplace = False  # the packed graph's reshapes may alias or copy where the sample's did not
+                self.root.add_module(name, mod)
                 return self.graph.call_module(name, (x[0],)), x[1]
             self.unsupported(node, f"module {type(mod).__name__}")
         if node.op == "call_function":
-            if node.target in ELEMENTWISE_FUNCTIONS or (node.target in CHANNELWISE_FUNCTIONS and len(self.shape(arg)) == 4):
-                return self.graph.call_function(node.target, (x[0], *node.args[1:]), dict(node.kwargs)), x[1]
+            if node.target in ELEMENTWISE_FUNCTIONS or \
+                    (node.target in CHANNELWISE_FUNCTIONS and len(self.shape(arg)) == 4):
+                kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
+                return self.graph.call_function(node.target, (x[0], *node.args[1:]), kwargs), x[1]
+            if node.target in self.eval_identities:
+                if _arg(node, 3, "training", True) is not False:
+                    self.unsupported(node, "a random operation in training mode")
+                return x
             if node.target is torch.flatten:
-                if node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1) not in (-1,):
-                    self.unsupported(node, "flatten with an end_dim")
-                return self.flatten(node, x, node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0))
+                return self.flatten(node, x, _arg(node, 1, "start_dim", 0), _arg(node, 2, "end_dim", -1))
+            if node.target is torch.reshape:
+                return self.view(node, x, (_arg(node, 1, "shape"),))
+            if node.target in (torch.squeeze, torch.unsqueeze):
+                return self.squeeze(node, x, _arg(node, 1, "dim"), node.target is torch.unsqueeze)
+            if node.target in REDUCTIONS and set(node.kwargs) <= {"dim", "keepdim"} and len(node.args) <= 3:
+                return self.reduce(node, x, REDUCTIONS[node.target], _arg(node, 1, "dim"),
+                                   _arg(node, 2, "keepdim", False))
+            if node.target is builtins.getattr and node.args[1] == "shape":
+                return self.size_value(node, arg, tuple(range(len(self.shape(arg)))))
+            if node.target is operator.getitem and arg in self.sizes:
+                tensor, dims = self.sizes[arg]
+                return self.size_value(node, tensor, dims[node.args[1]])
             if node.target in BINARY_FUNCTIONS and not node.kwargs:
                 return self.binary(node, *node.args)
             if node.target is torch.cat:
-                dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-                return self.cat(node, list(arg), dim)
+                return self.cat(node, list(arg), _arg(node, 1, "dim", 0))
             self.unsupported(node, f"function {getattr(node.target, '__name__', node.target)}")
         if node.op == "call_method":
             if node.target in ELEMENTWISE_METHODS and len(node.args) == 1:
@@ -282,11 +551,21 @@ class _Packer:
             if node.target in BINARY_METHODS and len(node.args) == 2 and not node.kwargs:
                 return self.binary(node, *node.args)
             if node.target == "flatten":
-                return self.flatten(node, x, node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0))
+                return self.flatten(node, x, _arg(node, 1, "start_dim", 0), _arg(node, 2, "end_dim", -1))
+            if node.target in RESHAPE_METHODS:
+                return self.view(node, x, node.args[1:] or (node.kwargs.get("shape"),))
+            if node.target in ("squeeze", "unsqueeze"):
+                return self.squeeze(node, x, _arg(node, 1, "dim"), node.target == "unsqueeze")
+            if node.target in REDUCTIONS.values() and set(node.kwargs) <= {"dim", "keepdim"} and len(node.args) <= 3:
+                return self.reduce(node, x, node.target, _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False))
+            if node.target == "size":
+                dim = _arg(node, 1, "dim")
+                rank = len(self.shape(arg))
+                return self.size_value(node, arg, tuple(range(rank)) if dim is None else dim % rank)
             self.unsupported(node, f"method .{node.target}()")
         self.unsupported(node, f"a {node.op} node")
 
-    def build(self) -> PackedMC:
+    def build(self, folded=(), unfolded=()) -> PackedMC:
         graph0 = self.traced[0].graph
         for node in graph0.nodes:
             if node.op == "placeholder":
@@ -307,8 +586,19 @@ class _Packer:
                 self.unsupported(node, "a tensor attribute used directly")
             else:
                 self.env[node] = self.rewrite(node)
-        self.graph.lint()
-        return PackedMC(fx.GraphModule(self.root, self.graph), self.m).eval()
+        module = fx.GraphModule(self.root, self.graph)
+        module.graph.eliminate_dead_code()  # reshapes that a later reshape replaced
+        module.graph.lint()
+        module.recompile()
+        return PackedMC(module, self.m, folded, unfolded).eval()
+
+
+def _describe_size(node) -> str:
+    if node.op == "call_method":
+        return f"{node.args[0]}.size({', '.join(map(str, node.args[1:]))})"
+    if node.target is builtins.getattr:
+        return f"{node.args[0]}.shape"
+    return f"{_describe_size(node.args[0])}[{node.args[1]}]"
 
 
 def _check_same_architecture(traced):
@@ -333,9 +623,10 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC
     samples = list(samples)
     if not samples:
         raise PackingError("no posterior samples to pack")
-    traced = [_fold_batch_norm(s) for s in samples]
+    folds = [_fold_batch_norms(_trace(s)) for s in samples]
+    traced = [t for t, _, _ in folds]
     _check_same_architecture(traced)
-    packed = _Packer(traced, example).build()
+    packed = _Packer(traced, example).build(folds[0][1], folds[0][2])
     gap = float((packed(example) - MCAverage(samples).eval()(example)).abs().max())
     if not gap <= atol:
         raise PackingError(f"the packed graph differs from the unrolled MC average by {gap:.2e} > {atol:.0e}")
