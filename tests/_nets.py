@@ -72,3 +72,124 @@ def samples_and_inputs(name, m, n=32, seed=123):
     make, shape = NETS[name]
     x = torch.randn((n, *shape), generator=torch.Generator().manual_seed(seed))
     return [make(i) for i in range(m)], x
+
+
+# -- Packed layout on real code (tests/test_packed.py): the idioms users write, attention blocks, torchvision nets.
+
+IDIOMS = {  # [B, 8, 4, 4] -> [B, F] as user code writes it
+    "view-size": lambda x: x.view(x.size(0), -1),
+    "reshape-shape": lambda x: x.reshape(x.shape[0], -1),
+    "view-minus-one": lambda x: x.view(-1, 8 * 4 * 4),
+    "torch-reshape": lambda x: torch.reshape(x, (x.size(0), -1)),
+    "torch-flatten": lambda x: torch.flatten(x, 1),
+    "flatten-method": lambda x: x.flatten(1),
+    "nn-flatten": None,  # self.flatten = nn.Flatten()
+    "mean": lambda x: x.mean((2, 3)),
+    "mean-keepdim": lambda x: x.mean((2, 3), keepdim=True).view(x.size(0), -1),
+    "mean-dim-list": lambda x: x.mean(dim=[2, 3]),
+    "mean-negative-dims": lambda x: x.mean(dim=(-2, -1)),
+    "torch-mean": lambda x: torch.mean(x, dim=(2, 3)),
+    "torch-amax": lambda x: torch.amax(x, (2, 3)),
+    "amax-method": lambda x: x.amax(dim=(2, 3)),
+    "adaptive-pool-1": lambda x: torch.flatten(F.adaptive_avg_pool2d(x, 1), 1),
+    "adaptive-pool-1x1": lambda x: F.adaptive_avg_pool2d(x, (1, 1)).reshape(x.shape[0], -1),
+    "view-size-0-1": lambda x: F.adaptive_avg_pool2d(x, 1).view(x.size(0), x.size(1)),
+    "squeeze": lambda x: F.adaptive_avg_pool2d(x, 1).squeeze(-1).squeeze(-1),
+    "mean-then-scale": lambda x: x.mean((2, 3)) * 2.0,  # reaches the Linear through a mul, not as [B, M*F, 1, 1]
+}
+
+
+def _random_batch_norms(net, gen):
+    """Non-trivial eval statistics and affine parameters, so that folding them is tested."""
+    with torch.no_grad():
+        for mod in net.modules():
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                mod.running_mean.copy_(torch.randn(mod.running_mean.shape, generator=gen) * 0.3)
+                mod.running_var.copy_(torch.rand(mod.running_var.shape, generator=gen) + 0.5)
+                mod.weight.copy_(torch.rand(mod.weight.shape, generator=gen) + 0.5)
+                mod.bias.copy_((torch.rand(mod.bias.shape, generator=gen) - 0.5) * 0.4)
+    return net.eval()
+
+
+class IdiomNet(nn.Module):
+    """Two conv-BN-ReLU with ONE shared self.relu (a parameter-free module called three times), then an
+    idiom of IDIOMS from [B, 8, 4, 4] to features, then Linear-BatchNorm1d-ReLU-Linear."""
+
+    def __init__(self, idiom):
+        super().__init__()
+        self.idiom = idiom
+        self.conv1, self.bn1 = nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+        self.conv2, self.bn2 = nn.Conv2d(6, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.flatten = nn.Flatten()
+        features = self.head(torch.zeros(1, 8, 4, 4)).shape[1]
+        self.fc1, self.bn3, self.fc2 = nn.Linear(features, 12), nn.BatchNorm1d(12), nn.Linear(12, 5)
+
+    def head(self, x):
+        return self.flatten(x) if self.idiom == "nn-flatten" else IDIOMS[self.idiom](x)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.relu(self.bn2(self.conv2(x)))
+        return self.fc2(self.relu(self.bn3(self.fc1(self.head(x)))))
+
+
+class Attention(nn.Module):
+    """Squeeze-and-excitation by 1x1 convolutions ([B, C, 1, 1] * [B, C, H, W]) and by Linears reshaped with
+    x.view(b, c, 1, 1), and a spatial attention map broadcast over the channels ([B, 1, H, W] with [B, C, H, W])."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6)
+        self.act = nn.Hardswish()
+        self.se1, self.se2 = nn.Conv2d(6, 3, 1), nn.Conv2d(3, 6, 1)
+        self.fc_a, self.fc_b = nn.Linear(6, 3), nn.Linear(3, 6)
+        self.spatial = nn.Conv2d(6, 1, 3, padding=1)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = self.act(self.bn(self.conv(x)))
+        h = h * torch.sigmoid(self.se2(F.relu(self.se1(F.adaptive_avg_pool2d(h, 1)))))
+        b, c = h.size(0), h.size(1)
+        h = torch.sigmoid(self.fc_b(F.relu(self.fc_a(h.mean((2, 3)))))).view(b, c, 1, 1) * h
+        a = torch.sigmoid(self.spatial(h))
+        return self.fc((h * a + a).amax((2, 3)))
+
+
+def idiom_samples(idiom, m, n=8, seed=123):
+    """M samples of IdiomNet(idiom) (or Attention for idiom 'attention') at 8x8, and inputs."""
+    samples = []
+    for i in range(m):
+        torch.manual_seed(i)
+        samples.append(_random_batch_norms(Attention() if idiom == "attention" else IdiomNet(idiom),
+                                           torch.Generator().manual_seed(100 + i)))
+    return samples, torch.randn((n, 3, 8, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def torchvision_samples(name, m, n=4, seed=123):
+    """M 'posterior samples' of torchvision.models.<name>(num_classes=10) at 32x32: one random network with
+    random batch-norm statistics, each sample's weights perturbed by 5% of their mean magnitude. The last
+    Linear is scaled so the logits have a standard deviation of about 3 on the inputs (random classifiers
+    give nearly flat softmaxes, which would compare nothing)."""
+    import copy
+
+    import torchvision
+
+    torch.manual_seed(0)
+    base = _random_batch_norms(getattr(torchvision.models, name)(weights=None, num_classes=10),
+                               torch.Generator().manual_seed(1))
+    x = torch.randn((n, 3, 32, 32), generator=torch.Generator().manual_seed(seed))
+    last = [mod for mod in base.modules() if isinstance(mod, nn.Linear)][-1]
+    with torch.no_grad():
+        scale = 3.0 / float(base(x).std())
+        last.weight.mul_(scale)
+        last.bias.mul_(scale)
+    samples = []
+    for i in range(m):
+        gen = torch.Generator().manual_seed(1000 + i)
+        sample = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in sample.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05 * p.abs().mean())
+        samples.append(sample.eval())
+    return samples, x

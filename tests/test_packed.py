@@ -1,16 +1,18 @@
 """The packed MC layout (export/packed.py): one graph running all M posterior samples per layer equals the
 unrolled MC average, in PyTorch and through ONNX."""
 
+import collections
 import copy
 import operator
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _nets import samples_and_inputs
+from _nets import IDIOMS, idiom_samples, samples_and_inputs, torchvision_samples
 from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.export.compress import MCAverage, compress
 from edgebayes.export.onnx_export import export_onnx, onnx_predict
@@ -176,3 +178,159 @@ def test_unknown_layout_is_refused():
     samples, x = samples_and_inputs("mlp", 2)
     with pytest.raises(ValueError, match="layout"):
         mc_graph(MCAverage(samples), "diagonal", x)
+
+
+def _onnx_ops(path):
+    return collections.Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+
+
+def _onnx_gap(packed, x, path):
+    """Largest |p_onnx - p_torch| of the packed graph exported to `path`."""
+    export_onnx(packed, x[:1], path)
+    with torch.no_grad():
+        ref = packed(x).numpy()
+    return float(np.abs(onnx_predict(path, x.numpy()) - ref).max())
+
+
+def test_batch_norm_is_folded_despite_a_shared_parameter_free_module(tmp_path):
+    """The zoo's ResNet-20 calls one self.act everywhere: that module has nothing to fold into, so all 21 batch
+    norms still fold into their convolutions, and the ONNX graph has no Mul/Add pair left for them."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(family="dnn", arch="resnet20"), PriorConfig(), (3, 32, 32), 10, n_train=100)
+    plain, _ = model.posterior_sample(model.default_knob, torch.Generator().manual_seed(0))
+    calls = collections.Counter(n.target for n in torch.fx.symbolic_trace(plain).graph.nodes if n.op == "call_module")
+    assert max(calls.values()) > 1  # the shared activation this test is about
+    samples = [_perturbed(plain, s) for s in range(4)]
+    x = torch.randn(4, 3, 32, 32)
+    packed = pack_samples(samples, x)
+    assert len(packed.folded_batch_norms) == 21 and packed.unfolded_batch_norms == []
+    assert not any(n.target is F.batch_norm or n.target is operator.mul for n in packed.net.graph.nodes)
+    assert _onnx_gap(packed, x, tmp_path / "packed.onnx") <= 1e-4
+    # one plain sample exported by torch.onnx (which folds eval batch norms itself) has as many Mul and Add
+    # (its SiLUs and residual additions) as the packed graph of four
+    export_onnx(plain.eval(), x[:1], tmp_path / "plain.onnx")
+    packed_ops, plain_ops = _onnx_ops(tmp_path / "packed.onnx"), _onnx_ops(tmp_path / "plain.onnx")
+    assert packed_ops["BatchNormalization"] == 0
+    assert (packed_ops["Mul"], packed_ops["Add"]) == (plain_ops["Mul"], plain_ops["Add"])
+
+
+def test_batch_norm_after_a_layer_called_twice_stays_and_says_why():
+    """A Conv2d called twice (shared weights) cannot take the batch norm of one call: it stays, as one
+    batch-norm call (BatchNormalization in ONNX) over the M*C channels, listed with the reason."""
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.fc = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), nn.Linear(3, 4)
+
+        def forward(self, x):
+            return self.fc(self.conv(self.bn(self.conv(x))).mean((2, 3)))
+
+    samples = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        net = Shared()
+        net.bn.running_mean.normal_()
+        net.bn.running_var.uniform_(0.5, 1.5)
+        samples.append(net.eval())
+    packed = pack_samples(samples, torch.randn(4, 3, 6, 6))
+    assert packed.folded_batch_norms == []
+    assert packed.unfolded_batch_norms == [{"node": "bn", "reason": "conv is called 2 times (shared weights)"}]
+    assert sum(n.target is F.batch_norm for n in packed.net.graph.nodes) == 1
+
+
+@pytest.mark.parametrize("idiom", sorted(IDIOMS) + ["attention"])
+def test_packed_accepts_the_idioms_users_write(idiom, tmp_path):
+    """x.view(x.size(0), -1), x.mean((2, 3)), torch.amax, squeeze-and-excitation, ...: packed, equal to the
+    unrolled average (pack_samples checks it) and through ONNX; every batch norm after a layer is folded."""
+    samples, x = idiom_samples(idiom, 3)
+    packed = pack_samples(samples, x)
+    assert packed.unfolded_batch_norms == []
+    with torch.no_grad():
+        assert (packed(x) - MCAverage(samples).eval()(x)).abs().max() <= 1e-5
+    assert _onnx_gap(packed, x, tmp_path / "packed.onnx") <= 1e-5
+    assert _onnx_ops(tmp_path / "packed.onnx")["BatchNormalization"] == 0
+
+
+@pytest.mark.parametrize("idiom", ["view-size", "mean", "adaptive-pool-1", "squeeze"])
+def test_idioms_feeding_a_linear_need_no_reshape_before_it(idiom):
+    """Pooled or flattened features reach the Linear's grouped convolution as [B, M*F, 1, 1] directly: only the
+    flatten of a feature map reshapes, and only the output's [B, M, classes] after it."""
+    samples, x = idiom_samples(idiom, 2)
+    packed = pack_samples(samples, x)
+    reshapes = [n for n in packed.net.graph.nodes if n.op == "call_method" and n.target == "reshape"]
+    assert len(reshapes) == (2 if idiom == "view-size" else 1)
+
+
+def test_channel_broadcasts_view_the_samples_apart():
+    """[B, C, 1, 1] * [B, C, H, W] broadcasts as it is in the packed layout; [B, 1, H, W] with [B, C, H, W]
+    would pair the M attention maps with the M*C channels, so it runs on [B, M, C, H, W] views."""
+    samples, x = idiom_samples("attention", 2)
+    graph = pack_samples(samples, x).net.graph
+    five_d = {n for n in graph.nodes if n.op == "call_method" and n.target == "reshape" and len(n.args) == 6}
+    binary_on_views = [n for n in graph.nodes if n.target in (operator.mul, operator.add)
+                       and any(a in five_d for a in n.args)]
+    assert len(binary_on_views) == 2  # h * a and (h * a) + a
+    assert sum(n.target is operator.mul for n in graph.nodes) == 3  # the two excitations and h * a
+
+
+@pytest.mark.parametrize("forward, name", [
+    (lambda self, x: self.fc(torch.flatten(x, 1)) / x.size(0), r"size = x\.size\(0\)"),
+    (lambda self, x: self.fc(x.view(x.size(0), x.size(1) * 16)), r"size_1 = x\.size\(1\)"),
+    (lambda self, x: self.fc(x.reshape(x.shape[0], -1)) * x.shape[1], r"getitem_1 = x\.shape\[1\]"),
+])
+def test_a_size_used_outside_a_reshape_is_refused_by_name(forward, name):
+    class Sizes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2 * 16, 3)
+
+    Sizes.forward = forward
+    with pytest.raises(PackingError, match=name):
+        pack_samples([Sizes().eval(), Sizes().eval()], torch.randn(4, 2, 4, 4))
+
+
+@pytest.mark.parametrize("forward, features, what", [
+    (lambda self, x: self.fc(x.view(1, -1)), 32, "first dimension is not the batch size"),
+    (lambda self, x: self.fc(x.view(-1, 16)), 16, "does not keep the batch dimension"),
+    (lambda self, x: self.fc(x.mean(1).flatten(1)), 16, "mean over the batch or channel"),
+])
+def test_reshapes_and_reductions_across_samples_are_refused(forward, features, what):
+    """Reshapes that fold the batch into the features and reductions over the channels would mix the M samples."""
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(features, 3)
+
+    Bad.forward = forward
+    with pytest.raises(PackingError, match=what):
+        pack_samples([Bad().eval(), Bad().eval()], torch.randn(4, 2, 4, 4))
+
+
+# Batch norms of each torchvision model at 32x32 that cannot be folded (densenet's pre-activation batch norms
+# after a concatenation), and its Mul / Add nodes (squeeze-and-excitation, SiLU, residual additions).
+TORCHVISION = ["resnet18", "mobilenet_v3_small", "densenet121", "efficientnet_b0"]
+
+
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_packed_torchvision_models_in_onnx(name, tmp_path):
+    """Real models at M = 2: packed equals unrolled (pack_samples checks 1e-5) and ONNX equals PyTorch
+    within 1e-4; every batch norm after a convolution is folded, so the packed graph has exactly the
+    BatchNormalization, Mul and Add nodes that one plain sample has in torch.onnx's export (which folds
+    eval batch norms after convolutions itself)."""
+    pytest.importorskip("torchvision")
+    samples, x = torchvision_samples(name, 2)
+    packed = pack_samples(samples, x)
+    with torch.no_grad():
+        probs = packed(x)
+    assert float(probs.max()) > 0.3  # not a flat softmax
+    assert _onnx_gap(packed, x, tmp_path / "packed.onnx") <= 1e-4
+    export_onnx(samples[0], x[:1], tmp_path / "plain.onnx")
+    packed_ops, plain_ops = _onnx_ops(tmp_path / "packed.onnx"), _onnx_ops(tmp_path / "plain.onnx")
+    for op in ("BatchNormalization", "Mul", "Add"):
+        assert packed_ops[op] == plain_ops[op], op
+    assert packed_ops["BatchNormalization"] == len(packed.unfolded_batch_norms)
+    if name == "densenet121":  # the 58 + 3 + 1 batch norms after a concatenation or pooling
+        assert len(packed.unfolded_batch_norms) == 62 and len(packed.folded_batch_norms) == 59
+        assert all(entry["reason"].startswith("follows ") for entry in packed.unfolded_batch_norms)
+    else:
+        assert packed.unfolded_batch_norms == []
