@@ -315,7 +315,7 @@ def test_loader_function_errors(tmp_path, monkeypatch):
         load_data(DataConfig(dataset="userdata:short"), 0)
     with pytest.raises(DataError, match=r"userdata:bad_shapes: x_test inputs have shape \(2,\)"):
         load_data(DataConfig(dataset="userdata:bad_shapes"), 0)
-    with pytest.raises(DataError, match=r"userdata has no function absent"):
+    with pytest.raises(DataError, match=r"userdata has no attribute absent"):
         load_data(DataConfig(dataset="userdata:absent"), 0)
     with pytest.raises(DataError, match=r"cannot import nosuchmodule .*PYTHONPATH"):
         load_data(DataConfig(dataset="nosuchmodule:load"), 0)

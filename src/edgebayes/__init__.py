@@ -1,3 +1,16 @@
-"""edgebayes: compressible Bayesian neural networks, from GPU training to a validated model on an edge device."""
+"""edgebayes: compressible Bayesian neural networks, from GPU training to a validated model on an edge device.
+
+The Python API (edgebayes/api.py): bayesianize, register_arch, fit, compress, save, run, metrics. They are
+imported on first use, so `import edgebayes` stays light (no torch until one is called).
+"""
 
 __version__ = "0.1.0"
+
+_API = ("bayesianize", "register_arch", "fit", "compress", "save", "run", "metrics")
+
+
+def __getattr__(name):
+    if name in _API:
+        from edgebayes import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'edgebayes' has no attribute {name!r}")

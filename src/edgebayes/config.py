@@ -32,15 +32,24 @@ class ConfigError(InputError):
 # ---------------------------------------------------------------------------------------------
 # The run: pipeline.yaml
 # ---------------------------------------------------------------------------------------------
+BUILTIN_DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
+DATA_FORMATS = ("npz", "image-folder", "csv")   # your own data, read from data.path (data.py says how)
+
+
 @dataclass
 class DataConfig:
-    dataset: Literal["digits", "mnist", "fashion-mnist", "cifar10"] = "digits"
-    root: Optional[str] = None          # default: $EDGEBAYES_DATA, else ./data
+    # a built-in set (BUILTIN_DATASETS), a format of your own data read from data.path (DATA_FORMATS), or
+    # package.module:function, a loader of your own called with this DataConfig (data.py, _function)
+    dataset: str = "digits"
+    root: Optional[str] = None          # built-in sets: default $EDGEBAYES_DATA, else ./data
     download: bool = False              # only download when the user allows it
+    path: Optional[str] = None          # npz, image-folder, csv: the file or folder (relative: working directory)
+    image_size: Optional[list[int]] = None   # image-folder: [H, W] to resize every image to; null: one size
+    label_column: Optional[int | str] = None  # csv: a header name or 0-based index; null: label/target/class, else last
     val_fraction: float = 0.2
-    test_fraction: float = 0.2          # digits only; the torchvision sets have an official test split
+    test_fraction: float = 0.2          # sets without a test split (digits, your own single set)
     train_subset: Optional[int] = None  # train on the first N images of the training split (quick runs); null: all
-    # null | noise | a data set with the same input shape
+    # null | noise (uniform in the training inputs' range) | a built-in data set with the same input shape
     ood: Optional[Literal["noise", "digits", "mnist", "fashion-mnist", "cifar10"]] = None
 
 
@@ -50,7 +59,11 @@ class ModelConfig:
     # sqs: sparse + quantized (paper 001), wrapping the dnn of the same architecture (section sqs)
     # bn3: Bayesian nested net (paper 002); fn3: its fixed nested-dropout baseline (section nested)
     family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs", "bn3", "fn3"] = "ss-gl"
-    arch: Literal["mlp", "lenet5-caffe", "resnet20", "resnet32", "resnet56", "vgg11", "mobilenetv2"] = "mlp"
+    # a zoo name (mlp, lenet5-caffe, resnet20, resnet32, resnet56, vgg11, mobilenetv2), a name registered with
+    # edgebayes.register_arch, or an import path package.module:builder (train/arch.py says what it may be)
+    arch: str = "mlp"
+    options: dict = field(default_factory=dict)   # keyword arguments of an import-path builder
+    pretrained: Optional[str] = None    # a state dict (weights_only) of the plain network the posterior starts from
     hidden: list[int] = field(default_factory=lambda: [400, 400])   # mlp only
     activation: Literal["silu", "relu", "tanh"] = "silu"
     width_multiplier: float = 1.0       # vgg11, mobilenetv2: channels x this (paper 002 trains VGG11 x1.5)
@@ -263,7 +276,8 @@ def _type_name(tp) -> str:
         return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            dict: "a mapping of names to values"}.get(
         tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -304,6 +318,9 @@ def _convert(tp, value, where):
             return float(value)
     elif tp is str:
         if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return value
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
@@ -358,16 +375,42 @@ def _check(condition, where, message):
         raise ConfigError(f"{where}: {message}")
 
 
+def _check_data(d: DataConfig, p):
+    """What the data keys say alone; the files themselves are read (and checked) when the data loads."""
+    from edgebayes.data import DataError, resolve_loader
+    from edgebayes.plugins import IMPORT_PATH
+
+    own = d.dataset in DATA_FORMATS
+    _check(d.dataset in BUILTIN_DATASETS or own or IMPORT_PATH.match(d.dataset), f"{p}: data.dataset",
+           f"expected one of {', '.join(repr(n) for n in BUILTIN_DATASETS + DATA_FORMATS)}, or "
+           f"package.module:function (a loader of your own), got {d.dataset!r}")
+    if ":" in d.dataset:
+        try:
+            resolve_loader(d.dataset)
+        except DataError as e:
+            raise ConfigError(f"{p}: {e}") from None
+    _check(not own or bool(d.path), f"{p}: data.path", f"required when data.dataset is {d.dataset}")
+    _check(d.dataset not in BUILTIN_DATASETS or d.path is None, f"{p}: data.path",
+           f"read for data.dataset {', '.join(DATA_FORMATS)} or a loader of your own; {d.dataset} does not use "
+           f"it (its files come from data.root)")
+    _check(d.image_size is None or d.dataset == "image-folder", f"{p}: data.image_size",
+           "only read for data.dataset image-folder")
+    _check(d.image_size is None or (len(d.image_size) == 2 and min(d.image_size) > 0), f"{p}: data.image_size",
+           f"expected [height, width], two positive integers, got {d.image_size}")
+    _check(d.label_column is None or d.dataset == "csv", f"{p}: data.label_column", "only read for data.dataset csv")
+    _check(0 < d.val_fraction < 1, f"{p}: data.val_fraction", "expected a number in (0, 1)")
+    _check(0 < d.test_fraction < 1, f"{p}: data.test_fraction", "expected a number in (0, 1)")
+    _check(d.train_subset is None or d.train_subset > 0, f"{p}: data.train_subset",
+           "expected a positive integer or null")
+
+
 def load_pipeline_config(path) -> PipelineConfig:
     path = Path(path)
     cfg = _build(PipelineConfig, _load_yaml(path), str(path))
     p = str(path)
     _check(cfg.name and all(c.isalnum() or c in "-_." for c in cfg.name), f"{p}: name",
            f"expected letters, digits, '-', '_' or '.', got {cfg.name!r}")
-    _check(0 < cfg.data.val_fraction < 1, f"{p}: data.val_fraction", "expected a number in (0, 1)")
-    _check(0 < cfg.data.test_fraction < 1, f"{p}: data.test_fraction", "expected a number in (0, 1)")
-    _check(cfg.data.train_subset is None or cfg.data.train_subset > 0, f"{p}: data.train_subset",
-           "expected a positive integer or null")
+    _check_data(cfg.data, p)
     _check(all(h > 0 for h in cfg.model.hidden), f"{p}: model.hidden", "expected positive layer widths")
     _check(cfg.prior.sigma0_sq > 0, f"{p}: prior.sigma0_sq", "expected a positive number")
     _check(0 < cfg.prior.gamma_init < 1, f"{p}: prior.gamma_init", "expected a number in (0, 1)")
@@ -403,12 +446,33 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check(cfg.export.calibration_size > 0, f"{p}: export.calibration_size", "expected a positive integer")
     _check(0 <= cfg.export.max_accuracy_drop < 1, f"{p}: export.max_accuracy_drop", "expected a number in [0, 1)")
     _check(cfg.model.width_multiplier > 0, f"{p}: model.width_multiplier", "expected a positive number")
+    _check_arch(cfg.model, p)
     _check_sqs(cfg.sqs, p)
     _check_nested(cfg.nested, p)
     _check(cfg.benchmark.min_runs > 0, f"{p}: benchmark.min_runs", "expected a positive integer")
     _check(cfg.benchmark.rounds > 0, f"{p}: benchmark.rounds", "expected a positive integer")
     _check(cfg.benchmark.min_seconds >= 0, f"{p}: benchmark.min_seconds", "expected a number >= 0")
     return cfg
+
+
+def _check_arch(m: ModelConfig, p):
+    """The architecture must resolve now (an import path is imported), not after the data has loaded."""
+    from edgebayes.train.arch import ArchError, resolve_arch
+
+    if m.pretrained is not None:
+        _check(Path(m.pretrained).is_file(), f"{p}: model.pretrained", f"file not found: {m.pretrained}")
+    try:
+        resolve_arch(m)
+    except ArchError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    _check(not m.options or ":" in m.arch or m.arch not in _zoo_names(), f"{p}: model.options",
+           "only builders given by import path or register_arch take options; zoo nets use model.hidden / "
+           "model.width_multiplier")
+
+
+def _zoo_names():
+    from edgebayes.train.zoo import ARCHITECTURES
+    return ARCHITECTURES
 
 
 def _check_sqs(s: SQSConfig, p):

@@ -25,9 +25,7 @@ import csv
 import dataclasses
 import gzip
 import hashlib
-import importlib
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +36,7 @@ import torch
 
 
 from edgebayes.errors import InputError
+from edgebayes.plugins import IMPORT_PATH, load_callable
 
 
 class DataError(InputError):
@@ -69,7 +68,6 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".t
 # A CSV column with one of these names (any case) is the label column unless data.label_column says otherwise.
 LABEL_COLUMN_NAMES = ("label", "target", "class")
 # `package.module:function`, the form of data.dataset that names a loader of your own.
-LOADER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 def data_root(cfg) -> Path:
@@ -478,22 +476,12 @@ def _csv(cfg):
 def resolve_loader(name):
     """The function `package.module:function` names (imported now: config validation calls this so that a
     misspelt module is reported with the config, before any work)."""
-    where = f"data.dataset: {name}"
-    module_name, function_name = name.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise DataError(f"{where}: cannot import {module_name} ({e}); install it or put its folder on "
-                        f"PYTHONPATH (e.g. PYTHONPATH=. for a module in the working directory)") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise DataError(f"{where}: {module_name} has no function {function_name}")
-    return function
+    return load_callable(name, f"data.dataset: {name}", DataError)
 
 
 def _function(cfg):
     """A loader of your own, data.dataset: package.module:function (the module must be importable: installed,
-    or on PYTHONPATH).
+    on PYTHONPATH, or in the working directory: edgebayes/plugins.py).
 
     Called as function(cfg) with the DataConfig (cfg.path, cfg.root and the other data keys are there for it
     to use). It returns (x_train, y_train, x_test, y_test) or (x_train, y_train, x_test, y_test, classes),
@@ -629,7 +617,7 @@ def _load_sets(cfg):
     """({set name: (x, y)}, classes) of the configured source, checked."""
     if cfg.dataset in LOADERS:
         load = LOADERS[cfg.dataset]
-    elif LOADER_PATH.match(cfg.dataset):
+    elif IMPORT_PATH.match(cfg.dataset):
         load = _function
     else:
         raise DataError(f"data.dataset: unknown data set {cfg.dataset!r}; expected one of {', '.join(LOADERS)}, "

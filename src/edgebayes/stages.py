@@ -163,7 +163,7 @@ def run_train(ctx):
     metrics = {
         "family": cfg.model.family,
         "model": {"arch": cfg.model.arch, "in_features": int(np.prod(splits.input_shape)),
-                  "hidden": cfg.model.hidden, "classes": len(splits.classes)},
+                  "hidden": cfg.model.hidden if cfg.model.arch == "mlp" else [], "classes": len(splits.classes)},
         "data": {"dataset": cfg.data.dataset, "train": len(splits.train_x), "val": len(splits.val_x),
                  "test": len(splits.test_x)},
         "epochs": cfg.train.epochs,

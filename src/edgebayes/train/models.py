@@ -32,8 +32,8 @@ from edgebayes.train.spike_slab import (
     SpikeSlabLinear,
     prior_inclusion_probability,
 )
+from edgebayes.train.arch import as_builder, resolve_arch
 from edgebayes.train.nested import NESTED_FAMILIES, NestedConv2d, NestedLinear
-from edgebayes.train.zoo import ARCHITECTURES
 
 FAMILIES = ("dnn", "bnn") + PRIORS + NESTED_FAMILIES
 ACTIVATIONS = {"silu": nn.SiLU, "relu": nn.ReLU, "tanh": nn.Tanh}
@@ -49,9 +49,21 @@ class ConvNorm(nn.Sequential):
 class LayerFactory:
     """Builds the layers of one family. `linear_inclusion(fan_in, units)` gives lambda_l of FC layers.
 
-    `prunable=False` marks a layer that is never pruned: no spike-and-slab selection, no nested dropout
-    (the output layer; VGG's first and dense layers). `truncates` (nested families only) names the layer
-    whose output channels a depthwise layer's mask also drops (MobileNetV2, see train/nested.py).
+    The contract every architecture (zoo, a user's builder, bayesianize) relies on, in one place:
+      - `linear(in_features, out_features, prunable=True)` and `conv(in_channels, out_channels, kernel_size,
+        stride=1, padding=0, groups=1, bias=True, norm=False, prunable=True)` are the only layers with
+        weights the families treat; `activation()` is the configured activation. Anything else
+        (pooling, additions, concatenation, flatten, reshapes) is plain PyTorch in the builder's forward.
+      - `prunable=False` marks a layer that is never pruned: no spike-and-slab selection, no nested
+        dropout. The layers that produce the network's outputs must be built so (VGG's first and dense
+        layers are too, by choice).
+      - `norm=True` gives the convolution its batch norm, owned by the layer: the node indicator (or the
+        nested mask) multiplies the batch norm's output, so a switched-off channel is exactly zero and
+        surgery can cut it. Write a batch norm that follows a convolution this way, not as its own module.
+      - `truncates` (nested families only) names the layer whose output channels a depthwise layer's mask
+        also drops (MobileNetV2, see train/nested.py).
+    With family dnn the same calls give nn.Linear, nn.Conv2d and ConvNorm(conv, norm): the plain twin that
+    posterior samples are copied into, so the names of both nets line up.
     """
 
     def __init__(self, family, prior_cfg=None, global_scale=None, linear_inclusion=None, activation="silu",
@@ -111,11 +123,13 @@ class BayesianNet(nn.Module):
     default_knob = 0.5
     default_operating_points = (0.5, 0.7, 0.9)
 
-    def __init__(self, arch, family, prior_cfg, input_shape, classes, n_train, activation="silu", **arch_kw):
+    def __init__(self, build, family, prior_cfg, input_shape, classes, n_train, activation="silu", **zoo_kw):
+        """`build(factory, input_shape, classes)` makes the architecture (train/arch.py resolve_arch); a zoo
+        name with its keyword arguments (hidden=...) is accepted too."""
         super().__init__()
+        build = as_builder(build, **zoo_kw)
         self.family, self.input_shape, self.classes = family, tuple(input_shape), classes
-        self._build_plain = lambda: ARCHITECTURES[arch](LayerFactory("dnn", activation=activation),
-                                                        input_shape, classes, **arch_kw)
+        self._build_plain = lambda: build(LayerFactory("dnn", activation=activation), input_shape, classes)
         if family == "ss-gl":
             self.global_scale = GlobalScale(prior_cfg.a0, prior_cfg.b0)
         elif family == "ss-ghs":
@@ -131,7 +145,7 @@ class BayesianNet(nn.Module):
                                                constant=prior_cfg.inclusion_constant)
 
         factory = LayerFactory(family, prior_cfg, self.global_scale, linear_inclusion, activation)
-        self.net = ARCHITECTURES[arch](factory, input_shape, classes, **arch_kw)
+        self.net = build(factory, input_shape, classes)
 
     def forward(self, x):
         return self.net(x)
@@ -201,8 +215,5 @@ def build_model(model_cfg, prior_cfg, input_shape, classes, n_train):
     """Builder function: config -> network of the configured family and architecture.
 
     The nested families need their own config section and training batches: train/nested.py build_nested."""
-    if model_cfg.arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {model_cfg.arch!r}; available: {', '.join(ARCHITECTURES)}")
-    return BayesianNet(model_cfg.arch, model_cfg.family, prior_cfg, input_shape, classes, n_train,
-                       activation=model_cfg.activation, hidden=model_cfg.hidden,
-                       width_multiplier=model_cfg.width_multiplier)
+    return BayesianNet(resolve_arch(model_cfg), model_cfg.family, prior_cfg, input_shape, classes, n_train,
+                       activation=model_cfg.activation)

@@ -346,11 +346,15 @@ class NestedNet(nn.Module):
 
     knob = "width"
 
-    def __init__(self, arch, family, nested_cfg, input_shape, classes, activation="silu", calibration_x=None,
-                 bn_batch_size=512, **arch_kw):
+    def __init__(self, build, family, nested_cfg, input_shape, classes, activation="silu", calibration_x=None,
+                 bn_batch_size=512, **zoo_kw):
+        """`build(factory, input_shape, classes)` makes the architecture (train/arch.py resolve_arch); a zoo
+        name with its keyword arguments (hidden=...) is accepted too."""
         super().__init__()
+        from edgebayes.train.arch import as_builder
         from edgebayes.train.models import LayerFactory
-        from edgebayes.train.zoo import ARCHITECTURES
+
+        build = as_builder(build, **zoo_kw)
 
         if family not in NESTED_FAMILIES:
             raise ValueError(f"unknown nested family {family!r}; expected one of {NESTED_FAMILIES}")
@@ -359,10 +363,8 @@ class NestedNet(nn.Module):
         self.temperature, self.temperature_min = nested_cfg.temperature, nested_cfg.temperature_min
         self.default_knob = self.groups
         self.bn_batch_size = bn_batch_size
-        self._build_plain = lambda: ARCHITECTURES[arch](LayerFactory("dnn", activation=activation),
-                                                        input_shape, classes, **arch_kw)
-        self.net = ARCHITECTURES[arch](LayerFactory(family, nested_cfg=nested_cfg, activation=activation),
-                                       input_shape, classes, **arch_kw)
+        self._build_plain = lambda: build(LayerFactory("dnn", activation=activation), input_shape, classes)
+        self.net = build(LayerFactory(family, nested_cfg=nested_cfg, activation=activation), input_shape, classes)
         self.register_buffer("calibration_x", calibration_x, persistent=False)
         self.set_temperature(self.temperature)
 
@@ -476,6 +478,7 @@ def build_nested(cfg, splits):
     """Builder: config + data splits -> NestedNet (the calibration batches are the training split's first rows)."""
     n = cfg.nested
     calibration = splits.train_x[: n.bn_batches * n.bn_batch_size]
-    return NestedNet(cfg.model.arch, cfg.model.family, n, splits.input_shape, len(splits.classes),
-                     activation=cfg.model.activation, calibration_x=calibration, bn_batch_size=n.bn_batch_size,
-                     hidden=cfg.model.hidden, width_multiplier=cfg.model.width_multiplier)
+    from edgebayes.train.arch import resolve_arch
+
+    return NestedNet(resolve_arch(cfg.model), cfg.model.family, n, splits.input_shape, len(splits.classes),
+                     activation=cfg.model.activation, calibration_x=calibration, bn_batch_size=n.bn_batch_size)

@@ -129,8 +129,8 @@ def mean_inclusion(model):
             if layer.prunable}
 
 
-def train(cfg, splits, checkpoint_path, log=print):
-    """Train (or resume) the configured model; returns (model, history).
+def train(cfg, splits, checkpoint_path, log=print, model=None):
+    """Train (or resume) the configured model, or `model` when given (the Python API); returns (model, history).
 
     Under torchrun (train/distributed.py) every process returns the trained model; process 0 alone
     validates, writes the checkpoint and keeps the history (the others' is not kept up to date).
@@ -141,7 +141,7 @@ def train(cfg, splits, checkpoint_path, log=print):
     t = cfg.train
     world, device = distributed.setup(resolve_device(t.device))
     torch.manual_seed(cfg.seed)  # the same initial weights in every process
-    model = to_channels_last(model_for(cfg, splits).to(device), t.channels_last)
+    model = to_channels_last((model if model is not None else model_for(cfg, splits)).to(device), t.channels_last)
     if t.optimizer == "adam":
         optimizer = torch.optim.Adam(model.parameters(), lr=t.lr)
     else:

@@ -1,0 +1,86 @@
+"""The Python API: a user's network from training to a measured artifact, with the stages' own functions.
+
+    import torchvision, edgebayes as eb
+    net = eb.bayesianize(torchvision.models.resnet18(num_classes=10), "ss-gl", input_shape=(3, 32, 32),
+                         n_train=len(x))
+    eb.fit(net, x, y, epochs=5, batch_size=128)            # the ELBO trainer of the train stage
+    c = eb.compress(net, knob=0.5, m=4)                     # 4 posterior samples, dead channels cut out
+    eb.save(c, "model.onnx", example=x[:16])                # packed MC-averaged graph, fp32 ONNX
+    probs = eb.run("model.onnx", x_test)                    # onnxruntime: MC-averaged class probabilities
+    print(eb.metrics(probs, y_test))                        # accuracy, NLL, ECE, Brier
+
+Nothing here has logic of its own: `fit` is train/trainer.py's `train` with a config made from its
+arguments, `compress` is export/compress.py's, `save` and `run` are export/formats.py's (`save`, not
+`export`: edgebayes.export is the export package).
+"""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgebayes.config import PipelineConfig, TrainConfig
+from edgebayes.export.compress import Compressed, compress as _compress
+from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
+from edgebayes.train.bayesianize import bayesianize  # noqa: F401  (re-exported)
+
+
+def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, **train):
+    """Train `net` in place with the ELBO trainer; returns the per-epoch history.
+
+    `x`, `y`: training inputs and integer labels (tensors or arrays); `val` = (x_val, y_val), default: 10%
+    of the training data, carved out with the seed. `train` takes the keys of the config's train section
+    (batch_size, lr, optimizer, kl_weight, device, ...). `checkpoint` (a path) makes the run resumable.
+    """
+    from edgebayes.data import Splits
+    from edgebayes.train.trainer import train as run_train
+
+    x, y = torch.as_tensor(np.asarray(x), dtype=torch.float32), torch.as_tensor(np.asarray(y), dtype=torch.int64)
+    if val is None:
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+        k = max(1, len(x) // 10)
+        (vx, vy), x, y = (x[perm[:k]], y[perm[:k]]), x[perm[k:]], y[perm[k:]]
+    else:
+        vx = torch.as_tensor(np.asarray(val[0]), dtype=torch.float32)
+        vy = torch.as_tensor(np.asarray(val[1]), dtype=torch.int64)
+    classes = [str(c) for c in range(int(max(y.max(), vy.max())) + 1)]
+    splits = Splits(x, y, vx, vy, vx, vy, classes)
+    cfg = PipelineConfig(seed=seed, train=dataclasses.replace(TrainConfig(), epochs=epochs, **train))
+    path = Path(checkpoint) if checkpoint else None
+    if path is None:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            _, history = run_train(cfg, splits, Path(tmp) / "checkpoint.pt", log=log, model=net)
+    else:
+        _, history = run_train(cfg, splits, path, log=log, model=net)
+    return history
+
+
+def compress(net, knob=None, m=1, seed=0) -> Compressed:
+    """m posterior samples at a knob value (the family's default when None), dead units physically removed."""
+    return _compress(net.cpu().eval(), net.default_knob if knob is None else knob, m, seed)
+
+
+def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", calib_x=None, opset=17):
+    """Write the MC-averaged graph of the compressed samples in `fmt` (export/formats.py); returns the path."""
+    from edgebayes.export.formats import export_artifact
+
+    example = torch.as_tensor(np.asarray(example), dtype=torch.float32)
+    export_artifact(compressed.mc_model(), fmt, Path(path), example, calib_x, opset, layout=layout)
+    return Path(path)
+
+
+def run(path, x, fmt=None):
+    """Class probabilities of an exported artifact on inputs x, with its runtime (onnxruntime, LiteRT)."""
+    from edgebayes.export.formats import artifact_predict
+
+    fmt = fmt or ("tflite-fp32" if str(path).endswith(".tflite") else "onnx")
+    return artifact_predict(Path(path), fmt, np.asarray(x, dtype=np.float32))
+
+
+def metrics(probs, y) -> dict:
+    """Accuracy, NLL, ECE (15 bins) and Brier score of MC-averaged probabilities."""
+    from edgebayes.train.metrics import classification_metrics
+
+    return classification_metrics(np.asarray(probs), np.asarray(y))

@@ -1,0 +1,251 @@
+"""Make a user's plain network (a torchvision model, a home-made nn.Module) the net of any family.
+
+    net = bayesianize(torchvision.models.resnet18(num_classes=10), "ss-gl", input_shape=(3, 32, 32),
+                      n_train=50_000)
+
+Every nn.Conv2d and nn.Linear is swapped for the layer the family's `LayerFactory` builds (the same switch
+the zoo goes through, train/models.py), in place, so the user's own `forward` keeps running unchanged:
+
+  - a convolution whose only consumer is a batch norm takes that batch norm with it (`norm`: the layer owns
+    it, z multiplies its output, so a switched-off channel is exactly zero); the batch norm's old place
+    becomes nn.Identity. Any other batch norm (densenet's pre-activation one) stays where it is.
+  - the layers that produce the network's outputs (reached backwards from the output through
+    parameter-free operations only) are built with prunable=False: the classifier is never pruned.
+  - the new layer starts from the module's weights: the posterior means (weights, biases, batch-norm
+    statistics) are the given weights, and the spike-and-slab posterior scales min(softplus(-6), 0.1 |w|)
+    (`_relative_rho` says why this deviates from paper 000's -6), so a pretrained network starts where it
+    was trained. Nested layers keep paper 002's log alpha initialisation.
+  - dilated convolutions and padding modes other than zeros have no Bayesian twin here: they stay plain,
+    deterministic layers (listed in `net.plain_layers`).
+
+The structure is read with torch.fx (symbolic_trace), which every torchvision classifier supports; a
+forward that fx cannot trace gets one ArchError saying so.
+"""
+
+import copy
+
+import torch
+from torch import fx, nn
+
+from edgebayes.train.arch import ArchError
+
+AFFINE = (nn.Conv2d, nn.Linear)
+NORMS = (nn.BatchNorm2d,)
+
+
+def _structure(module):
+    """(conv name -> batch-norm name that only it feeds, output layer names, affine names in call order)."""
+    try:
+        graph = fx.symbolic_trace(module).graph
+    except Exception as e:
+        raise ArchError(f"bayesianize: cannot trace {type(module).__name__} with torch.fx ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); build it with the layer factory instead "
+                        f"(train/arch.py)") from None
+    mods = dict(module.named_modules())
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    count = {}
+    for n in calls:
+        count[n.target] = count.get(n.target, 0) + 1
+    order, pairs = [], {}
+    for n in calls:
+        if isinstance(mods[n.target], AFFINE) and n.target not in order:
+            order.append(n.target)
+        if isinstance(mods[n.target], nn.Conv2d) and count[n.target] == 1 and len(n.users) == 1:
+            (user,) = n.users
+            if user.op == "call_module" and isinstance(mods[user.target], NORMS) and count[user.target] == 1:
+                pairs[n.target] = user.target
+    # Output layers: walk back from the output through everything that is not a Linear / Conv2d.
+    outputs, seen = set(), set()
+    stack = [n for n in graph.nodes if n.op == "output"]
+    while stack:
+        node = stack.pop()
+        for arg in node.all_input_nodes:
+            if arg in seen:
+                continue
+            seen.add(arg)
+            if arg.op == "call_module" and isinstance(mods[arg.target], AFFINE):
+                outputs.add(arg.target)
+            else:
+                stack.append(arg)
+    return pairs, outputs, order
+
+
+@torch.no_grad()
+def _start_from(layer, affine, norm):
+    """Copy a plain layer's weights (and its batch norm's state) into a factory-built layer."""
+    own_norm = getattr(layer, "norm", None)
+    if hasattr(layer, "weight_mu"):      # spike-and-slab / dense BNN: posterior means and scales
+        layer.weight_mu.copy_(affine.weight)
+        layer.weight_rho.copy_(_relative_rho(affine.weight, layer.weight_rho))
+        if layer.bias_mu is not None and affine.bias is not None:
+            layer.bias_mu.copy_(affine.bias)
+            layer.bias_rho.copy_(_relative_rho(affine.bias, layer.bias_rho))
+    elif hasattr(layer, "theta"):        # nested layers: the weights the noise multiplies
+        layer.theta.copy_(affine.weight)
+        if layer.bias is not None and affine.bias is not None:
+            layer.bias.copy_(affine.bias)
+    else:                                # dnn: nn.Linear / nn.Conv2d, or ConvNorm(conv, norm)
+        target = layer.conv if hasattr(layer, "conv") else layer
+        target.load_state_dict(affine.state_dict())
+    if norm is not None and own_norm is not None:
+        own_norm.load_state_dict(norm.state_dict())
+
+
+def _relative_rho(weight, rho, delta=0.1):
+    """rho with softplus(rho) = min(softplus(rho_init), delta |w|): a posterior scale no larger than 10% of each
+    given weight (as MOPED, Krishnan et al. 2020, starts from a trained net). Paper 000's initial
+    softplus(-6) = 0.0025 is an absolute scale meant for training from scratch; on a deep pretrained net it is
+    10-20% of a typical weight of the later layers and changes the network's function before any training."""
+    sigma = torch.minimum(torch.nn.functional.softplus(rho), delta * weight.abs()).clamp_min(1e-6)
+    return sigma + torch.log(-torch.expm1(-sigma))   # softplus^-1(sigma) = log(exp(sigma) - 1), stably
+
+
+def _replace(module, name, new):
+    parent, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(parent) if parent else module, attr, new)
+
+
+def convert(module: nn.Module, factory) -> nn.Module:
+    """A copy of `module` with every Conv2d / Linear (+ its batch norm) built by `factory` (module docstring)."""
+    pairs, outputs, order = _structure(module)
+    net = copy.deepcopy(module)
+    plain_layers = []
+    for name in order:
+        affine = net.get_submodule(name)
+        if type(affine) not in AFFINE:   # a subclass (a quantization stub, a custom conv): left alone
+            plain_layers.append(name)
+            continue
+        norm = net.get_submodule(pairs[name]) if name in pairs else None
+        prunable = name not in outputs
+        bias = affine.bias is not None
+        if isinstance(affine, nn.Linear):
+            layer = factory.linear(affine.in_features, affine.out_features, prunable=prunable)
+            if not bias:
+                raise ArchError(f"bayesianize: Linear {name!r} has no bias; the factory's linear layers always "
+                                f"have one")
+        else:
+            if affine.dilation != (1, 1) or affine.padding_mode != "zeros" or isinstance(affine.padding, str):
+                plain_layers.append(name)
+                continue
+            layer = factory.conv(affine.in_channels, affine.out_channels, affine.kernel_size, stride=affine.stride,
+                                 padding=affine.padding, groups=affine.groups, bias=bias, norm=norm is not None,
+                                 prunable=prunable)
+        _start_from(layer, affine, norm)
+        _replace(net, name, layer)
+        if norm is not None:
+            _replace(net, pairs[name], nn.Identity())
+    net.plain_layers = plain_layers
+    return net
+
+
+def module_builder(make_module, pretrained=None):
+    """build(factory, input_shape, classes) for train/arch.py from `make_module(classes) -> nn.Module`.
+
+    The module is made (and `pretrained` loaded into it) once per process and converted for each factory,
+    so the plain twin and the trained net have the same structure and names.
+    """
+    made = {}
+
+    def build(factory, input_shape, classes):
+        if classes not in made:
+            module = make_module(classes)
+            if pretrained:
+                load_pretrained(module, pretrained)
+            _check_runs(module, input_shape)
+            made[classes] = module.eval()
+        return convert(made[classes], factory)
+
+    return build
+
+
+def with_pretrained(build, path):
+    """A build callable whose nets start from `path`, a state dict of the plain (dnn) net `build` makes."""
+    def build_from(factory, input_shape, classes):
+        from edgebayes.train.models import LayerFactory
+
+        net = build(factory, input_shape, classes)
+        plain = load_pretrained(build(LayerFactory("dnn"), input_shape, classes), path)
+        start_from_plain(net, plain)
+        return net
+    return build_from
+
+
+@torch.no_grad()
+def start_from_plain(net, plain):
+    """Copy a plain twin's weights into the factory-built `net` of the same builder (names line up)."""
+    from edgebayes.train.models import ConvNorm
+
+    net.load_state_dict({k: v for k, v in plain.state_dict().items() if k in net.state_dict()
+                         and net.state_dict()[k].shape == v.shape}, strict=False)
+    inside = {f"{n}.conv" for n, m in plain.named_modules() if isinstance(m, ConvNorm)}
+    for name, mod in plain.named_modules():
+        if isinstance(mod, ConvNorm):
+            _start_from(net.get_submodule(name), mod.conv, mod.norm)
+        elif isinstance(mod, AFFINE) and name not in inside:
+            _start_from(net.get_submodule(name), mod, None)
+
+
+def load_pretrained(module, path):
+    """Load a state dict (weights_only) into a plain module; tensors whose shapes differ (a classifier trained
+    for another number of classes) keep their fresh initialisation, and `module.skipped_pretrained` names them."""
+    from edgebayes.errors import InputError
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise InputError(f"model.pretrained {path}: cannot load a state dict ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    state = state.get("model", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise InputError(f"model.pretrained {path}: expected a state dict of tensors")
+    own = module.state_dict()
+    fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    if not fits:
+        raise InputError(f"model.pretrained {path}: none of its {len(state)} tensors matches the model "
+                         f"(first keys: {list(state)[:3]}, model's: {list(own)[:3]})")
+    module.load_state_dict(fits, strict=False)
+    module.skipped_pretrained = sorted(k for k in own if k not in fits)
+    return module
+
+
+def _check_runs(module, input_shape):
+    try:
+        with torch.no_grad():
+            module.eval()(torch.zeros((2,) + tuple(input_shape)))
+    except Exception as e:
+        raise ArchError(f"model.arch: {type(module).__name__} does not run on inputs of the data's shape "
+                        f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=None, nested=None,
+                activation="silu", calibration_x=None):
+    """The family's network around a plain `module`, with the interface of the later stages.
+
+    `prior` (PriorConfig) and `nested` (NestedConfig) default to the config defaults; `n_train` enters the
+    prior inclusion probabilities of paper 000; `calibration_x` (training inputs) recollects batch-norm
+    statistics of nested-net samples. Returns a BayesianNet (dnn, bnn, ss-*) or a NestedNet (bn3, fn3).
+    """
+    from edgebayes.config import NestedConfig, PriorConfig
+    from edgebayes.train.models import FAMILIES, BayesianNet
+    from edgebayes.train.nested import NESTED_FAMILIES, NestedNet
+
+    if family == "sqs":  # SQS fine-tunes a trained dnn in its own two-stage loop (train/sqs.py)
+        raise ArchError("bayesianize: family sqs runs through the pipeline: model.family: sqs with model.arch: "
+                        "<import path of the module's constructor> (and model.pretrained)")
+    if family not in FAMILIES:
+        raise ArchError(f"bayesianize: unknown family {family!r}; expected one of {FAMILIES}")
+    classes = _output_classes(module, input_shape)
+    build = module_builder(lambda _: module)
+    if family in NESTED_FAMILIES:
+        return NestedNet(build, family, nested or NestedConfig(), input_shape, classes, activation=activation,
+                         calibration_x=calibration_x)
+    return BayesianNet(build, family, prior or PriorConfig(), input_shape, classes, n_train, activation)
+
+
+def _output_classes(module, input_shape):
+    _check_runs(module, input_shape)
+    with torch.no_grad():
+        out = module.eval()(torch.zeros((1,) + tuple(input_shape)))
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise ArchError(f"bayesianize: {type(module).__name__} must return [batch, classes] logits")
+    return out.shape[1]

@@ -1,0 +1,272 @@
+"""A user's own network: `model.arch` as an import path or a registered name (train/arch.py), and
+`bayesianize` of a plain nn.Module (train/bayesianize.py), carried through the real pipeline."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from edgebayes.cli import main
+from edgebayes.config import ModelConfig, PriorConfig
+from edgebayes.train.arch import ArchError, register_arch, resolve_arch
+from edgebayes.train.bayesianize import bayesianize
+from edgebayes.train.models import BayesianNet, build_model
+from edgebayes.train.spike_slab import SpikeSlabLayer
+
+USER_MODULE = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    def build(factory, input_shape, classes, width=8):
+        """A builder in the zoo's form: the layer factory first."""
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = factory.conv(input_shape[0], width, 3, padding=1, norm=True)
+                self.b = factory.conv(width, width, 3, padding=1, norm=True)
+                self.act = factory.activation()
+                self.head = factory.linear(2 * width, classes, prunable=False)
+
+            def forward(self, x):
+                h = self.act(self.a(x))
+                h = torch.cat([h, self.act(self.b(h))], 1)
+                return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(h, 1), 1))
+        return Net()
+
+
+    class PlainNet(nn.Module):
+        """A plain network, as users write them: conv + BN modules, a shared ReLU, a residual add."""
+
+        def __init__(self, num_classes=10, width=8):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+            self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+            self.relu = nn.ReLU()
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Linear(width, num_classes)
+
+        def forward(self, x):
+            h = self.relu(self.bn1(self.conv1(x)))
+            h = self.relu(self.bn2(self.conv2(h)) + h)
+            return self.fc(torch.flatten(self.pool(h), 1))
+
+
+    def not_a_module(num_classes=10):
+        return 42
+''')
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nets.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "userpkg.nets"
+
+
+def _config(tmp_path, **model):
+    cfg = yaml.safe_load((__import__("pathlib").Path(__file__).parents[1] / "pipeline.yaml").read_text())
+    cfg["name"] = "own"
+    cfg["model"] = {"family": "ss-gl", "activation": "relu", **model}
+    cfg["train"].update(epochs=3, mc_samples_eval=2)
+    cfg["select"] = {"knob_values": [0.5], "mc_samples": [1, 2], "objective": "accuracy"}
+    cfg["benchmark"] = {"warmup": 1, "min_runs": 10, "min_seconds": 0.0, "rounds": 2}
+    path = tmp_path / "own.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _pipeline(tmp_path, config):
+    return main(["pipeline", "--config", str(config), "--runs-dir", str(tmp_path / "runs")])
+
+
+# ---------------------------------------------------------------------------------------------
+def test_pipeline_runs_a_factory_builder_given_by_import_path(user_package, tmp_path):
+    """model.arch: package.module:builder (factory first, model.options as keywords) runs every stage."""
+    config = _config(tmp_path, arch=f"{user_package}:build", options={"width": 6})
+    assert _pipeline(tmp_path, config) == 0
+    run = tmp_path / "runs" / "own"
+    metrics = json.loads((run / "train" / "metrics.json").read_text())
+    assert [layer["total"] for layer in metrics["sparsity"]["layers"]][:2] == [6, 6]   # options reached it
+    assert (run / "report" / "local" / "report.html").is_file()
+
+
+def test_pipeline_bayesianizes_a_plain_module_from_pretrained_weights(user_package, tmp_path):
+    """model.arch: a plain nn.Module class + model.pretrained: the Bayesian net starts from those weights
+    (posterior means), and the whole pipeline runs on it."""
+    from userpkg.nets import PlainNet
+
+    torch.manual_seed(5)
+    pretrained = PlainNet(num_classes=10)
+    torch.save(pretrained.state_dict(), tmp_path / "weights.pt")
+    config = _config(tmp_path, arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "weights.pt"))
+    from edgebayes.config import load_pipeline_config
+
+    cfg = load_pipeline_config(config)
+    net = build_model(cfg.model, cfg.prior, (1, 8, 8), 10, n_train=1000)
+    torch.testing.assert_close(net.net.conv1.weight_mu, pretrained.conv1.weight)
+    torch.testing.assert_close(net.net.conv1.norm.running_var, pretrained.bn1.running_var)
+    torch.testing.assert_close(net.net.fc.bias_mu, pretrained.fc.bias)
+    assert _pipeline(tmp_path, config) == 0
+    assert (tmp_path / "runs" / "own" / "deploy" / "local" / "results.json").is_file()
+
+
+@pytest.mark.parametrize("arch, message", [
+    ("no-such-net", r"model\.arch: unknown architecture 'no-such-net'; expected a zoo name"),
+    ("nosuchpackage.mod:build", r"model\.arch: cannot import nosuchpackage\.mod \(ModuleNotFoundError"),
+    ("userpkg.nets:missing", r"model\.arch: userpkg\.nets has no attribute missing"),
+])
+def test_bad_arch_exits_2_naming_the_key(user_package, tmp_path, capsys, arch, message):
+    import re
+
+    config = _config(tmp_path, arch=arch)
+    assert main(["train", "--config", str(config), "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(re.escape(str(config)) + ": " + message, err), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_constructor_that_returns_no_module_is_refused(user_package):
+    build = resolve_arch(ModelConfig(arch=f"{user_package}:not_a_module"))
+    with pytest.raises(ArchError, match="returned int, not a torch.nn.Module"):
+        BayesianNet(build, "ss-gl", PriorConfig(), (1, 8, 8), 10, n_train=100)
+
+
+def test_a_module_that_does_not_take_the_data_shape_says_so(user_package):
+    with pytest.raises(ArchError, match=r"does not run on inputs of the data's shape \(3, 8, 8\)"):
+        build_model(ModelConfig(arch=f"{user_package}:PlainNet"), PriorConfig(), (3, 8, 8), 10, n_train=100)
+
+
+def test_register_arch_makes_a_name_usable(user_package):
+    from userpkg.nets import build
+
+    register_arch("my-notebook-net", build)
+    net = build_model(ModelConfig(family="ss-ig", arch="my-notebook-net"), PriorConfig(), (1, 8, 8), 4, n_train=100)
+    assert net(torch.zeros(2, 1, 8, 8)).shape == (2, 4)
+    with pytest.raises(ArchError, match="taken by the zoo"):
+        register_arch("mlp", build)
+
+
+# ---------------------------------------------------------------------------------------------
+def test_bayesianize_dnn_is_the_same_function_as_the_module():
+    """The dnn conversion only moves modules (BN into its conv's layer): outputs equal the original's."""
+    import torchvision
+
+    torch.manual_seed(0)
+    module = torchvision.models.resnet18(num_classes=10).eval()
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+    net = bayesianize(module, "dnn", input_shape=(3, 32, 32), n_train=100).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), module(x), rtol=0, atol=1e-5)
+        sample, kept = net.posterior_sample(0.5)
+        torch.testing.assert_close(sample(x), module(x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "efficientnet_b0"])
+def test_bayesianize_torchvision_models(name):
+    """Every conv + its BN becomes one spike-and-slab layer starting at the module's weights (posterior
+    scales at most 10% of each weight); only the classifier is unprunable; the posterior mean is the module."""
+    import torchvision
+
+    torch.manual_seed(0)
+    module = getattr(torchvision.models, name)(num_classes=10).eval()
+    net = bayesianize(module, "ss-gl", input_shape=(3, 32, 32), n_train=1000)
+    layers = [layer for _, layer in net.bayesian_layers()]
+    n_affine = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in module.modules())
+    assert len(layers) == n_affine
+    assert [n for n, layer in net.bayesian_layers() if not layer.prunable] == [
+        n for n, m in module.named_modules() if isinstance(m, nn.Linear)][-1:]
+    n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in module.modules())
+    assert sum(layer.norm is not None for layer in layers) == n_bn   # every BN follows a conv here
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        for layer in layers:
+            sigma = nn.functional.softplus(layer.weight_rho)
+            assert bool((sigma <= 0.1 * layer.weight_mu.abs() + 1e-6).all()) and float(sigma.max()) <= 0.0025
+        mean_net = bayesianize(module, "ss-gl", input_shape=(3, 32, 32), n_train=1000)
+        for _, layer in mean_net.bayesian_layers():
+            layer.weight_rho.fill_(-40.0)   # sigma ~ 4e-18: a sample is the posterior mean
+            if layer.bias_rho is not None:
+                layer.bias_rho.fill_(-40.0)
+        sample, _ = mean_net.eval().posterior_sample(0.5, torch.Generator().manual_seed(0))
+        torch.testing.assert_close(sample(x), module(x), rtol=0, atol=1e-5)
+    net.train()
+    loss = net(x).logsumexp(1).sum() + net.kl()
+    loss.backward()
+    assert all(layer.weight_mu.grad is not None for layer in layers)
+
+
+def test_bayesianize_keeps_a_pre_activation_batch_norm_plain():
+    """densenet-style BN -> ReLU -> conv: the BN follows no conv, so it stays a module of its own."""
+    class PreAct(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv0, self.norm1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(16)
+            self.conv1 = nn.Conv2d(16, 4, 1)
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.conv0(x)
+            h = torch.cat([h, h], 1)
+            h = self.conv1(torch.relu(self.norm1(h)))
+            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(h, 1), 1))
+
+    net = bayesianize(PreAct(), "ss-ig", input_shape=(3, 4, 4), n_train=100)
+    with pytest.raises(ArchError, match="cannot trace .* with torch.fx"):   # data-dependent control flow
+        bayesianize(_Branchy(), "ss-ig", input_shape=(3, 4, 4), n_train=100)
+    assert isinstance(net.net.norm1, nn.BatchNorm2d)
+    assert all(isinstance(m, SpikeSlabLayer) and m.norm is None for m in (net.net.conv0, net.net.conv1))
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(48, 3)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1)) if x.sum() > 0 else -self.fc(x.flatten(1))
+
+
+def test_bayesianize_nested_and_unknown_families():
+    from edgebayes.config import NestedConfig
+    from edgebayes.train.nested import NestedNet
+
+    module = nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
+    net = bayesianize(module, "bn3", input_shape=(1, 4, 4), n_train=100, nested=NestedConfig(groups=4, fixed_groups=1))
+    assert isinstance(net, NestedNet) and net(torch.zeros(2, 1, 4, 4)).shape == (2, 3)
+    with pytest.raises(ArchError, match="family sqs runs through the pipeline"):
+        bayesianize(module, "sqs", input_shape=(1, 4, 4), n_train=100)
+    with pytest.raises(ArchError, match="unknown family 'ss-xx'"):
+        bayesianize(module, "ss-xx", input_shape=(1, 4, 4), n_train=100)
+
+
+def test_python_api_in_a_few_lines(tmp_path):
+    """bayesianize -> fit -> compress -> save -> run -> metrics, the README's Python API."""
+    import edgebayes as eb
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16
+    y = torch.tensor(digits.target)
+    module = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    net = eb.bayesianize(module, "ss-gl", input_shape=(1, 8, 8), n_train=1400)
+    history = eb.fit(net, x[:1400], y[:1400], epochs=4, batch_size=64, lr=3e-3, kl_weight=0.1, log=lambda *_: None)
+    assert len(history) == 4
+    compressed = eb.compress(net, knob=0.5, m=2)
+    path = eb.save(compressed, tmp_path / "model.onnx", example=x[:16])
+    probs = eb.run(path, x[1400:])
+    result = eb.metrics(probs, y[1400:])
+    assert result["accuracy"] > 0.5   # 4 epochs of a 64-32-10 MLP on digits
+    reference = compressed.mc_model()(x[1400:]).detach().numpy()
+    assert abs(probs - reference).max() < 1e-4
