@@ -270,3 +270,20 @@ def test_python_api_in_a_few_lines(tmp_path):
     assert result["accuracy"] > 0.5   # 4 epochs of a 64-32-10 MLP on digits
     reference = compressed.mc_model()(x[1400:]).detach().numpy()
     assert abs(probs - reference).max() < 1e-4
+
+
+def test_a_rewritten_pretrained_file_retrains(user_package, tmp_path):
+    """The train stage's fingerprint follows what model.pretrained holds, not only its name."""
+    import os
+
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.stages import Context
+
+    weights = tmp_path / "weights.pt"
+    torch.save({}, weights)
+    config = _config(tmp_path, arch=f"{user_package}:PlainNet", pretrained=str(weights))
+    ctx = Context(load_pipeline_config(config), load_device_profile("local"))
+    before = ctx.fingerprint("train")
+    torch.save({"x": torch.zeros(3)}, weights)
+    os.utime(weights, ns=(1, 10**18))
+    assert ctx.fingerprint("train") != before

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from edgebayes.config import ConfigError, as_dict, fingerprint
-from edgebayes.data import load_data
+from edgebayes.data import data_fingerprint, load_data
 from edgebayes.errors import StageError
 from edgebayes.provenance import atomic_path, provenance, read_json, write_json
 from edgebayes.train.distributed import is_main_process
@@ -54,7 +54,13 @@ class Context:
         if stage == "train":
             # A family's own section counts for it only: other families' fingerprints stay as they were.
             own = {"sqs": [c.sqs], "bn3": [c.nested], "fn3": [c.nested]}.get(c.model.family, [])
-            return fingerprint("train", c.seed, c.data, c.model, c.prior, c.train, *own)
+            # What data.path and model.pretrained hold now (size and mtime) counts where they are set, so the
+            # built-in runs' fingerprints stay as they were
+            contents = [h] if (h := data_fingerprint(c.data)) is not None else []
+            if c.model.pretrained and Path(c.model.pretrained).is_file():
+                st = Path(c.model.pretrained).stat()
+                contents.append(["pretrained", st.st_size, st.st_mtime_ns])
+            return fingerprint("train", c.seed, c.data, c.model, c.prior, c.train, *own, *contents)
         if stage == "select":
             return fingerprint("select", self.fingerprint("train"), c.select, c.export, p)
         if stage == "export":
