@@ -65,6 +65,77 @@ def rescat(seed):
     return net.eval()
 
 
+def _norm(c, shift):
+    """A batch norm with non-trivial statistics; shift=True makes beta - gamma mu / sigma > 0 (a dead
+    convolution in front of it then leaves a positive constant behind)."""
+    bn = nn.BatchNorm2d(c)
+    with torch.no_grad():
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.running_mean.uniform_(-0.5, 0.0) if shift else bn.running_mean.uniform_(-0.5, 0.5)
+        bn.bias.uniform_(0.1, 0.3) if shift else bn.bias.uniform_(-0.2, 0.2)
+    return bn.eval()
+
+
+class CatPoolFlatten(nn.Module):
+    """Two convolution branches concatenated on channels, max-pooled, flattened into a Linear (8x8 inputs):
+    Torch-Pruning 1.6 leaves this concatenation's offsets unset (it checks them against the Linear's
+    C * 4 * 4 input features), which crashed surgery with an IndexError. Branch a has a batch norm.
+    global_pool=True pools to 1x1 instead (the case that always worked: C features)."""
+
+    def __init__(self, a=4, b=3, classes=5, global_pool=False):
+        super().__init__()
+        self.a, self.bn = nn.Conv2d(3, a, 3, padding=1), _norm(a, shift=True)
+        self.b = nn.Conv2d(3, b, 1)
+        self.pool = nn.AdaptiveAvgPool2d(1) if global_pool else nn.MaxPool2d(2)
+        self.fc, self.out = nn.Linear((a + b) * (1 if global_pool else 16), 8), nn.Linear(8, classes)
+
+    def forward(self, x):
+        x = torch.cat([torch.relu(self.bn(self.a(x))), torch.relu(self.b(x))], dim=1)
+        return self.out(torch.relu(self.fc(torch.flatten(self.pool(x), 1))))
+
+
+class Depthwise(nn.Module):
+    """Inverted residual without the residual: 1x1 expand -> BN -> ReLU -> 3x3 depthwise -> BN -> ReLU ->
+    1x1 project, global pooling, Linear head. With side=True a second 1x1 convolution also reads the
+    expanded channels, so the depthwise layer is not their only reader."""
+
+    def __init__(self, hidden=8, c=4, classes=5, side=False):
+        super().__init__()
+        self.expand, self.bn1 = nn.Conv2d(3, hidden, 1, bias=False), _norm(hidden, shift=False)
+        self.depthwise = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False)
+        self.bn2 = _norm(hidden, shift=False)
+        self.project = nn.Conv2d(hidden, c, 1)
+        self.side = nn.Conv2d(hidden, c, 1) if side else None
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.expand(x)))
+        y = self.project(torch.relu(self.bn2(self.depthwise(h))))
+        if self.side is not None:
+            y = y + self.side(h)
+        return self.fc(y.mean((2, 3)))
+
+
+class ConstantAfterNorm(nn.Module):
+    """conv 3x3 -> BN (shift > 0) -> ReLU on 6x6 inputs, read by `reader`: "conv1x1", "conv3x3" (padding 1)
+    or "linear" (after a flatten), then a Linear head. A dead channel of conv (zero weights and bias) is
+    the constant relu(beta - gamma mu / sigma) > 0 where the reader reads it."""
+
+    def __init__(self, reader, c=6, classes=5):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, c, 3, padding=1), _norm(c, shift=True)
+        self.read = {"conv1x1": lambda: nn.Conv2d(c, 4, 1), "conv3x3": lambda: nn.Conv2d(c, 4, 3, padding=1),
+                     "linear": lambda: nn.Linear(c * 36, 4)}[reader]()
+        self.fc = nn.Linear(4, classes)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        if isinstance(self.read, nn.Linear):
+            return self.fc(torch.relu(self.read(torch.flatten(h, 1))))
+        return self.fc(torch.relu(self.read(h)).mean((2, 3)))
+
+
 NETS = {"mlp": (mlp, (64,)), "lenet": (lenet, (1, 28, 28)), "rescat": (rescat, (1, 12, 12))}
 
 

@@ -6,10 +6,12 @@ from torch import nn
 
 from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.export.compress import MCAverage, compress, sample_generator
-from edgebayes.export.surgery import SurgeryError, remove_dead_units
+from edgebayes.export.surgery import SurgeryError, format_report, remove_dead_units
 from edgebayes.train.metrics import count_weights, paper_flops
 from edgebayes.train.models import BayesianNet, LayerFactory, build_model
 from edgebayes.train.spike_slab import SpikeSlabLayer
+
+from _nets import CatPoolFlatten, ConstantAfterNorm, Depthwise
 
 IN, HIDDEN, CLASSES = 20, [16, 12], 5
 INPUT_SHAPE = (4, 5)  # flattened to IN by the MLP's Flatten
@@ -178,11 +180,12 @@ def test_surgery_on_a_users_model_with_residual_and_concatenation():
 
 
 # ---------------------------------------------------------------------------------------------
-def test_dead_unit_behind_an_activation_with_nonzero_at_zero_stays():
-    """Sigmoid(0) = 0.5: a dead unit's output is not zero where the next layer reads it, so it is kept
-    (the outputs would change otherwise); a dead unit behind GELU (f(0) = 0) goes."""
+def test_dead_unit_behind_an_activation_with_nonzero_at_zero_is_folded_into_the_next_linear():
+    """Sigmoid(0) = 0.5: a dead unit's output is the constant 0.5 where the next Linear reads it, so it goes
+    and W[:, unit] * 0.5 moves into that Linear's bias (outputs equal); a dead unit behind GELU (f(0) = 0)
+    goes as it is. (A constant read by a padded convolution stays: test_constant_after_batch_norm_...)"""
     torch.manual_seed(0)
-    for act, kept in ((nn.Sigmoid(), 3), (nn.GELU(), 2)):
+    for act, kept in ((nn.Sigmoid(), 2), (nn.GELU(), 2)):
         module = nn.Sequential(nn.Linear(4, 3), act, nn.Linear(3, 2)).eval()
         with torch.no_grad():
             module[0].weight[1] = 0
@@ -368,3 +371,122 @@ def test_compress_samples_are_pruned_plain_modules_and_prefix_stable(family):
         w = [_linears(s)[0].weight for s in c5.samples]
         assert not torch.equal(w[0], w[1])
         assert not torch.equal(_linears(compress(model, 0.5, 1, seed=5).samples[0])[0].weight, w[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Surgery on networks outside the zoo (issue 18): concatenation into a flatten, depthwise groups,
+# constants left behind by batch norm, Torch-Pruning's failures, torchvision classifiers.
+def _zero_rows(layer, dead, norm=None):
+    """What a spike-and-slab sample does to a dead unit: zero weight rows and bias; and, z multiplying after
+    the batch norm, the batch norm's scale and shift too when `norm` is given."""
+    with torch.no_grad():
+        for p in (layer.weight, layer.bias) + ((norm.weight, norm.bias) if norm is not None else ()):
+            if p is not None:
+                p[dead] = 0
+
+
+def _keep(n, dead):
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[list(dead)] = False
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("global_pool", [False, True])
+def test_concat_then_pool_flatten_linear_loses_the_dead_channels_of_both_branches(seed, global_pool):
+    """cat([a, b]) -> max-pool 2x2 -> flatten -> Linear: Torch-Pruning left the concatenation's offsets
+    unset (an IndexError, or 'mat1 and mat2 shapes cannot be multiplied' at the check, before the fix);
+    with a global average pool it worked and still does. Every dead channel goes: b's are zero; a's are
+    the constant relu(BN shift) in each of their features, folded into fc's bias. A branch with no live
+    channel keeps one (a layer cannot be empty)."""
+    torch.manual_seed(seed)
+    net = CatPoolFlatten(global_pool=global_pool).eval()
+    g = torch.Generator().manual_seed(seed)
+    keep_a, keep_b = torch.rand(4, generator=g) > 0.5, torch.rand(3, generator=g) > 0.5
+    _zero_rows(net.a, ~keep_a)   # the batch norm stays live: a dead channel of a is a constant
+    _zero_rows(net.b, ~keep_b)
+    report = {}
+    pruned = remove_dead_units(net, {"a": keep_a, "b": keep_b}, torch.zeros(1, 3, 8, 8), report=report)
+    kept_a, kept_b = max(int(keep_a.sum()), 1), max(int(keep_b.sum()), 1)
+    assert (pruned.a.out_channels, pruned.bn.num_features, pruned.b.out_channels) == (kept_a, kept_a, kept_b)
+    assert pruned.fc.in_features == (1 if global_pool else 16) * (kept_a + kept_b)
+    reasons = {why for row in report.values() for why in row["kept"]}
+    assert reasons <= {"the last channel: a layer cannot be left empty"}
+    _assert_same_outputs(pruned, net, (3, 8, 8))
+
+
+def test_dead_depthwise_channel_takes_the_channel_feeding_it_unless_that_is_read_elsewhere():
+    """A dead depthwise channel (zero filter, zero BN scale and shift) and the expand channel that feeds
+    it are one group: the expand channel's work only meets the zero filter, so both go (expand, its batch
+    norm, the depthwise layer and the projection's input lose channels 1 and 5). When a second layer also
+    reads the expand channels, they are live where it reads them, and the pair stays, with the reason."""
+    for side in (False, True):
+        torch.manual_seed(0)
+        net = Depthwise(side=side).eval()
+        _zero_rows(net.depthwise, [1, 5], net.bn2)
+        report = {}
+        pruned = remove_dead_units(net, {"depthwise": _keep(8, [1, 5])}, torch.zeros(1, 3, 6, 6), report=report)
+        width = 8 if side else 6
+        assert (pruned.expand.out_channels, pruned.bn1.num_features, pruned.depthwise.out_channels,
+                pruned.depthwise.groups, pruned.project.in_channels) == (width,) * 5
+        assert report["depthwise"] == ({"dead": 2, "removed": 0, "kept": {"coupled to live expand, read by side": 2}}
+                                       if side else {"dead": 2, "removed": 2, "kept": {}})
+        _assert_same_outputs(pruned, net, (3, 6, 6))
+
+
+@pytest.mark.parametrize("reader", ["conv1x1", "linear", "conv3x3"])
+def test_constant_after_batch_norm_is_folded_where_exact_and_kept_behind_padding(reader):
+    """A dead convolution channel with a live batch norm is the constant relu(beta - gamma mu / sigma) > 0.
+    Read by a 1x1 convolution, or by a Linear after a flatten (each of its 36 features is that constant),
+    W c moves into the reader's bias and the channel goes; read by a 3x3 convolution with padding 1 it
+    stays (the border sees zeros, so no bias is the same), and the report says so."""
+    torch.manual_seed(0)
+    net = ConstantAfterNorm(reader).eval()
+    _zero_rows(net.conv, [0, 3])
+    report = {}
+    pruned = remove_dead_units(net, {"conv": _keep(6, [0, 3])}, torch.zeros(1, 3, 6, 6), report=report)
+    if reader == "conv3x3":
+        assert pruned.conv.out_channels == 6 and torch.equal(pruned.read.bias, net.read.bias)
+        (why,) = report["conv"]["kept"]
+        assert report["conv"]["kept"][why] == 2 and "read by padded convolution read" in why
+    else:
+        assert pruned.conv.out_channels == 4 and pruned.bn.num_features == 4
+        width = pruned.read.in_features if reader == "linear" else pruned.read.in_channels
+        assert width == (4 * 36 if reader == "linear" else 4)
+        assert not torch.allclose(pruned.read.bias, net.read.bias)  # the constants went into the bias
+        assert report["conv"] == {"dead": 2, "removed": 2, "kept": {}}
+    _assert_same_outputs(pruned, net, (3, 6, 6))
+
+
+def test_failures_inside_surgery_are_surgery_errors_that_name_the_layer(monkeypatch):
+    """Torch-Pruning raising (here an IndexError like the concatenation bug's), or the module failing on
+    the example input, comes out as a SurgeryError (exit code 1 at the CLI) naming the layer, not as a raw
+    IndexError / RuntimeError. A layer the forward pass never reaches keeps its channels, with the reason."""
+    import torch_pruning as tp
+
+    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).eval()
+    _zero_rows(module[0], [1])
+    with pytest.raises(SurgeryError, match=r"'0' fails on an input of shape \(\d+, 5\): RuntimeError"):
+        remove_dead_units(module, {"0": _keep(3, [1])}, torch.zeros(1, 5))
+
+    def broken(*args, **kwargs):
+        raise IndexError("index 60 is out of bounds for dimension 0 with size 56")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tp.DependencyGraph, "get_pruning_group", broken)
+        with pytest.raises(SurgeryError, match="dead channels of '0': IndexError: index 60"):
+            remove_dead_units(module, {"0": _keep(3, [1])}, torch.zeros(1, 4))
+
+    class Aux(nn.Module):  # an auxiliary head that the forward pass skips (torchvision googlenet's aux1)
+        def __init__(self):
+            super().__init__()
+            self.body, self.aux = module, nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.body(x)
+
+    net = Aux().eval()
+    _zero_rows(net.aux, [0])
+    report = {}
+    remove_dead_units(net, {"aux": _keep(2, [0])}, torch.zeros(1, 4), report=report)
+    assert report["aux"] == {"dead": 1, "removed": 0, "kept": {"not reached by the forward pass": 1}}
