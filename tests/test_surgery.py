@@ -7,7 +7,7 @@ from torch import nn
 from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.export.compress import MCAverage, compress, sample_generator
 from edgebayes.export.surgery import SurgeryError, format_report, remove_dead_units
-from edgebayes.train.metrics import count_weights, paper_flops
+from edgebayes.train.metrics import count_weights, paper_flops, structure_report
 from edgebayes.train.models import BayesianNet, LayerFactory, build_model
 from edgebayes.train.spike_slab import SpikeSlabLayer
 
@@ -490,3 +490,99 @@ def test_failures_inside_surgery_are_surgery_errors_that_name_the_layer(monkeypa
     report = {}
     remove_dead_units(net, {"aux": _keep(2, [0])}, torch.zeros(1, 4), report=report)
     assert report["aux"] == {"dead": 1, "removed": 0, "kept": {"not reached by the forward pass": 1}}
+
+
+def _torchvision_with_dead_channels(name, fraction=0.25, seed=0):
+    """torchvision.models.<name>(weights=None, num_classes=10) with batch-norm statistics from one batch
+    (train mode) and random affine parameters, then a quarter of the output channels of every Conv2d dead
+    as a spike-and-slab sample has them: zero weights and bias, and zero scale and shift of the batch norm
+    that only this convolution feeds (z multiplies after it, train/bayesianize.py). The classifier (a
+    Linear) is not pruned. Returns (net, dead_units)."""
+    import torchvision
+    from torch import fx
+
+    torch.manual_seed(seed)
+    net = getattr(torchvision.models, name)(weights=None, num_classes=10)
+    for mod in net.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.momentum = None
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        net.train()(torch.randn((8, 3, 32, 32), generator=g))
+        for mod in net.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.weight.copy_(0.5 + torch.rand(mod.num_features, generator=g))
+                mod.bias.copy_(0.4 * torch.rand(mod.num_features, generator=g) - 0.2)
+    net.eval()
+    mods, follower = dict(net.named_modules()), {}
+    for node in fx.symbolic_trace(net).graph.nodes:
+        if node.op == "call_module" and isinstance(mods[node.target], nn.Conv2d) and len(node.users) == 1:
+            (user,) = node.users
+            if user.op == "call_module" and isinstance(mods[user.target], nn.BatchNorm2d):
+                follower[node.target] = mods[user.target]
+    dead_units = {}
+    for layer_name, mod in mods.items():
+        if isinstance(mod, nn.Conv2d):
+            dead = torch.randperm(mod.out_channels, generator=g)[: round(fraction * mod.out_channels)]
+            _zero_rows(mod, dead, follower.get(layer_name))
+            dead_units[layer_name] = _keep(mod.out_channels, dead.tolist())
+    return net, dead_units
+
+
+# Physical / promised FLOPs (promise: the masks, metrics.structure_report's flops_ratio) at 25% dead:
+#   resnet18 0.758 / 0.628: a residual-stream channel stays while any block writes it live;
+#   mobilenet_v3_small 0.650 / 0.643, densenet121 0.571 / 0.610 (constants after the pre-activation
+#   batch norms folded into the 1x1 convolutions and the classifier);
+#   efficientnet_b0 0.653 / 0.606: a dead expand channel whose depthwise channel is live stays (that
+#   channel is BN shift x SE scale, not zero), besides residual-stream channels.
+TORCHVISION_EXPLAINED = ("residual stream: also written by live", "coupled to a live depthwise channel of",
+                         "the last channel")
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "densenet121", "efficientnet_b0"])
+def test_torchvision_classifiers_with_a_quarter_of_their_channels_dead(name):
+    """Surgery on torchvision classifiers at 32x32 with 25% of every convolution's channels dead: outputs
+    equal the masked network's (1e-5 relative to the logits' scale); physical FLOPs are within 2% of what
+    the masks promise (or below it) where no channel is written by a live layer, and every dead channel
+    that stays is explained by the report: a residual-stream channel another block writes, or an expand
+    channel whose depthwise channel is live."""
+    net, dead_units = _torchvision_with_dead_channels(name)
+    report = {}
+    pruned = remove_dead_units(net, dead_units, torch.zeros(1, 3, 32, 32), report=report)
+    x = torch.randn((2, 3, 32, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference = net(x)
+        torch.testing.assert_close(pruned(x), reference, rtol=0, atol=1e-5 * max(1.0, float(reference.abs().max())))
+    s = structure_report(net, pruned, dead_units, (3, 32, 32))
+    print(f"{name}: physical {s['physical_flops_ratio']:.3f} of dense FLOPs, the masks promise {s['flops_ratio']:.3f}")
+    print(format_report({k: v for k, v in report.items() if v["kept"]}))
+    unexplained = {k: v["kept"] for k, v in report.items()
+                   if any(not why.startswith(TORCHVISION_EXPLAINED) for why in v["kept"])}
+    assert not unexplained
+    if name in ("mobilenet_v3_small", "densenet121"):
+        assert s["physical_flops_ratio"] <= 1.02 * s["flops_ratio"]
+
+
+def test_effective_flops_count_live_inputs_per_group_of_a_depthwise_convolution():
+    """1x1 expand (1 -> 4) then 3x3 depthwise on 5x5: with expand channel 1 dead, each depthwise output reads
+    its own channel, so C_in,pr is 1, 0, 1, 1 per output, not 3 // 4 = 0 for all (which counted 186 FLOPs
+    and 10 weights). By hand, appendix A.1: expand (1 + 1) 25 x 3 = 150, depthwise (3 x 9 + 4) 9 = 279;
+    weights 2 x 3 = 6 and 3 x 9 + 4 = 31."""
+    from edgebayes.train.metrics import _layer_costs
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=4)).eval()
+    assert _layer_costs(net, (1, 5, 5), effective=False) == ((1 + 1) * 25 * 4 + (9 + 1) * 9 * 4, 2 * 4 + 10 * 4)
+    _zero_rows(net[0], [1])
+    assert _layer_costs(net, (1, 5, 5), effective=True) == (150 + 279, 6 + 31)
+
+
+def test_effective_flops_do_not_count_a_live_unit_that_is_off_on_the_probe_as_dead():
+    """C_in,pr counts inputs that are identically zero: a live ReLU unit that is off on every probe example
+    (bias -100) is still an input, a dead unit (zero weights and bias) is not."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).eval()
+    with torch.no_grad():
+        net[0].bias[0] = -100.0
+    _zero_rows(net[0], [2])
+    assert paper_flops(net, (4,), effective=True) == (4 + 1) * 2 + (2 + 1) * 2

@@ -24,38 +24,51 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool):
 
     effective=False counts the module's shapes. effective=True counts a masked module as the paper does:
     C_out,pr = outputs whose weight row or bias is non-zero, C_in,pr = input channels that are not
-    identically zero (on a random probe batch), so dead units count as pruned before any surgery.
+    identically zero, so dead units count as pruned before any surgery. "Identically zero" is measured by
+    surgery's probe (export/surgery.py, probe_inputs): zero on a random batch and on a batch where
+    everything that depends on the input is driven to both signs. Zero on a random batch alone would also
+    count a live ReLU unit that is off for the few probe examples (common where maps are 1x1 or 2x2).
+
+    A grouped convolution's output reads only the input channels of its group, so C_in,pr is counted per
+    group: a depthwise output reads one channel, 1 if it is live, 0 if not (C_in,pr // groups, the live
+    inputs of the whole layer divided by the groups, is 0 as soon as one input channel is dead).
     """
     flops = weights = 0
+    probe = torch.randn((4,) + tuple(input_shape), generator=torch.Generator().manual_seed(0))
+    if effective:
+        from edgebayes.export.surgery import probe_inputs  # export's probe: one definition of "dead"
+        ranges = probe_inputs(module.eval(), probe)
 
     def hook(m, inputs, output):
         nonlocal flops, weights
         w, x = m.weight, inputs[0]
+        groups = m.groups if isinstance(m, nn.Conv2d) else 1
         if effective:
             rows = w.flatten(1).abs().sum(1) > 0
             if m.bias is not None:
                 rows |= m.bias != 0
-            c_out = int(rows.sum())
-            channel_dim = 1 if isinstance(m, nn.Conv2d) else x.dim() - 1
-            c_in = int((x.abs().amax(dim=[d for d in range(x.dim()) if d != channel_dim]) > 0).sum())
+            lo, hi, _ = ranges[m]
+            live_in = (lo != 0) | (hi != 0)
         else:
-            c_out, c_in = w.shape[0], (m.in_channels if isinstance(m, nn.Conv2d) else m.in_features)
+            rows = torch.ones(w.shape[0], dtype=torch.bool)
+            live_in = torch.ones(m.in_channels if isinstance(m, nn.Conv2d) else m.in_features, dtype=torch.bool)
+        # C_in,pr of each live output: the live inputs of its group; summed over the live outputs
+        c_in = int(live_in.view(groups, -1).sum(1).repeat_interleave(w.shape[0] // groups)[rows].sum())
+        c_out = int(rows.sum())
         bias = 1 if m.bias is not None else 0
         if isinstance(m, nn.Conv2d):
             kh, kw = m.kernel_size
-            per_output = (c_in // m.groups) * kw * kh
             oh, ow = output.shape[-2:]
-            flops += (per_output + 1) * ow * oh * c_out   # the formula's +1 is there with or without a bias
+            flops += (c_in * kw * kh + c_out) * ow * oh   # the formula's +1 is there with or without a bias
+            weights += c_in * kw * kh + bias * c_out
         else:
-            per_output = c_in
-            flops += (per_output + 1) * c_out
-        weights += (per_output + bias) * c_out
+            flops += c_in + c_out
+            weights += c_in + bias * c_out
 
     handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     try:
         with torch.no_grad():
-            probe = torch.randn((2,) + tuple(input_shape), generator=torch.Generator().manual_seed(0))
-            module.eval()(probe if effective else probe[:1])
+            module.eval()(probe[:1])
     finally:
         for h in handles:
             h.remove()
@@ -94,8 +107,11 @@ def structure_report(dense: nn.Module, pruned: nn.Module, kept: dict, input_shap
     `dense` is the sample with dead units zeroed, `pruned` the same after surgery, `kept` maps each
     layer's name to the boolean mask of its kept output units (or channels). compression_ratio and
     flops_ratio count as the paper does, by the masks (`_layer_costs(effective=True)`); the physical_*
-    ratios count the network after surgery. They differ where surgery cannot remove a dead channel
-    exactly (a residual stream channel alive in another block, a unit behind an activation with f(0) != 0).
+    ratios count the network after surgery. Physical is higher where surgery cannot remove a dead channel
+    exactly (a residual-stream channel live in another block, a constant read by a padded convolution, an
+    expand channel whose depthwise channel is live: surgery's report says which and why); it can be lower,
+    since surgery also removes what the masks count as live: a producer channel that only a dead depthwise
+    channel reads, a channel that is a constant folded into the next layer's bias.
     """
     layers = [{"name": n, "kept": int(m.sum()), "total": int(m.numel()),
                "node_sparsity": float(m.sum()) / m.numel()} for n, m in kept.items()]
