@@ -56,7 +56,7 @@ def _devices(args):
     if args.action == "check":
         return _check(profile, transport)
     from edgebayes.deploy.latency_model import profile_device
-    from edgebayes.deploy.select import select_bench
+    from edgebayes.deploy.selection import select_bench
 
     cfg = load_pipeline_config(args.config)
     path, table = profile_device(profile, cfg, transport, runs_dir, select_bench(cfg.benchmark))

@@ -192,7 +192,7 @@ def run_train(ctx):
 
 
 def run_select(ctx):
-    from edgebayes.deploy.select import choose, score_candidates
+    from edgebayes.deploy.selection import choose, score_candidates
     from edgebayes.deploy.transport import transport_for
 
     model, splits = load_trained_model(ctx), splits_for(ctx)

@@ -197,7 +197,7 @@ def _mlp(widths, activation):
 
 def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
     """Measure the sweep on the device and write its latency table; returns (path, table)."""
-    from edgebayes.deploy.select import formats_for
+    from edgebayes.deploy.selection import formats_for
     from edgebayes.export.compress import MCAverage
     from edgebayes.export.formats import export_artifact
     from edgebayes.train.metrics import count_weights, paper_flops
