@@ -310,7 +310,7 @@ def run_deploy(ctx):
     before anything is copied; on any failure the local artifacts stay and the stage is not marked done,
     so `edgebayes deploy` simply runs again.
     """
-    from edgebayes.deploy.transport import RUNNER, transport_for
+    from edgebayes.deploy.transport import RUNNER, runner_failure, transport_for
 
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
     manifest = read_json(bundle / "manifest.json")
@@ -343,9 +343,10 @@ def run_deploy(ctx):
             args += ["--artifact", name]
         code, err = transport.run(args)
         if code != 0:
-            raise StageError(transport.disk_full(err) or
-                             f"the runner failed on device {r.name} (exit code {code}): {err[-1] if err else 'no message'} "
-                             f"(artifact {name}); local artifacts are kept, re-run `edgebayes deploy`")
+            # Exit code 2 is the runner's "invalid bundle": deploying again would copy the same bundle.
+            again = "`edgebayes export --force`, then `edgebayes deploy`" if code == 2 else "`edgebayes deploy`"
+            raise StageError(transport.disk_full(err) or runner_failure(
+                r.name, code, err, f" (artifact {name}); local artifacts are kept, re-run {again}"))
         transport.get(result_file, out / result_file)
         res = read_json(out / result_file)
         results_by_artifact[name] = res
