@@ -1,10 +1,13 @@
-"""What produced a result (commit, config hash, versions, machine) and atomic file writes.
+"""What produced a result (commit, code version, config hash, versions, machine), atomic file writes and
+reads that name the file when its content is bad.
 
 Every results file carries a provenance block. Files are written to a temporary path in the same folder
 and renamed into place, so an interrupted run never leaves a half-written artifact behind.
 """
 
 import datetime
+import functools
+import hashlib
 import json
 import os
 import platform
@@ -15,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 from edgebayes.deploy.runner import device_info
+from edgebayes.errors import CorruptFileError
 
 ROOT = Path(__file__).resolve().parents[2]
 _PACKAGES = ("torch", "numpy", "onnx", "onnxruntime", "scikit-learn", "edgebayes")
@@ -42,8 +46,25 @@ def versions() -> dict:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def code_version() -> str:
+    """edgebayes's version + a hash of its source files, computed once per process.
+
+    Part of every stage's fingerprint (stages.Context.fingerprint), so that artifacts made by other code,
+    an upgrade or a local edit, are not reused silently. Reading the ~60 files takes a few milliseconds.
+    """
+    import edgebayes
+
+    package = Path(edgebayes.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"{edgebayes.__version__}+{digest.hexdigest()[:12]}"
+
+
 def provenance(config_hash: str) -> dict:
-    return {"git_commit": git_commit(), "config_hash": config_hash, "versions": versions(), "machine": device_info(),
+    return {"git_commit": git_commit(), "code_version": code_version(), "config_hash": config_hash,
+            "versions": versions(), "machine": device_info(),
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -74,7 +95,11 @@ def write_json(path, obj):
 
 
 def read_json(path):
-    return json.loads(Path(path).read_text())
+    """The JSON in `path`; content that is not JSON raises CorruptFileError naming the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptFileError(f"{path}: not valid JSON ({e})") from None
 
 
 def atomic_torch_save(obj, path):
@@ -82,3 +107,19 @@ def atomic_torch_save(obj, path):
 
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """torch.load(weights_only=True): a checkpoint is data and must not run code. Whatever torch refuses
+    (a truncated or altered file, a pickle that asks for code) raises CorruptFileError naming the file;
+    I/O errors and MemoryError pass through as they are."""
+    import torch
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (OSError, MemoryError):
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CorruptFileError(f"{path}: not a checkpoint edgebayes can load ({type(e).__name__}: {first[:200]}); "
+                               f"remove it, or re-run the stage with --force") from None
