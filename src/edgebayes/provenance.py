@@ -70,7 +70,10 @@ def provenance(config_hash: str) -> dict:
 
 @contextmanager
 def atomic_path(path):
-    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
+
+    An OSError without a file name (a full disk: `[Errno 28] No space left on device`) gets `path` as its
+    file name, so that the one-line message of the command line says where."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -84,6 +87,10 @@ def atomic_path(path):
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -103,10 +110,16 @@ def read_json(path):
 
 
 def atomic_torch_save(obj, path):
+    """torch.save through memory: torch's zip writer reports a full disk as `RuntimeError: unexpected pos`;
+    writing the bytes ourselves gets the OSError (ENOSPC) that names the file."""
+    import io
+
     import torch
 
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+        tmp.write_bytes(buffer.getbuffer())
 
 
 def load_checkpoint(path, map_location="cpu"):

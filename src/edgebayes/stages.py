@@ -80,14 +80,16 @@ class Context:
     def run_dir(self):
         return self.runs_dir / self.cfg.name
 
-    def stage_dir(self, stage):
-        """The stage's folder, checked to resolve inside --runs-dir (names are validated by config.py; a
-        symlinked folder pointing elsewhere is refused here, before anything is written or removed)."""
-        path = self.run_dir / "train" if stage == "train" else self.run_dir / stage / self.profile.name
+    def _inside(self, path):
+        """`path`, once it resolves inside --runs-dir: config.py validates the names, and a symlinked folder
+        pointing elsewhere is refused here, before anything is written or removed."""
         root = self.runs_dir.resolve()
         if not path.resolve().is_relative_to(root):
             raise StageError(f"{path} resolves to {path.resolve()}, outside --runs-dir {root}; refusing to write there")
         return path
+
+    def stage_dir(self, stage):
+        return self._inside(self.run_dir / "train" if stage == "train" else self.run_dir / stage / self.profile.name)
 
     def fingerprint(self, stage):
         c, p = self.cfg, self.profile
@@ -120,7 +122,7 @@ class Context:
         done = self._marker(stage)
         if done is None:
             return f"no valid {MARKER}: never run, interrupted, or from older code" if (folder / MARKER).exists() \
-                else "not run yet, or interrupted"
+                else "no finished run: never run, interrupted or failed"
         if done.get("fingerprint") != self.fingerprint(stage):
             return "config, device profile or code changed"
         for rel, digest in done["outputs"].items():
@@ -192,7 +194,7 @@ class Context:
         if distributed.launched():
             yield
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._inside(self.run_dir).mkdir(parents=True, exist_ok=True)
         path = self.run_dir / ".lock"
         with open(path, "a+") as f:
             try:
@@ -546,6 +548,11 @@ def run_stage(ctx, stage):
     except MemoryError as e:  # the stack is unwound: the memory it held is free again for the message
         raise StageError(f"{stage}: out of memory{f' ({e})' if str(e) else ''}; its marker is not written, "
                          f"so the stage runs again next time") from None
+    except OSError as e:
+        if e.filename is not None:  # the command line names the file
+            raise
+        # e.g. a full disk under matplotlib's savefig: at least the folder the stage was writing to
+        raise StageError(f"{stage}: {e.strerror or e} (writing in {ctx.stage_dir(stage)})") from None
     if is_main_process():  # under torchrun, process 0 alone writes (train/distributed.py)
         ctx.mark_done(stage)
 
