@@ -270,6 +270,19 @@ def test_stage_folder_linked_outside_the_runs_folder_is_refused(base, runs, tmp_
     assert [p.name for p in outside.iterdir()] == ["keep.txt"]
 
 
+def test_a_marker_cannot_name_files_outside_its_folder(base, runs, tmp_path, capsys):
+    """Altered outputs are removed before a stage re-runs: only inside the stage's own folder."""
+    keep = tmp_path / "keep.txt"
+    keep.write_text("mine")
+    marker = runs / "faults/report/flops/stage.json"
+    done = json.loads(marker.read_text())
+    done["outputs"].update({str(keep): "0" * 64, f"../../../../{keep.name}": "0" * 64})
+    marker.write_text(json.dumps(done))
+    code, out, err = cli(capsys, "report", "--config", base.config, "--device", base.device, "--runs-dir", runs)
+    assert code == 0 and "report: running (its output" in out, err
+    assert keep.read_text() == "mine"
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. The YAML loader, and every range before any work
 # ---------------------------------------------------------------------------------------------

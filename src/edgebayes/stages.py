@@ -146,8 +146,9 @@ class Context:
             return
         done = self._marker(stage)
         for rel, digest in (done["outputs"] if done else {}).items():
-            if (folder / rel).is_file() and _digest(folder / rel) != digest:
-                (folder / rel).unlink()
+            path = folder / rel  # a marker is a file like any other: its names must not lead out of the folder
+            if path.resolve().is_relative_to(folder.resolve()) and path.is_file() and _digest(path) != digest:
+                path.unlink()
         (folder / MARKER).unlink(missing_ok=True)
         for entry in folder.glob(".*"):
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
