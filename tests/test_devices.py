@@ -278,7 +278,7 @@ def _cand(ident, acc, nll, ece, lat, mb, m=1, precision="fp32"):
 
 def test_objectives_pareto_front_and_mc_budget():
     from edgebayes.config import Budgets
-    from edgebayes.deploy.select import SelectionError, choose, mark_pareto, violations
+    from edgebayes.deploy.selection import SelectionError, choose, mark_pareto, violations
 
     cands = [_cand("a", 0.95, 0.20, 0.010, 1.0, 0.1), _cand("b", 0.97, 0.15, 0.050, 2.0, 0.2, m=4),
              _cand("c", 0.96, 0.10, 0.020, 3.0, 0.15, m=8), _cand("d", 0.94, 0.30, 0.010, 2.5, 0.3)]

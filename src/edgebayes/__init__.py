@@ -6,6 +6,10 @@ imported on first use, so `import edgebayes` stays light (no torch until one is 
 
 __version__ = "0.1.0"
 
+# The pipeline's stages in order (stages.py runs them). Here, so that the command line can parse its
+# arguments and check the configs before importing torch: bad input is answered in a fraction of a second.
+STAGES = ("train", "select", "export", "deploy", "report")
+
 _API = ("bayesianize", "register_arch", "fit", "compress", "save", "run", "metrics")
 
 

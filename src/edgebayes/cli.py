@@ -5,18 +5,21 @@
     edgebayes devices profile DEVICE       time a sweep of models there; store its latency table
 
 Exit codes: 0 done; 1 a stage failed (its message says why; artifacts of finished stages are kept);
-2 bad input (config, device profile, data files), reported with one message naming the file and key.
+2 bad input (config, device profile, data files), reported with one message naming the file and key;
+130 interrupted (Ctrl-C): run the same command again to resume.
 """
 
 import argparse
+import json
+import pickle
 import sys
 from pathlib import Path
 
+from edgebayes import STAGES
 from edgebayes.config import load_device_profile, load_pipeline_config
 from edgebayes.errors import InputError, StageError
-from edgebayes.stages import STAGES
 
-EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 
 
 def build_parser():
@@ -56,7 +59,7 @@ def _devices(args):
     if args.action == "check":
         return _check(profile, transport)
     from edgebayes.deploy.latency_model import profile_device
-    from edgebayes.deploy.select import select_bench
+    from edgebayes.deploy.selection import select_bench
 
     cfg = load_pipeline_config(args.config)
     path, table = profile_device(profile, cfg, transport, runs_dir, select_bench(cfg.benchmark))
@@ -102,28 +105,52 @@ def _check(profile, transport):
     return 1 if problems else 0
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    from edgebayes.stages import Context, run_pipeline, run_stage
+def _run(args):
+    if args.command == "devices":
+        return _devices(args)
+    cfg, profile = load_pipeline_config(args.config), load_device_profile(args.device)  # before torch loads
+    from edgebayes.stages import Context, run_pipeline, run_stage, splits_for
 
-    what = f"devices {args.action}" if args.command == "devices" else args.command
-    try:
-        if args.command == "devices":
-            return _devices(args)
-        ctx = Context(load_pipeline_config(args.config), load_device_profile(args.device),
-                      runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config,
-                      device_arg=args.device)
+    ctx = Context(cfg, profile, runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config,
+                  device_arg=args.device)
+    if args.command not in ("deploy", "report"):
+        splits_for(ctx)  # missing data files are bad input too: reported before anything (the lock) is written
+    with ctx.lock():
         if args.command == "pipeline":
             run_pipeline(ctx)
         else:
             run_stage(ctx, args.command)
-    except InputError as e:
-        print(f"edgebayes: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except StageError as e:
-        print(f"edgebayes: {what} failed: {e}", file=sys.stderr)
-        return EXIT_FAILED
     return 0
+
+
+def _os_error(e: OSError) -> str:
+    """`path: reason` (both paths of a rename or copy) instead of errno's tuple."""
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    return f"{paths}: {e.strerror or e}" if paths else str(e)
+
+
+def main(argv=None) -> int:
+    """Every failure ends as one line on stderr and an exit code (module docstring), never a traceback
+    (issue 19): the errors the code raises itself, and those of the machine (disk full, a read-only or
+    misplaced runs folder, memory) or of a file's content (JSON, a checkpoint torch refuses to unpickle)."""
+    args = build_parser().parse_args(argv)
+    what = f"devices {args.action}" if args.command == "devices" else args.command
+    try:
+        return _run(args)
+    except InputError as e:
+        message, code = f"{e}", EXIT_BAD_INPUT
+    except StageError as e:
+        message, code = f"{what} failed: {e}", EXIT_FAILED
+    except KeyboardInterrupt:
+        message, code = "interrupted; run again to resume", EXIT_INTERRUPTED
+    except OSError as e:
+        message, code = f"{what} failed: {_os_error(e)}", EXIT_FAILED
+    except MemoryError as e:
+        message, code = f"{what} failed: out of memory{f' ({e})' if str(e) else ''}", EXIT_FAILED
+    except (json.JSONDecodeError, pickle.UnpicklingError) as e:  # read_json and load_checkpoint name the file
+        message, code = f"{what} failed: unreadable file content ({type(e).__name__}: {e})", EXIT_FAILED
+    print(f"edgebayes: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ the file and the key; the CLI prints it and exits with code 2 before any work is
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -242,6 +244,9 @@ class Connection:
     options: Optional[list[str]] = None  # extra `ssh -o` options, e.g. "UserKnownHostsFile=..."
     connect_timeout_s: int = 10
     min_free_mb: float = 50.0           # a deploy needs this much free disk beyond the files it copies
+    # options that make ssh run a local command (ProxyCommand, LocalCommand, ...) need this: a profile
+    # is data, and using one must not run a command on this machine unless its author is trusted
+    trusted: bool = False
 
 
 @dataclass
@@ -281,6 +286,17 @@ def _type_name(tp) -> str:
         tp, getattr(tp, "__name__", str(tp)))
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = 6
+_REPR.maxlevel = 2
+
+
+def _show(value) -> str:
+    """A value for a message, shortened (reprlib): a huge string or list must not make a huge message."""
+    return _REPR.repr(value)
+
+
 def _convert(tp, value, where):
     """Check `value` against the annotation `tp`; return the converted value or raise ConfigError."""
     origin = typing.get_origin(tp)
@@ -297,14 +313,14 @@ def _convert(tp, value, where):
                 return _convert(arg, value, where)
             except ConfigError:
                 pass
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {_show(value)}")
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {_show(value)}")
     if origin is list:
         if not isinstance(value, list) or not value:
-            raise ConfigError(f"{where}: expected a non-empty list, got {value!r}")
+            raise ConfigError(f"{where}: expected a non-empty list, got {_show(value)}")
         (item,) = typing.get_args(tp)
         return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
@@ -315,14 +331,21 @@ def _convert(tp, value, where):
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            # .inf / .nan (and ints too large for a float) pass every `> 0` check and break the run later
+            try:
+                value = float(value)
+            except OverflowError:
+                value = math.inf
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: expected a finite number, got {value}")
+            return value
     elif tp is str:
         if isinstance(value, str):
             return value
     elif tp is dict:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return value
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})")
 
 
 def _join(where, key):
@@ -334,7 +357,7 @@ def _build(cls, data, where):
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
+        raise ConfigError(f"{where}: expected a mapping of keys, got {_show(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -350,8 +373,38 @@ def _build(cls, data, where):
     return cls(**kwargs)
 
 
+class _Refused(yaml.YAMLError):
+    """YAML that parses but is refused: an alias or a key given twice (the message has the line)."""
+
+
 class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; read it as the number users mean."""
+    """PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; read it as the number users mean.
+
+    Two refusals on top of the safe loader. Aliases (`*name`): nine nested aliases of a nine-item list
+    expand to 9^9 items (an "alias bomb": gigabytes and minutes before any key is checked), and no config
+    needs one. Duplicate keys: the last one would win silently, so an edit above might not take effect.
+    """
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(f"line {event.start_mark.line + 1}: alias *{event.anchor[:40]}: YAML aliases "
+                           f"are not accepted in a config; write the value out")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the safe constructor refuses it itself
+                continue
+            if duplicate:
+                raise _Refused(f"line {key_node.start_mark.line + 1}: key {_show(key)} appears twice in the same "
+                               f"mapping (the last one would win silently); keep one")
+        return super().construct_mapping(node, deep)
 
 
 _Yaml12Loader.add_implicit_resolver(
@@ -365,9 +418,14 @@ def _load_yaml(path: Path):
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
     try:
-        return yaml.load(path.read_text(), Loader=_Yaml12Loader)
+        data = yaml.load(path.read_text(), Loader=_Yaml12Loader)
+    except _Refused as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
+    if data is None:  # an empty file would otherwise run every default without a word
+        raise ConfigError(f"{path}: empty file (expected a mapping of keys, e.g. pipeline.yaml or devices/local.yaml)")
+    return data
 
 
 def _check(condition, where, message):
@@ -383,7 +441,7 @@ def _check_data(d: DataConfig, p):
     own = d.dataset in DATA_FORMATS
     _check(d.dataset in BUILTIN_DATASETS or own or IMPORT_PATH.match(d.dataset), f"{p}: data.dataset",
            f"expected one of {', '.join(repr(n) for n in BUILTIN_DATASETS + DATA_FORMATS)}, or "
-           f"package.module:function (a loader of your own), got {d.dataset!r}")
+           f"package.module:function (a loader of your own), got {_show(d.dataset)}")
     if ":" in d.dataset:
         try:
             resolve_loader(d.dataset)
@@ -396,7 +454,7 @@ def _check_data(d: DataConfig, p):
     _check(d.image_size is None or d.dataset == "image-folder", f"{p}: data.image_size",
            "only read for data.dataset image-folder")
     _check(d.image_size is None or (len(d.image_size) == 2 and min(d.image_size) > 0), f"{p}: data.image_size",
-           f"expected [height, width], two positive integers, got {d.image_size}")
+           f"expected [height, width], two positive integers, got {_show(d.image_size)}")
     _check(d.label_column is None or d.dataset == "csv", f"{p}: data.label_column", "only read for data.dataset csv")
     _check(0 < d.val_fraction < 1, f"{p}: data.val_fraction", "expected a number in (0, 1)")
     _check(0 < d.test_fraction < 1, f"{p}: data.test_fraction", "expected a number in (0, 1)")
@@ -404,12 +462,30 @@ def _check_data(d: DataConfig, p):
            "expected a positive integer or null")
 
 
+# Run and device names become folder names under --runs-dir (runs/<name>/<stage>/<device>): no separators,
+# no leading '.' (no `..`, no hidden folders) or '-' (not an option), so a name cannot point elsewhere.
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def _check_name(name, where):
+    _check(NAME.fullmatch(name) is not None, where, "expected letters, digits, '-', '_' or '.' (not first: "
+           f"'.' or '-'; at most 128), got {_show(name)}")
+
+
+# Upper bounds where a value multiplies memory: M samples are M copies of the network; the device's batch
+# is allocated by the runner (a batch of 1e9 asked for 238 GiB, after training and selection had run).
+MAX_MC_SAMPLES = 1000
+MAX_DEVICE_BATCH = 4096
+# torch.onnx.export's TorchScript exporter (export/onnx_export.py) writes opsets 7 to 20.
+OPSETS = (7, 20)
+
+
 def load_pipeline_config(path) -> PipelineConfig:
     path = Path(path)
     cfg = _build(PipelineConfig, _load_yaml(path), str(path))
     p = str(path)
-    _check(cfg.name and all(c.isalnum() or c in "-_." for c in cfg.name), f"{p}: name",
-           f"expected letters, digits, '-', '_' or '.', got {cfg.name!r}")
+    _check_name(cfg.name, f"{p}: name")
+    _check(0 <= cfg.seed < 2**32, f"{p}: seed", "expected an integer in 0..2^32 - 1 (numpy's and torch's seeds)")
     _check_data(cfg.data, p)
     _check(all(h > 0 for h in cfg.model.hidden), f"{p}: model.hidden", "expected positive layer widths")
     _check(cfg.prior.sigma0_sq > 0, f"{p}: prior.sigma0_sq", "expected a positive number")
@@ -452,6 +528,7 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check(cfg.benchmark.min_runs > 0, f"{p}: benchmark.min_runs", "expected a positive integer")
     _check(cfg.benchmark.rounds > 0, f"{p}: benchmark.rounds", "expected a positive integer")
     _check(cfg.benchmark.min_seconds >= 0, f"{p}: benchmark.min_seconds", "expected a number >= 0")
+    _check_ranges(cfg, p)
     return cfg
 
 
@@ -473,6 +550,38 @@ def _check_arch(m: ModelConfig, p):
 def _zoo_names():
     from edgebayes.train.zoo import ARCHITECTURES
     return ARCHITECTURES
+
+
+def _check_ranges(cfg, p):
+    """The ranges issue 19 found unchecked (each failed late: after training, in the runner, or never)."""
+    for key in ("inclusion_constant", "a0", "b0"):
+        _check(getattr(cfg.prior, key) > 0, f"{p}: prior.{key}", "expected a positive number")
+    _check(0 < cfg.train.lr_gamma <= 1, f"{p}: train.lr_gamma",
+           "expected a number in (0, 1] (the learning rate is multiplied by it at each milestone)")
+    for key in ("mc_samples_eval", "mc_samples_val"):
+        _check(getattr(cfg.train, key) <= MAX_MC_SAMPLES, f"{p}: train.{key}", f"expected at most {MAX_MC_SAMPLES}")
+    _check(max(cfg.select.mc_samples) <= MAX_MC_SAMPLES, f"{p}: select.mc_samples",
+           f"expected integers in 1..{MAX_MC_SAMPLES}")
+    _check_knob_values(cfg, p)
+    lo, hi = OPSETS
+    _check(lo <= cfg.export.opset <= hi, f"{p}: export.opset", f"expected an ONNX opset in {lo}..{hi}")
+    _check(cfg.benchmark.warmup >= 0, f"{p}: benchmark.warmup", "expected a non-negative integer")
+
+
+def _check_knob_values(cfg, p):
+    """select.knob_values in the family's range, as the model's operating_points checks them after training."""
+    values, family = cfg.select.knob_values, cfg.model.family
+    if values is None:
+        return
+    where = f"{p}: select.knob_values"
+    if family in ("bn3", "fn3"):
+        groups = cfg.nested.groups
+        _check(all(v == int(v) and 1 <= v <= groups for v in values), where,
+               f"expected widths (whole numbers of groups) in 1..nested.groups = {groups}, got {_show(values)}")
+    elif family == "sqs":
+        _check(all(0 < v <= 1 for v in values), where, f"expected non-zero rates in (0, 1], got {_show(values)}")
+    else:
+        _check(all(0 < v < 1 for v in values), where, f"expected inclusion thresholds in (0, 1), got {_show(values)}")
 
 
 def _check_sqs(s: SQSConfig, p):
@@ -530,14 +639,17 @@ def load_device_profile(name: str) -> DeviceProfile:
         return load_device_profile(data["alias"])
     profile = _build(DeviceProfile, data, str(path))
     p = str(path)
+    _check_name(profile.name, f"{p}: name")
     b = profile.budgets
-    _check(b.batch_size > 0, f"{p}: budgets.batch_size", "expected a positive integer")
+    _check(0 < b.batch_size <= MAX_DEVICE_BATCH, f"{p}: budgets.batch_size",
+           f"expected an integer in 1..{MAX_DEVICE_BATCH}")
+    _check(profile.runtime.threads >= 0, f"{p}: runtime.threads", "expected a non-negative integer (0: the runtime's default)")
     _check(profile.runtime.workspace_mb > 0, f"{p}: runtime.workspace_mb", "expected a positive integer")
     for key in ("latency_ms", "memory_mb", "model_mb"):
         value = getattr(b, key)
         _check(value is None or value > 0, f"{p}: budgets.{key}", "expected a positive number or null")
-    _check(b.mc_samples is None or all(m > 0 for m in b.mc_samples), f"{p}: budgets.mc_samples",
-           "expected positive integers or null")
+    _check(b.mc_samples is None or all(0 < m <= MAX_MC_SAMPLES for m in b.mc_samples), f"{p}: budgets.mc_samples",
+           f"expected integers in 1..{MAX_MC_SAMPLES} or null")
     _check(b.mc_samples_max is None or b.mc_samples_max > 0, f"{p}: budgets.mc_samples_max",
            "expected a positive integer or null")
     _check(len(set(profile.runtime.precision)) == len(profile.runtime.precision), f"{p}: runtime.precision",
@@ -547,12 +659,33 @@ def load_device_profile(name: str) -> DeviceProfile:
     _check(c.port is None or 0 < c.port < 65536, f"{p}: connection.port", "expected a port number in 1..65535")
     _check(c.connect_timeout_s > 0, f"{p}: connection.connect_timeout_s", "expected a positive integer")
     _check(all("=" in o for o in c.options or []), f"{p}: connection.options", "expected `Key=value` ssh options")
+    _check_ssh(c, p)
+    _check(c.min_free_mb >= 0, f"{p}: connection.min_free_mb", "expected a number >= 0")
     lm = profile.latency_model
     _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
            "a positive number is required when latency_model.kind is flops")
     _check(lm.flops_per_second is None or lm.flops_per_second > 0, f"{p}: latency_model.flops_per_second",
            "expected a positive number or null")
+    _check(lm.overhead_ms >= 0, f"{p}: latency_model.overhead_ms", "expected a number >= 0")
     return profile
+
+
+# ssh options that make ssh run a command on this machine (ssh_config(5)); PermitLocalCommand enables
+# LocalCommand. Allowed only in a profile marked `connection.trusted: true`.
+LOCAL_COMMAND_OPTIONS = ("proxycommand", "localcommand", "permitlocalcommand", "knownhostscommand")
+
+
+def _check_ssh(c, p):
+    """ssh argv safety: a value starting with '-' would be read as an option (`user: -oProxyCommand=...`)."""
+    for key in ("host", "user", "proxy_jump"):
+        value = getattr(c, key)
+        _check(value is None or (value.strip() and not value.startswith("-")), f"{p}: connection.{key}",
+               f"must not be empty or start with '-', got {_show(value)}")
+    for option in c.options or []:
+        key = re.split(r"[\s=]", option.strip(), maxsplit=1)[0].lower()
+        _check(c.trusted or key not in LOCAL_COMMAND_OPTIONS, f"{p}: connection.options",
+               f"{_show(option)} makes ssh run a command on this machine; allowed only with "
+               f"`connection.trusted: true` in a profile you wrote or checked")
 
 
 def expand_repo(value):

@@ -3,6 +3,7 @@
 InputError (exit 2): bad input found before any work (config, device profile, data files).
 StageError (exit 1): a stage could not finish (a failed check, no operating point fits, the device runner
 failed); artifacts of finished stages are kept and the stage can be re-run.
+CorruptFileError (exit 1): a file that does not hold what it should (not JSON, not a loadable checkpoint).
 """
 
 
@@ -12,3 +13,8 @@ class InputError(Exception):
 
 class StageError(Exception):
     pass
+
+
+class CorruptFileError(StageError, ValueError):
+    """The message names the file. Also a ValueError, as json's own error is, so that callers catching
+    ValueError around a read keep working."""

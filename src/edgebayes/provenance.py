@@ -1,10 +1,13 @@
-"""What produced a result (commit, config hash, versions, machine) and atomic file writes.
+"""What produced a result (commit, code version, config hash, versions, machine), atomic file writes and
+reads that name the file when its content is bad.
 
 Every results file carries a provenance block. Files are written to a temporary path in the same folder
 and renamed into place, so an interrupted run never leaves a half-written artifact behind.
 """
 
 import datetime
+import functools
+import hashlib
 import json
 import os
 import platform
@@ -15,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 from edgebayes.deploy.runner import device_info
+from edgebayes.errors import CorruptFileError
 
 ROOT = Path(__file__).resolve().parents[2]
 _PACKAGES = ("torch", "numpy", "onnx", "onnxruntime", "scikit-learn", "edgebayes")
@@ -42,14 +46,34 @@ def versions() -> dict:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def code_version() -> str:
+    """edgebayes's version + a hash of its source files, computed once per process.
+
+    Part of every stage's fingerprint (stages.Context.fingerprint), so that artifacts made by other code,
+    an upgrade or a local edit, are not reused silently. Reading the ~60 files takes a few milliseconds.
+    """
+    import edgebayes
+
+    package = Path(edgebayes.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"{edgebayes.__version__}+{digest.hexdigest()[:12]}"
+
+
 def provenance(config_hash: str) -> dict:
-    return {"git_commit": git_commit(), "config_hash": config_hash, "versions": versions(), "machine": device_info(),
+    return {"git_commit": git_commit(), "code_version": code_version(), "config_hash": config_hash,
+            "versions": versions(), "machine": device_info(),
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 @contextmanager
 def atomic_path(path):
-    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
+
+    An OSError without a file name (a full disk: `[Errno 28] No space left on device`) gets `path` as its
+    file name, so that the one-line message of the command line says where."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -63,6 +87,10 @@ def atomic_path(path):
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -74,11 +102,37 @@ def write_json(path, obj):
 
 
 def read_json(path):
-    return json.loads(Path(path).read_text())
+    """The JSON in `path`; content that is not JSON raises CorruptFileError naming the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptFileError(f"{path}: not valid JSON ({e})") from None
 
 
 def atomic_torch_save(obj, path):
+    """torch.save through memory: torch's zip writer reports a full disk as `RuntimeError: unexpected pos`;
+    writing the bytes ourselves gets the OSError (ENOSPC) that names the file."""
+    import io
+
     import torch
 
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+        tmp.write_bytes(buffer.getbuffer())
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """torch.load(weights_only=True): a checkpoint is data and must not run code. Whatever torch refuses
+    (a truncated or altered file, a pickle that asks for code) raises CorruptFileError naming the file;
+    I/O errors and MemoryError pass through as they are."""
+    import torch
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (OSError, MemoryError):
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CorruptFileError(f"{path}: not a checkpoint edgebayes can load ({type(e).__name__}: {first[:200]}); "
+                               f"remove it, or re-run the stage with --force") from None

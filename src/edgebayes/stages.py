@@ -1,10 +1,19 @@
 """The pipeline's stages: train -> select -> export (compress inside) -> deploy (+ benchmark) -> report.
 
 Each stage reads the previous stage's artifacts from disk and writes its own under runs/<name>/, so any
-stage can be re-run alone. A stage is skipped when its `stage.json` holds the same fingerprint: the hash
-of the config sections it depends on plus the fingerprints of the stages it reads. A changed config or
-device therefore re-runs exactly what depends on it. (Code changes do not invalidate a stage: use
-`--force` or `make clean` after editing the code.)
+stage can be re-run alone. A stage is skipped when its marker, `stage.json`, still tells the truth:
+
+- the fingerprint matches: the hash of the config sections it depends on, the fingerprints of the stages
+  it reads and the code's version (provenance.code_version), so a changed config, device or code re-runs
+  exactly what depends on it;
+- every output it recorded still has the recorded sha256 (an altered checkpoint or bundle re-runs the
+  stage, and an altered output is removed first: it is not resumed from);
+- every upstream file it read (Context.require, which also checks that file against the upstream
+  marker) still has the hash it had when read (the upstream stage ran again: this one must too).
+
+The marker is removed before a stage touches its folder and written last (Context.begin / mark_done), so
+an interrupted stage has none and runs again (training resumes from its last epoch). Under one run folder
+one edgebayes runs at a time (Context.lock); nothing is written outside --runs-dir (Context.stage_dir).
 
     runs/<name>/train/{checkpoint.pt, metrics.json}
     runs/<name>/select/<device>/{candidates.json, choice.json}
@@ -15,19 +24,44 @@ device therefore re-runs exactly what depends on it. (Code changes do not invali
 Selection depends on the device, so its folder is per device (DESIGN.md puts it at select/; the code wins).
 """
 
-from dataclasses import dataclass
+import fcntl
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from edgebayes import STAGES
 from edgebayes.config import ConfigError, as_dict, fingerprint
 from edgebayes.data import data_fingerprint, load_data
+from edgebayes.deploy.runner import sha256_file
 from edgebayes.errors import StageError
-from edgebayes.provenance import atomic_path, provenance, read_json, write_json
+from edgebayes.provenance import atomic_path, code_version, load_checkpoint, provenance, read_json, write_json
+from edgebayes.train import distributed
 from edgebayes.train.distributed import is_main_process
 
-STAGES = ("train", "select", "export", "deploy", "report")
+MARKER = "stage.json"
+DEVICE_STANDIN = "device"   # a local device's disk inside select/ and deploy/ (transport_for): not an output
+
+
+def _digest(path):
+    return sha256_file(path) if path.is_file() else None
+
+
+def _files(folder):
+    """{path relative to folder: sha256} of a stage's outputs: every file but the marker, the device
+    stand-in and dot-named temporaries."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if rel.parts[0] in (MARKER, DEVICE_STANDIN) or any(p.startswith(".") for p in rel.parts):
+            continue
+        if path.is_file():
+            found[rel.as_posix()] = sha256_file(path)
+    return found
 
 
 @dataclass
@@ -39,28 +73,35 @@ class Context:
     log: object = print
     config_path: str = "pipeline.yaml"   # named in error messages
     device_arg: str = "local"            # --device as given (a relaunch under torchrun passes it on)
+    # upstream files the running stage read (require): {path under run_dir: sha256}, written to its marker
+    reads: dict = field(default_factory=dict, repr=False)
 
     @property
     def run_dir(self):
         return self.runs_dir / self.cfg.name
 
+    def _inside(self, path):
+        """`path`, once it resolves inside --runs-dir: config.py validates the names, and a symlinked folder
+        pointing elsewhere is refused here, before anything is written or removed."""
+        root = self.runs_dir.resolve()
+        if not path.resolve().is_relative_to(root):
+            raise StageError(f"{path} resolves to {path.resolve()}, outside --runs-dir {root}; refusing to write there")
+        return path
+
     def stage_dir(self, stage):
-        if stage == "train":
-            return self.run_dir / "train"
-        return self.run_dir / stage / self.profile.name
+        return self._inside(self.run_dir / "train" if stage == "train" else self.run_dir / stage / self.profile.name)
 
     def fingerprint(self, stage):
         c, p = self.cfg, self.profile
         if stage == "train":
             # A family's own section counts for it only: other families' fingerprints stay as they were.
             own = {"sqs": [c.sqs], "bn3": [c.nested], "fn3": [c.nested]}.get(c.model.family, [])
-            # What data.path and model.pretrained hold now (size and mtime) counts where they are set, so the
-            # built-in runs' fingerprints stay as they were
+            # What data.path and model.pretrained hold now (size and mtime) counts where they are set
             contents = [h] if (h := data_fingerprint(c.data)) is not None else []
             if c.model.pretrained and Path(c.model.pretrained).is_file():
                 st = Path(c.model.pretrained).stat()
                 contents.append(["pretrained", st.st_size, st.st_mtime_ns])
-            return fingerprint("train", c.seed, c.data, c.model, c.prior, c.train, *own, *contents)
+            return fingerprint("train", code_version(), c.seed, c.data, c.model, c.prior, c.train, *own, *contents)
         if stage == "select":
             return fingerprint("select", self.fingerprint("train"), c.select, c.export, p)
         if stage == "export":
@@ -69,23 +110,114 @@ class Context:
             return fingerprint("deploy", self.fingerprint("export"), c.benchmark, p)
         return fingerprint("report", self.fingerprint("deploy"))
 
+    def _marker(self, stage):
+        """The stage's marker, or None when it is absent or unreadable (an interrupted write cannot leave
+        half a marker, but a user can)."""
+        try:
+            done = read_json(self.stage_dir(stage) / MARKER)
+        except (OSError, ValueError):
+            return None
+        return done if isinstance(done, dict) and isinstance(done.get("outputs"), dict) else None
+
+    def staleness(self, stage):
+        """None when the stage's artifacts can be reused as they are; else why the stage must run."""
+        if self.force:
+            return "--force"
+        folder = self.stage_dir(stage)
+        done = self._marker(stage)
+        if done is None:
+            return f"no valid {MARKER}: never run, interrupted, or from older code" if (folder / MARKER).exists() \
+                else "no finished run: never run, interrupted or failed"
+        if done.get("fingerprint") != self.fingerprint(stage):
+            return "config, device profile or code changed"
+        for rel, digest in done["outputs"].items():
+            if _digest(folder / rel) != digest:
+                return f"its output {rel} changed since the stage wrote it"
+        for rel, digest in (done.get("inputs") or {}).items():
+            if _digest(self.run_dir / rel) != digest:
+                return f"its input {rel} changed since it was read"
+        return None
+
     def is_fresh(self, stage):
-        marker = self.stage_dir(stage) / "stage.json"
-        return (not self.force and marker.is_file()
-                and read_json(marker).get("fingerprint") == self.fingerprint(stage))
+        return self.staleness(stage) is None
+
+    def begin(self, stage):
+        """Before a stage touches its folder: remove its marker (so an interruption leaves none), outputs
+        that differ from what the marker recorded (never resume from an altered checkpoint) and the
+        dot-named temporaries an interrupted run left behind (the run lock makes them nobody's)."""
+        folder = self.stage_dir(stage)
+        self.reads = {}
+        if not folder.is_dir():
+            return
+        done = self._marker(stage)
+        for rel, digest in (done["outputs"] if done else {}).items():
+            path = folder / rel  # a marker is a file like any other: its names must not lead out of the folder
+            if path.resolve().is_relative_to(folder.resolve()) and path.is_file() and _digest(path) != digest:
+                path.unlink()
+        (folder / MARKER).unlink(missing_ok=True)
+        for entry in folder.glob(".*"):
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
     def mark_done(self, stage):
-        write_json(self.stage_dir(stage) / "stage.json", {"stage": stage, "fingerprint": self.fingerprint(stage)})
+        """Written last: the fingerprint, the code version, the hash of every output and every input read."""
+        write_json(self.stage_dir(stage) / MARKER, {
+            "stage": stage, "fingerprint": self.fingerprint(stage), "code_version": code_version(),
+            "outputs": _files(self.stage_dir(stage)), "inputs": dict(sorted(self.reads.items()))})
 
     def provenance(self, stage):
         return provenance(self.fingerprint(stage))
 
     def require(self, stage, *files):
+        """The folder of an upstream stage, once each file (or folder) in it is what that stage wrote: the
+        stage finished (its marker exists) and recorded the same sha256. The hashes become inputs of the
+        running stage, so that it runs again when the upstream stage does."""
+        folder = self.stage_dir(stage)
+        again = f"run `edgebayes {stage}` (or `edgebayes pipeline`)"
         for f in files:
-            path = self.stage_dir(stage) / f
+            path = folder / f
             if not path.exists():
-                raise StageError(f"{path} is missing: run `edgebayes {stage}` (or `make {stage}`) first")
-        return self.stage_dir(stage)
+                raise StageError(f"{path} is missing: {again} first")
+            done = self._marker(stage)
+            if done is None:
+                raise StageError(f"{folder / MARKER} is missing or unreadable: the {stage} stage did not finish; "
+                                 f"{again}")
+            prefix = "" if path.is_file() else f"{Path(f).as_posix()}/"
+            names = {f} if path.is_file() else {k for k in done["outputs"] if k.startswith(prefix)} | {
+                p.relative_to(folder).as_posix() for p in path.rglob("*") if p.is_file()}
+            for rel in sorted(names):
+                digest = _digest(folder / rel)
+                if digest is None or digest != done["outputs"].get(rel):
+                    raise StageError(f"{folder / rel} is not what the {stage} stage wrote (changed since, or "
+                                     f"left by an interrupted run); {again}: it notices and runs again")
+                self.reads[(folder / rel).relative_to(self.run_dir).as_posix()] = digest
+        return folder
+
+    @contextmanager
+    def lock(self):
+        """Hold the run folder for this process: a second edgebayes on the same run fails at once, naming
+        this one's pid (two pipelines interleaving select and export deployed one choice and reported
+        another). Processes started by torchrun for the train stage run under their launcher's lock."""
+        if distributed.launched():
+            yield
+            return
+        self._inside(self.run_dir).mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / ".lock"
+        with open(path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise StageError(f"{self.run_dir} is in use by another edgebayes (pid {holder}); wait for it to "
+                                 f"finish or stop it, then run again") from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 _splits_cache = {}
@@ -103,7 +235,7 @@ def load_trained_model(ctx):
 
     out = ctx.require("train", "checkpoint.pt")
     model = model_for(ctx.cfg, splits_for(ctx))
-    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
+    state = load_checkpoint(out / "checkpoint.pt")
     model.load_state_dict(state["model"])
     return model.eval()
 
@@ -136,14 +268,22 @@ def run_train(ctx):
     if distributed.is_main_process():  # the other processes wait for this in train()
         # A checkpoint of another config must not be resumed: start over.
         marker = out / "run.json"
-        if checkpoint.exists() and (ctx.force or not marker.is_file()
-                                    or read_json(marker).get("fingerprint") != ctx.fingerprint("train")):
+        try:
+            same_run = read_json(marker).get("fingerprint") == ctx.fingerprint("train")
+        except (OSError, ValueError, AttributeError):  # absent, not JSON, not a mapping
+            same_run = False
+        if checkpoint.exists() and (ctx.force or not same_run):
             checkpoint.unlink()
         write_json(marker, {"fingerprint": ctx.fingerprint("train")})
 
     model, history = train(cfg, splits, checkpoint, log=ctx.log)
     if not distributed.is_main_process():
         return
+    # Done means the checkpoint on disk holds every configured epoch: it is what select and export load.
+    epochs = load_checkpoint(checkpoint)["epoch"]
+    if epochs != cfg.train.epochs:
+        raise StageError(f"train: {checkpoint} holds {epochs} epochs, train.epochs is {cfg.train.epochs}; "
+                         f"run `edgebayes train --force`")
     knob_value, m = model.default_knob, cfg.train.mc_samples_eval
     # Paper 000's accuracy: z ~ q(z) in each of the m samples (export deploys the thresholded net instead).
     posterior_mean = (posterior_mean_metrics(model, splits.test_x, splits.test_y, m, cfg.seed)
@@ -198,7 +338,7 @@ def run_train(ctx):
 
 
 def run_select(ctx):
-    from edgebayes.deploy.select import choose, score_candidates
+    from edgebayes.deploy.selection import choose, score_candidates
     from edgebayes.deploy.transport import transport_for
 
     model, splits = load_trained_model(ctx), splits_for(ctx)
@@ -316,9 +456,9 @@ def run_deploy(ctx):
     before anything is copied; on any failure the local artifacts stay and the stage is not marked done,
     so `edgebayes deploy` simply runs again.
     """
-    from edgebayes.deploy.transport import RUNNER, transport_for
+    from edgebayes.deploy.transport import RUNNER, runner_failure, transport_for
 
-    bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
+    bundle = ctx.require("export", "bundle") / "bundle"
     manifest = read_json(bundle / "manifest.json")
     out = ctx.stage_dir("deploy")
     b, r = ctx.cfg.benchmark, ctx.profile
@@ -349,9 +489,10 @@ def run_deploy(ctx):
             args += ["--artifact", name]
         code, err = transport.run(args)
         if code != 0:
-            raise StageError(transport.disk_full(err) or
-                             f"the runner failed on device {r.name} (exit code {code}): {err[-1] if err else 'no message'} "
-                             f"(artifact {name}); local artifacts are kept, re-run `edgebayes deploy`")
+            # Exit code 2 is the runner's "invalid bundle": deploying again would copy the same bundle.
+            again = "`edgebayes export --force`, then `edgebayes deploy`" if code == 2 else "`edgebayes deploy`"
+            raise StageError(transport.disk_full(err) or runner_failure(
+                r.name, code, err, f" (artifact {name}); local artifacts are kept, re-run {again}"))
         transport.get(result_file, out / result_file)
         res = read_json(out / result_file)
         results_by_artifact[name] = res
@@ -370,10 +511,12 @@ def run_report(ctx):
 
     train_metrics = read_json(ctx.require("train", "metrics.json") / "metrics.json")
     candidates = read_json(ctx.require("select", "candidates.json") / "candidates.json")
-    choice = read_json(ctx.stage_dir("select") / "choice.json")
+    choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     export = read_json(ctx.require("export", "export.json") / "export.json")
     results = read_json(ctx.require("deploy", "results.json") / "results.json")
     artifact_results = ctx.stage_dir("deploy") / "artifacts.json"
+    if artifact_results.is_file():
+        ctx.require("deploy", "artifacts.json")
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
     # default knob value; the training metrics stay as they are.
     deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio", "physical_flops_ratio")}
@@ -399,11 +542,23 @@ RUNNERS = {"train": run_train, "select": run_select, "export": run_export, "depl
 
 
 def run_stage(ctx, stage):
-    if ctx.is_fresh(stage):
-        ctx.log(f"{stage}: up to date (config and inputs unchanged), skipped")
+    why = ctx.staleness(stage)
+    if why is None:
+        ctx.log(f"{stage}: up to date (config, code, outputs and inputs unchanged), skipped")
         return
-    ctx.log(f"{stage}: running")
-    RUNNERS[stage](ctx)
+    ctx.log(f"{stage}: running ({why})")
+    if is_main_process():
+        ctx.begin(stage)
+    try:
+        RUNNERS[stage](ctx)
+    except MemoryError as e:  # the stack is unwound: the memory it held is free again for the message
+        raise StageError(f"{stage}: out of memory{f' ({e})' if str(e) else ''}; its marker is not written, "
+                         f"so the stage runs again next time") from None
+    except OSError as e:
+        if e.filename is not None:  # the command line names the file
+            raise
+        # e.g. a full disk under matplotlib's savefig: at least the folder the stage was writing to
+        raise StageError(f"{stage}: {e.strerror or e} (writing in {ctx.stage_dir(stage)})") from None
     if is_main_process():  # under torchrun, process 0 alone writes (train/distributed.py)
         ctx.mark_done(stage)
 

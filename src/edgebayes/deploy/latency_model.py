@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from edgebayes.config import DEVICES_DIR
-from edgebayes.deploy.transport import RUNNER, TransportError
+from edgebayes.deploy.transport import RUNNER, TransportError, runner_failure
 from edgebayes.errors import StageError
 from edgebayes.provenance import provenance, read_json, write_json
 
@@ -174,8 +174,7 @@ def measure_models(transport, profile, models, example, bench, log=print):
                                    "--threads", profile.runtime.threads,
                                    "--tag", f"device={profile.name}", "--quiet"])
         if code != 0:
-            raise TransportError(transport.disk_full(err) or f"the runner failed on device {profile.name} "
-                                 f"(exit code {code}): {err[-1] if err else 'no message'}")
+            raise TransportError(transport.disk_full(err) or runner_failure(profile.name, code, err))
         transport.get("timing/results.json", folder / "results.json")
         results = read_json(folder / "results.json")
     timed = {m["id"]: m for m in results["models"]}
@@ -197,7 +196,7 @@ def _mlp(widths, activation):
 
 def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
     """Measure the sweep on the device and write its latency table; returns (path, table)."""
-    from edgebayes.deploy.select import formats_for
+    from edgebayes.deploy.selection import formats_for
     from edgebayes.export.compress import MCAverage
     from edgebayes.export.formats import export_artifact
     from edgebayes.train.metrics import count_weights, paper_flops

@@ -17,8 +17,10 @@ never touched, so the stage can simply be re-run.
 import io
 import json
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -91,6 +93,39 @@ class TransportError(StageError):
     pass
 
 
+class DeviceUnavailable(TransportError):
+    """The device cannot run anything for us: unreachable, authentication refused, python or runtime
+    missing. Only then may selection predict latency instead of measuring it; a runner that crashed or a
+    full disk is a real failure, reported as it is (issue 19)."""
+
+
+_PROGRESS = re.compile(r"\d+%\|")   # a progress bar's line (tqdm or the runner's own), never the message
+
+
+def describe_exit(code) -> str:
+    """`exit code 1`; a process killed by a signal named: `killed by SIGKILL` (a negative code from
+    subprocess) or `exit code 137: killed by SIGKILL` (128 + n from the device's shell over ssh)."""
+    try:
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        if 128 < code < 128 + 65:
+            return f"exit code {code}: killed by {signal.Signals(code - 128).name}"
+    except ValueError:
+        pass
+    return f"exit code {code}"
+
+
+def runner_failure(device, code, err, what=""):
+    """One message for a failed runner: how it ended, and its last line unless a signal ended it (the last
+    line is then whatever it printed before, e.g. its accuracy, not the reason)."""
+    how = describe_exit(code)
+    if "killed by" in how:
+        hint = " (SIGKILL: the device may have run out of memory)" if "SIGKILL" in how else ""
+        return f"the runner failed on device {device} ({how}){hint}{what}"
+    lines = [ln for ln in err if not _PROGRESS.search(ln)]
+    return f"the runner failed on device {device} ({how}): {lines[-1] if lines else 'no message'}{what}"
+
+
 def _lines(data: bytes) -> list:
     return [ln.strip() for ln in data.decode(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
 
@@ -121,7 +156,7 @@ class Transport:
         """Facts about the device (see PROBE). Raises TransportError if the device or its python is absent."""
         code, out, err = self.run_python(["-c", PROBE, ",".join(RUNTIME_MODULES[runtime]), str(self.workdir)])
         if code != 0 or not out:
-            raise TransportError(self._python_failure(code, err))
+            raise DeviceUnavailable(self._python_failure(code, err))
         return json.loads(out[-1])
 
     def preflight(self, runtime, need_bytes, min_free_mb):
@@ -129,10 +164,10 @@ class Transport:
         facts = self.probe(runtime)
         rt = facts["runtime"]
         if rt["module"] is None:
-            raise TransportError(f"device {self.name}: runtime {runtime} is not installed for {facts['executable']} "
+            raise DeviceUnavailable(f"device {self.name}: runtime {runtime} is not installed for {facts['executable']} "
                                  f"({rt['error']}); install it on the device (e.g. pip install {runtime})")
         if facts["numpy"] is None:
-            raise TransportError(f"device {self.name}: numpy is not installed for {facts['executable']}; "
+            raise DeviceUnavailable(f"device {self.name}: numpy is not installed for {facts['executable']}; "
                                  "the runner needs it (pip install numpy)")
         need_mb = need_bytes / 1e6 + min_free_mb
         if facts["disk_free_mb"] < need_mb:
@@ -189,7 +224,7 @@ class LocalTransport(Transport):
         try:
             return _stream([self.python, *map(str, args)], cwd=self.workdir)
         except OSError as e:
-            raise TransportError(self._python_failure(127, [str(e)])) from None
+            raise DeviceUnavailable(self._python_failure(127, [str(e)])) from None
 
     def get(self, remote_name, local):
         src = self.workdir / remote_name
@@ -205,8 +240,9 @@ class SSHTransport(Transport):
     def __init__(self, name, connection):
         c = connection
         self.name, self.host = name, c.host
-        if self.host.startswith("-"):
-            raise TransportError(f"device {name}: connection.host {self.host!r} must not start with '-'")
+        for key in ("host", "user"):  # config.py refuses these too; ssh would read them as options
+            if (getattr(c, key) or "").startswith("-"):
+                raise TransportError(f"device {name}: connection.{key} {getattr(c, key)!r} must not start with '-'")
         self.python = expand_repo(c.python) or "python3"
         # Relative paths are under the remote home (ssh starts there); `~` is not expanded (it is quoted).
         self.workdir = expand_repo(c.workdir) or f"edgebayes/{name}"
@@ -224,7 +260,8 @@ class SSHTransport(Transport):
             opts += ["-J", c.proxy_jump]
         for option in c.options or []:
             opts += ["-o", expand_repo(option)]
-        self.ssh = ["ssh", *opts, self.destination]
+        # `--`: nothing after it is an option, whatever the destination looks like.
+        self.ssh = ["ssh", *opts, "--", self.destination]
 
     def where(self):
         return self.destination + (f":{self.port}" if self.port else "")
@@ -243,8 +280,8 @@ class SSHTransport(Transport):
                 code, err = _stream(argv, echo=echo)
                 out = b""
         except FileNotFoundError:
-            raise TransportError("the OpenSSH client `ssh` is not installed on this machine "
-                                 "(apt-get install openssh-client)") from None
+            raise DeviceUnavailable("the OpenSSH client `ssh` is not installed on this machine "
+                                    "(apt-get install openssh-client)") from None
         self._raise_if_ssh_failed(code, err)
         return code, out, err
 
@@ -255,13 +292,13 @@ class SSHTransport(Transport):
         text = " ".join(err)
         last = next((ln for ln in reversed(err) if any(k in ln for k in _AUTH + _UNREACHABLE)), err[-1] if err else "")
         if any(k in text for k in _AUTH):
-            raise TransportError(f"device {self.name}: authentication refused by {self.destination} ({last}); "
+            raise DeviceUnavailable(f"device {self.name}: authentication refused by {self.destination} ({last}); "
                                  "check connection.user and connection.identity_file, your ssh-agent and "
                                  "~/.ssh/config (ssh runs with BatchMode=yes: no password prompts)")
         # ssh always says why it could not connect; a silent 255 is the remote command's own exit (or a
         # signal that killed it), which the caller reports as the runner's failure.
         if any(k in text for k in _UNREACHABLE):
-            raise TransportError(f"device {self.name}: host unreachable: {self.destination} ({last or 'no answer'}); "
+            raise DeviceUnavailable(f"device {self.name}: host unreachable: {self.destination} ({last or 'no answer'}); "
                                  "is the device on, on the network, and is sshd running on the port the "
                                  "profile names?")
 

@@ -70,7 +70,7 @@ from tqdm.auto import tqdm
 
 from edgebayes.errors import InputError
 from edgebayes.export import codebook
-from edgebayes.provenance import atomic_torch_save, read_json, write_json
+from edgebayes.provenance import atomic_torch_save, code_version, load_checkpoint, read_json, write_json
 from edgebayes.train import distributed
 from edgebayes.train.accel import DeviceData, autocast, to_channels_last
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
@@ -450,7 +450,7 @@ def pretrained_base(cfg, splits, train_dir, log=print):
         pre_cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(
             cfg.train, epochs=s.pretrain_epochs, lr=s.pretrain_lr, kl_weight=1.0, mc_samples_eval=1, mc_samples_val=1))
         path, marker = train_dir / "pretrained.pt", train_dir / "pretrained.json"
-        key = fingerprint("sqs-pretrain", cfg.seed, cfg.data, base_cfg.model, pre_cfg.train)
+        key = fingerprint("sqs-pretrain", code_version(), cfg.seed, cfg.data, base_cfg.model, pre_cfg.train)
         if path.exists() and (not marker.is_file() or read_json(marker).get("fingerprint") != key):
             path.unlink()
         write_json(marker, {"fingerprint": key})
@@ -486,7 +486,7 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
                                    {"params": pruning, "lr": s.lr_pruning}], weight_decay=s.weight_decay)
     history, start_epoch = [], 0
     if checkpoint_path.exists():  # the layout of the ELBO trainer's checkpoints (train/trainer.py)
-        state = torch.load(checkpoint_path, map_location=device, weights_only=True)
+        state = load_checkpoint(checkpoint_path, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         distributed.restore_rng(state["rng_states"], distributed.World(), device, cfg.seed)

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from torch.nn.parallel import DistributedDataParallel
 
 from edgebayes.export.compress import compress, predict
-from edgebayes.provenance import atomic_torch_save
+from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
 from edgebayes.train.accel import DeviceData, autocast, compile_step, to_channels_last
 from edgebayes.train.metrics import classification_metrics
@@ -153,7 +153,7 @@ def train(cfg, splits, checkpoint_path, log=print, model=None):
 
     world.barrier()  # process 0 may just have removed a stale checkpoint (stages.run_train)
     if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, map_location=device, weights_only=True)
+        state = load_checkpoint(checkpoint_path, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

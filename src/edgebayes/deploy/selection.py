@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from edgebayes.deploy.latency_model import (LatencyModelError, TablePredictor, measure_models, operator_count,
                                             predictor_for, profile_device)
 from edgebayes.deploy.runner import RuntimeProblem, make_backend, predict_all
-from edgebayes.deploy.transport import TransportError
+from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError
 from edgebayes.export.compress import EmptyLayerError, compress, predict
 from edgebayes.train.metrics import classification_metrics, count_weights, paper_flops
@@ -85,7 +85,8 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
     """({id: measured ms or None}, predictor or None, measured-on facts or None).
 
     A reachable `measure` device without a latency table is profiled first, so every report can set the
-    latency model's prediction against the measurement.
+    latency model's prediction against the measurement. Only a device that cannot be used (DeviceUnavailable)
+    falls back to a prediction; any other failure (the runner crashed, a full disk) stops selection as it is.
     """
     key = f"p{profile.budgets.percentile}"
     predictor = predictor_for(profile, runs_dir)
@@ -100,7 +101,7 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
                     log(f"select: {e}")
             timed = measure_models(transport, profile, models, example, bench, log=log)
             return {i: timed[i]["latency_ms"][key] for i, _, _ in models}, predictor, timed[None]
-        except TransportError as e:
+        except DeviceUnavailable as e:
             if predictor is None:
                 raise SelectionError(f"{e}; no latency table to predict from either: run `edgebayes devices "
                                      f"profile {profile.name}` while the device is reachable") from None

@@ -1,0 +1,542 @@
+"""Issue 19: the pipeline used as a careless or hostile user would. Each failure of the issue is reproduced
+here and shown fixed:
+
+1. a killed or Ctrl-C'd training must not leave a marker that lies (stages.Context: markers written last,
+   with the hashes of outputs and inputs); an altered checkpoint or bundle re-runs its stage;
+2. a name cannot make a stage write outside --runs-dir;
+3. two pipelines on one run folder: the second fails at once (Context.lock);
+4. a YAML alias bomb is refused in milliseconds;
+and the weaknesses: ranges checked before any work, one message per failure instead of a traceback, ssh
+argv safety, the runner runnable from any folder, runner deaths and select errors reported as they are.
+
+The pipelines run on a small digits config (40 epochs, 2 x 2 candidates, a FLOPs-model device so that
+nothing is profiled), trained once per module (`base`); each test works on a copy of that run folder.
+"""
+
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import edgebayes
+from edgebayes.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, main
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCHS = 40
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",   # subprocesses import this checkout's edgebayes
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(edgebayes.__file__).resolve().parents[1]),
+                                                   os.environ.get("PYTHONPATH")]))}
+
+
+def cli(capsys, *args):
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line(err):
+    """The command line's contract: one message, no traceback."""
+    return err.startswith("edgebayes: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def write_config(path, **sections):
+    cfg = yaml.safe_load((ROOT / "pipeline.yaml").read_text())
+    cfg["name"] = "faults"
+    cfg["train"]["epochs"] = EPOCHS
+    cfg["select"].update(knob_values=[0.5, 0.9], mc_samples=[1, 2])
+    cfg["benchmark"] = {"warmup": 2, "min_runs": 20, "min_seconds": 0.05, "rounds": 2}
+    for section, values in sections.items():
+        cfg[section].update(values)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def write_device(path, **sections):
+    profile = yaml.safe_load((ROOT / "devices/local.yaml").read_text())
+    profile["name"] = path.stem
+    profile["latency_model"] = {"kind": "flops", "flops_per_second": 1e9}
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            profile.setdefault(section, {}).update(values)
+        else:
+            profile[section] = values
+    path.write_text(yaml.safe_dump(profile))
+    return path
+
+
+def flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The small config's whole pipeline, run once; the figures every later run must reproduce."""
+    tmp = tmp_path_factory.mktemp("faults")
+    config, device = write_config(tmp / "faults.yaml"), write_device(tmp / "flops.yaml")
+    assert main(["pipeline", "--config", str(config), "--device", str(device), "--runs-dir", str(tmp / "runs")]) == 0
+    return SimpleNamespace(tmp=tmp, config=config, device=device, runs=tmp / "runs",
+                           deployed=figures(tmp / "runs"))
+
+
+@pytest.fixture
+def runs(base, tmp_path):
+    shutil.copytree(base.runs, tmp_path / "runs")
+    return tmp_path / "runs"
+
+
+def figures(runs):
+    """What was deployed and what the report says, checked to agree with each other and the checkpoint."""
+    run = runs / "faults"
+    state = torch.load(run / "train/checkpoint.pt", weights_only=True)
+    metrics = json.loads((run / "train/metrics.json").read_text())
+    choice = json.loads((run / "select/flops/choice.json").read_text())
+    export = json.loads((run / "export/flops/export.json").read_text())
+    results = json.loads((run / "deploy/flops/results.json").read_text())
+    report = json.loads((run / "report/flops/report.json").read_text())
+    assert state["epoch"] == metrics["epochs"] == len(metrics["history"]) == EPOCHS
+    assert report["train"]["test"] == metrics["test"]                       # the report shows this training
+    assert (choice["knob_value"], choice["mc_samples"]) == (export["knob_value"], export["mc_samples"]) \
+        == (results["bundle"]["knob"]["value"], results["bundle"]["mc_samples"])  # choice == bundle
+    assert report["choice"]["knob_value"] == choice["knob_value"]             # == report
+    accuracy = results["metrics"]["accuracy"]
+    assert accuracy == export["reference"]["accuracy"] == report["results"]["metrics"]["accuracy"]
+    return {"accuracy": accuracy, "test": metrics["test"], "knob_value": choice["knob_value"]}
+
+
+def pipeline(capsys, base, runs, config=None):
+    code, out, err = cli(capsys, "pipeline", "--config", config or base.config, "--device", base.device,
+                         "--runs-dir", runs)
+    assert code == 0, err
+    return out
+
+
+def start(base, runs, *args):
+    return subprocess.Popen([sys.executable, "-m", "edgebayes.cli", *args, "--device", str(base.device),
+                             "--runs-dir", str(runs)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for_epoch(proc, checkpoint, at_least, timeout=120):
+    """Watch the checkpoint the subprocess writes (atomically, once per epoch) until it holds a new run's
+    epoch `at_least` (and not the finished run's); returns that epoch."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            epoch = torch.load(checkpoint, weights_only=True)["epoch"]
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+            epoch = None
+        if epoch is not None and at_least <= epoch < EPOCHS:
+            return epoch
+        time.sleep(0.05)
+    raise AssertionError("the training subprocess never reached the epoch")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Markers that cannot lie
+# ---------------------------------------------------------------------------------------------
+def test_training_killed_mid_run_resumes_and_deploys_what_it_reports(base, runs, capsys):
+    """`train --force` killed (SIGKILL) at a known epoch, then `pipeline`: the training resumes and
+    finishes, and everything after it runs again: the deployed model is the reported one (and, resumed
+    exactly, the same as the uninterrupted run's)."""
+    proc = start(base, runs, "train", "--force", "--config", str(base.config))
+    killed_at = wait_for_epoch(proc, runs / "faults/train/checkpoint.pt", 5)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert not (runs / "faults/train/stage.json").exists()
+    out = pipeline(capsys, base, runs)
+    assert "train: running (no finished run: never run, interrupted or failed)" in out
+    assert int(re.search(r"resuming from .*checkpoint.pt after epoch (\d+)", out).group(1)) >= killed_at
+    for stage in ("select", "export", "deploy", "report"):
+        assert f"{stage}: running" in out
+    assert "select: running (its input train/checkpoint.pt changed since it was read)" in out
+    assert figures(runs) == base.deployed
+
+
+def test_ctrl_c_while_training_an_edited_config_then_revert(base, runs, capsys):
+    """Another lr, Ctrl-C during its training (exit 130, one line), back to the original config: the
+    original is trained again, not taken for up to date. Meanwhile a second pipeline on the same run
+    folder fails at once, naming the first one's pid."""
+    edited = write_config(runs.parent / "edited.yaml", train={"lr": 1e-2})
+    proc = start(base, runs, "pipeline", "--config", str(edited))
+    wait_for_epoch(proc, runs / "faults/train/checkpoint.pt", 3)
+
+    t0 = time.monotonic()
+    code, _, err = cli(capsys, "pipeline", "--config", base.config, "--device", base.device, "--runs-dir", runs)
+    assert code == EXIT_FAILED and one_line(err) and f"in use by another edgebayes (pid {proc.pid})" in err, err
+    assert time.monotonic() - t0 < 5
+
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert proc.returncode == EXIT_INTERRUPTED == 130
+    assert err.strip().splitlines()[-1] == "edgebayes: interrupted; run again to resume" and "Traceback" not in err
+
+    out = pipeline(capsys, base, runs)
+    assert "train: running" in out and "resuming" not in out   # the edited run's checkpoint is not resumed
+    assert figures(runs) == base.deployed
+
+
+def test_altered_checkpoint_reruns_train_from_scratch(base, runs, capsys):
+    checkpoint = runs / "faults/train/checkpoint.pt"
+    flip_byte(checkpoint)
+    # A stage run alone refuses it instead of loading it:
+    code, _, err = cli(capsys, "select", "--config", base.config, "--device", base.device, "--runs-dir", runs)
+    assert code == EXIT_FAILED and one_line(err) and f"{checkpoint} is not what the train stage wrote" in err, err
+    out = pipeline(capsys, base, runs)
+    assert "train: running (its output checkpoint.pt changed since the stage wrote it)" in out
+    assert "resuming" not in out
+    assert figures(runs) == base.deployed
+
+
+def test_altered_bundle_reruns_export_and_stale_temporaries_go(base, runs, capsys):
+    export = runs / "faults/export/flops"
+    flip_byte(export / "bundle/model.onnx")
+    (export / ".artifacts.killed").mkdir()              # what a killed export leaves behind
+    (export / ".artifacts.killed/onnx.onnx").write_bytes(b"partial")
+    code, _, err = cli(capsys, "deploy", "--config", base.config, "--device", base.device, "--runs-dir", runs)
+    assert code == EXIT_FAILED and one_line(err), err
+    assert "bundle/model.onnx is not what the export stage wrote" in err and "run `edgebayes export`" in err
+    out = pipeline(capsys, base, runs)
+    assert "train: up to date" in out and "select: up to date" in out
+    assert "export: running (its output bundle/model.onnx changed since the stage wrote it)" in out
+    assert "deploy: running (no finished run" in out   # the refused deploy above had begun: no marker
+    assert not list(export.glob(".*"))
+    assert figures(runs) == base.deployed
+
+
+def test_empty_or_garbled_markers_rerun_their_stage(base, runs, capsys):
+    (runs / "faults/deploy/flops/stage.json").write_text("")
+    (runs / "faults/report/flops/stage.json").write_text("{")
+    out = pipeline(capsys, base, runs)
+    assert "export: up to date" in out
+    assert "deploy: running (no valid stage.json" in out and "report: running (no valid stage.json" in out
+    assert figures(runs) == base.deployed
+
+
+def test_code_version_is_part_of_the_fingerprint(base, runs, monkeypatch, capsys):
+    """An upgrade (another code version) re-runs the stages instead of reusing older code's artifacts."""
+    import edgebayes.stages
+
+    monkeypatch.setattr(edgebayes.stages, "code_version", lambda: "9.9.9+other")
+    code, out, err = cli(capsys, "train", "--config", base.config, "--device", base.device, "--runs-dir", runs)
+    assert code == 0, err
+    assert "train: running (config, device profile or code changed)" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Names and paths
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["../../outside", "/abs/outside", "..", ".hidden", "-rf", "a/b"])
+def test_names_that_point_elsewhere_are_refused(name, tmp_path, capsys):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    runs = tmp_path / "a/b/runs"
+    device = write_device(tmp_path / "dev.yaml", name=name)
+    code, _, err = cli(capsys, "pipeline", "--config", write_config(tmp_path / "c.yaml"), "--device", device,
+                       "--runs-dir", runs)
+    assert code == EXIT_BAD_INPUT and one_line(err) and f"{device}: name: expected letters" in err, err
+    config = tmp_path / "named.yaml"
+    config.write_text((tmp_path / "c.yaml").read_text().replace("name: faults", f"name: '{name}'"))
+    code, _, err = cli(capsys, "pipeline", "--config", config, "--runs-dir", runs)
+    assert code == EXIT_BAD_INPUT and f"{config}: name: expected letters" in err, err
+    assert not runs.exists() and [p.name for p in outside.iterdir()] == ["keep.txt"]
+
+
+def test_stage_folder_linked_outside_the_runs_folder_is_refused(base, runs, tmp_path, capsys):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    report = runs / "faults/report/flops"
+    shutil.rmtree(report)
+    report.symlink_to(outside)
+    code, _, err = cli(capsys, "report", "--config", base.config, "--device", base.device, "--runs-dir", runs)
+    assert code == EXIT_FAILED and one_line(err) and "outside --runs-dir" in err, err
+    assert [p.name for p in outside.iterdir()] == ["keep.txt"]
+
+
+def test_a_marker_cannot_name_files_outside_its_folder(base, runs, tmp_path, capsys):
+    """Altered outputs are removed before a stage re-runs: only inside the stage's own folder."""
+    keep = tmp_path / "keep.txt"
+    keep.write_text("mine")
+    marker = runs / "faults/report/flops/stage.json"
+    done = json.loads(marker.read_text())
+    done["outputs"].update({str(keep): "0" * 64, f"../../../../{keep.name}": "0" * 64})
+    marker.write_text(json.dumps(done))
+    code, out, err = cli(capsys, "report", "--config", base.config, "--device", base.device, "--runs-dir", runs)
+    assert code == 0 and "report: running (its output" in out, err
+    assert keep.read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The YAML loader, and every range before any work
+# ---------------------------------------------------------------------------------------------
+def test_alias_bomb_exits_2_within_a_second_and_100_mb(tmp_path):
+    """Nine levels of nine aliases (9^9 items if expanded) under a known key: refused by the loader, in a
+    process that never imports torch (configs are checked first)."""
+    bomb = 'x: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+    for x, y in zip("abcdefgh", "bcdefghi"):
+        bomb += f"x{y}: &{y} [" + ",".join([f"*{x}"] * 9) + "]\n"
+    config = tmp_path / "bomb.yaml"
+    config.write_text(bomb + "name: *i\nselect:\n  knob_values: *i\n")
+    # The command line in a child that reports its own peak memory (VmHWM: this address space only;
+    # ru_maxrss of a forked child would include this test process's).
+    probe = ("import sys; from edgebayes.cli import main; code = main(sys.argv[1:]); "
+             "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); sys.exit(code)")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", probe, "train", "--config", str(config), "--runs-dir",
+                           str(tmp_path / "runs")], env=ENV, capture_output=True, text=True)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr
+    assert one_line(proc.stderr) and f"{config}: line 2: alias *a: YAML aliases are not accepted" in proc.stderr
+    peak_mb = int(proc.stdout) / 1024
+    assert elapsed < 1.0 and peak_mb < 100, (elapsed, peak_mb)
+    assert not (tmp_path / "runs").exists()
+
+
+BAD_PIPELINE = {
+    "lr .inf": ("train:\n  lr: .inf\n", r"train\.lr: expected a finite number, got inf"),
+    "seed 1e23": ("seed: 1e23\n", r"seed: expected an integer, got 1e\+23 \(float\)"),
+    "seed 2^70": (f"seed: {2 ** 70}\n", r"seed: expected an integer in 0\.\.2\^32 - 1"),
+    "huge int for a float": (f"train:\n  lr: {10 ** 400}\n", r"train\.lr: expected a finite number"),
+    "opset 1": ("export:\n  opset: 1\n", r"export\.opset: expected an ONNX opset in 7\.\.20"),
+    "knob out of range": ("select:\n  knob_values: [0.5, 1.5]\n",
+                          r"select\.knob_values: expected inclusion thresholds in \(0, 1\), got \[0\.5, 1\.5\]"),
+    "warmup -1": ("benchmark:\n  warmup: -1\n", r"benchmark\.warmup: expected a non-negative integer"),
+    "lr_gamma -5": ("train:\n  lr_gamma: -5\n", r"train\.lr_gamma: expected a number in \(0, 1\]"),
+    "M 1e6": ("select:\n  mc_samples: [1, 1000000]\n", r"select\.mc_samples: expected integers in 1\.\.1000"),
+    "duplicate key": ("train:\n  epochs: 3\ntrain:\n  epochs: 4\n",
+                      r"line 3: key 'train' appears twice in the same mapping"),
+    "alias under a known key": ("x: &v [0.5]\nselect:\n  knob_values: *v\n", r"line 3: alias \*v"),
+    "empty file": ("# nothing here\n", r"empty file \(expected a mapping of keys"),
+    "long value shortened": ("name: " + "x" * 100_000 + "\n", r"name: expected letters.*got 'x{20,}\.\.\.x+'$"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PIPELINE))
+def test_bad_pipeline_values_exit_2_before_any_work(case, tmp_path, capsys):
+    text, pattern = BAD_PIPELINE[case]
+    config = tmp_path / "p.yaml"
+    config.write_text(text)   # the keys not given keep their defaults
+    code, _, err = cli(capsys, "pipeline", "--config", config, "--runs-dir", tmp_path / "runs")
+    assert code == EXIT_BAD_INPUT and one_line(err) and len(err) < 400, err
+    assert re.search(re.escape(str(config)) + ": " + pattern, err.strip()), err
+    assert not (tmp_path / "runs").exists()
+
+
+BAD_DEVICE = {
+    "threads -1": ({"runtime": {"threads": -1}}, r"runtime\.threads: expected a non-negative integer"),
+    "batch 1e9": ({"budgets": {"batch_size": 1e9}}, r"budgets\.batch_size: expected an integer, got 1000000000\.0"),
+    "batch 10^9": ({"budgets": {"batch_size": 10 ** 9}}, r"budgets\.batch_size: expected an integer in 1\.\.4096"),
+    "user option": ({"connection": {"kind": "ssh", "host": "board", "user": "-oProxyCommand=touch /tmp/x"}},
+                    r"connection\.user: must not be empty or start with '-'"),
+    "host option": ({"connection": {"kind": "ssh", "host": "-oProxyCommand=x"}}, r"connection\.host: must not"),
+    "ProxyCommand": ({"connection": {"kind": "ssh", "host": "board", "options": ["ProxyCommand=touch /tmp/x"]}},
+                     r"connection\.options: 'ProxyCommand=touch /tmp/x' makes ssh run a command on this machine"),
+    "LocalCommand": ({"connection": {"kind": "ssh", "host": "board",
+                                     "options": ["PermitLocalCommand=yes", "localcommand=touch /tmp/x"]}},
+                     r"connection\.options: 'PermitLocalCommand=yes' makes ssh run a command"),
+    "min_free_mb": ({"connection": {"min_free_mb": -1}}, r"connection\.min_free_mb: expected a number >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DEVICE))
+def test_bad_device_values_exit_2_before_any_work(case, tmp_path, capsys):
+    changes, pattern = BAD_DEVICE[case]
+    device = write_device(tmp_path / "dev.yaml", **changes)
+    code, _, err = cli(capsys, "pipeline", "--config", write_config(tmp_path / "c.yaml"), "--device", device,
+                       "--runs-dir", tmp_path / "runs")
+    assert code == EXIT_BAD_INPUT and one_line(err), err
+    assert re.search(re.escape(str(device)) + ": " + pattern, err), err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_ssh_argv_ends_options_before_the_destination_and_trusted_profiles_may_proxy(tmp_path):
+    from edgebayes.config import load_device_profile
+    from edgebayes.deploy.transport import transport_for
+
+    device = write_device(tmp_path / "board.yaml", connection={
+        "kind": "ssh", "host": "board", "user": "pi", "trusted": True, "options": ["ProxyCommand=ssh -W %h:%p gw"]})
+    argv = transport_for(load_device_profile(str(device)), tmp_path).ssh
+    assert argv[-2:] == ["--", "pi@board"] and "ProxyCommand=ssh -W %h:%p gw" in argv
+
+
+# ---------------------------------------------------------------------------------------------
+# One message per failure
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["a file", "read-only"])
+def test_unusable_runs_folder(kind, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    if kind == "a file":
+        runs.write_text("not a folder")
+    else:  # root ignores permission bits, not a read-only mount (mounting needs root, as CI runs)
+        runs.mkdir()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(runs)], capture_output=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        code, _, err = cli(capsys, "train", "--config", write_config(tmp_path / "c.yaml"), "--runs-dir", runs)
+    finally:
+        if kind == "read-only":
+            subprocess.run(["umount", str(runs)], check=False)
+    assert code == EXIT_FAILED and one_line(err), err
+    assert f"train failed: {runs / 'faults'}: " + ("Not a directory" if kind == "a file" else "Read-only file system") \
+        in err, err
+
+
+def test_hostile_pickle_as_checkpoint_is_refused_without_running_it(base, tmp_path, capsys):
+    """A checkpoint that would run a command when unpickled: torch's weights_only refuses it, and the
+    refusal is one line naming the file. (run.json says "same run", so the trainer tries to resume.)"""
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.stages import Context
+
+    canary = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {canary}",))
+
+    train = tmp_path / "runs/faults/train"
+    train.mkdir(parents=True)
+    (train / "checkpoint.pt").write_bytes(pickle.dumps(Evil(), protocol=2))
+    fp = Context(load_pipeline_config(base.config), load_device_profile(str(base.device))).fingerprint("train")
+    (train / "run.json").write_text(json.dumps({"fingerprint": fp}))
+    code, _, err = cli(capsys, "train", "--config", base.config, "--device", base.device,
+                       "--runs-dir", tmp_path / "runs")
+    assert code == EXIT_FAILED and one_line(err), err
+    assert f"{train / 'checkpoint.pt'}: not a checkpoint edgebayes can load (UnpicklingError" in err
+    assert not canary.exists()
+
+
+@pytest.mark.parametrize("error, code, message", [
+    (OSError(28, "No space left on device", "/r/faults/export/flops/export.json"), EXIT_FAILED,
+     "pipeline failed: /r/faults/export/flops/export.json: No space left on device"),
+    (PermissionError(13, "Permission denied", "/r/faults/.lock"), EXIT_FAILED,
+     "pipeline failed: /r/faults/.lock: Permission denied"),
+    (MemoryError(), EXIT_FAILED, "pipeline failed: out of memory"),
+    (KeyboardInterrupt(), EXIT_INTERRUPTED, "interrupted; run again to resume"),
+    (json.JSONDecodeError("Expecting value", "", 0), EXIT_FAILED, "pipeline failed: unreadable file content"),
+])
+def test_top_level_handler_one_line_per_failure(error, code, message, base, monkeypatch, capsys, tmp_path):
+    import edgebayes.stages
+
+    def fail(ctx):
+        raise error
+
+    monkeypatch.setattr(edgebayes.stages, "run_pipeline", fail)
+    rc, _, err = cli(capsys, "pipeline", "--config", base.config, "--device", base.device, "--runs-dir", tmp_path)
+    assert rc == code and one_line(err) and err.startswith(f"edgebayes: {message}"), err
+
+
+def test_a_stage_out_of_memory_or_disk_names_the_stage(base, runs, monkeypatch, capsys):
+    """MemoryError and a nameless OSError (matplotlib on a full disk) in a stage: the stage and its folder."""
+    import edgebayes.stages
+
+    def no_space(ctx):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setitem(edgebayes.stages.RUNNERS, "report", no_space)
+    code, _, err = cli(capsys, "report", "--force", "--config", base.config, "--device", base.device,
+                       "--runs-dir", runs)
+    assert code == EXIT_FAILED and one_line(err), err
+    assert f"report: No space left on device (writing in {runs / 'faults/report/flops'})" in err
+
+
+def test_full_disk_under_atomic_writes_names_the_file(tmp_path):
+    """A real full disk (a 64 KiB tmpfs; mounting needs root, as CI runs): torch's own writer would say
+    `RuntimeError: unexpected pos`; the atomic writers raise ENOSPC with the file's name."""
+    from edgebayes.provenance import atomic_torch_save, write_json
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        with pytest.raises(OSError, match="No space left on device") as e:
+            atomic_torch_save({"x": torch.zeros(100_000)}, mnt / "checkpoint.pt")
+        assert e.value.filename == str(mnt / "checkpoint.pt")
+        with pytest.raises(OSError) as e:
+            write_json(mnt / "metrics.json", {"x": "y" * 200_000})
+        assert e.value.filename == str(mnt / "metrics.json")
+        assert not list(mnt.iterdir())   # no temporary left behind
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner and the device
+# ---------------------------------------------------------------------------------------------
+def test_runner_runs_from_any_folder(tmp_path):
+    """`python src/edgebayes/deploy/runner.py` puts deploy/ first on sys.path: no module there (or anywhere
+    in the package) may be named like a standard module (deploy/select.py shadowed `select`)."""
+    runner = Path(edgebayes.__file__).parent / "deploy/runner.py"
+    proc = subprocess.run([sys.executable, str(runner), "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: runner.py" in proc.stdout, proc.stderr
+    modules = {p.stem for p in Path(edgebayes.__file__).parent.rglob("*.py")}
+    assert not modules & set(sys.stdlib_module_names)
+
+
+def test_runner_killed_by_a_signal_is_named(tmp_path):
+    from edgebayes.deploy.transport import LocalTransport, runner_failure
+
+    script = tmp_path / "runner.py"
+    script.write_text("import os, signal, sys\nsys.stderr.write('runner: accuracy 0.97\\n')\n"
+                      "sys.stderr.write('runner: timing (300 runs):  45%|####      |\\n')\n"
+                      "os.kill(os.getpid(), signal.SIGKILL)\n")
+    code, err = LocalTransport("board", tmp_path).run(["runner.py"])
+    message = runner_failure("board", code, err)
+    assert code == -9 and message.startswith("the runner failed on device board (killed by SIGKILL)")
+    assert "%|" not in message and "exit code -9" not in message
+    assert runner_failure("board", 137, err) == ("the runner failed on device board (exit code 137: killed by "
+                                                 "SIGKILL) (SIGKILL: the device may have run out of memory)")
+    assert runner_failure("board", 1, ["runner: x", "ValueError: bad", "runner: t:  3%|#  |"]).endswith(
+        "(exit code 1): ValueError: bad")
+
+
+def test_select_advises_profiling_only_when_the_device_is_unavailable(base):
+    """A full disk (or a crashed runner, a read-only folder) is not 'no latency table': it is reported as
+    it is; only an unusable device falls back to the prediction."""
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.deploy.selection import _latencies
+    from edgebayes.deploy.transport import DeviceUnavailable, TransportError
+
+    profile = load_device_profile(str(write_device(base.tmp / "measured.yaml",
+                                                   latency_model={"kind": "measure", "flops_per_second": 1e9})))
+    cfg = load_pipeline_config(base.config)
+
+    class Device:
+        def __init__(self, error):
+            self.error = error
+
+        def preflight(self, *args):
+            raise self.error
+
+        def where(self):
+            return "nowhere"
+
+    bench = {"warmup": 1, "min_runs": 1, "min_seconds": 0, "rounds": 1}
+    full = TransportError("device measured: disk full in x on nowhere (No space left on device)")
+    example = np.zeros((1, 64), dtype=np.float32)
+    with pytest.raises(TransportError) as e:
+        _latencies(cfg, profile, Device(full), [], example, bench, base.runs, print)
+    assert "disk full" in str(e.value) and "devices profile" not in str(e.value)
+    logged = []
+    measured, predictor, _ = _latencies(cfg, profile, Device(DeviceUnavailable("device measured: host unreachable")),
+                                        [], example, bench, base.runs, logged.append)
+    assert predictor is not None and "host unreachable" in logged[0]
