@@ -326,8 +326,12 @@ def test_runner_times_models_in_interleaved_rounds(tmp_path):
     for m in res["models"]:
         assert m["runs"] >= 30 and m["rounds"] == 3
         assert 0 < m["latency_ms"]["p50"] <= m["latency_ms"]["p90"] <= m["latency_ms"]["p99"]
-        assert m["latency_ms"]["p90"] == min(r["p90"] for r in m["round_ms"]) and len(m["round_ms"]) == 3
+        assert m["latency_ms_best_round"]["p90"] == min(r["p90"] for r in m["round_ms"]) and len(m["round_ms"]) == 3
+        assert m["latency_ms"]["max"] == max(r["max"] for r in m["round_ms"])   # every run counts
     assert res["protocol"]["rounds"] == 3
+    # What selection's memory estimate needs: the runtime alone, and its one-off set-up (smallest model first).
+    assert res["memory"]["runtime_baseline_mb"] > 1 and res["memory"]["runtime_setup_mb"] >= 0
+    assert res["memory"]["setup_measured_with"] == "small"
     assert res["tags"] == {"device": "t"} and res["protocol"]["threads"] == 1 and res["runtime"]["name"] == "onnxruntime"
     assert runner_main(["--time-models", str(tmp_path / "nope.json"), "--out", str(out)]) == 1
 

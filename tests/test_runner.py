@@ -123,7 +123,17 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
     lat = res["latency_ms"]
     assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
     assert res["runs"] >= 5 and res["seconds"] >= 0.02 and res["rounds"] == runner.DEFAULT_ROUNDS
-    assert lat["p90"] == pytest.approx(min(r["p90"] for r in res["latency_rounds_ms"]))
+    assert res["latency_ms_best_round"]["p90"] == pytest.approx(min(r["p90"] for r in res["latency_rounds_ms"]))
+    assert lat["max"] == pytest.approx(max(r["max"] for r in res["latency_rounds_ms"]))
+    cold = res["cold_start"]
+    assert cold["session_create_ms"] > 0 and cold["first_inference_ms"] > 0 and cold["engine_build_ms"] is None
+    mem = res["memory"]
+    assert mem["runtime_baseline_mb"] > 1 and mem["model_mb"] >= 0 and mem["batch_size"] == 3
+    assert mem["deployed_mb"] == pytest.approx(mem["runtime_baseline_mb"] + mem["model_mb"])
+    assert res["peak_rss_mb"] >= mem["deployed_mb"] - 1e-9   # the runner's own peak holds the eval set too
+    assert res["ood"] is None                                 # this bundle has no OOD inputs
+    sel = res["selective"]
+    assert sel["rejected"][0] == 0 and sel["accuracy"][0] == pytest.approx(res["metrics"]["accuracy"])
     assert res["warmup"] == 2 and res["batch_size"] == 3
     assert res["throughput_per_s"] == pytest.approx(3 * res["runs"] / res["seconds"])
     assert res["peak_rss_mb"] > 1
@@ -137,18 +147,36 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]  # atomic write cleaned up
 
 
-def test_latency_is_the_best_rounds_so_slow_spells_move_nothing_unless_they_cover_every_round():
+def test_latency_percentiles_are_over_every_timed_run(bundle, tmp_path):
+    """50 runs in 5 rounds, all kept in the file: the reported p90 is theirs, the best round's beside it."""
+    bundle_dir, _, _ = bundle
+    out = tmp_path / "r.json"
+    assert runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--warmup", "2", "--min-runs", "50",
+                        "--min-seconds", "0", "--rounds", "5", "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["runs"] == 50 and len(res["latency_samples_ms"]) == 50
+    assert res["latency_ms"]["p90"] == pytest.approx(float(np.percentile(res["latency_samples_ms"], 90)))
+    assert res["latency_ms"]["p99"] == pytest.approx(float(np.percentile(res["latency_samples_ms"], 99)))
+    assert res["latency_ms_best_round"]["p90"] == pytest.approx(min(r["p90"] for r in res["latency_rounds_ms"]))
+
+
+def test_latency_counts_every_run_and_keeps_the_best_round_beside_it():
+    """The tail a user of a busy device sees is the verdict's figure (MLPerf LoadGen counts every query);
+    the best round, the device undisturbed, is kept beside it and does not move with slow spells."""
     rng = np.random.default_rng(0)
     fast = [{"samples_ms": list(0.020 + 0.002 * rng.random(500)), "runs": 500, "seconds": 0.01} for _ in range(3)]
     slow = [{"samples_ms": list(0.040 + 0.004 * rng.random(500)), "runs": 500, "seconds": 0.02} for _ in range(3)]
     summary = runner.latency_summary(fast[:1] + slow[:1] + fast[1:2] + slow[1:], batch_size=1)
     calm = runner.latency_summary(fast, batch_size=1)
-    assert summary["latency_ms"]["p90"] == pytest.approx(calm["latency_ms"]["p90"], rel=0.02)
-    assert summary["latency_ms_median"]["p90"] > 0.039   # 3 of 5 rounds in the spell: the median round
-    assert summary["latency_ms_pooled"]["p90"] > 0.039   # and the pooled samples are the spell's,
+    pooled = np.concatenate([r["samples_ms"] for r in fast[:1] + slow[:1] + fast[1:2] + slow[1:]])
+    assert summary["latency_ms"]["p90"] == pytest.approx(float(np.percentile(pooled, 90)))
+    assert summary["latency_ms"]["p90"] > 0.039          # 3 of 5 rounds in the spell: the tail is the spell's
+    assert summary["latency_ms"]["p50"] > 0.039 and summary["latency_ms"]["max"] == pytest.approx(pooled.max())
+    assert summary["latency_ms_best_round"]["p90"] == pytest.approx(calm["latency_ms"]["p90"], rel=0.02)
+    assert summary["latency_ms_median"]["p90"] > 0.039
     assert summary["spread"]["p90"] > 0.8                # and the rounds' range shows it
     assert calm["spread"]["p90"] < 0.15
-    assert runner.latency_summary(slow, batch_size=1)["latency_ms"]["p90"] > 0.04   # a spell over all rounds
+    assert calm["latency_ms"]["p90"] == pytest.approx(calm["latency_ms_best_round"]["p90"], rel=0.1)
     assert summary["rounds"] == 5 and summary["runs"] == 2500
     assert summary["throughput_per_s"] == pytest.approx(2500 / 0.08)
     assert len(summary["round_ms"]) == 5 and summary["round_ms"][1]["p50"] > 0.04
