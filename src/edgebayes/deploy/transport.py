@@ -91,6 +91,12 @@ class TransportError(StageError):
     pass
 
 
+class DeviceUnavailable(TransportError):
+    """The device cannot run anything for us: unreachable, authentication refused, python or runtime
+    missing. Only then may selection predict latency instead of measuring it; a runner that crashed or a
+    full disk is a real failure, reported as it is (issue 19)."""
+
+
 def _lines(data: bytes) -> list:
     return [ln.strip() for ln in data.decode(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
 
@@ -121,7 +127,7 @@ class Transport:
         """Facts about the device (see PROBE). Raises TransportError if the device or its python is absent."""
         code, out, err = self.run_python(["-c", PROBE, ",".join(RUNTIME_MODULES[runtime]), str(self.workdir)])
         if code != 0 or not out:
-            raise TransportError(self._python_failure(code, err))
+            raise DeviceUnavailable(self._python_failure(code, err))
         return json.loads(out[-1])
 
     def preflight(self, runtime, need_bytes, min_free_mb):
@@ -129,10 +135,10 @@ class Transport:
         facts = self.probe(runtime)
         rt = facts["runtime"]
         if rt["module"] is None:
-            raise TransportError(f"device {self.name}: runtime {runtime} is not installed for {facts['executable']} "
+            raise DeviceUnavailable(f"device {self.name}: runtime {runtime} is not installed for {facts['executable']} "
                                  f"({rt['error']}); install it on the device (e.g. pip install {runtime})")
         if facts["numpy"] is None:
-            raise TransportError(f"device {self.name}: numpy is not installed for {facts['executable']}; "
+            raise DeviceUnavailable(f"device {self.name}: numpy is not installed for {facts['executable']}; "
                                  "the runner needs it (pip install numpy)")
         need_mb = need_bytes / 1e6 + min_free_mb
         if facts["disk_free_mb"] < need_mb:
@@ -189,7 +195,7 @@ class LocalTransport(Transport):
         try:
             return _stream([self.python, *map(str, args)], cwd=self.workdir)
         except OSError as e:
-            raise TransportError(self._python_failure(127, [str(e)])) from None
+            raise DeviceUnavailable(self._python_failure(127, [str(e)])) from None
 
     def get(self, remote_name, local):
         src = self.workdir / remote_name
@@ -243,8 +249,8 @@ class SSHTransport(Transport):
                 code, err = _stream(argv, echo=echo)
                 out = b""
         except FileNotFoundError:
-            raise TransportError("the OpenSSH client `ssh` is not installed on this machine "
-                                 "(apt-get install openssh-client)") from None
+            raise DeviceUnavailable("the OpenSSH client `ssh` is not installed on this machine "
+                                    "(apt-get install openssh-client)") from None
         self._raise_if_ssh_failed(code, err)
         return code, out, err
 
@@ -255,13 +261,13 @@ class SSHTransport(Transport):
         text = " ".join(err)
         last = next((ln for ln in reversed(err) if any(k in ln for k in _AUTH + _UNREACHABLE)), err[-1] if err else "")
         if any(k in text for k in _AUTH):
-            raise TransportError(f"device {self.name}: authentication refused by {self.destination} ({last}); "
+            raise DeviceUnavailable(f"device {self.name}: authentication refused by {self.destination} ({last}); "
                                  "check connection.user and connection.identity_file, your ssh-agent and "
                                  "~/.ssh/config (ssh runs with BatchMode=yes: no password prompts)")
         # ssh always says why it could not connect; a silent 255 is the remote command's own exit (or a
         # signal that killed it), which the caller reports as the runner's failure.
         if any(k in text for k in _UNREACHABLE):
-            raise TransportError(f"device {self.name}: host unreachable: {self.destination} ({last or 'no answer'}); "
+            raise DeviceUnavailable(f"device {self.name}: host unreachable: {self.destination} ({last or 'no answer'}); "
                                  "is the device on, on the network, and is sshd running on the port the "
                                  "profile names?")
 
@@ -306,4 +312,11 @@ def transport_for(profile, default_workdir):
     c = profile.connection
     if c.kind == "local":
         return LocalTransport(profile.name, expand_repo(c.workdir) or default_workdir, c.python)
+    if c.local_sshd:   # this machine through a throwaway sshd, started for this command (localsshd.ensure)
+        from edgebayes.deploy import localsshd
+
+        try:
+            localsshd.ensure(c)
+        except (localsshd.SSHDUnavailable, OSError, subprocess.CalledProcessError) as e:
+            raise DeviceUnavailable(f"device {profile.name}: its local sshd did not start: {e}") from None
     return SSHTransport(profile.name, c)
