@@ -216,6 +216,73 @@ def test_pipeline_over_real_ssh(trained_runs, ssh_device, capsys):
     shutil.rmtree(Path.home() / "edgebayes/ssh-dev")
 
 
+def test_pipeline_starts_and_stops_its_own_sshd(trained_runs, tmp_path, capsys):
+    """A `local_sshd` profile (ssh-localhost's kind): the pipeline starts the throwaway sshd it needs and
+    stops it at the end; one that was running before is left running."""
+    if localsshd.find_sshd() is None:
+        pytest.skip("no sshd binary on this machine (apt-get install openssh-server; .ci/run does)")
+    keys = tmp_path / "own-sshd"
+    port = localsshd.free_port()
+    device = write_profile(tmp_path / "own-sshd.yaml", connection={
+        "local_sshd": True, "port": port, "identity_file": str(keys / "client_key"), "python": sys.executable,
+        "workdir": str(tmp_path / "device"),
+        "options": [f"UserKnownHostsFile={keys / 'known_hosts'}", "StrictHostKeyChecking=yes", "IdentitiesOnly=yes"]})
+    cfg = yaml.safe_load(Path(CONFIG).read_text())
+    cfg["benchmark"] = {"warmup": 2, "min_runs": 20, "min_seconds": 0.02, "rounds": 2}
+    config = tmp_path / "quick.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+
+    def listening():
+        import socket
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
+
+    assert not listening()
+    code, out, err = cli(capsys, "pipeline", "--config", config, "--device", device, "--runs-dir", trained_runs)
+    assert code == 0, err
+    results = json.loads((trained_runs / "digits-ssgl/deploy/own-sshd/results.json").read_text())
+    assert results["tags"]["connection"] == "ssh"          # it did go through the sshd
+    assert not listening() and not (keys / "sshd.pid").exists() and localsshd.running(keys) is None
+
+    server = localsshd.start(keys, port)                   # started by hand (make sshd-localhost): kept
+    try:
+        code, _, err = cli(capsys, "deploy", "--config", config, "--device", device, "--runs-dir", trained_runs,
+                           "--force")
+        assert code == 0, err
+        assert listening() and localsshd.running(keys, port).pid == server.pid
+    finally:
+        server.stop()
+    assert not listening()
+
+
+def test_placeholders_are_the_working_directory_and_this_interpreter(tmp_path, monkeypatch):
+    from edgebayes.config import expand_repo
+
+    monkeypatch.chdir(tmp_path)
+    assert expand_repo("{repo}/runs/ssh-localhost/client_key") == f"{tmp_path}/runs/ssh-localhost/client_key"
+    assert expand_repo("{python}") == sys.executable
+    profile = load_device_profile("ssh-localhost")
+    assert profile.connection.local_sshd and profile.connection.python == "{python}"
+
+
+def test_user_devices_folder_comes_first(tmp_path, monkeypatch, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name, description in (("local", "my own local"), ("bench-box", "a box of mine")):
+        profile = yaml.safe_load((ROOT / "devices/local.yaml").read_text())
+        (mine / f"{name}.yaml").write_text(yaml.safe_dump({**profile, "name": name, "description": description}))
+    monkeypatch.setenv("EDGEBAYES_DEVICES", str(mine))
+    assert load_device_profile("local").description == "my own local"
+    assert "bench-box" in known_devices() and "jetson" in known_devices()   # the shipped ones stay
+    monkeypatch.delenv("EDGEBAYES_DEVICES")
+    assert load_device_profile("local").description != "my own local"
+    code, out, _ = cli(capsys, "devices", "list", "--devices-dir", mine)
+    assert code == 0 and "a box of mine" in out and "jetson-orin-nano" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # Latency models and joint selection
 # ---------------------------------------------------------------------------------------------

@@ -428,3 +428,46 @@ def test_runner_imports_only_stdlib_numpy_and_runtimes():
                 and getattr(node.func.value, "id", None) == "np":
             kw = {k.arg: k.value for k in node.keywords}
             assert isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value is False
+
+
+# --------------------------------------------------------------------------
+# (h) uncertainty on the device's outputs: OOD detection, selective prediction
+# --------------------------------------------------------------------------
+
+def test_ood_auroc_and_aupr_match_scikit_learn():
+    metrics = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        scores = np.round(rng.random(300), 1)        # rounded: many ties, which both must count the same way
+        labels = rng.random(300) < 0.3
+        assert runner.auroc(scores, labels) == pytest.approx(metrics.roc_auc_score(labels, scores))
+        assert runner.average_precision(scores, labels) == pytest.approx(metrics.average_precision_score(labels, scores))
+    assert runner.auroc([0.1, 0.2, 0.9, 0.8], [0, 0, 1, 1]) == 1.0
+    with pytest.raises(ValueError):
+        runner.auroc([0.1, 0.2], [1, 1])
+
+
+def test_selective_prediction_rejects_the_most_uncertain_first():
+    # 8 confident right answers, 2 uncertain wrong ones: rejecting 20 % leaves only right answers.
+    probs = np.array([[0.95, 0.05]] * 8 + [[0.55, 0.45]] * 2)
+    y = np.array([0] * 8 + [1] * 2)
+    sel = runner.selective_prediction(probs, y, fractions=(0.0, 0.1, 0.2, 0.5))
+    assert sel["accuracy"] == [0.8, pytest.approx(8 / 9), 1.0, 1.0] and sel["kept"] == [10, 9, 8, 5]
+    assert sel["max_entropy"][2] == pytest.approx(runner.predictive_entropy(probs[:1])[0])
+
+
+def test_ood_inputs_in_the_bundle_are_scored_on_the_device(bundle, tmp_path):
+    bundle_dir, probs, y = bundle
+    with np.load(bundle_dir / "eval.npz") as data:
+        x = data["x"]
+    rng = np.random.default_rng(2)
+    np.savez(bundle_dir / "eval.npz", x=x, y=y, reference_probs=probs,
+             ood_x=(10 * rng.standard_normal((30, 4))).astype(np.float32))
+    manifest = _manifest(bundle_dir)
+    manifest["files"]["eval.npz"] = {"sha256": _sha256(bundle_dir / "eval.npz"), "bytes": (bundle_dir / "eval.npz").stat().st_size}
+    _write_manifest(bundle_dir, manifest)
+    out = tmp_path / "r.json"
+    assert runner.main(["--bundle", str(bundle_dir), "--out", str(out), *FAST]) == 0
+    ood = json.loads(out.read_text())["ood"]
+    assert ood["n_in"] == 50 and ood["n_out"] == 30 and 0 <= ood["auroc"] <= 1 and 0 <= ood["aupr"] <= 1
+    assert ood["score"] == "predictive entropy"

@@ -614,6 +614,13 @@ def _plot_sparsity(layers: Any) -> bytes | None:
     return _png(fig)
 
 
+def _hist_window(xs: list[float]) -> tuple[float, float, float]:
+    """(low, high, padding) of the histogram's x-axis for sorted samples: from the fastest run to the
+    99.9th percentile, so that a few runs 100x slower do not squeeze the rest into one bar."""
+    lo, hi = xs[0], xs[min(len(xs) - 1, int(0.999 * len(xs)))]
+    return lo, hi, 0.05 * (hi - lo) if hi > lo else 0.05 * hi
+
+
 def _plot_latency_hist(samples: Any, lat: dict, budget_ms: float | None) -> bytes | None:
     """Histogram of the timed runs. The x-axis covers the data up to its 99.9th percentile (a few slow
     runs far out would squeeze the rest into one bar); the runs beyond, the maximum and a budget off the
@@ -621,10 +628,8 @@ def _plot_latency_hist(samples: Any, lat: dict, budget_ms: float | None) -> byte
     xs = sorted(v for v in (_num(s) for s in (samples or [])) if v is not None)
     if not xs:
         return None
-    unit, k = _time_axis([xs[-1]] + ([budget_ms] if budget_ms is not None and budget_ms <= xs[-1] else []))
-    hi = xs[min(len(xs) - 1, int(0.999 * len(xs)))]
-    lo = xs[0]
-    pad = 0.05 * (hi - lo) if hi > lo else 0.05 * hi
+    lo, hi, pad = _hist_window(xs)
+    unit, k = _time_axis([hi])
     shown = [v for v in xs if v <= hi]
     fig = _new_fig(5.2, 3.6)
     ax = fig.add_subplot()
