@@ -471,3 +471,13 @@ def test_ood_inputs_in_the_bundle_are_scored_on_the_device(bundle, tmp_path):
     ood = json.loads(out.read_text())["ood"]
     assert ood["n_in"] == 50 and ood["n_out"] == 30 and 0 <= ood["auroc"] <= 1 and 0 <= ood["aupr"] <= 1
     assert ood["score"] == "predictive entropy"
+
+
+def test_native_start_up_noise_is_filtered_and_the_rest_kept(capfd):
+    """TensorFlow / LiteRT write straight to fd 2; their start-up lines go, anything else stays."""
+    with runner.native_noise_filtered():
+        os.write(2, b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n")
+        os.write(2, b"I0000 00:00:1795571770.392150    6752 port.cc:153] oneDNN custom operations are on.\n")
+        os.write(2, b"E0000 real trouble: could not allocate tensors\n")
+    err = capfd.readouterr().err
+    assert err == "E0000 real trouble: could not allocate tensors\n"

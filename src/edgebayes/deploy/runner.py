@@ -36,11 +36,13 @@ failed to load or run).
 """
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import sys
 import tempfile
@@ -65,6 +67,14 @@ DEFAULT_ROUNDS = 10   # timed rounds, interleaved with the other models' (time_m
 REJECTION_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(19))   # 0 .. 0.9
 
 EXIT_OK, EXIT_WRITE, EXIT_BUNDLE, EXIT_RUNTIME = 0, 1, 2, 3
+
+# Lines TensorFlow / LiteRT's native code writes at start-up that say nothing about the run (absl INFO lines:
+# oneDNN notes, op counts; the delegate notice). Warnings and errors are not in it.
+NATIVE_NOISE = (
+    re.compile(r"^I\d{4} \d\d:\d\d:[\d.]+ +\d+ [\w./-]+\.cc:\d+\] "),
+    re.compile(r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"),
+    re.compile(r"^INFO: Created TensorFlow Lite XNNPACK delegate for CPU\.$"),
+)
 
 
 # --------------------------------------------------------------------------
@@ -431,6 +441,36 @@ def load_ood_set(bundle_dir, manifest, x):
     return np.ascontiguousarray(ood, dtype=x.dtype)
 
 
+@contextlib.contextmanager
+def native_noise_filtered(patterns=NATIVE_NOISE):
+    """Native libraries write to file descriptor 2 directly, past sys.stderr and any log level: while the
+    block runs, fd 2 goes to a temporary file, and afterwards every line of it except the known start-up
+    noise (`patterns`) is written to stderr as it came. Where fd 2 cannot be redirected, nothing is."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except ValueError:
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = [line for line in capture.read().decode(errors="replace").splitlines(keepends=True)
+                    if not any(p.search(line.rstrip("\r\n")) for p in patterns)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 # --------------------------------------------------------------------------
 # Runtime backends.  Each backend imports its runtime lazily, in __init__, so
 # that this file imports fine on a device that only has one runtime.
@@ -529,6 +569,11 @@ def _tflite_interpreter():
     are not the benchmark's: their log level is raised unless the caller set one.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with native_noise_filtered():
+        return _import_tflite_interpreter()
+
+
+def _import_tflite_interpreter():
     tried = []
     try:
         import ai_edge_litert
@@ -570,8 +615,9 @@ class TFLiteBackend(Backend):
         super().__init__(model_path, threads)
         interpreter_cls, self.package, self._version = _tflite_interpreter()
         try:
-            self.interpreter = interpreter_cls(model_path=model_path, num_threads=threads or None)
-            self.interpreter.allocate_tensors()
+            with native_noise_filtered():   # "Created TensorFlow Lite XNNPACK delegate for CPU."
+                self.interpreter = interpreter_cls(model_path=model_path, num_threads=threads or None)
+                self.interpreter.allocate_tensors()
         except Exception as exc:
             raise RuntimeProblem(f"{self.package} could not load {model_path}: {exc}") from exc
         inputs, outputs = self.interpreter.get_input_details(), self.interpreter.get_output_details()
