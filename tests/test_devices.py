@@ -434,3 +434,19 @@ def test_remote_paths_are_quoted_not_interpreted(ssh_device, tmp_path):
     transport.get("it's here.txt", tmp_path / "back.txt")
     assert (tmp_path / "back.txt").read_text() == "edge"
     assert (workdir / "it's here.txt").is_file() and not canary.exists()
+
+
+def test_table_fit_leaves_out_a_row_measured_in_a_slow_spell():
+    """One row's p99 taken during a slow spell must not move the prediction for every model."""
+    from edgebayes.deploy.latency_model import TablePredictor
+
+    rows = [{"id": f"r{g}-{m}", "precision": "fp32", "operators": 10 + m, "flops": 1000 * g * m, "params": 100 * g * m,
+             "latency_ms": {p: 0.004 + 0.0005 * (10 + m) + 0.001 * g * m / 1000 for p in ("p50", "p90", "p99")}}
+            for g in (1, 2, 4, 8, 16) for m in (1, 2, 4, 8)]
+    truth = TablePredictor({"batch_size": 1, "rows": rows}, "t.json")
+    rows[5]["latency_ms"]["p99"] *= 1.5
+    fit = TablePredictor({"batch_size": 1, "rows": rows}, "t.json")
+    assert fit.outliers["fp32", "p99"] == [rows[5]["id"]] and fit.outliers["fp32", "p90"] == []
+    for g, m in ((1, 1), (4, 2), (16, 8)):
+        args = (10 + m, 1000 * g * m, 100 * g * m, "fp32")
+        assert fit.predict(*args, 99, 1) == pytest.approx(truth.predict(*args, 99, 1), rel=0.01)

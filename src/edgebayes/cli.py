@@ -98,7 +98,8 @@ def _devices(args):
     for key, fit in table["fit"].items():
         c = fit["coefficients"]
         print(f"  {key}: latency_ms = {c[0]:.4f} + {c[1]:.4f} x operators + {c[2]:.4f} x MFLOPs + {c[3]:.4f} x param MB"
-              f"  (max in-sample error {100 * fit['max_relative_error']:.1f} %)")
+              f"  (max in-sample error {100 * fit['max_relative_error']:.1f} %"
+              + (f"; left out as outliers: {', '.join(fit['outliers'])}" if fit.get("outliers") else "") + ")")
     print(f"devices profile: table written to {path}")
     return 0
 

@@ -93,7 +93,7 @@ class TablePredictor:
 
         self.path, self.batch_size = Path(path), table["batch_size"]
         self.memory = table.get("memory")   # the runtime's memory on the device (runner.time_models)
-        self.coefs, self.fit_error = {}, {}
+        self.coefs, self.fit_error, self.outliers = {}, {}, {}
         for precision in sorted({r["precision"] for r in table["rows"]}):
             rows = [r for r in table["rows"] if r["precision"] == precision]
             x = np.array([features(r["operators"], r["flops"], r["params"], precision, self.batch_size) for r in rows])
@@ -101,9 +101,21 @@ class TablePredictor:
                 y = np.array([r["latency_ms"][p] for r in rows])
                 # Divide each row by its latency: least squares on relative error, so the small models that
                 # selection cares about weigh as much as the large ones.
-                coef, _ = nnls(x / y[:, None], np.ones(len(y)))
+                a = x / y[:, None]
+                coef, _ = nnls(a, np.ones(len(y)))
+                # One round of outlier rejection: a row's tail percentile is one measurement of a few
+                # seconds, and a slow spell of the device during it (measured: a p99 of 9.75 us among rows
+                # at 6.6) would move the four coefficients for every model. Rows off by more than three
+                # times the median residual (and 5 %) are left out of the refit, and named.
+                residual = np.abs(x @ coef / y - 1)
+                keep = residual <= max(0.05, 3 * float(np.median(residual)))
+                if not keep.all() and keep.sum() > x.shape[1]:
+                    coef, _ = nnls(a[keep], np.ones(int(keep.sum())))
+                else:
+                    keep[:] = True
                 self.coefs[precision, p] = coef
-                self.fit_error[precision, p] = float(np.max(np.abs(x @ coef / y - 1)))
+                self.fit_error[precision, p] = float(np.max(np.abs(x[keep] @ coef / y[keep] - 1)))
+                self.outliers[precision, p] = [r.get("id") for r, k in zip(rows, keep) if not k]
 
     @classmethod
     def load(cls, path):
@@ -248,7 +260,8 @@ def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
              "provenance": provenance(None)}
     predictor = TablePredictor(table, "latency_table.json")
     table["fit"] = {f"{prec}/{p}": {"coefficients": [float(c) for c in predictor.coefs[prec, p]],
-                                    "max_relative_error": predictor.fit_error[prec, p]}
+                                    "max_relative_error": predictor.fit_error[prec, p],
+                                    "outliers": predictor.outliers[prec, p]}
                     for prec, p in predictor.coefs}
     path = Path(runs_dir) / "devices" / profile.name / "latency_table.json"
     write_json(path, table)
