@@ -7,7 +7,7 @@ CONFIG ?= pipeline.yaml
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup pipeline train select export deploy report test clean distclean sshd-localhost
+.PHONY: setup pipeline train select export deploy report test clean distclean sshd-localhost sshd-localhost-stop
 
 setup: $(STAMP)
 
@@ -19,12 +19,17 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/pip check
 	touch $@
 
-# DEVICE=ssh-localhost is this machine over real SSH: its throwaway sshd is started first.
-pipeline train select export deploy report: $(STAMP) $(if $(filter ssh-localhost,$(DEVICE)),sshd-localhost)
+# DEVICE=ssh-localhost is this machine over real SSH: edgebayes starts its throwaway sshd and stops it when
+# the command ends (connection.local_sshd). `make sshd-localhost` keeps one running (a command then leaves
+# it alone) until `make sshd-localhost-stop`.
+pipeline train select export deploy report: $(STAMP)
 	$(BIN)/edgebayes $@ --config $(CONFIG) --device $(DEVICE)
 
 sshd-localhost: $(STAMP)
 	$(BIN)/python -m edgebayes.deploy.localsshd start
+
+sshd-localhost-stop: $(STAMP)
+	$(BIN)/python -m edgebayes.deploy.localsshd stop
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -60,7 +60,8 @@ def write_profile(path, base="ssh-localhost", **changes):
 def ssh_device(sshd, tmp_path):
     """make(name, **connection changes) -> a profile path for the session's sshd, workdir in tmp_path."""
     def make(name="ssh-test", **connection):
-        conn = {"port": sshd.port, "identity_file": str(sshd.client_key), "python": sys.executable,
+        # local_sshd off: these profiles use the session's sshd, and some point at a port nothing serves
+        conn = {"local_sshd": False, "port": sshd.port, "identity_file": str(sshd.client_key), "python": sys.executable,
                 "workdir": str(tmp_path / "device" / name),
                 "options": [f"UserKnownHostsFile={sshd.known_hosts}", "StrictHostKeyChecking=yes",
                             "IdentitiesOnly=yes"]}

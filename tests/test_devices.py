@@ -216,6 +216,73 @@ def test_pipeline_over_real_ssh(trained_runs, ssh_device, capsys):
     shutil.rmtree(Path.home() / "edgebayes/ssh-dev")
 
 
+def test_pipeline_starts_and_stops_its_own_sshd(trained_runs, tmp_path, capsys):
+    """A `local_sshd` profile (ssh-localhost's kind): the pipeline starts the throwaway sshd it needs and
+    stops it at the end; one that was running before is left running."""
+    if localsshd.find_sshd() is None:
+        pytest.skip("no sshd binary on this machine (apt-get install openssh-server; .ci/run does)")
+    keys = tmp_path / "own-sshd"
+    port = localsshd.free_port()
+    device = write_profile(tmp_path / "own-sshd.yaml", connection={
+        "local_sshd": True, "port": port, "identity_file": str(keys / "client_key"), "python": sys.executable,
+        "workdir": str(tmp_path / "device"),
+        "options": [f"UserKnownHostsFile={keys / 'known_hosts'}", "StrictHostKeyChecking=yes", "IdentitiesOnly=yes"]})
+    cfg = yaml.safe_load(Path(CONFIG).read_text())
+    cfg["benchmark"] = {"warmup": 2, "min_runs": 20, "min_seconds": 0.02, "rounds": 2}
+    config = tmp_path / "quick.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+
+    def listening():
+        import socket
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
+
+    assert not listening()
+    code, out, err = cli(capsys, "pipeline", "--config", config, "--device", device, "--runs-dir", trained_runs)
+    assert code == 0, err
+    results = json.loads((trained_runs / "digits-ssgl/deploy/own-sshd/results.json").read_text())
+    assert results["tags"]["connection"] == "ssh"          # it did go through the sshd
+    assert not listening() and not (keys / "sshd.pid").exists() and localsshd.running(keys) is None
+
+    server = localsshd.start(keys, port)                   # started by hand (make sshd-localhost): kept
+    try:
+        code, _, err = cli(capsys, "deploy", "--config", config, "--device", device, "--runs-dir", trained_runs,
+                           "--force")
+        assert code == 0, err
+        assert listening() and localsshd.running(keys, port).pid == server.pid
+    finally:
+        server.stop()
+    assert not listening()
+
+
+def test_placeholders_are_the_working_directory_and_this_interpreter(tmp_path, monkeypatch):
+    from edgebayes.config import expand_repo
+
+    monkeypatch.chdir(tmp_path)
+    assert expand_repo("{repo}/runs/ssh-localhost/client_key") == f"{tmp_path}/runs/ssh-localhost/client_key"
+    assert expand_repo("{python}") == sys.executable
+    profile = load_device_profile("ssh-localhost")
+    assert profile.connection.local_sshd and profile.connection.python == "{python}"
+
+
+def test_user_devices_folder_comes_first(tmp_path, monkeypatch, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name, description in (("local", "my own local"), ("bench-box", "a box of mine")):
+        profile = yaml.safe_load((ROOT / "devices/local.yaml").read_text())
+        (mine / f"{name}.yaml").write_text(yaml.safe_dump({**profile, "name": name, "description": description}))
+    monkeypatch.setenv("EDGEBAYES_DEVICES", str(mine))
+    assert load_device_profile("local").description == "my own local"
+    assert "bench-box" in known_devices() and "jetson" in known_devices()   # the shipped ones stay
+    monkeypatch.delenv("EDGEBAYES_DEVICES")
+    assert load_device_profile("local").description != "my own local"
+    code, out, _ = cli(capsys, "devices", "list", "--devices-dir", mine)
+    assert code == 0 and "a box of mine" in out and "jetson-orin-nano" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # Latency models and joint selection
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +393,12 @@ def test_runner_times_models_in_interleaved_rounds(tmp_path):
     for m in res["models"]:
         assert m["runs"] >= 30 and m["rounds"] == 3
         assert 0 < m["latency_ms"]["p50"] <= m["latency_ms"]["p90"] <= m["latency_ms"]["p99"]
-        assert m["latency_ms"]["p90"] == min(r["p90"] for r in m["round_ms"]) and len(m["round_ms"]) == 3
+        assert m["latency_ms_best_round"]["p90"] == min(r["p90"] for r in m["round_ms"]) and len(m["round_ms"]) == 3
+        assert m["latency_ms"]["max"] == max(r["max"] for r in m["round_ms"])   # every run counts
     assert res["protocol"]["rounds"] == 3
+    # What selection's memory estimate needs: the runtime alone, and its one-off set-up (smallest model first).
+    assert res["memory"]["runtime_baseline_mb"] > 1 and res["memory"]["runtime_setup_mb"] >= 0
+    assert res["memory"]["setup_measured_with"] == "small"
     assert res["tags"] == {"device": "t"} and res["protocol"]["threads"] == 1 and res["runtime"]["name"] == "onnxruntime"
     assert runner_main(["--time-models", str(tmp_path / "nope.json"), "--out", str(out)]) == 1
 
@@ -363,3 +434,19 @@ def test_remote_paths_are_quoted_not_interpreted(ssh_device, tmp_path):
     transport.get("it's here.txt", tmp_path / "back.txt")
     assert (tmp_path / "back.txt").read_text() == "edge"
     assert (workdir / "it's here.txt").is_file() and not canary.exists()
+
+
+def test_table_fit_leaves_out_a_row_measured_in_a_slow_spell():
+    """One row's p99 taken during a slow spell must not move the prediction for every model."""
+    from edgebayes.deploy.latency_model import TablePredictor
+
+    rows = [{"id": f"r{g}-{m}", "precision": "fp32", "operators": 10 + m, "flops": 1000 * g * m, "params": 100 * g * m,
+             "latency_ms": {p: 0.004 + 0.0005 * (10 + m) + 0.001 * g * m / 1000 for p in ("p50", "p90", "p99")}}
+            for g in (1, 2, 4, 8, 16) for m in (1, 2, 4, 8)]
+    truth = TablePredictor({"batch_size": 1, "rows": rows}, "t.json")
+    rows[5]["latency_ms"]["p99"] *= 1.5
+    fit = TablePredictor({"batch_size": 1, "rows": rows}, "t.json")
+    assert fit.outliers["fp32", "p99"] == [rows[5]["id"]] and fit.outliers["fp32", "p90"] == []
+    for g, m in ((1, 1), (4, 2), (16, 8)):
+        args = (10 + m, 1000 * g * m, 100 * g * m, "fp32")
+        assert fit.predict(*args, 99, 1) == pytest.approx(truth.predict(*args, 99, 1), rel=0.01)

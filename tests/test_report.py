@@ -255,3 +255,116 @@ def test_latency_prediction_error_of_the_chosen_point(tmp_path):
     assert (tmp_path / "latency_prediction.png").read_bytes().startswith(PNG_MAGIC)
     assert (tmp_path / "knob.png").read_bytes().startswith(PNG_MAGIC)
     assert rep["summary"]["pareto"] == ["inclusion threshold 0.3, M=1", "inclusion threshold 0.5, M=4"]
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 22: units, tail and memory figures, predicted reports, the comparison page, the summary block
+# ---------------------------------------------------------------------------------------------
+def test_units_fit_latencies_and_sizes_are_in_one_unit(tmp_path):
+    inputs = make_inputs()
+    inputs["export"]["artifacts"] = {"onnx": {"precision": "fp32", "layout": "packed", "bytes": 50000,
+                                              "fidelity": {"accuracy": 0.97, "nll": 0.1, "ece": 0.02,
+                                                           "max_abs_prob_diff": 1e-7, "reference": {},
+                                                           "check": {"passed": True, "rule": "ok"}}}}
+    report_mod.write_report(inputs, tmp_path)
+    html_text = re.sub(r"data:image/png;base64,[A-Za-z0-9+/=]+", "", (tmp_path / "report.html").read_text())
+    assert "40 µs" in html_text and "50 µs" in html_text          # p50, p90 of 0.04 / 0.05 ms
+    assert "0.04 ms" not in html_text and "KiB" not in html_text
+    assert report_mod.fmt_ms(0.007831) == "7.83 µs" and report_mod.fmt_ms(2.789) == "2.789 ms"
+    assert report_mod.fmt_ms(0.007831, ascii_only=True) == "7.83 us"
+
+
+def test_histogram_axis_is_on_the_data_not_on_a_far_tail():
+    xs = sorted([0.008 + 0.0001 * (i % 50) for i in range(5000)] + [4.2, 3.9])
+    lo, hi, pad = report_mod._hist_window(xs)
+    assert lo == 0.008 and hi < 0.02 and pad < 0.001          # the two slow runs are named, not plotted
+
+
+def test_tail_cold_start_memory_and_uncertainty_in_the_summary(tmp_path):
+    inputs = make_inputs()
+    r = inputs["results"]
+    r["latency_ms_best_round"] = {"p50": 0.035, "p90": 0.04, "p99": 0.05}
+    r["cold_start"] = {"session_create_ms": 4.0, "first_inference_ms": 0.6, "engine_build_ms": None}
+    r["memory"] = {"runtime_baseline_mb": 50.0, "model_mb": 12.0, "deployed_mb": 62.0, "batch_size": 1}
+    r["ood"] = {"auroc": 0.98, "aupr": 0.97, "score": "predictive entropy", "n_in": 360, "n_out": 360}
+    r["selective"] = {"rejected": [0.0, 0.1, 0.2, 0.5], "accuracy": [0.96, 0.98, 0.99, 1.0], "kept": [360, 324, 288, 180]}
+    inputs["candidates"][2]["cost"].update(memory_estimate_mb=60.0, memory_estimate_lower_bound=False)
+    rep = report_mod.write_report(inputs, tmp_path)
+    s = rep["summary"]
+    assert s["budgets"]["memory_mb"]["measured"] == 62.0 and s["budgets"]["memory_mb"]["verdict"] == "pass"
+    assert s["memory"]["estimate_error"] == pytest.approx(60 / 62 - 1)
+    assert s["ood"]["auroc"] == 0.98 and s["latency_max_ms"] == 0.2
+    assert s["latency_ms_best_round"]["p90"] == 0.04
+    html_text = (tmp_path / "report.html").read_text()
+    for text in ("OOD AUROC", "best round (undisturbed device)", "cold start: session creation", "4 ms",
+                 "runtime baseline", "estimate error", "-3.2 %", "accuracy with the 20 % most uncertain rejected"):
+        assert text in html_text, text
+    assert (tmp_path / "selective.png").read_bytes().startswith(PNG_MAGIC)
+    t = report_mod.terminal_summary(rep, tmp_path / "report.html")
+    assert t["ood_auroc"] == 0.98 and t["memory_model_mb"] == 12.0 and t["latency_ms"]["max"] == 0.2
+    lines = report_mod.summary_text(t, 0)
+    assert lines[0] == "summary: digits-ssgl on local (measured)"
+    assert any(line.startswith("  latency       p50 40 us, p90 50 us, p99 80 us, max 200 us") for line in lines)
+    assert lines[-2] == "  verdict       pass, exit code 0"
+
+
+def predicted_inputs(has_table=True):
+    inputs = make_inputs()
+    here = {k: inputs["results"][k] for k in ("metrics", "reference", "max_abs_prob_diff")}
+    here["ood"] = {"auroc": 0.95, "aupr": 0.9}
+    inputs["results"] = None
+    inputs["predicted"] = {"reason": "device pi: host unreachable", "here": here,
+                           "finish": ["scp -r bundle runner.py pi:edgebayes/", "ssh pi 'cd edgebayes && python3 runner.py'",
+                                      "edgebayes report --config pipeline.yaml --device pi --results results.json"]}
+    cost = inputs["candidates"][2]["cost"]
+    cost.update(predicted_latency_ms=0.3, predicted_latency_ms_by_percentile={"p50": 0.2, "p90": 0.3, "p99": 0.4},
+                predicted_by="predicted (table fit, pi.json)" if has_table else "predicted (FLOPs / declared throughput)",
+                latency_model_has_table=has_table, memory_estimate_mb=700.0, memory_estimate_lower_bound=False)
+    return inputs
+
+
+def test_a_predicted_report_says_what_is_predicted(tmp_path):
+    rep = report_mod.write_report(predicted_inputs(), tmp_path)
+    s = rep["summary"]
+    assert s["mode"] == "predicted" and s["metrics_measured_on"] == "this machine"
+    assert s["budgets"]["latency_ms"] | {} == {**s["budgets"]["latency_ms"], "measured": 0.3, "basis": "predicted",
+                                               "verdict": "pass"}
+    assert s["budgets"]["memory_mb"]["measured"] == 700.0 and s["budgets"]["memory_mb"]["verdict"] == "fail"
+    assert s["overall_verdict"] == "fail" and s["ood"]["auroc"] == 0.95
+    assert s["latency_prediction"]["measured_ms"] is None and s["latency_prediction"]["error"] is None
+    html_text = (tmp_path / "report.html").read_text()
+    assert "on local (predicted)" in html_text and "PREDICTED, not measured on the device" in html_text
+    assert "--device pi --results results.json" in html_text and "overall (predicted): fail" in html_text
+    t = report_mod.terminal_summary(rep)
+    assert t["mode"] == "predicted" and t["latency_ms"] == {"p50": 0.2, "p90": 0.3, "p99": 0.4}
+
+
+def test_a_device_without_a_latency_table_gets_no_constant_prediction(tmp_path):
+    rep = report_mod.write_report(predicted_inputs(has_table=False), tmp_path)
+    s = rep["summary"]
+    assert s["latency_predicted_ms"] == {"p50": None, "p90": None, "p99": None}
+    assert s["budgets"]["latency_ms"]["verdict"] == "n/a" and s["latency_prediction"]["predicted_ms"] is None
+    assert any("has no latency table" in w and "edgebayes devices profile local" in w for w in s["warnings"])
+    assert "No latency table for local" in (tmp_path / "report.html").read_text()
+
+
+def test_a_lower_bound_memory_estimate_cannot_pass(tmp_path):
+    inputs = predicted_inputs()
+    inputs["candidates"][2]["cost"].update(memory_estimate_mb=0.3, memory_estimate_lower_bound=True)
+    s = report_mod.write_report(inputs, tmp_path)["summary"]
+    assert s["budgets"]["memory_mb"]["verdict"] == "n/a" and "lower bound" in s["budgets"]["memory_mb"]["measured_as"]
+
+
+def test_comparison_page(tmp_path):
+    measured = report_mod.write_report(make_inputs(), tmp_path / "local")
+    predicted = report_mod.write_report(predicted_inputs(), tmp_path / "pi")
+    predicted["summary"]["device"] = "pi"
+    data = report_mod.write_comparison([(measured, tmp_path / "local/report.html"),
+                                        (predicted, tmp_path / "pi/report.html")], tmp_path)
+    assert [r["device"] for r in data["devices"]] == ["local", "pi"]
+    assert [r["mode"] for r in data["devices"]] == ["measured", "predicted"]
+    html_text = (tmp_path / "devices.html").read_text()
+    assert "href='local/report.html'" in html_text and "href='pi/report.html'" in html_text
+    assert "50 µs" in html_text and "300 µs" in html_text     # p90 measured / predicted, each device's own
+    assert (tmp_path / "devices.png").read_bytes().startswith(PNG_MAGIC)
+    assert json.loads((tmp_path / "devices.json").read_text()) == json.loads(json.dumps(data))

@@ -123,7 +123,17 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
     lat = res["latency_ms"]
     assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
     assert res["runs"] >= 5 and res["seconds"] >= 0.02 and res["rounds"] == runner.DEFAULT_ROUNDS
-    assert lat["p90"] == pytest.approx(min(r["p90"] for r in res["latency_rounds_ms"]))
+    assert res["latency_ms_best_round"]["p90"] == pytest.approx(min(r["p90"] for r in res["latency_rounds_ms"]))
+    assert lat["max"] == pytest.approx(max(r["max"] for r in res["latency_rounds_ms"]))
+    cold = res["cold_start"]
+    assert cold["session_create_ms"] > 0 and cold["first_inference_ms"] > 0 and cold["engine_build_ms"] is None
+    mem = res["memory"]
+    assert mem["runtime_baseline_mb"] > 1 and mem["model_mb"] >= 0 and mem["batch_size"] == 3
+    assert mem["deployed_mb"] == pytest.approx(mem["runtime_baseline_mb"] + mem["model_mb"])
+    assert res["peak_rss_mb"] >= mem["deployed_mb"] - 1e-9   # the runner's own peak holds the eval set too
+    assert res["ood"] is None                                 # this bundle has no OOD inputs
+    sel = res["selective"]
+    assert sel["rejected"][0] == 0 and sel["accuracy"][0] == pytest.approx(res["metrics"]["accuracy"])
     assert res["warmup"] == 2 and res["batch_size"] == 3
     assert res["throughput_per_s"] == pytest.approx(3 * res["runs"] / res["seconds"])
     assert res["peak_rss_mb"] > 1
@@ -137,18 +147,36 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]  # atomic write cleaned up
 
 
-def test_latency_is_the_best_rounds_so_slow_spells_move_nothing_unless_they_cover_every_round():
+def test_latency_percentiles_are_over_every_timed_run(bundle, tmp_path):
+    """50 runs in 5 rounds, all kept in the file: the reported p90 is theirs, the best round's beside it."""
+    bundle_dir, _, _ = bundle
+    out = tmp_path / "r.json"
+    assert runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--warmup", "2", "--min-runs", "50",
+                        "--min-seconds", "0", "--rounds", "5", "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["runs"] == 50 and len(res["latency_samples_ms"]) == 50
+    assert res["latency_ms"]["p90"] == pytest.approx(float(np.percentile(res["latency_samples_ms"], 90)))
+    assert res["latency_ms"]["p99"] == pytest.approx(float(np.percentile(res["latency_samples_ms"], 99)))
+    assert res["latency_ms_best_round"]["p90"] == pytest.approx(min(r["p90"] for r in res["latency_rounds_ms"]))
+
+
+def test_latency_counts_every_run_and_keeps_the_best_round_beside_it():
+    """The tail a user of a busy device sees is the verdict's figure (MLPerf LoadGen counts every query);
+    the best round, the device undisturbed, is kept beside it and does not move with slow spells."""
     rng = np.random.default_rng(0)
     fast = [{"samples_ms": list(0.020 + 0.002 * rng.random(500)), "runs": 500, "seconds": 0.01} for _ in range(3)]
     slow = [{"samples_ms": list(0.040 + 0.004 * rng.random(500)), "runs": 500, "seconds": 0.02} for _ in range(3)]
     summary = runner.latency_summary(fast[:1] + slow[:1] + fast[1:2] + slow[1:], batch_size=1)
     calm = runner.latency_summary(fast, batch_size=1)
-    assert summary["latency_ms"]["p90"] == pytest.approx(calm["latency_ms"]["p90"], rel=0.02)
-    assert summary["latency_ms_median"]["p90"] > 0.039   # 3 of 5 rounds in the spell: the median round
-    assert summary["latency_ms_pooled"]["p90"] > 0.039   # and the pooled samples are the spell's,
+    pooled = np.concatenate([r["samples_ms"] for r in fast[:1] + slow[:1] + fast[1:2] + slow[1:]])
+    assert summary["latency_ms"]["p90"] == pytest.approx(float(np.percentile(pooled, 90)))
+    assert summary["latency_ms"]["p90"] > 0.039          # 3 of 5 rounds in the spell: the tail is the spell's
+    assert summary["latency_ms"]["p50"] > 0.039 and summary["latency_ms"]["max"] == pytest.approx(pooled.max())
+    assert summary["latency_ms_best_round"]["p90"] == pytest.approx(calm["latency_ms"]["p90"], rel=0.02)
+    assert summary["latency_ms_median"]["p90"] > 0.039
     assert summary["spread"]["p90"] > 0.8                # and the rounds' range shows it
     assert calm["spread"]["p90"] < 0.15
-    assert runner.latency_summary(slow, batch_size=1)["latency_ms"]["p90"] > 0.04   # a spell over all rounds
+    assert calm["latency_ms"]["p90"] == pytest.approx(calm["latency_ms_best_round"]["p90"], rel=0.1)
     assert summary["rounds"] == 5 and summary["runs"] == 2500
     assert summary["throughput_per_s"] == pytest.approx(2500 / 0.08)
     assert len(summary["round_ms"]) == 5 and summary["round_ms"][1]["p50"] > 0.04
@@ -400,3 +428,56 @@ def test_runner_imports_only_stdlib_numpy_and_runtimes():
                 and getattr(node.func.value, "id", None) == "np":
             kw = {k.arg: k.value for k in node.keywords}
             assert isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value is False
+
+
+# --------------------------------------------------------------------------
+# (h) uncertainty on the device's outputs: OOD detection, selective prediction
+# --------------------------------------------------------------------------
+
+def test_ood_auroc_and_aupr_match_scikit_learn():
+    metrics = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        scores = np.round(rng.random(300), 1)        # rounded: many ties, which both must count the same way
+        labels = rng.random(300) < 0.3
+        assert runner.auroc(scores, labels) == pytest.approx(metrics.roc_auc_score(labels, scores))
+        assert runner.average_precision(scores, labels) == pytest.approx(metrics.average_precision_score(labels, scores))
+    assert runner.auroc([0.1, 0.2, 0.9, 0.8], [0, 0, 1, 1]) == 1.0
+    with pytest.raises(ValueError):
+        runner.auroc([0.1, 0.2], [1, 1])
+
+
+def test_selective_prediction_rejects_the_most_uncertain_first():
+    # 8 confident right answers, 2 uncertain wrong ones: rejecting 20 % leaves only right answers.
+    probs = np.array([[0.95, 0.05]] * 8 + [[0.55, 0.45]] * 2)
+    y = np.array([0] * 8 + [1] * 2)
+    sel = runner.selective_prediction(probs, y, fractions=(0.0, 0.1, 0.2, 0.5))
+    assert sel["accuracy"] == [0.8, pytest.approx(8 / 9), 1.0, 1.0] and sel["kept"] == [10, 9, 8, 5]
+    assert sel["max_entropy"][2] == pytest.approx(runner.predictive_entropy(probs[:1])[0])
+
+
+def test_ood_inputs_in_the_bundle_are_scored_on_the_device(bundle, tmp_path):
+    bundle_dir, probs, y = bundle
+    with np.load(bundle_dir / "eval.npz") as data:
+        x = data["x"]
+    rng = np.random.default_rng(2)
+    np.savez(bundle_dir / "eval.npz", x=x, y=y, reference_probs=probs,
+             ood_x=(10 * rng.standard_normal((30, 4))).astype(np.float32))
+    manifest = _manifest(bundle_dir)
+    manifest["files"]["eval.npz"] = {"sha256": _sha256(bundle_dir / "eval.npz"), "bytes": (bundle_dir / "eval.npz").stat().st_size}
+    _write_manifest(bundle_dir, manifest)
+    out = tmp_path / "r.json"
+    assert runner.main(["--bundle", str(bundle_dir), "--out", str(out), *FAST]) == 0
+    ood = json.loads(out.read_text())["ood"]
+    assert ood["n_in"] == 50 and ood["n_out"] == 30 and 0 <= ood["auroc"] <= 1 and 0 <= ood["aupr"] <= 1
+    assert ood["score"] == "predictive entropy"
+
+
+def test_native_start_up_noise_is_filtered_and_the_rest_kept(capfd):
+    """TensorFlow / LiteRT write straight to fd 2; their start-up lines go, anything else stays."""
+    with runner.native_noise_filtered():
+        os.write(2, b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n")
+        os.write(2, b"I0000 00:00:1795571770.392150    6752 port.cc:153] oneDNN custom operations are on.\n")
+        os.write(2, b"E0000 real trouble: could not allocate tensors\n")
+    err = capfd.readouterr().err
+    assert err == "E0000 real trouble: could not allocate tensors\n"

@@ -303,6 +303,30 @@ def test_tensorrt_backend_buffers_against_a_fake_engine(tmp_path):
     assert memory.buffers == {}
 
 
+def test_tensorrt_engine_build_time_is_recorded(tmp_path, monkeypatch):
+    """An engine built now (a cache miss) has its build time in the results, apart from the cold start."""
+    memory = FakeMemory()
+    trt = FakeTensorRT(np.ones((4, 3), np.float32), memory)
+    onnx = tmp_path / "bundle" / "model.onnx"
+    onnx.parent.mkdir()
+    onnx.write_bytes(b"graph")
+
+    def slow_build(trt_module, model_path, options, cache_dir, run=None, which=None):
+        import time
+
+        time.sleep(0.05)
+        path = Path(cache_dir) / "built.engine"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"fake engine")
+        return str(path), True
+
+    monkeypatch.setattr(runner, "cached_engine", slow_build)
+    backend = runner.make_backend("tensorrt", str(onnx), precision="fp16", engine_cache=str(tmp_path / "c"),
+                                  example_shape=(4,), max_batch=2, trt=trt, memory=memory)
+    assert backend.built and backend.engine_build_ms >= 50
+    assert backend.info()["engine_build_ms"] == backend.engine_build_ms
+
+
 def test_tensorrt_backend_without_tensorrt_fails_clearly(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(runner.RuntimeProblem, match="TensorRT is not installed"):

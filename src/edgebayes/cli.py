@@ -4,9 +4,16 @@
     edgebayes devices check DEVICE         preflight: reachable? python, runtime, free disk and memory there
     edgebayes devices profile DEVICE       time a sweep of models there; store its latency table
 
-Exit codes: 0 done; 1 a stage failed (its message says why; artifacts of finished stages are kept);
-2 bad input (config, device profile, data files), reported with one message naming the file and key;
+    edgebayes report --results FILE        import results.json of runner.py run by hand on the device
+    edgebayes report --devices A B C       one page comparing the chosen points of several devices
+
+Exit codes: 0 done, and the chosen point meets every budget on the device; 1 a stage failed (its message
+says why; artifacts of finished stages are kept); 2 bad input (config, device profile, data files, a
+results file of another bundle), reported with one message naming the file and key; 3 the chosen point
+fails a budget on the device, or a budget could not be judged there (the report says which);
+4 the device could not be reached: the report holds predictions only (`pipeline`), and says how to finish.
 130 interrupted (Ctrl-C): run the same command again to resume.
+`pipeline` and `report` end with a summary block (`--json`: the same as JSON, alone on stdout).
 """
 
 import argparse
@@ -20,10 +27,15 @@ from edgebayes.config import load_device_profile, load_pipeline_config
 from edgebayes.errors import InputError, StageError
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_BUDGET, EXIT_PREDICTED = 3, 4
 
 
 def build_parser():
+    from edgebayes import __version__
+
     parser = argparse.ArgumentParser(prog="edgebayes", description="Compressible Bayesian nets, from training to the edge.")
+    parser.add_argument("--version", action="version", version=f"edgebayes {__version__}")
+    _devices_dir_option(parser, default=None)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in STAGES + ("pipeline",):
         p = sub.add_parser(name, help="run all stages" if name == "pipeline" else f"run the {name} stage")
@@ -31,16 +43,35 @@ def build_parser():
         p.add_argument("--device", default="local", help="device profile name in devices/, or a YAML path")
         p.add_argument("--runs-dir", default="runs", help="where artifacts go (default: runs)")
         p.add_argument("--force", action="store_true", help="re-run even if the stage is up to date")
+        _devices_dir_option(p)
+        if name in ("pipeline", "report"):
+            p.add_argument("--json", action="store_true",
+                           help="print the closing summary as JSON on stdout (the log goes to stderr)")
+        if name == "report":
+            p.add_argument("--results", metavar="FILE", default=None,
+                           help="results.json of runner.py run on the device by hand: import it, then report")
+            p.add_argument("--devices", nargs="+", metavar="DEVICE", default=None,
+                           help="write one page comparing these devices' reports (each reported already)")
     devices = sub.add_parser("devices", help="list, check or profile device profiles")
     dsub = devices.add_subparsers(dest="action", required=True)
-    dsub.add_parser("list", help="the profiles in devices/")
+    _devices_dir_option(dsub.add_parser("list", help="the device profiles found (--devices-dir, $EDGEBAYES_DEVICES, "
+                                                      "the shipped ones)"))
     check = dsub.add_parser("check", help="preflight: reachability, python, runtime, free disk and memory")
+    _devices_dir_option(check)
     check.add_argument("device", help="device profile name in devices/, or a YAML path")
     prof = dsub.add_parser("profile", help="measure a latency table on the device (for selection's model)")
+    _devices_dir_option(prof)
     prof.add_argument("device", help="device profile name in devices/, or a YAML path")
     prof.add_argument("--config", default="pipeline.yaml", help="input size, widths and M to sweep (default: pipeline.yaml)")
     prof.add_argument("--runs-dir", default="runs", help="the table goes to RUNS_DIR/devices/DEVICE/ (default: runs)")
     return parser
+
+
+def _devices_dir_option(parser, default=argparse.SUPPRESS):
+    """--devices-dir before or after the command (a subcommand's default must not override the main one's)."""
+    parser.add_argument("--devices-dir", default=default, metavar="DIR",
+                        help="a folder of your own device profiles, searched before $EDGEBAYES_DEVICES and the "
+                             "profiles shipped with edgebayes")
 
 
 def _devices(args):
@@ -69,7 +100,8 @@ def _devices(args):
     for key, fit in table["fit"].items():
         c = fit["coefficients"]
         print(f"  {key}: latency_ms = {c[0]:.4f} + {c[1]:.4f} x operators + {c[2]:.4f} x MFLOPs + {c[3]:.4f} x param MB"
-              f"  (max in-sample error {100 * fit['max_relative_error']:.1f} %)")
+              f"  (max in-sample error {100 * fit['max_relative_error']:.1f} %"
+              + (f"; left out as outliers: {', '.join(fit['outliers'])}" if fit.get("outliers") else "") + ")")
     print(f"devices profile: table written to {path}")
     return 0
 
@@ -105,7 +137,60 @@ def _check(profile, transport):
     return 1 if problems else 0
 
 
+def _log(args):
+    """ctx.log: stdout, or stderr when --json keeps stdout for the summary alone."""
+    if getattr(args, "json", False):
+        return lambda message: print(message, file=sys.stderr)
+    return print
+
+
+def _report_extras(ctx, args):
+    """`report --results FILE` (import, then report and summary) or `report --devices A B C` (comparison)."""
+    from edgebayes.deploy.report import write_comparison
+    from edgebayes.stages import import_results
+
+    if args.results:
+        import_results(ctx, args.results)
+        return _finish(ctx, args)
+    reports = []
+    for name in args.devices:
+        profile = load_device_profile(name)
+        path = ctx.run_dir / "report" / profile.name / "report.json"
+        if not path.is_file():
+            raise StageError(f"{path} is missing: run `edgebayes pipeline --config {ctx.config_path} --device {name}"
+                             f"{'' if str(ctx.runs_dir) == 'runs' else f' --runs-dir {ctx.runs_dir}'}` first")
+        reports.append((json.loads(path.read_text()), path.with_name("report.html")))
+    out = ctx.run_dir / "report"
+    write_comparison(reports, out)
+    ctx.log(f"report: {out / 'devices.html'} compares {', '.join(args.devices)}")
+    if args.json:
+        print((out / "devices.json").read_text(), end="")
+    return 0
+
+
+def _finish(ctx, args):
+    """After `pipeline` or `report`: the summary block (or --json) and the exit code of the verdict: 0 all
+    budgets pass, 3 one fails or could not be judged, 4 a report of predictions (the device was not
+    reached). Read from report.json, so a run whose stages were all cached ends the same way."""
+    from edgebayes.deploy.report import summary_text, terminal_summary
+
+    if args.command not in ("pipeline", "report"):
+        return 0
+    path = ctx.stage_dir("report") / "report.json"
+    summary = terminal_summary(json.loads(path.read_text()), path.with_name("report.html"))
+    code = (EXIT_PREDICTED if summary["mode"] == "predicted" else
+            0 if summary["verdict"] in ("pass", "not set") else EXIT_BUDGET)
+    if args.json:
+        print(json.dumps({**summary, "exit_code": code}, indent=2))
+    else:
+        print("\n".join(summary_text(summary, code)))
+    return code
+
+
 def _run(args):
+    from edgebayes import config
+
+    config.USER_DEVICES_DIR = args.devices_dir
     if args.command == "devices":
         return _devices(args)
     cfg, profile = load_pipeline_config(args.config), load_device_profile(args.device)  # before torch loads
@@ -113,14 +198,17 @@ def _run(args):
 
     ctx = Context(cfg, profile, runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config,
                   device_arg=args.device)
+    ctx.log = _log(args)
     if args.command not in ("deploy", "report"):
         splits_for(ctx)  # missing data files are bad input too: reported before anything (the lock) is written
     with ctx.lock():
+        if args.command == "report" and (args.results or args.devices):
+            return _report_extras(ctx, args)
         if args.command == "pipeline":
             run_pipeline(ctx)
         else:
             run_stage(ctx, args.command)
-    return 0
+        return _finish(ctx, args)
 
 
 def _os_error(e: OSError) -> str:

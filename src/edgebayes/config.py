@@ -12,6 +12,7 @@ import math
 import os
 import re
 import reprlib
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,7 +22,10 @@ from typing import Literal, Optional
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-DEVICES_DIR = Path(os.environ.get("EDGEBAYES_DEVICES", ROOT / "devices"))
+# The shipped device profiles are package data (in a checkout, src/edgebayes/devices links to devices/), so
+# an installed edgebayes finds them wherever it runs; a user's own profiles come first (devices_dirs).
+DEVICES_DIR = Path(__file__).resolve().parent / "devices"
+USER_DEVICES_DIR = None   # --devices-dir (cli.py)
 
 
 from edgebayes.errors import InputError
@@ -232,6 +236,9 @@ class Budgets:
 @dataclass
 class Connection:
     kind: Literal["local", "ssh"] = "local"
+    # ssh to this machine through a throwaway sshd (deploy/localsshd.py) in the folder of identity_file:
+    # started when a command needs it and stopped when that command ends, unless it was already running
+    local_sshd: bool = False
     python: Optional[str] = None        # interpreter on the device; null: this one (local) or python3 (ssh)
     workdir: Optional[str] = None       # where the bundle is copied; null: run folder (local), ~/edgebayes (ssh)
     # ssh only; each may also come from ~/.ssh/config (host may be a Host alias there).
@@ -610,14 +617,27 @@ def _check_nested(n: NestedConfig, p):
     _check(n.bn_batch_size > 0, f"{p}: nested.bn_batch_size", "expected a positive integer")
 
 
+def devices_dirs() -> list[Path]:
+    """Where device profiles are looked up, the first folder holding NAME.yaml winning: --devices-dir,
+    then $EDGEBAYES_DEVICES, then the profiles shipped in the package."""
+    user = [Path(d).expanduser() for d in (USER_DEVICES_DIR, os.environ.get("EDGEBAYES_DEVICES")) if d]
+    return [*user, DEVICES_DIR]
+
+
 def known_devices() -> list[str]:
-    return sorted(p.stem for p in DEVICES_DIR.glob("*.yaml"))
+    return sorted({p.stem for d in devices_dirs() for p in d.glob("*.yaml")})
 
 
 def _profile_path(name: str) -> Path:
-    path = Path(name) if name.endswith((".yaml", ".yml")) else DEVICES_DIR / f"{name}.yaml"
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name)
+    else:
+        path = next((d / f"{name}.yaml" for d in devices_dirs() if (d / f"{name}.yaml").is_file()),
+                    devices_dirs()[0] / f"{name}.yaml")
     if not path.is_file():
-        raise ConfigError(f"unknown device {name!r}: no {path} (known devices: {', '.join(known_devices()) or 'none'})")
+        where = ", ".join(str(d) for d in devices_dirs())
+        raise ConfigError(f"unknown device {name!r}: no {name}.yaml in {where} "
+                          f"(known devices: {', '.join(known_devices()) or 'none'})")
     return path
 
 
@@ -689,8 +709,12 @@ def _check_ssh(c, p):
 
 
 def expand_repo(value):
-    """`{repo}` in a connection field stands for this checkout's root (for the ssh-localhost profile)."""
-    return value.replace("{repo}", str(ROOT)) if isinstance(value, str) else value
+    """Placeholders of connection fields (the ssh-localhost profile): `{repo}` is the working directory,
+    whose runs/ holds the throwaway sshd's keys and the device folder (not the install location: two
+    checkouts, or an installed edgebayes, must not share one runs/); `{python}` is this interpreter."""
+    if not isinstance(value, str):
+        return value
+    return value.replace("{repo}", str(Path.cwd())).replace("{python}", sys.executable)
 
 
 def as_dict(obj) -> dict:

@@ -27,6 +27,7 @@ Selection depends on the device, so its folder is per device (DESIGN.md puts it 
 import fcntl
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,7 +173,7 @@ class Context:
         stage finished (its marker exists) and recorded the same sha256. The hashes become inputs of the
         running stage, so that it runs again when the upstream stage does."""
         folder = self.stage_dir(stage)
-        again = f"run `edgebayes {stage}` (or `edgebayes pipeline`)"
+        again = f"run `{self.command(stage)}` (or the same with `pipeline`)"
         for f in files:
             path = folder / f
             if not path.exists():
@@ -218,6 +219,15 @@ class Context:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+    def command(self, stage, *extra):
+        """The command line that runs `stage` for this run's config and device; hints print it whole,
+        since a stage run without --device runs for `local`."""
+        import shlex
+
+        runs = [] if str(self.runs_dir) == "runs" else ["--runs-dir", str(self.runs_dir)]
+        return shlex.join(["edgebayes", stage, "--config", str(self.config_path), "--device", str(self.device_arg),
+                           *runs, *extra])
 
 
 _splits_cache = {}
@@ -360,10 +370,13 @@ def run_select(ctx):
     write_json(out / "choice.json", {**common, **choice})
     c = choice["candidate"]
     predicted = c["cost"]["predicted_latency_ms"]
+    from edgebayes.deploy.report import fmt_ms
+
     ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']}, {choice['precision']} "
-            f"(val accuracy {c['val']['accuracy']:.4f}, latency {c['cost']['latency_ms']:.3f} ms "
-            f"{c['cost']['latency_source']}" + (f", predicted {predicted:.3f} ms" if predicted is not None else "")
-            + f"); {choice['reason']}")
+            f"(val accuracy {c['val']['accuracy']:.4f}, latency {fmt_ms(c['cost']['latency_ms'], True)} "
+            f"{c['cost']['latency_source']}" + (f", predicted {fmt_ms(predicted, True)}" if predicted is not None else "")
+            + f", memory {'>= ' if c['cost']['memory_estimate_lower_bound'] else ''}"
+              f"{c['cost']['memory_estimate_mb']:.1f} MB estimated); {choice['reason']}")
 
 
 def run_export(ctx):
@@ -420,7 +433,7 @@ def run_export(ctx):
             out / "bundle", primary["path"], x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
             knob_name=model.knob, knob_value=knob_value,
             reference_metrics=classification_metrics(reference_probs, y), provenance=ctx.provenance("export"),
-            artifacts=artifacts)
+            artifacts=artifacts, ood_x=None if splits.ood_x is None else splits.ood_x.numpy())
     kept_per_sample = count_weights(compressed.samples[0], fold_batch_norm=True)
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
@@ -456,21 +469,19 @@ def run_deploy(ctx):
     before anything is copied; on any failure the local artifacts stay and the stage is not marked done,
     so `edgebayes deploy` simply runs again.
     """
+    from edgebayes.deploy.report import fmt_ms
     from edgebayes.deploy.transport import RUNNER, runner_failure, transport_for
 
     bundle = ctx.require("export", "bundle") / "bundle"
     manifest = read_json(bundle / "manifest.json")
     out = ctx.stage_dir("deploy")
-    b, r = ctx.cfg.benchmark, ctx.profile
+    r = ctx.profile
     transport = transport_for(r, out / "device")
     size = sum(f.stat().st_size for f in bundle.iterdir()) + RUNNER.stat().st_size
     transport.preflight(r.runtime.name, size, r.connection.min_free_mb)
     transport.put(bundle, "bundle")
     transport.put(RUNNER, "runner.py")
-    common = ["runner.py", "--bundle", "bundle", "--warmup", b.warmup, "--min-runs", b.min_runs,
-              "--min-seconds", b.min_seconds, "--rounds", b.rounds, "--batch-size", r.budgets.batch_size,
-              "--threads", r.runtime.threads, "--workspace-mb", r.runtime.workspace_mb, "--tag", f"device={r.name}",
-              "--tag", f"connection={r.connection.kind}"]
+    common = runner_args(ctx) + (["--progress"] if sys.stderr.isatty() else [])
     # Every artifact of the bundle is run and timed with its own runtime: the primary one (the chosen
     # format, the manifest's model_file) must run; another whose runtime the device lacks is skipped.
     artifacts = manifest.get("artifacts") or {manifest["format"]: {"model_file": manifest["model_file"],
@@ -496,44 +507,54 @@ def run_deploy(ctx):
         transport.get(result_file, out / result_file)
         res = read_json(out / result_file)
         results_by_artifact[name] = res
-        lat = res["latency_ms"]
+        lat, ms = res["latency_ms"], lambda v: fmt_ms(v, ascii_only=True)
         ctx.log(f"deploy: {name} on {r.name} ({transport.where()}): accuracy {res['metrics']['accuracy']:.4f}, "
                 f"ECE {res['metrics']['ece']:.4f}, max |p - p_ref| {res['max_abs_prob_diff']:.2e}; latency p50 "
-                f"{lat['p50']:.3f} / p90 {lat['p90']:.3f} / p99 {lat['p99']:.3f} ms over {res['runs']} runs")
+                f"{ms(lat['p50'])} / p90 {ms(lat['p90'])} / p99 {ms(lat['p99'])} / max {ms(lat['max'])} over all "
+                f"{res['runs']} runs")
     write_json(out / "artifacts.json", {
-        **{name: {k: res[k] for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
-                                      "peak_rss_mb")} for name, res in results_by_artifact.items()},
+        **{name: {k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
+                                          "peak_rss_mb", "memory", "cold_start")} for name, res in results_by_artifact.items()},
         **{name: {"skipped": why} for name, why in skipped.items()}})
 
 
-def run_report(ctx):
-    from edgebayes.deploy.report import write_report
-
+def _report_inputs(ctx, results):
+    """What the report is written from: every stage's artifacts up to export, and `results` (the device's
+    runner results, or None for a report of predictions)."""
     train_metrics = read_json(ctx.require("train", "metrics.json") / "metrics.json")
     candidates = read_json(ctx.require("select", "candidates.json") / "candidates.json")
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     export = read_json(ctx.require("export", "export.json") / "export.json")
-    results = read_json(ctx.require("deploy", "results.json") / "results.json")
     artifact_results = ctx.stage_dir("deploy") / "artifacts.json"
     if artifact_results.is_file():
         ctx.require("deploy", "artifacts.json")
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
     # default knob value; the training metrics stay as they are.
     deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio", "physical_flops_ratio")}
-    inputs = {
+    return {
         "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],
         "choice": {k: choice.get(k) for k in ("knob", "knob_value", "mc_samples", "format", "precision", "reason")},
         "max_ece": candidates.get("max_ece"),
-        "export": export, "results": results, "reliability": results.get("reliability"),
-        "artifact_results": read_json(artifact_results) if artifact_results.is_file() else {},
+        "export": export, "results": results, "reliability": (results or {}).get("reliability"),
+        "artifact_results": read_json(artifact_results) if results and artifact_results.is_file() else {},
         "provenance": ctx.provenance("report"),
     }
+
+
+def run_report(ctx):
+    from edgebayes.deploy.report import fmt_ms, write_report
+
+    if not (ctx.stage_dir("deploy") / "results.json").is_file():
+        raise StageError(f"{ctx.stage_dir('deploy') / 'results.json'} is missing: run `{ctx.command('deploy')}`; "
+                         f"for a device this machine cannot reach: {finish_hint(ctx)}")
+    inputs = _report_inputs(ctx, read_json(ctx.require("deploy", "results.json") / "results.json"))
     report = write_report(inputs, ctx.stage_dir("report"))
     lat = report["summary"]["latency_prediction"]
     if lat["error"] is not None:
-        ctx.log(f"report: chosen point's p{lat['percentile']} latency predicted {lat['predicted_ms']:.4f} ms "
-                f"({lat['predicted_by']}), measured {lat['measured_ms']:.4f} ms: error {100 * lat['error']:+.1f} %")
+        ctx.log(f"report: chosen point's p{lat['percentile']} latency predicted {fmt_ms(lat['predicted_ms'], True)} "
+                f"({lat['predicted_by']}), measured {fmt_ms(lat['measured_ms'], True)} over all timed runs: "
+                f"error {100 * lat['error']:+.1f} %")
     ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'}")
     return report
 
@@ -564,5 +585,144 @@ def run_stage(ctx, stage):
 
 
 def run_pipeline(ctx, stages=STAGES):
-    for stage in stages:
-        run_stage(ctx, stage)
+    """Run the stages in order. When deploy finds the device unavailable (unreachable, no python or
+    runtime there), the report is written from the predictions instead (write_predicted_report) and the
+    pipeline ends there. A throwaway sshd a stage started (connection.local_sshd) is stopped at the end."""
+    from edgebayes.deploy import localsshd
+    from edgebayes.deploy.transport import DeviceUnavailable
+
+    try:
+        for stage in stages:
+            try:
+                run_stage(ctx, stage)
+            except DeviceUnavailable as e:
+                if stage != "deploy" or "report" not in stages:
+                    raise
+                write_predicted_report(ctx, e)
+                return
+    finally:
+        localsshd.stop_started()
+
+
+# ---------------------------------------------------------------------------------------------
+# A device this machine cannot reach: a report of predictions, and the device's results imported later
+# ---------------------------------------------------------------------------------------------
+def runner_args(ctx):
+    """runner.py's arguments for this run's benchmark on this device (deploy, and the hint to run it by hand)."""
+    b, r = ctx.cfg.benchmark, ctx.profile
+    return ["runner.py", "--bundle", "bundle", "--warmup", b.warmup, "--min-runs", b.min_runs,
+            "--min-seconds", b.min_seconds, "--rounds", b.rounds, "--batch-size", r.budgets.batch_size,
+            "--threads", r.runtime.threads, "--workspace-mb", r.runtime.workspace_mb, "--tag", f"device={r.name}",
+            "--tag", f"connection={r.connection.kind}"]
+
+
+def finish_steps(ctx):
+    """The commands that finish a run by hand on a device this machine cannot reach: copy the bundle and
+    runner.py there, run the benchmark, bring results.json back and import it (`--results`)."""
+    import shlex
+
+    from edgebayes.config import expand_repo
+    from edgebayes.deploy.transport import RUNNER
+
+    c, bundle = ctx.profile.connection, ctx.stage_dir("export") / "bundle"
+    workdir = expand_repo(c.workdir) or f"edgebayes/{ctx.profile.name}"
+    python = expand_repo(c.python) or "python3"
+    run = shlex.join([python, *map(str, runner_args(ctx)), "--out", "results.json"])
+    import_cmd = ctx.command("report", "--results", "results.json")
+    if c.kind != "ssh":
+        return [f"copy {bundle} and {RUNNER} to the device", f"there: {run}",
+                f"copy results.json back, then here: {import_cmd}"]
+    dest = f"{c.user}@{c.host}" if c.user else c.host
+    port_ssh, port_scp = (["-p", str(c.port)], ["-P", str(c.port)]) if c.port else ([], [])
+    return [shlex.join(["ssh", *port_ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
+            shlex.join(["scp", *port_scp, "-r", str(bundle), str(RUNNER), f"{dest}:{workdir}/"]),
+            shlex.join(["ssh", *port_ssh, dest, f"cd {shlex.quote(workdir)} && {run}"]),
+            shlex.join(["scp", *port_scp, f"{dest}:{workdir}/results.json", "results.json"]),
+            import_cmd]
+
+
+def finish_hint(ctx):
+    return "copy the bundle and runner.py there, run it, then import its results: " + "; ".join(finish_steps(ctx))
+
+
+def _results_here(ctx, bundle, manifest):
+    """The bundle's accuracy, calibration and OOD figures on this machine: the runner run here with the
+    primary artifact's runtime (a TensorRT engine's shipped ONNX with onnxruntime), timing cut to one run
+    (this machine's latency says nothing about the device). None, with the reason, if it cannot run here."""
+    import tempfile
+
+    from edgebayes.deploy.runner import select_artifact
+    from edgebayes.deploy.transport import RUNNER, LocalTransport
+
+    artifact = select_artifact(bundle, manifest)
+    runtime = "onnxruntime" if artifact["runtime"] == "tensorrt" else artifact["runtime"]
+    with tempfile.TemporaryDirectory() as tmp:
+        here = LocalTransport("this machine", tmp)
+        here.put(bundle, "bundle")
+        here.put(RUNNER, "runner.py")
+        code, err = here.run(["runner.py", "--bundle", "bundle", "--out", "results.json", "--runtime", runtime,
+                              "--warmup", 0, "--min-runs", 1, "--min-seconds", 0, "--rounds", 1, "--quiet"])
+        if code != 0:
+            return None, f"the runner failed here with {runtime} ({err[-1] if err else code})"
+        res = read_json(Path(tmp) / "results.json")
+    keep = ("bundle", "runtime", "metrics", "reliability", "ood", "selective", "reference", "max_abs_prob_diff")
+    return {**{k: res.get(k) for k in keep}, "measured_on": "this machine", "runtime_used": runtime}, None
+
+
+def write_predicted_report(ctx, error):
+    """deploy found the device unavailable: write the report from what exists, marked predicted.
+
+    Selection's figures (latency by the device's latency model, memory estimate) and the exported file's
+    size stand where the device's measurements would; the bundle's accuracy, ECE and OOD figures come from
+    running it on this machine. The report says how to finish on the device (finish_steps); the stage is
+    not marked done, so the next `pipeline` deploys when the device is back. `edgebayes` exits with its
+    own code (cli.EXIT_PREDICTED).
+    """
+    from edgebayes.deploy.report import write_report
+
+    ctx.begin("report")   # no marker: the next `pipeline` deploys and reports when the device is back
+    bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
+    ctx.log(f"deploy: {error}")
+    ctx.log(f"report: {ctx.profile.name} is not available: writing a report of predictions (selection's latency "
+            f"and memory, the bundle's accuracy on this machine)")
+    here, why_not = _results_here(ctx, bundle, read_json(bundle / "manifest.json"))
+    inputs = _report_inputs(ctx, None)
+    inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not,
+                           "finish": finish_steps(ctx)}
+    report = write_report(inputs, ctx.stage_dir("report"))
+    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted; to finish on the device: "
+            + " ; ".join(finish_steps(ctx)) + ")")
+    return report
+
+
+def import_results(ctx, path):
+    """`edgebayes report --results FILE`: the results.json of runner.py run by hand on the device become
+    this run's deploy results (checked to be of this run's bundle), and the report is written from them
+    as after a deploy. InputError (exit 2) when the file is not results of this bundle."""
+    from edgebayes.errors import InputError
+
+    ctx.begin("deploy")
+    bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
+    manifest = read_json(bundle / "manifest.json")
+    try:
+        res = read_json(path)
+        sha = res["bundle"]["model_sha256"]
+        res["metrics"]["accuracy"], res["latency_ms"]["p50"]   # noqa: B018 (the keys the report needs)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: not a runner results file ({type(e).__name__}: {e})") from None
+    expected = manifest["files"][manifest["model_file"]]["sha256"]
+    if sha != expected:
+        raise InputError(f"{path}: results of model {sha[:12]}..., but this run's bundle for {ctx.profile.name} "
+                         f"holds {expected[:12]}... ({manifest['model_file']}): results of another bundle; "
+                         f"run the bundle of {bundle} there")
+    out = ctx.stage_dir("deploy")
+    write_json(out / "results.json", res)
+    write_json(out / "artifacts.json", {res["bundle"].get("artifact") or manifest["format"]: {
+        k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
+                                "peak_rss_mb", "memory", "cold_start")}})
+    ctx.mark_done("deploy")
+    ctx.log(f"deploy: results of {res['bundle'].get('artifact')} on {res.get('device', {}).get('hostname', '?')} "
+            f"imported from {path}")
+    ctx.begin("report")
+    run_report(ctx)
+    ctx.mark_done("report")

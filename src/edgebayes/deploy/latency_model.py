@@ -4,6 +4,9 @@ Three sources, in the order selection prefers them (device profile key `latency_
 
 1. measure: the candidates' model files are copied to the device and timed there by the runner
    (`runner.py --time-models`, the same protocol as a deployment's benchmark). Needs the device reachable.
+   Every figure here, measured or in a table, is the runner's `latency_ms`: the percentile over all timed
+   samples of the interleaved rounds, the figure a deployment's budget is judged on, so the model is
+   fitted to and judged on the same statistic (runner.latency_summary).
 2. table: `edgebayes devices profile DEVICE` times a sweep of MC-averaged MLPs on the device (the run's
    input size, hidden widths at 1/8 .. 1 of the configured ones, each M of select.mc_samples, each
    precision the runtime takes) and stores them in a table. Latency at each percentile is then fitted by
@@ -18,7 +21,9 @@ Three sources, in the order selection prefers them (device profile key `latency_
    runs/devices/<device>/latency_table.json (this machine's measurements; not in git) or, for boards
    measured elsewhere, devices/profiles/<device>.json (shipped); `latency_model.table` names another file.
 3. flops: FLOPs x batch / the profile's declared throughput + overhead_ms. The throughput is a data-sheet
-   figure, declared and not measured (each profile says where it comes from).
+   figure, declared and not measured (each profile says where it comes from). For small models the
+   overhead is nearly all of it, so every candidate gets about the same figure: the report says that the
+   device has no latency table rather than presenting the figure as a prediction (has_table).
 
 A kind `measure` device that cannot be reached falls back to the table, then to declared FLOPs.
 """
@@ -33,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgebayes.config import DEVICES_DIR
+from edgebayes.config import devices_dirs
 from edgebayes.deploy.transport import RUNNER, TransportError, runner_failure
 from edgebayes.errors import StageError
 from edgebayes.provenance import provenance, read_json, write_json
@@ -71,11 +76,13 @@ def features(operators, flops, param_count, precision, batch_size):
 
 
 def table_path(profile, runs_dir):
-    """Where this device's table is read: latency_model.table, else the run folder's, else the shipped one."""
+    """Where this device's table is read: latency_model.table, else the run folder's, else a shipped one
+    (profiles/<name>.json beside the device profiles, a user's folder first: config.devices_dirs)."""
     if profile.latency_model.table:
         return Path(profile.latency_model.table)
     measured = Path(runs_dir) / "devices" / profile.name / "latency_table.json"
-    return measured if measured.is_file() else DEVICES_DIR / "profiles" / f"{profile.name}.json"
+    shipped = [d / "profiles" / f"{profile.name}.json" for d in devices_dirs()]
+    return measured if measured.is_file() else next((p for p in shipped if p.is_file()), shipped[-1])
 
 
 class TablePredictor:
@@ -85,7 +92,8 @@ class TablePredictor:
         from scipy.optimize import nnls
 
         self.path, self.batch_size = Path(path), table["batch_size"]
-        self.coefs, self.fit_error = {}, {}
+        self.memory = table.get("memory")   # the runtime's memory on the device (runner.time_models)
+        self.coefs, self.fit_error, self.outliers = {}, {}, {}
         for precision in sorted({r["precision"] for r in table["rows"]}):
             rows = [r for r in table["rows"] if r["precision"] == precision]
             x = np.array([features(r["operators"], r["flops"], r["params"], precision, self.batch_size) for r in rows])
@@ -93,9 +101,21 @@ class TablePredictor:
                 y = np.array([r["latency_ms"][p] for r in rows])
                 # Divide each row by its latency: least squares on relative error, so the small models that
                 # selection cares about weigh as much as the large ones.
-                coef, _ = nnls(x / y[:, None], np.ones(len(y)))
+                a = x / y[:, None]
+                coef, _ = nnls(a, np.ones(len(y)))
+                # One round of outlier rejection: a row's tail percentile is one measurement of a few
+                # seconds, and a slow spell of the device during it (measured: a p99 of 9.75 us among rows
+                # at 6.6) would move the four coefficients for every model. Rows off by more than three
+                # times the median residual (and 5 %) are left out of the refit, and named.
+                residual = np.abs(x @ coef / y - 1)
+                keep = residual <= max(0.05, 3 * float(np.median(residual)))
+                if not keep.all() and keep.sum() > x.shape[1]:
+                    coef, _ = nnls(a[keep], np.ones(int(keep.sum())))
+                else:
+                    keep[:] = True
                 self.coefs[precision, p] = coef
-                self.fit_error[precision, p] = float(np.max(np.abs(x @ coef / y - 1)))
+                self.fit_error[precision, p] = float(np.max(np.abs(x[keep] @ coef / y[keep] - 1)))
+                self.outliers[precision, p] = [r.get("id") for r, k in zip(rows, keep) if not k]
 
     @classmethod
     def load(cls, path):
@@ -118,8 +138,14 @@ class TablePredictor:
     def describe(self):
         return f"predicted (table fit, {self.path.name})"
 
+    has_table = True
+
 
 class FlopsPredictor:
+    """FLOPs / declared throughput + overhead: no measurement of the device behind it (has_table False)."""
+
+    has_table, memory = False, None
+
     def __init__(self, lm):
         self.lm = lm
 
@@ -178,7 +204,8 @@ def measure_models(transport, profile, models, example, bench, log=print):
         transport.get("timing/results.json", folder / "results.json")
         results = read_json(folder / "results.json")
     timed = {m["id"]: m for m in results["models"]}
-    timed[None] = {"runtime": results["runtime"], "device": results["device"], "protocol": results["protocol"]}
+    timed[None] = {"runtime": results["runtime"], "device": results["device"], "protocol": results["protocol"],
+                   "memory": results.get("memory"), "latency_statistic": "all samples"}
     return timed
 
 
@@ -237,7 +264,8 @@ def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
              "provenance": provenance(None)}
     predictor = TablePredictor(table, "latency_table.json")
     table["fit"] = {f"{prec}/{p}": {"coefficients": [float(c) for c in predictor.coefs[prec, p]],
-                                    "max_relative_error": predictor.fit_error[prec, p]}
+                                    "max_relative_error": predictor.fit_error[prec, p],
+                                    "outliers": predictor.outliers[prec, p]}
                     for prec, p in predictor.coefs}
     path = Path(runs_dir) / "devices" / profile.name / "latency_table.json"
     write_json(path, table)

@@ -7,9 +7,14 @@ key whose public half is the only authorized key, a known_hosts file pinning the
 
     python -m edgebayes.deploy.localsshd start [--dir runs/ssh-localhost] [--port 2222]
     python -m edgebayes.deploy.localsshd stop  [--dir runs/ssh-localhost]
+
+A profile with `connection.local_sshd: true` needs no start: the first command that connects to it starts
+the sshd (`ensure`) and stops it when it ends (`stop_started`), unless it was running already; a server
+left running would outlive the pipeline that needed it. runs/ is the working directory's (config.expand_repo).
 """
 
 import argparse
+import atexit
 import os
 import shutil
 import signal
@@ -20,9 +25,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgebayes.config import ROOT
+from edgebayes.config import expand_repo
 
-DEFAULT_DIR, DEFAULT_PORT = ROOT / "runs" / "ssh-localhost", 2222
+DEFAULT_PORT = 2222
+_started = []   # folders of the sshds this process started (ensure), stopped by stop_started
+
+
+def default_dir():
+    """runs/ssh-localhost of the working directory: the ssh-localhost profile's `{repo}/runs/ssh-localhost`."""
+    return Path.cwd() / "runs" / "ssh-localhost"
 
 
 class SSHDUnavailable(RuntimeError):
@@ -72,9 +83,9 @@ def _keygen(path):
                        check=True, capture_output=True)
 
 
-def start(directory=DEFAULT_DIR, port=None, timeout_s=10.0) -> LocalSSHD:
+def start(directory=None, port=None, timeout_s=10.0) -> LocalSSHD:
     """Start (or reuse, if it already runs from `directory`) sshd on 127.0.0.1:port."""
-    directory = Path(directory).resolve()
+    directory = Path(directory or default_dir()).resolve()
     sshd = find_sshd()
     if sshd is None:
         raise SSHDUnavailable("sshd is not installed (apt-get install openssh-server)")
@@ -125,20 +136,55 @@ def start(directory=DEFAULT_DIR, port=None, timeout_s=10.0) -> LocalSSHD:
                           f"(log: {directory / 'sshd.log'})")
 
 
-def stop(directory=DEFAULT_DIR):
+def running(directory, port=None):
+    """The LocalSSHD that runs from `directory` (on `port`, if given), or None."""
+    directory = Path(directory).resolve()
+    pidfile, portfile = directory / "sshd.pid", directory / "port"
+    if not (pidfile.is_file() and portfile.is_file()):
+        return None
+    pid, old_port = int(pidfile.read_text().split()[0]), int(portfile.read_text())
+    return LocalSSHD(directory, old_port, pid) if _alive(pid) and port in (None, old_port) else None
+
+
+def ensure(connection):
+    """Start the throwaway sshd of a `local_sshd` profile unless it runs: in the folder of its
+    identity_file (the client key is made there), on its port. One started here is stopped by
+    stop_started (at the latest when this process exits). Raises SSHDUnavailable."""
+    if not connection.identity_file:
+        raise SSHDUnavailable("connection.local_sshd needs connection.identity_file: the sshd's folder is its folder")
+    directory = Path(expand_repo(connection.identity_file)).expanduser().resolve().parent
+    if running(directory, connection.port) is not None:
+        return None
+    server = start(directory, connection.port)
+    if not _started:
+        atexit.register(stop_started)
+    _started.append(server.dir)
+    return server
+
+
+def stop_started():
+    """Stop every sshd that `ensure` started in this process."""
+    while _started:
+        stop(_started.pop())
+
+
+def stop(directory=None):
     """Stop the sshd started from `directory` (by the pid in its own PidFile)."""
-    pidfile = Path(directory) / "sshd.pid"
+    pidfile = Path(directory or default_dir()) / "sshd.pid"
     if pidfile.is_file():
         pid = int(pidfile.read_text().split()[0])
         if _alive(pid):
             os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 5.0   # gone before we return: the port is free again
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         pidfile.unlink(missing_ok=True)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m edgebayes.deploy.localsshd", description=__doc__.split("\n")[0])
     parser.add_argument("action", choices=["start", "stop"])
-    parser.add_argument("--dir", default=str(DEFAULT_DIR))
+    parser.add_argument("--dir", default=None, help="default: runs/ssh-localhost of the working directory")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     args = parser.parse_args(argv)
     if args.action == "stop":

@@ -8,21 +8,27 @@ accuracy, NLL, ECE of the exported file, run by the device's runtime where it is
 PyTorch fp32 graph, and the candidate says so) and costed:
   - latency at the budget's percentile and batch size, measured on the device or predicted by its latency
     model (deploy/latency_model.py); both figures are kept when both exist;
-  - model size: the bytes of the exported file.
-Constraints: the device budgets (latency, model size, allowed M) and, for the ece-constrained-accuracy
-objective, select.max_ece. The best-scoring candidate that meets them wins (accuracy: ties broken by NLL,
+  - model size: the bytes of the exported file;
+  - memory (`memory_estimate`): the runtime's baseline and one-off set-up as the runner measured them on
+    the device (at selection, or in its latency table), plus twice the model file and the activations,
+    so that `budgets.memory_mb` rules out candidates before anything is deployed. Without a measurement
+    of the runtime (an unreachable board without a table) the estimate is a lower bound and says so.
+Constraints: the device budgets (latency, memory, model size, allowed M) and, for the
+ece-constrained-accuracy objective, select.max_ece. The best-scoring candidate that meets them wins (accuracy: ties broken by NLL,
 then latency; nll: lowest NLL, then latency). The Pareto front (accuracy up, latency and size down) is
-marked on every candidate. Peak memory is only known once the model runs on the device, so it is checked
-in the report. If nothing fits, the error lists the closest candidates and what each exceeds.
+marked on every candidate. The memory measured after deployment is set against the estimate in the
+report. If nothing fits, the error lists the closest candidates and what each exceeds.
 """
 
+import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
-from edgebayes.deploy.latency_model import (LatencyModelError, TablePredictor, measure_models, operator_count,
-                                            predictor_for, profile_device)
+from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, measure_models,
+                                            operator_count, predictor_for, profile_device)
 from edgebayes.deploy.runner import RuntimeProblem, make_backend, predict_all
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError
@@ -61,6 +67,10 @@ def violations(candidate, budgets, max_ece=None):
         out.append(f"latency p{budgets.percentile} {cost['latency_ms']:.3f} ms > budget {budgets.latency_ms} ms")
     if budgets.model_mb is not None and cost["model_mb"] > budgets.model_mb:
         out.append(f"model {cost['model_mb']:.3f} MB > budget {budgets.model_mb} MB")
+    memory = cost.get("memory_estimate_mb")
+    if budgets.memory_mb is not None and memory is not None and memory > budgets.memory_mb:
+        at_least = "at least " if cost.get("memory_estimate_lower_bound") else ""
+        out.append(f"memory (estimated) {at_least}{memory:.1f} MB > budget {budgets.memory_mb} MB")
     m = candidate["mc_samples"]
     if budgets.mc_samples is not None and m not in budgets.mc_samples:
         out.append(f"M={m} not in budget mc_samples {budgets.mc_samples}")
@@ -69,6 +79,44 @@ def violations(candidate, budgets, max_ece=None):
     if max_ece is not None and candidate["val"]["ece"] > max_ece:
         out.append(f"val ECE {candidate['val']['ece']:.4f} > max_ece {max_ece}")
     return out
+
+
+def activation_mb(sample, x):
+    """Peak activation memory of one posterior sample on the batch `x`, fp32, in MB: the largest input +
+    output of any leaf module (a runtime frees a tensor once its last reader ran, so at most about one
+    operator's input and output are alive at a time)."""
+    peak = 0
+
+    def hook(module, inputs, output):
+        nonlocal peak
+        tensors = [t for t in (*inputs, output) if torch.is_tensor(t)]
+        peak = max(peak, sum(t.numel() for t in tensors))
+
+    handles = [m.register_forward_hook(hook) for m in sample.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            sample(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return 4 * peak / 1e6
+
+
+def memory_estimate(model_mb, activations_mb, mc_samples, runtime_memory):
+    """(estimate in MB, lower bound?, parts) of a candidate's memory on the device.
+
+    runtime baseline + runtime set-up (runner.time_models measures both on the device) + 2 x the model
+    file (the file's bytes and the runtime's own copy of the weights are both alive while the session is
+    built: 45 MB at session creation for a 22 MB ONNX file with onnxruntime 1.31) + M x the activations of
+    one sample (the packed layout runs the M samples side by side). Without a measurement of the runtime
+    the estimate is the model's part alone, a lower bound.
+    """
+    runtime_memory = runtime_memory or {}
+    baseline, setup = runtime_memory.get("runtime_baseline_mb"), runtime_memory.get("runtime_setup_mb")
+    parts = {"runtime_baseline_mb": baseline, "runtime_setup_mb": setup, "weights_mb": 2 * model_mb,
+             "activations_mb": mc_samples * activations_mb}
+    total = sum(v for v in parts.values() if v is not None)
+    return total, baseline is None or setup is None, parts
 
 
 def _val_probs(fmt, path, mc_model, val_x):
@@ -118,11 +166,13 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     fmts = formats_for(profile)
     b = profile.budgets
     example = val_x[:1]
+    batch = val_x[torch.arange(b.batch_size) % len(val_x)]
     grid = [(k, m) for k in model.operating_points(cfg.select.knob_values) for m in sorted(cfg.select.mc_samples)]
     layout = cfg.export.layout
     candidates, models = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        progress = tqdm(total=len(grid) * len(fmts), desc="select", unit="candidate")
+        progress = tqdm(total=len(grid) * len(fmts), desc="select", unit="candidate",
+                        disable=not sys.stderr.isatty())   # a bar only on a terminal; select logs its result
         for knob_value, m in grid:
             try:
                 compressed = compress(model, knob_value, m, cfg.seed)
@@ -132,6 +182,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 continue
             mc_model = compressed.mc_model()
             kept_weights = sum(count_weights(s, fold_batch_norm=True) for s in compressed.samples)
+            activations = activation_mb(compressed.samples[0], batch)
             for fmt in fmts:
                 progress.update(1)
                 ident = f"k{knob_value}-m{m}-{fmt.name}"
@@ -148,7 +199,8 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                     "val": classification_metrics(probs, val_y.numpy()), "val_scored_as": scored_as,
                     "cost": {"model_mb": path.stat().st_size / 1e6,
                              "flops": m * paper_flops(compressed.samples[0], val_x.shape[1:]),
-                             "operators": operator_count(path), "kept_weights": kept_weights},
+                             "operators": operator_count(path), "kept_weights": kept_weights,
+                             "activations_mb_per_sample": activations},
                 })
                 models.append((ident, path, fmt.runtime))
         progress.close()
@@ -157,16 +209,25 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                                  f"({model.knob})")
         measured, predictor, measured_on = _latencies(cfg, profile, transport, models, example.numpy(),
                                                       select_bench(cfg.benchmark), runs_dir, log)
+    # The runtime's memory on the device: measured now, else as the latency table recorded it.
+    runtime_memory = (measured_on or {}).get("memory") or getattr(predictor, "memory", None)
     for c in candidates:
         cost = c["cost"]
         try:
-            cost["predicted_latency_ms"] = None if predictor is None else predictor.predict(
-                cost["operators"], cost["flops"], cost["kept_weights"], c["precision"], b.percentile, b.batch_size)
+            by_percentile = None if predictor is None else {
+                p: predictor.predict(cost["operators"], cost["flops"], cost["kept_weights"], c["precision"],
+                                     int(p[1:]), b.batch_size) for p in PERCENTILES}
         except LatencyModelError as e:
             if measured[c["id"]] is None:
                 raise SelectionError(str(e)) from None
-            cost["predicted_latency_ms"] = None
+            by_percentile = None
+        cost["predicted_latency_ms"] = None if by_percentile is None else by_percentile[f"p{b.percentile}"]
+        cost["predicted_latency_ms_by_percentile"] = by_percentile
         cost["predicted_by"] = None if predictor is None else predictor.describe()
+        cost["latency_model_has_table"] = None if predictor is None else predictor.has_table
+        estimate, lower_bound, parts = memory_estimate(cost["model_mb"], cost["activations_mb_per_sample"],
+                                                       c["mc_samples"], runtime_memory)
+        cost.update(memory_estimate_mb=estimate, memory_estimate_lower_bound=lower_bound, memory_parts_mb=parts)
         cost["measured_latency_ms"] = measured[c["id"]]
         if measured[c["id"]] is not None:
             cost["latency_ms"], cost["latency_source"] = measured[c["id"]], "measured"
@@ -205,6 +266,8 @@ def choose(candidates, objective, budgets, max_ece=None):
                 total += max(0.0, cost["latency_ms"] / budgets.latency_ms - 1)
             if budgets.model_mb is not None:
                 total += max(0.0, cost["model_mb"] / budgets.model_mb - 1)
+            if budgets.memory_mb is not None and cost.get("memory_estimate_mb") is not None:
+                total += max(0.0, cost["memory_estimate_mb"] / budgets.memory_mb - 1)
             return total
         closest = sorted(candidates, key=excess)[:3]
         lines = [f"  {c['knob']} {c['knob_value']}, M={c['mc_samples']}, {c['precision']}: " + "; ".join(c["violations"])

@@ -343,4 +343,11 @@ def transport_for(profile, default_workdir):
     c = profile.connection
     if c.kind == "local":
         return LocalTransport(profile.name, expand_repo(c.workdir) or default_workdir, c.python)
+    if c.local_sshd:   # this machine through a throwaway sshd, started for this command (localsshd.ensure)
+        from edgebayes.deploy import localsshd
+
+        try:
+            localsshd.ensure(c)
+        except (localsshd.SSHDUnavailable, OSError, subprocess.CalledProcessError) as e:
+            raise DeviceUnavailable(f"device {profile.name}: its local sshd did not start: {e}") from None
     return SSHTransport(profile.name, c)

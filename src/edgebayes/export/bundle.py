@@ -21,11 +21,13 @@ MODEL_FILE, EVAL_FILE = "model.onnx", "eval.npz"
 
 
 def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_samples, knob_name, knob_value,
-                 reference_metrics, provenance, fmt="onnx", precision="fp32", artifacts=None) -> dict:
+                 reference_metrics, provenance, fmt="onnx", precision="fp32", artifacts=None, ood_x=None) -> dict:
     """Assemble the bundle at `bundle_dir` (replacing any old one); returns the manifest.
 
     artifacts: optional {name: {"path": model file, "format", "precision", "runtime", ...more facts}};
     the one whose path is `model_file` is the primary artifact.
+    ood_x: optional out-of-distribution inputs, stored in the eval file so that the runner measures OOD
+    AUROC / AUPR on the device's own outputs (quantization can move the uncertainty they rest on).
     """
     bundle_dir = Path(bundle_dir)
     bundle_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -40,8 +42,9 @@ def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_s
                 primary, fmt, precision = file, art["format"], art["precision"]
         if not entries:
             shutil.copyfile(model_file, tmp / MODEL_FILE)
+        ood = {} if ood_x is None else {"ood_x": np.ascontiguousarray(ood_x, dtype=np.float32)}
         np.savez(tmp / EVAL_FILE, x=np.ascontiguousarray(x, dtype=np.float32), y=np.asarray(y, dtype=np.int64),
-                 reference_probs=np.asarray(reference_probs, dtype=np.float32))
+                 reference_probs=np.asarray(reference_probs, dtype=np.float32), **ood)
         manifest = {
             "schema": 1, "format": fmt, "precision": precision,
             "model_file": primary, "eval_file": EVAL_FILE,

@@ -66,17 +66,34 @@ def get_format(fmt: str) -> Format:
     return FORMATS[fmt]
 
 
+class _StartupNoise(logging.Filter):
+    """litert-torch warns on the root logger that a PT2E graph 'is converted in training mode': it was put
+    in evaluation mode (move_exported_model_to_eval), and the warning is about nothing the user can do."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Your model is converted in training mode")
+
+
 @contextlib.contextmanager
 def _quiet():
-    """litert-torch and NNCF print progress to stdout/stderr and the logs: keep the pipeline's log readable."""
-    loggers = [logging.getLogger(name) for name in ("nncf", "absl", "litert_torch", "torch.export")]
+    """litert-torch, TensorFlow (which it imports) and NNCF print progress and start-up notes to stdout,
+    to stderr from native code, and to the logs: keep the pipeline's log readable. Their imports happen
+    in here too (torch's 'No CUDA runtime is found', TensorFlow's oneDNN note, LiteRT's op counts)."""
+    from edgebayes.deploy.runner import native_noise_filtered
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    loggers = [logging.getLogger(name) for name in ("nncf", "absl", "litert_torch", "torch.export",
+                                                    "torch.utils.cpp_extension", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
+    noise = _StartupNoise()
+    logging.getLogger().addFilter(noise)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), native_noise_filtered():
             yield
     finally:
+        logging.getLogger().removeFilter(noise)
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
 
@@ -94,9 +111,10 @@ def quantize_onnx_int8(fp32_path, out_path, calib_x):
     quantized to 8 bits (steps of 1/255) wreck calibration (measured on digits: NLL 0.39 -> 0.52,
     ECE 0.062 -> 0.13 at equal accuracy). Every Gemm and Conv (the packed layout's too) is int8.
     """
-    import nncf
     import onnx
 
+    with _quiet():
+        import nncf
     model = onnx.load(str(fp32_path))
     probabilities, produced = [], set()  # the Softmax nodes and everything downstream of them
     for n in model.graph.node:  # ONNX graphs are topologically sorted
@@ -115,9 +133,9 @@ def quantize_onnx_int8(fp32_path, out_path, calib_x):
 
 
 def _litert_convert(module, example, path, quant_config=None):
-    import litert_torch
-
     with _quiet():
+        import litert_torch
+
         edge = litert_torch.convert(module, (example,), quant_config=quant_config)
         edge.export(str(path))
 
@@ -129,14 +147,16 @@ def export_tflite(module, example, path, precision, calib_x=None):
         _litert_convert(module, example, path)
         return {}
     if precision == "fp16":
-        from litert_torch.generative.quantize import quant_recipes
+        with _quiet():
+            from litert_torch.generative.quantize import quant_recipes
 
         _litert_convert(module, example, path, quant_recipes.full_fp16_recipe())
         return {}
     if precision != "int8":
         raise ValueError(f"TFLite precision {precision!r}")
-    from litert_torch.quantize import pt2e_quantizer, quant_config
-    from torchao.quantization.pt2e import move_exported_model_to_eval, quantize_pt2e
+    with _quiet():
+        from litert_torch.quantize import pt2e_quantizer, quant_config
+        from torchao.quantization.pt2e import move_exported_model_to_eval, quantize_pt2e
 
     rows = torch.from_numpy(_calibration_rows(calib_x))
     quantizer = pt2e_quantizer.PT2EQuantizer().set_global(

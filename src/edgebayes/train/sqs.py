@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from tqdm.auto import tqdm
+from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 
 from edgebayes.errors import InputError
 from edgebayes.export import codebook

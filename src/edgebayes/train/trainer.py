@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 
 from torch.nn.parallel import DistributedDataParallel
 

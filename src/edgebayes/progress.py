@@ -1,0 +1,41 @@
+"""Progress of the long loops (training epochs): a tqdm bar on a terminal, one plain line per step otherwise.
+
+A bar redraws itself with carriage returns; written into a log file (`make pipeline > log`, CI) it becomes
+one line of tens of kilobytes that says nothing until the end. Off a terminal each finished step is one
+line on stderr instead, with what the loop last set as its postfix (loss, validation accuracy, ...).
+"""
+
+import sys
+
+from tqdm.auto import tqdm
+
+
+def progress(iterable, desc="", total=None, initial=0, unit="it", disable=False, **kwargs):
+    """tqdm(iterable, ...) on a terminal; a LineProgress (same use: iterate, set_postfix, close) otherwise."""
+    if disable or sys.stderr.isatty():
+        return tqdm(iterable, desc=desc, total=total, initial=initial, unit=unit, disable=disable, **kwargs)
+    return LineProgress(iterable, desc, total, initial, unit)
+
+
+class LineProgress:
+    """One line per finished step: `train: epoch 12/150: loss=0.123, val_acc=0.951`."""
+
+    def __init__(self, iterable, desc, total=None, initial=0, unit="it", file=None):
+        self.iterable, self.desc, self.unit = iterable, desc, unit
+        self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+        self.n, self.postfix, self.file = initial, "", file
+
+    def __iter__(self):
+        for item in self.iterable:
+            yield item
+            self.n += 1   # the step's body has run: report it
+            of = f"/{self.total}" if self.total is not None else ""
+            print(f"{self.desc}: {self.unit} {self.n}{of}" + (f": {self.postfix}" if self.postfix else ""),
+                  file=self.file or sys.stderr, flush=True)
+
+    def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+        items = {**(ordered_dict or {}), **kwargs}
+        self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())
+
+    def close(self):
+        pass

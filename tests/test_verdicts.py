@@ -1,0 +1,200 @@
+"""Exit codes that follow the verdict, the closing summary (text and --json), a report of predictions when
+the device cannot be reached, importing the device's results by hand, the devices comparison page.
+
+The runs reuse the session's trained model (conftest.trained_runs / pipeline_run): only select, export,
+deploy and report run here, with a short benchmark.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, write_profile
+from edgebayes.cli import EXIT_BAD_INPUT, EXIT_BUDGET, EXIT_PREDICTED, main
+from edgebayes.deploy import localsshd
+
+CONFIG = str(ROOT / "pipeline.yaml")
+
+
+def cli(capsys, *args):
+    capsys.readouterr()
+    code = main(list(map(str, args)))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def quick_config(tmp_path):
+    """pipeline.yaml with a short benchmark: train's fingerprint is unchanged, so training is reused."""
+    cfg = yaml.safe_load(Path(CONFIG).read_text())
+    cfg["benchmark"] = {"warmup": 2, "min_runs": 40, "min_seconds": 0.05, "rounds": 2}
+    path = tmp_path / "quick.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 0: every budget passes; the summary, also when every stage was cached, and --json
+# ---------------------------------------------------------------------------------------------
+def test_all_budgets_pass_exit_0_with_a_summary_also_when_cached(pipeline_run, capsys):
+    runs = pipeline_run.parent
+    # Another test may have run this folder with another config (digits-formats): bring it back first.
+    assert cli(capsys, "pipeline", "--config", CONFIG, "--runs-dir", runs)[0] == 0
+    code, out, err = cli(capsys, "pipeline", "--config", CONFIG, "--runs-dir", runs)
+    assert code == 0, err
+    assert all(f"{stage}: up to date" in out for stage in ("train", "select", "export", "deploy", "report"))
+    summary = out[out.index("summary: digits-ssgl on local (measured)"):]
+    for line in ("chosen point  inclusion threshold", "accuracy", "OOD AUROC", "latency       p50", "size",
+                 "memory", "budget        latency", "budget        memory", "budget        model size",
+                 "verdict       pass, exit code 0", f"report        {pipeline_run / 'report/local/report.html'}"):
+        assert line in summary, (line, summary)
+
+    code, out, err = cli(capsys, "pipeline", "--config", CONFIG, "--runs-dir", runs, "--json")
+    assert code == 0, err
+    s = json.loads(out)            # stdout holds the summary alone; the log went to stderr
+    assert "train: up to date" in err and "summary:" not in out
+    report = json.loads((pipeline_run / "report/local/report.json").read_text())
+    assert s["exit_code"] == 0 and s["verdict"] == "pass" and s["mode"] == "measured"
+    assert s["device"] == "local" and s["chosen"]["knob_value"] == report["summary"]["knob_value"]
+    assert s["accuracy"] == report["results"]["metrics"]["accuracy"]
+    assert s["ood_auroc"] == report["results"]["ood"]["auroc"] > 0.5      # measured on the device's outputs
+    assert s["latency_ms"]["p99"] == report["results"]["latency_ms"]["p99"]
+    assert set(s["budgets"]) == {"latency_ms", "memory_mb", "model_mb"}
+    assert all(b["verdict"] == "pass" for b in s["budgets"].values())
+    assert s["memory_mb"] == pytest.approx(s["memory_runtime_baseline_mb"] + s["memory_model_mb"])
+
+
+# ---------------------------------------------------------------------------------------------
+# 3: the chosen point fails a budget on the device
+# ---------------------------------------------------------------------------------------------
+def test_a_budget_failing_on_the_device_exits_3(trained_runs, quick_config, tmp_path, capsys):
+    """Selection trusts an optimistic declared throughput (the point 'fits' 1 us); the deployment measures
+    this machine's real latency, several us, and the verdict fails."""
+    device = write_profile(tmp_path / "optimist.yaml", base="local",
+                           budgets={"latency_ms": 0.001, "percentile": 90},
+                           latency_model={"kind": "flops", "flops_per_second": 1e18, "overhead_ms": 0.0,
+                                          "source": "declared, not measured: a test's optimism"})
+    code, out, err = cli(capsys, "pipeline", "--config", quick_config, "--device", device, "--runs-dir", trained_runs,
+                         "--json")
+    assert code == EXIT_BUDGET, err
+    s = json.loads(out)
+    assert s["exit_code"] == EXIT_BUDGET and s["verdict"] == "fail" and s["mode"] == "measured"
+    assert s["budgets"]["latency_ms"]["verdict"] == "fail" and s["budgets"]["latency_ms"]["value"] > 0.001
+    assert s["budgets"]["model_mb"]["verdict"] == "pass"
+    choice = json.loads((trained_runs / "digits-ssgl/select/optimist/choice.json").read_text())
+    assert choice["candidate"]["fits"]   # selection thought it fitted: the device says otherwise
+
+
+def test_memory_is_judged_at_selection(trained_runs, quick_config, tmp_path, capsys):
+    """The issue's 50 MB memory budget: the runtime alone needs more on this machine, so selection refuses
+    every candidate before anything is deployed, naming the memory estimate."""
+    device = write_profile(tmp_path / "small-ram.yaml", base="local", budgets={"memory_mb": 20})
+    code, out, err = cli(capsys, "select", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
+    assert code == 1 and "no operating point fits" in err and "memory (estimated)" in err and "> budget 20" in err
+    table = json.loads((trained_runs / "devices/local/latency_table.json").read_text())   # measured on this machine
+    assert table["memory"]["runtime_baseline_mb"] > 20
+
+
+# ---------------------------------------------------------------------------------------------
+# 4: the device is unreachable: a report of predictions, then the device's results imported
+# ---------------------------------------------------------------------------------------------
+def unreachable(tmp_path, trained_runs, name="far-board"):
+    """An ssh board at a port nothing listens on; its latency table is the one measured for `local`."""
+    return write_profile(tmp_path / f"{name}.yaml", connection={
+        "local_sshd": False, "host": "127.0.0.1", "port": localsshd.free_port(), "identity_file": None,
+        "options": ["StrictHostKeyChecking=no", f"UserKnownHostsFile={tmp_path / 'known_hosts'}"],
+        "connect_timeout_s": 5, "workdir": f"edgebayes/{name}"},
+        latency_model={"kind": "table", "table": str(trained_runs / "devices/local/latency_table.json")})
+
+
+def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, quick_config, tmp_path, capsys):
+    device = unreachable(tmp_path, trained_runs)
+    code, out, err = cli(capsys, "pipeline", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
+    assert code == EXIT_PREDICTED, err
+    assert "host unreachable" in out and "verdict       pass (predicted), exit code 4" in out
+    run = trained_runs / "digits-ssgl"
+    report = json.loads((run / "report/far-board/report.json").read_text())
+    s = report["summary"]
+    assert s["mode"] == "predicted" and report["results"] is None
+    assert s["latency_prediction"]["has_table"] and s["latency_predicted_ms"]["p90"] > 0
+    assert s["budgets"]["latency_ms"]["basis"] == "predicted"
+    assert s["budgets"]["latency_ms"]["measured"] == s["latency_predicted_ms"]["p90"]
+    assert s["budgets"]["memory_mb"]["basis"] == "estimated" and s["budgets"]["memory_mb"]["measured"] > 1
+    # the bundle's accuracy on this machine: the same figures export measured
+    export = json.loads((run / "export/far-board/export.json").read_text())
+    assert s["metrics_measured_on"] == "this machine"
+    assert s["metrics"]["accuracy"]["device"] == pytest.approx(export["artifacts"]["onnx"]["fidelity"]["accuracy"])
+    assert s["ood"]["auroc"] > 0.5
+    # how to finish: copy, run, import, with the device named
+    finish = s["finish"]
+    assert finish[-1].startswith("edgebayes report") and "--device" in finish[-1] and "--results" in finish[-1]
+    assert str(device) in finish[-1]
+    assert any("scp" in step and "runner.py" in step and "bundle" in step for step in finish)
+    html = (run / "report/far-board/report.html").read_text()
+    assert "(predicted)" in html and "PREDICTED, not measured on the device" in html and "--results" in html
+    assert not (run / "deploy/far-board/stage.json").exists()   # the next pipeline deploys when it is back
+
+    # `edgebayes report` alone says how to finish, naming the device
+    code, _, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
+    assert code == 1 and f"--device {device}" in err and "--results" in err
+
+    # Finish by hand: run the bundle with runner.py "on the device" (here), import its results.
+    board = tmp_path / "board"
+    shutil.copytree(run / "export/far-board/bundle", board / "bundle")
+    shutil.copy(ROOT / "src/edgebayes/deploy/runner.py", board / "runner.py")
+    done = subprocess.run([sys.executable, "runner.py", "--bundle", "bundle", "--out", "results.json", "--min-runs",
+                           "30", "--min-seconds", "0", "--quiet"], cwd=board, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    code, out, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs,
+                         "--results", board / "results.json", "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["mode"] == "measured" and s["verdict"] == "pass" and "imported" in err
+    imported = json.loads((board / "results.json").read_text())
+    assert s["latency_ms"]["p90"] == imported["latency_ms"]["p90"]
+    report = json.loads((run / "report/far-board/report.json").read_text())
+    assert report["summary"]["mode"] == "measured" and report["results"]["runs"] == imported["runs"]
+    # the pipeline now finds deploy done (imported) and ends with the same verdict
+    code, out, err = cli(capsys, "pipeline", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
+    assert code == 0 and "deploy: up to date" in out, err
+
+
+def test_results_of_another_bundle_are_refused(trained_runs, quick_config, pipeline_run, tmp_path, capsys):
+    device = unreachable(tmp_path, trained_runs, "other-board")
+    assert cli(capsys, "pipeline", "--config", quick_config, "--device", device,
+               "--runs-dir", trained_runs)[0] == EXIT_PREDICTED
+    results = json.loads((pipeline_run / "deploy/local/results.json").read_text())
+    results["bundle"]["model_sha256"] = "0" * 64
+    wrong = tmp_path / "results.json"
+    wrong.write_text(json.dumps(results))
+    code, _, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs,
+                       "--results", wrong)
+    assert code == EXIT_BAD_INPUT and "results of another bundle" in err
+    assert not (trained_runs / "digits-ssgl/deploy/other-board/results.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The devices comparison page
+# ---------------------------------------------------------------------------------------------
+def test_devices_comparison_page(trained_runs, quick_config, tmp_path, capsys):
+    far = unreachable(tmp_path, trained_runs, "far")
+    assert cli(capsys, "pipeline", "--config", quick_config, "--runs-dir", trained_runs)[0] == 0
+    assert cli(capsys, "pipeline", "--config", quick_config, "--device", far, "--runs-dir", trained_runs)[0] == 4
+    code, out, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs,
+                         "--devices", "local", far, "--json")
+    assert code == 0, err
+    rows = {r["device"]: r for r in json.loads(out)["devices"]}
+    assert set(rows) == {"local", "far"}
+    assert rows["local"]["mode"] == "measured" and rows["far"]["mode"] == "predicted"
+    html = (trained_runs / "digits-ssgl/report/devices.html").read_text()
+    assert "href='local/report.html'" in html and "href='far/report.html'" in html
+    assert "predicted" in html and "<img" in html
+    # A device without a report is named with the command that makes one.
+    code, _, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", "local",
+                       "jetson")
+    assert code == 1 and "--device jetson" in err
