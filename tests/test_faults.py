@@ -210,7 +210,7 @@ def test_altered_bundle_reruns_export_and_stale_temporaries_go(base, runs, capsy
     (export / ".artifacts.killed/onnx.onnx").write_bytes(b"partial")
     code, _, err = cli(capsys, "deploy", "--config", base.config, "--device", base.device, "--runs-dir", runs)
     assert code == EXIT_FAILED and one_line(err), err
-    assert "bundle/model.onnx is not what the export stage wrote" in err and "run `edgebayes export`" in err
+    assert "bundle/model.onnx is not what the export stage wrote" in err and "run `edgebayes export --config " in err
     out = pipeline(capsys, base, runs)
     assert "train: up to date" in out and "select: up to date" in out
     assert "export: running (its output bundle/model.onnx changed since the stage wrote it)" in out

@@ -101,7 +101,7 @@ def test_deploy_refuses_a_corrupted_bundle(run, tmp_path, capsys):
     # Refused before copying: the export stage's marker holds another sha256 for model.onnx (the runner's
     # own check of the manifest's hashes is in test_runner.py); the advice re-runs export, not deploy.
     assert f"{model} is not what the export stage wrote" in err
-    assert "run `edgebayes export`" in err
+    assert "run `edgebayes export --config " in err
 
 
 def test_runner_reports_its_own_peak_memory(run):
