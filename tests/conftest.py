@@ -46,6 +46,14 @@ def sshd(tmp_path_factory):
     server.stop()
 
 
+def cli(capsys, *args):
+    """Run the command line in-process: (exit code, stdout, stderr) of this call alone."""
+    capsys.readouterr()
+    code = main(list(map(str, args)))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def write_profile(path, base="ssh-localhost", **changes):
     """A device profile YAML derived from devices/<base>.yaml; changes are `section.key=value`-style dicts."""
     profile = yaml.safe_load((ROOT / "devices" / f"{base}.yaml").read_text())

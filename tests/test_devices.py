@@ -15,19 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, write_profile
-from edgebayes.cli import main
+from conftest import ROOT, cli, write_profile
 from edgebayes.config import ConfigError, known_devices, load_device_profile
 from edgebayes.deploy import localsshd
 
 CONFIG = str(ROOT / "pipeline.yaml")
 
-
-def cli(capsys, *args):
-    capsys.readouterr()
-    code = main(list(map(str, args)))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ---------------------------------------------------------------------------------------------

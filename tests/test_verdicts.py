@@ -14,18 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, write_profile
-from edgebayes.cli import EXIT_BAD_INPUT, EXIT_BUDGET, EXIT_PREDICTED, main
+from conftest import ROOT, cli, write_profile
+from edgebayes.cli import EXIT_BAD_INPUT, EXIT_BUDGET, EXIT_PREDICTED
 from edgebayes.deploy import localsshd
 
 CONFIG = str(ROOT / "pipeline.yaml")
 
-
-def cli(capsys, *args):
-    capsys.readouterr()
-    code = main(list(map(str, args)))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture
