@@ -99,6 +99,16 @@ def runs(base, tmp_path):
     return tmp_path / "runs"
 
 
+def assert_same_run(got, expected):
+    """The run is the uninterrupted one: the same deployed accuracy and knob value, and the same test metrics
+    up to float summation order (threaded reductions may differ in the 8th digit between processes)."""
+    assert (got["accuracy"], got["knob_value"]) == (expected["accuracy"], expected["knob_value"])
+    numbers = {k for k, v in expected["test"].items() if isinstance(v, float)}
+    assert {k: v for k, v in got["test"].items() if k not in numbers} == \
+        {k: v for k, v in expected["test"].items() if k not in numbers}
+    assert {k: got["test"][k] for k in numbers} == pytest.approx({k: expected["test"][k] for k in numbers}, rel=1e-6)
+
+
 def figures(runs):
     """What was deployed and what the report says, checked to agree with each other and the checkpoint."""
     run = runs / "faults"
@@ -164,7 +174,7 @@ def test_training_killed_mid_run_resumes_and_deploys_what_it_reports(base, runs,
     for stage in ("select", "export", "deploy", "report"):
         assert f"{stage}: running" in out
     assert "select: running (its input train/checkpoint.pt changed since it was read)" in out
-    assert figures(runs) == base.deployed
+    assert_same_run(figures(runs), base.deployed)
 
 
 def test_ctrl_c_while_training_an_edited_config_then_revert(base, runs, capsys):
@@ -188,7 +198,7 @@ def test_ctrl_c_while_training_an_edited_config_then_revert(base, runs, capsys):
 
     out = pipeline(capsys, base, runs)
     assert "train: running" in out and "resuming" not in out   # the edited run's checkpoint is not resumed
-    assert figures(runs) == base.deployed
+    assert_same_run(figures(runs), base.deployed)
 
 
 def test_altered_checkpoint_reruns_train_from_scratch(base, runs, capsys):
@@ -200,7 +210,7 @@ def test_altered_checkpoint_reruns_train_from_scratch(base, runs, capsys):
     out = pipeline(capsys, base, runs)
     assert "train: running (its output checkpoint.pt changed since the stage wrote it)" in out
     assert "resuming" not in out
-    assert figures(runs) == base.deployed
+    assert_same_run(figures(runs), base.deployed)
 
 
 def test_altered_bundle_reruns_export_and_stale_temporaries_go(base, runs, capsys):
@@ -216,7 +226,7 @@ def test_altered_bundle_reruns_export_and_stale_temporaries_go(base, runs, capsy
     assert "export: running (its output bundle/model.onnx changed since the stage wrote it)" in out
     assert "deploy: running (no finished run" in out   # the refused deploy above had begun: no marker
     assert not list(export.glob(".*"))
-    assert figures(runs) == base.deployed
+    assert_same_run(figures(runs), base.deployed)
 
 
 def test_empty_or_garbled_markers_rerun_their_stage(base, runs, capsys):
@@ -225,7 +235,7 @@ def test_empty_or_garbled_markers_rerun_their_stage(base, runs, capsys):
     out = pipeline(capsys, base, runs)
     assert "export: up to date" in out
     assert "deploy: running (no valid stage.json" in out and "report: running (no valid stage.json" in out
-    assert figures(runs) == base.deployed
+    assert_same_run(figures(runs), base.deployed)
 
 
 def test_code_version_is_part_of_the_fingerprint(base, runs, monkeypatch, capsys):
