@@ -287,3 +287,19 @@ def test_a_rewritten_pretrained_file_retrains(user_package, tmp_path):
     torch.save({"x": torch.zeros(3)}, weights)
     os.utime(weights, ns=(1, 10**18))
     assert ctx.fingerprint("train") != before
+
+
+def test_a_zoo_net_starts_from_pretrained_weights(tmp_path):
+    """model.pretrained with a zoo (factory) builder: a state dict of the plain dnn net seeds the posterior
+    means, batch norms included."""
+    plain = build_model(ModelConfig(family="dnn", arch="resnet20"), PriorConfig(), (3, 8, 8), 4, n_train=100).net
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.uniform_(-0.3, 0.3)
+        plain.stem.norm.running_var.fill_(2.0)
+    torch.save(plain.state_dict(), tmp_path / "w.pt")
+    net = build_model(ModelConfig(family="ss-gl", arch="resnet20", pretrained=str(tmp_path / "w.pt")), PriorConfig(),
+                      (3, 8, 8), 4, n_train=100)
+    torch.testing.assert_close(net.net.stem.weight_mu, plain.stem.conv.weight)
+    torch.testing.assert_close(net.net.stem.norm.running_var, plain.stem.norm.running_var)
+    torch.testing.assert_close(net.net.fc.bias_mu, plain.fc.bias)

@@ -549,14 +549,11 @@ def _check_arch(m: ModelConfig, p):
         resolve_arch(m)
     except ArchError as e:
         raise ConfigError(f"{p}: {e}") from None
-    _check(not m.options or ":" in m.arch or m.arch not in _zoo_names(), f"{p}: model.options",
+    from edgebayes.train.zoo import ARCHITECTURES
+
+    _check(not m.options or m.arch not in ARCHITECTURES, f"{p}: model.options",
            "only builders given by import path or register_arch take options; zoo nets use model.hidden / "
            "model.width_multiplier")
-
-
-def _zoo_names():
-    from edgebayes.train.zoo import ARCHITECTURES
-    return ARCHITECTURES
 
 
 def _check_ranges(cfg, p):

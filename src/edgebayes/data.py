@@ -24,7 +24,6 @@ Inputs are float32, images (C, H, W), feature vectors (F,). Labels are int64 cla
 import csv
 import dataclasses
 import gzip
-import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 
 from edgebayes.errors import InputError
 from edgebayes.plugins import IMPORT_PATH, load_callable
+from edgebayes.provenance import stat_fingerprint
 
 
 class DataError(InputError):
@@ -627,25 +627,15 @@ def _load_sets(cfg):
 
 
 def data_fingerprint(cfg) -> Optional[str]:
-    """A hash of what data.path holds now (each file's relative path, size and modification time; stat
-    only, no reading), None for the built-in sets and loader functions.
+    """What data.path holds now (provenance.stat_fingerprint over its files; images only in a folder), None
+    for the built-in sets and loader functions.
 
     The stage cache hashes the config, which names data.path but not what is in it: a rewritten npz or a
-    folder with images added would otherwise leave a stale training run in place. Size and mtime change
-    with any rewrite; a copy that keeps both (rsync -a) is the same data.
+    folder with images added would otherwise leave a stale training run in place.
     """
     if cfg.dataset not in ("npz", "image-folder", "csv") or not cfg.path:
         return None
-    path = Path(cfg.path).expanduser()
-    if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
-    else:
-        files = [path] if path.is_file() else []
-    h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.relative_to(path) if f != path else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
+    return stat_fingerprint(Path(cfg.path).expanduser(), IMAGE_EXTENSIONS)
 
 
 def _split(n, fraction, generator):

@@ -62,6 +62,21 @@ def code_version() -> str:
     return f"{edgebayes.__version__}+{digest.hexdigest()[:12]}"
 
 
+def stat_fingerprint(path: Path, suffixes=None) -> str:
+    """A hash of what a file, or a folder's files (those ending in `suffixes`, if given), hold now: each
+    relative path, size and modification time (stat only, no reading). Size and mtime change with any
+    rewrite; a copy that keeps both (rsync -a) counts as the same."""
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and (suffixes is None or f.suffix.lower() in suffixes))
+    else:
+        files = [path] if path.is_file() else []
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(path) if f != path else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def provenance(config_hash: str) -> dict:
     return {"git_commit": git_commit(), "code_version": code_version(), "config_hash": config_hash,
             "versions": versions(), "machine": device_info(),

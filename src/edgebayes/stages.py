@@ -40,7 +40,8 @@ from edgebayes.config import ConfigError, as_dict, fingerprint
 from edgebayes.data import data_fingerprint, load_data
 from edgebayes.deploy.runner import sha256_file
 from edgebayes.errors import StageError
-from edgebayes.provenance import atomic_path, code_version, load_checkpoint, provenance, read_json, write_json
+from edgebayes.provenance import (atomic_path, code_version, load_checkpoint, provenance, read_json,
+                                  stat_fingerprint, write_json)
 from edgebayes.train import distributed
 from edgebayes.train.distributed import is_main_process
 
@@ -99,9 +100,8 @@ class Context:
             own = {"sqs": [c.sqs], "bn3": [c.nested], "fn3": [c.nested]}.get(c.model.family, [])
             # What data.path and model.pretrained hold now (size and mtime) counts where they are set
             contents = [h] if (h := data_fingerprint(c.data)) is not None else []
-            if c.model.pretrained and Path(c.model.pretrained).is_file():
-                st = Path(c.model.pretrained).stat()
-                contents.append(["pretrained", st.st_size, st.st_mtime_ns])
+            if c.model.pretrained:
+                contents.append(["pretrained", stat_fingerprint(Path(c.model.pretrained))])
             return fingerprint("train", code_version(), c.seed, c.data, c.model, c.prior, c.train, *own, *contents)
         if stage == "select":
             return fingerprint("select", self.fingerprint("train"), c.select, c.export, p)

@@ -150,7 +150,7 @@ def module_builder(make_module, pretrained=None):
         if classes not in made:
             module = make_module(classes)
             if pretrained:
-                load_pretrained(module, pretrained)
+                apply_state_dict(module, read_state_dict(pretrained), pretrained)
             _check_runs(module, input_shape)
             made[classes] = module.eval()
         return convert(made[classes], factory)
@@ -159,13 +159,17 @@ def module_builder(make_module, pretrained=None):
 
 
 def with_pretrained(build, path):
-    """A build callable whose nets start from `path`, a state dict of the plain (dnn) net `build` makes."""
+    """A build callable whose nets start from `path`, a state dict of the plain (dnn) net `build` makes.
+    The file is read once: the plain twin is built again for every posterior sample and kept-units count."""
+    state = {}
+
     def build_from(factory, input_shape, classes):
         from edgebayes.train.models import LayerFactory
 
+        if not state:
+            state.update(read_state_dict(path))
         net = build(factory, input_shape, classes)
-        plain = load_pretrained(build(LayerFactory("dnn"), input_shape, classes), path)
-        start_from_plain(net, plain)
+        start_from_plain(net, apply_state_dict(build(LayerFactory("dnn"), input_shape, classes), state, path))
         return net
     return build_from
 
@@ -185,9 +189,8 @@ def start_from_plain(net, plain):
             _start_from(net.get_submodule(name), mod, None)
 
 
-def load_pretrained(module, path):
-    """Load a state dict (weights_only) into a plain module; tensors whose shapes differ (a classifier trained
-    for another number of classes) keep their fresh initialisation, and `module.skipped_pretrained` names them."""
+def read_state_dict(path):
+    """A state dict of tensors from `path` (weights_only; a pipeline checkpoint's "model" entry too)."""
     from edgebayes.errors import InputError
 
     try:
@@ -198,6 +201,14 @@ def load_pretrained(module, path):
     state = state.get("model", state) if isinstance(state, dict) else state
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise InputError(f"model.pretrained {path}: expected a state dict of tensors")
+    return state
+
+
+def apply_state_dict(module, state, path):
+    """Load `state` into a plain module; tensors whose shapes differ (a classifier trained for another number
+    of classes) keep their fresh initialisation, and `module.skipped_pretrained` names them."""
+    from edgebayes.errors import InputError
+
     own = module.state_dict()
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not fits:
