@@ -7,6 +7,7 @@ only when no sshd binary exists at all (.ci/run installs openssh-server).
 """
 
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +45,20 @@ def sshd(tmp_path_factory):
     server = localsshd.start(tmp_path_factory.mktemp("sshd"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A folder on a real 64 KiB tmpfs, for full-disk tests (mounting needs root, as CI runs); unmounted after."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root; CI runs as root): {mounted.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def cli(capsys, *args):

@@ -161,27 +161,20 @@ def test_runner_crash_on_the_device(exported, ssh_device, tmp_path, capsys, monk
     assert_resumable(exported, "crash")
 
 
-def test_disk_full_on_the_device(exported, ssh_device, tmp_path, capsys):
+def test_disk_full_on_the_device(exported, ssh_device, tmp_path, tiny_disk, capsys):
     """A real full disk: the device's work folder on a 64 KiB tmpfs (mounting needs root, as CI runs)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root; CI runs as root): {mounted.stderr.decode().strip()}")
-    try:
-        code, _, err = deploy_to(exported, ssh_device("full", workdir=str(mnt / "edgebayes"), min_free_mb=0), capsys)
-        assert code == 1 and "disk full" in err and str(mnt) in err, err
-        assert_resumable(exported, "full")
-        # Past the preflight (it trusts a free-space figure): a real ENOSPC from tar is reported the same way.
-        (mnt / "filler").write_bytes(b"\0" * 8192)
-        from edgebayes.config import load_device_profile as load
-        from edgebayes.deploy.transport import TransportError, transport_for
+    mnt = tiny_disk
+    code, _, err = deploy_to(exported, ssh_device("full", workdir=str(mnt / "edgebayes"), min_free_mb=0), capsys)
+    assert code == 1 and "disk full" in err and str(mnt) in err, err
+    assert_resumable(exported, "full")
+    # Past the preflight (it trusts a free-space figure): a real ENOSPC from tar is reported the same way.
+    (mnt / "filler").write_bytes(b"\0" * 8192)
+    from edgebayes.config import load_device_profile as load
+    from edgebayes.deploy.transport import TransportError, transport_for
 
-        transport = transport_for(load(str(tmp_path / "full.yaml")), tmp_path)
-        with pytest.raises(TransportError, match="disk full"):
-            transport.put(exported / "digits-ssgl/export/full/bundle", "bundle")
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    transport = transport_for(load(str(tmp_path / "full.yaml")), tmp_path)
+    with pytest.raises(TransportError, match="disk full"):
+        transport.put(exported / "digits-ssgl/export/full/bundle", "bundle")
 
 
 def test_pipeline_over_real_ssh(trained_runs, ssh_device, capsys):

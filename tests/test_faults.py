@@ -467,26 +467,19 @@ def test_a_stage_out_of_memory_or_disk_names_the_stage(base, runs, monkeypatch, 
     assert f"report: No space left on device (writing in {runs / 'faults/report/flops'})" in err
 
 
-def test_full_disk_under_atomic_writes_names_the_file(tmp_path):
+def test_full_disk_under_atomic_writes_names_the_file(tiny_disk):
     """A real full disk (a 64 KiB tmpfs; mounting needs root, as CI runs): torch's own writer would say
     `RuntimeError: unexpected pos`; the atomic writers raise ENOSPC with the file's name."""
     from edgebayes.provenance import atomic_torch_save, write_json
 
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        with pytest.raises(OSError, match="No space left on device") as e:
-            atomic_torch_save({"x": torch.zeros(100_000)}, mnt / "checkpoint.pt")
-        assert e.value.filename == str(mnt / "checkpoint.pt")
-        with pytest.raises(OSError) as e:
-            write_json(mnt / "metrics.json", {"x": "y" * 200_000})
-        assert e.value.filename == str(mnt / "metrics.json")
-        assert not list(mnt.iterdir())   # no temporary left behind
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+    mnt = tiny_disk
+    with pytest.raises(OSError, match="No space left on device") as e:
+        atomic_torch_save({"x": torch.zeros(100_000)}, mnt / "checkpoint.pt")
+    assert e.value.filename == str(mnt / "checkpoint.pt")
+    with pytest.raises(OSError) as e:
+        write_json(mnt / "metrics.json", {"x": "y" * 200_000})
+    assert e.value.filename == str(mnt / "metrics.json")
+    assert not list(mnt.iterdir())   # no temporary left behind
 
 
 # ---------------------------------------------------------------------------------------------
