@@ -303,3 +303,13 @@ def test_a_zoo_net_starts_from_pretrained_weights(tmp_path):
     torch.testing.assert_close(net.net.stem.weight_mu, plain.stem.conv.weight)
     torch.testing.assert_close(net.net.stem.norm.running_var, plain.stem.norm.running_var)
     torch.testing.assert_close(net.net.fc.bias_mu, plain.fc.bias)
+
+
+def test_a_pretrained_file_that_is_not_a_state_dict_is_bad_input(user_package, tmp_path, capsys):
+    """A file torch.load(weights_only=True) refuses: exit 2, naming model.pretrained, and no advice to load it
+    unsafely (torch's own message suggests weights_only=False)."""
+    (tmp_path / "w.pt").write_text("not tensors")
+    config = _config(tmp_path, arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "w.pt"))
+    assert main(["train", "--config", str(config), "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "model.pretrained" in err and "weights_only=True" in err and "weights_only` set to `False" not in err

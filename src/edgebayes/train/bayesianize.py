@@ -23,6 +23,7 @@ forward that fx cannot trace gets one ArchError saying so.
 """
 
 import copy
+import pickle
 
 import torch
 from torch import fx, nn
@@ -195,6 +196,9 @@ def read_state_dict(path):
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:   # torch's own text advises weights_only=False: never for a user's file
+        raise InputError(f"model.pretrained {path}: not a file of tensors that torch.load(weights_only=True) "
+                         f"accepts (save one with torch.save(model.state_dict(), path))") from None
     except Exception as e:
         raise InputError(f"model.pretrained {path}: cannot load a state dict ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
