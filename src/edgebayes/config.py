@@ -29,6 +29,7 @@ USER_DEVICES_DIR = None   # --devices-dir (cli.py)
 
 
 from edgebayes.errors import InputError
+from edgebayes.ondevice.tables import FORMATS, PRECISIONS, PROTOCOL, RUNTIMES
 
 
 class ConfigError(InputError):
@@ -169,8 +170,7 @@ class SelectConfig:
 
 
 # Target formats of the exported MC-averaged model (export/formats.py has what each one is).
-ExportFormat = Literal["onnx", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflite-int8", "tensorrt-fp16",
-                       "tensorrt-int8"]
+ExportFormat = Literal[tuple(FORMATS)]
 
 
 @dataclass
@@ -186,10 +186,10 @@ class ExportConfig:
 
 @dataclass
 class BenchmarkConfig:
-    warmup: int = 20
-    min_runs: int = 200
-    min_seconds: float = 1.0
-    rounds: int = 10         # the runner reports each percentile as its best round's (runner.latency_summary)
+    warmup: int = PROTOCOL["warmup"]   # the runner's defaults too (ondevice/tables.py)
+    min_runs: int = PROTOCOL["min_runs"]
+    min_seconds: float = PROTOCOL["min_seconds"]
+    rounds: int = PROTOCOL["rounds"]   # percentiles over all rounds' samples (ondevice/timing.py latency_summary)
 
 
 @dataclass
@@ -210,15 +210,12 @@ class PipelineConfig:
 # ---------------------------------------------------------------------------------------------
 # A device: devices/<name>.yaml
 # ---------------------------------------------------------------------------------------------
-PRECISIONS = ("fp32", "fp16", "int8")
-
-
 @dataclass
 class RuntimeConfig:
-    name: Literal["onnxruntime", "tflite", "tensorrt"] = "onnxruntime"
+    name: Literal[RUNTIMES] = "onnxruntime"
     threads: int = 0                    # 0: the runtime's default
     # The precisions this runtime takes on the device; selection tries each one that has an export format.
-    precision: list[Literal["fp32", "fp16", "int8"]] = field(default_factory=lambda: ["fp32"])
+    precision: list[Literal[PRECISIONS]] = field(default_factory=lambda: ["fp32"])
     workspace_mb: int = 1024            # TensorRT builder workspace (engines are built on the device)
 
 

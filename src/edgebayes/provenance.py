@@ -1,24 +1,23 @@
 """What produced a result (commit, code version, config hash, versions, machine), atomic file writes and
 reads that name the file when its content is bad.
 
-Every results file carries a provenance block. Files are written to a temporary path in the same folder
-and renamed into place, so an interrupted run never leaves a half-written artifact behind.
+Every results file carries a provenance block. Files are written with the one atomic writer
+(ondevice/atomic.py, shared with the device: a temporary path in the same folder renamed into place), so an
+interrupted run never leaves a half-written artifact behind.
 """
 
 import datetime
 import functools
 import hashlib
 import json
-import os
 import platform
 import subprocess
-import tempfile
-from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
-from edgebayes.deploy.runner import device_info
 from edgebayes.errors import CorruptFileError
+from edgebayes.ondevice.atomic import atomic_path, write_json  # noqa: F401 (the one atomic writer)
+from edgebayes.ondevice.machine import device_info
 
 ROOT = Path(__file__).resolve().parents[2]
 _PACKAGES = ("torch", "numpy", "onnx", "onnxruntime", "scikit-learn", "edgebayes")
@@ -81,39 +80,6 @@ def provenance(config_hash: str) -> dict:
     return {"git_commit": git_commit(), "code_version": code_version(), "config_hash": config_hash,
             "versions": versions(), "machine": device_info(),
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
-@contextmanager
-def atomic_path(path):
-    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
-
-    An OSError without a file name (a full disk: `[Errno 28] No space left on device`) gets `path` as its
-    file name, so that the one-line message of the command line says where."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        with open(tmp, "rb") as f:  # on disk before the rename, so a crash cannot leave an empty file
-            os.fsync(f.fileno())
-        # mkstemp creates 0600; artifacts get the usual umask-based permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except OSError as e:
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
-        raise
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def write_json(path, obj):
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def read_json(path):

@@ -38,8 +38,9 @@ import torch
 from edgebayes import STAGES
 from edgebayes.config import ConfigError, as_dict, fingerprint
 from edgebayes.data import data_fingerprint, load_data
-from edgebayes.deploy.runner import sha256_file
 from edgebayes.errors import StageError
+from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
+from edgebayes.ondevice.cli import command_line
 from edgebayes.provenance import (atomic_path, code_version, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
@@ -463,25 +464,26 @@ def run_export(ctx):
 
 
 def run_deploy(ctx):
-    """Copy the bundle and the runner to the device, benchmark there, fetch the results.
+    """Copy the bundle (the runner, runner.pyz, is in it) to the device, benchmark there, fetch the results.
 
     A preflight first checks the device (reachable, python, runtime, free disk) so a problem is reported
     before anything is copied; on any failure the local artifacts stay and the stage is not marked done,
     so `edgebayes deploy` simply runs again.
     """
     from edgebayes.deploy.report import fmt_ms
-    from edgebayes.deploy.transport import RUNNER, runner_failure, transport_for
+    from edgebayes.deploy.transport import runner_failure, transport_for
 
     bundle = ctx.require("export", "bundle") / "bundle"
     manifest = read_json(bundle / "manifest.json")
+    if manifest.get("runner") != RUNNER_FILE:
+        raise StageError(f"{bundle}: the bundle has no {RUNNER_FILE} (exported by an older edgebayes); "
+                         f"run `edgebayes export --force`, then `edgebayes deploy`")
     out = ctx.stage_dir("deploy")
     r = ctx.profile
     transport = transport_for(r, out / "device")
-    size = sum(f.stat().st_size for f in bundle.iterdir()) + RUNNER.stat().st_size
+    size = sum(f.stat().st_size for f in bundle.iterdir())
     transport.preflight(r.runtime.name, size, r.connection.min_free_mb)
     transport.put(bundle, "bundle")
-    transport.put(RUNNER, "runner.py")
-    common = runner_args(ctx) + (["--progress"] if sys.stderr.isatty() else [])
     # Every artifact of the bundle is run and timed with its own runtime: the primary one (the chosen
     # format, the manifest's model_file) must run; another whose runtime the device lacks is skipped.
     artifacts = manifest.get("artifacts") or {manifest["format"]: {"model_file": manifest["model_file"],
@@ -495,10 +497,9 @@ def run_deploy(ctx):
             ctx.log(f"deploy: {name} skipped: {skipped[name]}")
             continue
         result_file = "results.json" if primary else f"results-{name}.json"
-        args = [*common, "--out", result_file, "--runtime", runtime]
-        if "artifacts" in manifest:
-            args += ["--artifact", name]
-        code, err = transport.run(args)
+        code, err = transport.run(runner_args(ctx, out=result_file, runtime=runtime,
+                                              artifact=name if "artifacts" in manifest else None,
+                                              progress=sys.stderr.isatty()))
         if code != 0:
             # Exit code 2 is the runner's "invalid bundle": deploying again would copy the same bundle.
             again = "`edgebayes export --force`, then `edgebayes deploy`" if code == 2 else "`edgebayes deploy`"
@@ -607,42 +608,44 @@ def run_pipeline(ctx, stages=STAGES):
 # ---------------------------------------------------------------------------------------------
 # A device this machine cannot reach: a report of predictions, and the device's results imported later
 # ---------------------------------------------------------------------------------------------
-def runner_args(ctx):
-    """runner.py's arguments for this run's benchmark on this device (deploy, and the hint to run it by hand)."""
+def runner_args(ctx, out="results.json", **options):
+    """The runner's command line for this run's benchmark on this device (deploy, and the hint to run it by
+    hand): the bundle's own runner.pyz on the bundle, in the device's work folder. `options`: more of the
+    runner's options (runtime, artifact, progress)."""
     b, r = ctx.cfg.benchmark, ctx.profile
-    return ["runner.py", "--bundle", "bundle", "--warmup", b.warmup, "--min-runs", b.min_runs,
-            "--min-seconds", b.min_seconds, "--rounds", b.rounds, "--batch-size", r.budgets.batch_size,
-            "--threads", r.runtime.threads, "--workspace-mb", r.runtime.workspace_mb, "--tag", f"device={r.name}",
-            "--tag", f"connection={r.connection.kind}"]
+    return command_line(f"bundle/{RUNNER_FILE}", out, bundle="bundle", warmup=b.warmup, min_runs=b.min_runs,
+                        min_seconds=b.min_seconds, rounds=b.rounds, batch_size=r.budgets.batch_size,
+                        threads=r.runtime.threads, workspace_mb=r.runtime.workspace_mb,
+                        tags={"device": r.name, "connection": r.connection.kind}, **options)
 
 
 def finish_steps(ctx):
-    """The commands that finish a run by hand on a device this machine cannot reach: copy the bundle and
-    runner.py there, run the benchmark, bring results.json back and import it (`--results`)."""
+    """The commands that finish a run by hand on a device this machine cannot reach: copy the bundle (its
+    runner inside) there, run the benchmark, bring results.json back and import it (`--results`)."""
     import shlex
 
     from edgebayes.config import expand_repo
-    from edgebayes.deploy.transport import RUNNER
 
     c, bundle = ctx.profile.connection, ctx.stage_dir("export") / "bundle"
     workdir = expand_repo(c.workdir) or f"edgebayes/{ctx.profile.name}"
     python = expand_repo(c.python) or "python3"
-    run = shlex.join([python, *map(str, runner_args(ctx)), "--out", "results.json"])
+    run = shlex.join([python, *runner_args(ctx)])
     import_cmd = ctx.command("report", "--results", "results.json")
     if c.kind != "ssh":
-        return [f"copy {bundle} and {RUNNER} to the device", f"there: {run}",
+        return [f"copy {bundle} to the device", f"there: {run}",
                 f"copy results.json back, then here: {import_cmd}"]
     dest = f"{c.user}@{c.host}" if c.user else c.host
     port_ssh, port_scp = (["-p", str(c.port)], ["-P", str(c.port)]) if c.port else ([], [])
     return [shlex.join(["ssh", *port_ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
-            shlex.join(["scp", *port_scp, "-r", str(bundle), str(RUNNER), f"{dest}:{workdir}/"]),
+            shlex.join(["scp", *port_scp, "-r", str(bundle), f"{dest}:{workdir}/"]),
             shlex.join(["ssh", *port_ssh, dest, f"cd {shlex.quote(workdir)} && {run}"]),
             shlex.join(["scp", *port_scp, f"{dest}:{workdir}/results.json", "results.json"]),
             import_cmd]
 
 
 def finish_hint(ctx):
-    return "copy the bundle and runner.py there, run it, then import its results: " + "; ".join(finish_steps(ctx))
+    return ("copy the bundle there, run its runner.pyz, then import its results: "
+            + "; ".join(finish_steps(ctx)))
 
 
 def _results_here(ctx, bundle, manifest):
@@ -651,17 +654,16 @@ def _results_here(ctx, bundle, manifest):
     (this machine's latency says nothing about the device). None, with the reason, if it cannot run here."""
     import tempfile
 
-    from edgebayes.deploy.runner import select_artifact
-    from edgebayes.deploy.transport import RUNNER, LocalTransport
+    from edgebayes.deploy.transport import LocalTransport
+    from edgebayes.ondevice.bundle import select_artifact
 
     artifact = select_artifact(bundle, manifest)
     runtime = "onnxruntime" if artifact["runtime"] == "tensorrt" else artifact["runtime"]
     with tempfile.TemporaryDirectory() as tmp:
         here = LocalTransport("this machine", tmp)
         here.put(bundle, "bundle")
-        here.put(RUNNER, "runner.py")
-        code, err = here.run(["runner.py", "--bundle", "bundle", "--out", "results.json", "--runtime", runtime,
-                              "--warmup", 0, "--min-runs", 1, "--min-seconds", 0, "--rounds", 1, "--quiet"])
+        code, err = here.run(command_line(f"bundle/{RUNNER_FILE}", "results.json", bundle="bundle", runtime=runtime,
+                                          warmup=0, min_runs=1, min_seconds=0, rounds=1, quiet=True))
         if code != 0:
             return None, f"the runner failed here with {runtime} ({err[-1] if err else code})"
         res = read_json(Path(tmp) / "results.json")
@@ -696,7 +698,7 @@ def write_predicted_report(ctx, error):
 
 
 def import_results(ctx, path):
-    """`edgebayes report --results FILE`: the results.json of runner.py run by hand on the device become
+    """`edgebayes report --results FILE`: the results.json of the runner run by hand on the device become
     this run's deploy results (checked to be of this run's bundle), and the report is written from them
     as after a deploy. InputError (exit 2) when the file is not results of this bundle."""
     from edgebayes.errors import InputError

@@ -3,10 +3,10 @@
 Three sources, in the order selection prefers them (device profile key `latency_model`):
 
 1. measure: the candidates' model files are copied to the device and timed there by the runner
-   (`runner.py --time-models`, the same protocol as a deployment's benchmark). Needs the device reachable.
+   (`runner.pyz --time-models`, the same protocol as a deployment's benchmark). Needs the device reachable.
    Every figure here, measured or in a table, is the runner's `latency_ms`: the percentile over all timed
    samples of the interleaved rounds, the figure a deployment's budget is judged on, so the model is
-   fitted to and judged on the same statistic (runner.latency_summary).
+   fitted to and judged on the same statistic (ondevice/timing.py, latency_summary).
 2. table: `edgebayes devices profile DEVICE` times a sweep of MC-averaged MLPs on the device (the run's
    input size, hidden widths at 1/8 .. 1 of the configured ones, each M of select.mc_samples, each
    precision the runtime takes) and stores them in a table. Latency at each percentile is then fitted by
@@ -39,8 +39,12 @@ import torch
 from torch import nn
 
 from edgebayes.config import devices_dirs
-from edgebayes.deploy.transport import RUNNER, TransportError, runner_failure
+from edgebayes.deploy.transport import TransportError, runner_failure
 from edgebayes.errors import StageError
+from edgebayes.ondevice.backends import _tflite_interpreter
+from edgebayes.ondevice.bundle import RUNNER_FILE
+from edgebayes.ondevice.cli import command_line
+from edgebayes.ondevice.pack import write_runner
 from edgebayes.provenance import provenance, read_json, write_json
 
 BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "int8": 1}
@@ -63,8 +67,6 @@ def operator_count(path):
 
         return sum(n.op_type not in ("Constant", "Identity") for n in onnx.load(str(path)).graph.node)
     if path.suffix == ".tflite":
-        from edgebayes.deploy.runner import _tflite_interpreter
-
         interpreter_class, _, _ = _tflite_interpreter()
         return len(interpreter_class(model_path=str(path))._get_ops_details())
     raise LatencyModelError(f"{path}: cannot count the operators of a {path.suffix or 'suffix-less'} file")
@@ -177,28 +179,29 @@ def measure_models(transport, profile, models, example, bench, log=print):
     """Time model files on the device with the runner. models: [(id, local path, runtime)].
 
     Returns {id: {"latency_ms": {...}, "runs": ...}} plus the runner's runtime and device facts under
-    the key None. Raises TransportError when the device cannot be used.
+    the key None. Raises TransportError when the device cannot be used. The runner is this source's
+    (there is no bundle yet), zipped like a bundle's and sent in the timing folder.
     """
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "timing"
         folder.mkdir()
         np.save(folder / "example.npy", np.ascontiguousarray(example, dtype=np.float32))
-        spec = {"example": "example.npy", "batch_size": profile.budgets.batch_size, "models": []}
+        spec = {"example": "example.npy", "models": []}
         for ident, path, runtime in models:
             name = f"{ident}{Path(path).suffix}"
             shutil.copyfile(path, folder / name)
             spec["models"].append({"id": ident, "file": name, "runtime": runtime})
         (folder / "spec.json").write_text(json.dumps(spec))
-        size = sum(f.stat().st_size for f in folder.iterdir()) + RUNNER.stat().st_size
+        write_runner(folder / RUNNER_FILE)
+        size = sum(f.stat().st_size for f in folder.iterdir())
         transport.preflight(profile.runtime.name, size, profile.connection.min_free_mb)
         transport.put(folder, "timing")
-        transport.put(RUNNER, "runner.py")
         log(f"timing {len(models)} models on {profile.name} ({transport.where()})")
-        code, err = transport.run(["runner.py", "--time-models", "timing/spec.json", "--out", "timing/results.json",
-                                   "--warmup", bench["warmup"], "--min-runs", bench["min_runs"],
-                                   "--min-seconds", bench["min_seconds"], "--rounds", bench["rounds"],
-                                   "--threads", profile.runtime.threads,
-                                   "--tag", f"device={profile.name}", "--quiet"])
+        code, err = transport.run(command_line(f"timing/{RUNNER_FILE}", "timing/results.json",
+                                               time_models="timing/spec.json", **bench,
+                                               batch_size=profile.budgets.batch_size,
+                                               threads=profile.runtime.threads, tags={"device": profile.name},
+                                               quiet=True))
         if code != 0:
             raise TransportError(transport.disk_full(err) or runner_failure(profile.name, code, err))
         transport.get("timing/results.json", folder / "results.json")

@@ -29,10 +29,11 @@ from tqdm.auto import tqdm
 
 from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, measure_models,
                                             operator_count, predictor_for, profile_device)
-from edgebayes.deploy.runner import RuntimeProblem, make_backend, predict_all
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError
 from edgebayes.export.compress import EmptyLayerError, compress, predict
+from edgebayes.ondevice.backends import RuntimeProblem
+from edgebayes.ondevice.runtimes import make_backend, predict_all
 from edgebayes.train.metrics import classification_metrics, count_weights, paper_flops
 
 

@@ -1,4 +1,5 @@
-"""Transports: how a bundle and the runner reach a device, run there, and how results come back.
+"""Transports: how a bundle (the runner, runner.pyz, inside it) reaches a device, runs there, and how
+results come back.
 
 A transport has four verbs: `probe` (python, runtime, free disk and memory on the device: the preflight),
 `put` (copy a local file or folder to the device), `run` (run the device's python with an argument list)
@@ -28,15 +29,7 @@ from pathlib import Path
 
 from edgebayes.config import expand_repo
 from edgebayes.errors import StageError
-
-RUNNER = Path(__file__).with_name("runner.py")
-
-# Modules that provide each runtime on a device, tried in order (the runner's backends import the same).
-RUNTIME_MODULES = {
-    "onnxruntime": ["onnxruntime"],
-    "tflite": ["ai_edge_litert.interpreter", "tflite_runtime.interpreter", "tensorflow.lite"],
-    "tensorrt": ["tensorrt"],
-}
+from edgebayes.ondevice.tables import RUNTIME_MODULES
 
 # Run on the device with its own python (any 3.x): what `devices check` shows and deploy's preflight
 # needs. Prints one JSON line. argv: runtime modules (comma-separated), work folder.

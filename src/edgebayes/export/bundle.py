@@ -1,11 +1,13 @@
-"""The deployment bundle: model file(s), eval set and `manifest.json` with hashes.
+"""The deployment bundle: model file(s), eval set, the runner and `manifest.json` with hashes.
 
 One bundle holds one MC-averaged model in one or several formats ("artifacts": onnx, onnx-int8,
 tflite-fp16, ...), each with its fidelity against the PyTorch MC average; the manifest's top-level
 model_file is the primary artifact, and the runner runs any one of them with --artifact NAME.
 
-The device runner needs nothing else (../shared/DESIGN.md). The bundle is assembled in a temporary folder,
-checked with the runner's own `verify_bundle`, and only then renamed into place.
+The runner travels in the bundle as one zipapp (runner.pyz, ondevice/pack.py), hashed in the manifest like
+the model files, so the code that measures a bundle is the code it was exported with; with python and numpy
+the device needs nothing else. The bundle is assembled in a temporary folder, checked with the runner's
+own `verify_bundle`, and only then renamed into place.
 """
 
 import json
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgebayes.deploy.runner import sha256_file, verify_bundle
+from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file, verify_bundle
+from edgebayes.ondevice.pack import write_runner
 
 MODEL_FILE, EVAL_FILE = "model.onnx", "eval.npz"
 
@@ -42,12 +45,13 @@ def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_s
                 primary, fmt, precision = file, art["format"], art["precision"]
         if not entries:
             shutil.copyfile(model_file, tmp / MODEL_FILE)
+        write_runner(tmp / RUNNER_FILE)
         ood = {} if ood_x is None else {"ood_x": np.ascontiguousarray(ood_x, dtype=np.float32)}
         np.savez(tmp / EVAL_FILE, x=np.ascontiguousarray(x, dtype=np.float32), y=np.asarray(y, dtype=np.int64),
                  reference_probs=np.asarray(reference_probs, dtype=np.float32), **ood)
         manifest = {
             "schema": 1, "format": fmt, "precision": precision,
-            "model_file": primary, "eval_file": EVAL_FILE,
+            "model_file": primary, "eval_file": EVAL_FILE, "runner": RUNNER_FILE,
             "input": {"name": "input", "shape": [None, *x.shape[1:]], "dtype": "float32"},
             "output": {"name": "probs", "shape": [None, len(classes)]},
             "classes": list(classes), "mc_samples": mc_samples,
@@ -55,7 +59,7 @@ def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_s
             "reference": reference_metrics,
             **({"artifacts": entries} if entries else {}),
             "files": {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-                      for name in sorted({primary, EVAL_FILE, *(e["model_file"] for e in entries.values())})},
+                      for name in sorted({primary, EVAL_FILE, RUNNER_FILE, *(e["model_file"] for e in entries.values())})},
             "provenance": provenance,
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

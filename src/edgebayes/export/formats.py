@@ -13,7 +13,7 @@
     tensorrt-int8  the NNCF Q/DQ ONNX shipped to the target; the runner builds an int8 engine from it
 
 TFLite models have a static batch of 1: litert-torch 0.10 cannot lower a dynamic batch dimension through
-the reshapes of these graphs; the runner feeds larger batches row by row (deploy/runner.py).
+the reshapes of these graphs; the runner feeds larger batches row by row (ondevice/backends.py).
 
 No graph simplifier runs on any of them (it would freeze or drop random ops of a Bayesian graph; ours has
 none, the posterior samples are constants, but the rule holds). Export is deterministic: the graph holds
@@ -25,7 +25,6 @@ import io
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,36 +33,14 @@ import torch
 from edgebayes.errors import StageError
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.export.packed import mc_graph
-
-
-@dataclass(frozen=True)
-class Format:
-    name: str
-    runtime: str      # "onnxruntime" | "tflite" | "tensorrt": the runner backend that runs it
-    precision: str    # "fp32" | "fp16" | "int8"
-    suffix: str       # of the model file in the bundle
-    bundle_format: str  # the manifest's "format": onnx | tflite | tensorrt
-
-
-FORMATS = {f.name: f for f in (
-    Format("onnx", "onnxruntime", "fp32", ".onnx", "onnx"),
-    Format("onnx-int8", "onnxruntime", "int8", ".onnx", "onnx"),
-    Format("tflite-fp32", "tflite", "fp32", ".tflite", "tflite"),
-    Format("tflite-fp16", "tflite", "fp16", ".tflite", "tflite"),
-    Format("tflite-int8", "tflite", "int8", ".tflite", "tflite"),
-    Format("tensorrt-fp16", "tensorrt", "fp16", ".onnx", "tensorrt"),
-    Format("tensorrt-int8", "tensorrt", "int8", ".onnx", "tensorrt"),
-)}
+from edgebayes.ondevice.backends import native_noise_filtered
+from edgebayes.ondevice.metrics import classification_metrics
+from edgebayes.ondevice.runtimes import make_backend, predict_all
+from edgebayes.ondevice.tables import FORMATS, get_format  # noqa: F401 (the one table of formats)
 
 
 class ExportError(StageError):
     pass
-
-
-def get_format(fmt: str) -> Format:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; available: {', '.join(FORMATS)}")
-    return FORMATS[fmt]
 
 
 class _StartupNoise(logging.Filter):
@@ -79,8 +56,6 @@ def _quiet():
     """litert-torch, TensorFlow (which it imports) and NNCF print progress and start-up notes to stdout,
     to stderr from native code, and to the logs: keep the pipeline's log readable. Their imports happen
     in here too (torch's 'No CUDA runtime is found', TensorFlow's oneDNN note, LiteRT's op counts)."""
-    from edgebayes.deploy.runner import native_noise_filtered
-
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     loggers = [logging.getLogger(name) for name in ("nncf", "absl", "litert_torch", "torch.export",
                                                     "torch.utils.cpp_extension", "torch.utils._pytree")]
@@ -203,8 +178,6 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
 
 def artifact_predict(path, fmt: str, x: np.ndarray, threads: int = 0) -> np.ndarray:
     """Run an artifact over x with the device runner's own backend (the code the device runs)."""
-    from edgebayes.deploy.runner import make_backend, predict_all
-
     backend = make_backend(get_format(fmt).runtime, os.fspath(path), threads)
     return predict_all(backend, np.ascontiguousarray(x, dtype=np.float32))
 
@@ -212,8 +185,6 @@ def artifact_predict(path, fmt: str, x: np.ndarray, threads: int = 0) -> np.ndar
 def fidelity(probs, reference_probs, y) -> dict:
     """An artifact's accuracy, NLL and ECE on the eval set beside the PyTorch MC average's, and the largest
     difference of any class probability (the same metric functions the device runner uses)."""
-    from edgebayes.deploy.runner import classification_metrics
-
     probs = np.asarray(probs, dtype=np.float64)
     mine, ref = classification_metrics(probs, y), classification_metrics(reference_probs, y)
     return {**{k: mine[k] for k in ("accuracy", "nll", "ece", "brier")},

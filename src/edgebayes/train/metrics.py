@@ -1,7 +1,7 @@
-"""Metrics: predictive (from the device runner, so they are defined once) and structural (paper 000).
+"""Metrics: predictive (from the on-device package, so they are defined once) and structural (paper 000).
 
-Predictive metrics (accuracy, NLL, ECE with 15 equal-width bins, Brier) live in the standalone device
-runner, which must not import this package; everything here reuses them.
+Predictive metrics (accuracy, NLL, ECE with 15 equal-width bins, Brier) live in edgebayes.ondevice.metrics,
+which the device runs and which imports nothing of edgebayes; everything here reuses them.
 
 Structural metrics follow paper 000 exactly:
   - node sparsity (eq. 17) = O_pr / O, kept units over units, per layer;
@@ -16,7 +16,7 @@ import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 from torch import nn
 
-from edgebayes.deploy.runner import classification_metrics, reliability_bins  # noqa: F401
+from edgebayes.ondevice.metrics import classification_metrics, reliability_bins  # noqa: F401
 
 
 def _layer_costs(module: nn.Module, input_shape, effective: bool):

@@ -1,0 +1,53 @@
+"""The one table of formats and runtimes, and the defaults of the timing protocol.
+
+Both sides need them: the device to run a bundle's artifacts (a format's runtime, the modules that provide
+it), the host to export, select and check configs (config.py takes its choices and BenchmarkConfig's
+defaults from here). Standard library only: config.py imports this before any heavy module.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    runtime: str      # the runner backend that runs it (RUNTIME_MODULES)
+    precision: str    # one of PRECISIONS
+    suffix: str       # of the model file in the bundle
+    bundle_format: str  # the manifest's "format": onnx | tflite | tensorrt
+
+
+# Target formats of the exported MC-averaged model (export/formats.py says how each one is made).
+FORMATS = {f.name: f for f in (
+    Format("onnx", "onnxruntime", "fp32", ".onnx", "onnx"),
+    Format("onnx-int8", "onnxruntime", "int8", ".onnx", "onnx"),
+    Format("tflite-fp32", "tflite", "fp32", ".tflite", "tflite"),
+    Format("tflite-fp16", "tflite", "fp16", ".tflite", "tflite"),
+    Format("tflite-int8", "tflite", "int8", ".tflite", "tflite"),
+    Format("tensorrt-fp16", "tensorrt", "fp16", ".onnx", "tensorrt"),
+    Format("tensorrt-int8", "tensorrt", "int8", ".onnx", "tensorrt"),
+)}
+
+PRECISIONS = ("fp32", "fp16", "int8")
+
+# Modules that provide each runtime on a device, tried in order: the backends import the same, and the
+# deploy preflight probes them.
+RUNTIME_MODULES = {
+    "onnxruntime": ("onnxruntime",),
+    "tflite": ("ai_edge_litert.interpreter", "tflite_runtime.interpreter", "tensorflow.lite"),
+    "tensorrt": ("tensorrt",),
+}
+RUNTIMES = tuple(RUNTIME_MODULES)
+
+# The runtime of a manifest's "format" (a bundle without "artifacts").
+FORMAT_TO_RUNTIME = {f.bundle_format: f.runtime for f in FORMATS.values()}
+
+# The timing protocol's defaults: the runner's command line and config.BenchmarkConfig both take them.
+# Warm-up runs, then at least min_runs runs AND min_seconds seconds, in `rounds` interleaved rounds.
+PROTOCOL = {"warmup": 20, "min_runs": 200, "min_seconds": 1.0, "rounds": 10}
+
+
+def get_format(fmt: str) -> Format:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; available: {', '.join(FORMATS)}")
+    return FORMATS[fmt]
