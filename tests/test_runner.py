@@ -1,13 +1,11 @@
-"""Tests for the self-contained on-device runner (src/edgebayes/deploy/runner.py).
+"""Tests for the on-device runner (src/edgebayes/ondevice), as the package and as the zipapp a bundle ships.
 
-The runner is loaded from its file path, not as `edgebayes.deploy.runner`,
-because on a device it runs without the package; these tests must not depend
-on the package's install state either.
+The device runs runner.pyz with its own python, without torch or edgebayes: test_the_bundles_zipapp_runs_
+isolated_from_any_folder runs it so; the import rule of the package is in test_layers.py.
 """
 
 import ast
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -15,23 +13,17 @@ import shutil
 import subprocess
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-RUNNER_PATH = Path(__file__).resolve().parents[1] / "src" / "edgebayes" / "deploy" / "runner.py"
+from edgebayes.ondevice import backends, cli, metrics, timing
+from edgebayes.ondevice import bundle as ondevice_bundle
+from edgebayes.ondevice.tables import PROTOCOL
 
-
-def _load_runner():
-    spec = importlib.util.spec_from_file_location("_edgebayes_runner_under_test", RUNNER_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-runner = _load_runner()
+ONDEVICE = Path(__file__).resolve().parents[1] / "src" / "edgebayes" / "ondevice"
 
 FAST = ["--warmup", "2", "--min-runs", "5", "--min-seconds", "0.02", "--quiet"]
 
@@ -75,7 +67,7 @@ def pristine_bundle(tmp_path_factory):
         "classes": ["a", "b", "c"],
         "mc_samples": 1,
         "knob": {"name": "inclusion_threshold", "value": 0.5},
-        "reference": runner.classification_metrics(probs, y),
+        "reference": metrics.classification_metrics(probs, y),
         "files": {name: {"sha256": _sha256(bundle / name), "bytes": (bundle / name).stat().st_size}
                   for name in ("model.onnx", "eval.npz")},
         "provenance": {"test": True},
@@ -104,7 +96,7 @@ def _manifest(bundle_dir):
 def test_valid_bundle_produces_complete_results(bundle, tmp_path):
     bundle_dir, torch_probs, y = bundle
     out = tmp_path / "results" / "results.json"
-    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--batch-size", "3", *FAST])
+    rc = cli.main(["--bundle", str(bundle_dir), "--out", str(out), "--batch-size", "3", *FAST])
     assert rc == 0
     res = json.loads(out.read_text())
 
@@ -122,7 +114,7 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
 
     lat = res["latency_ms"]
     assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
-    assert res["runs"] >= 5 and res["seconds"] >= 0.02 and res["rounds"] == runner.DEFAULT_ROUNDS
+    assert res["runs"] >= 5 and res["seconds"] >= 0.02 and res["rounds"] == PROTOCOL["rounds"]
     assert res["latency_ms_best_round"]["p90"] == pytest.approx(min(r["p90"] for r in res["latency_rounds_ms"]))
     assert lat["max"] == pytest.approx(max(r["max"] for r in res["latency_rounds_ms"]))
     cold = res["cold_start"]
@@ -151,7 +143,7 @@ def test_latency_percentiles_are_over_every_timed_run(bundle, tmp_path):
     """50 runs in 5 rounds, all kept in the file: the reported p90 is theirs, the best round's beside it."""
     bundle_dir, _, _ = bundle
     out = tmp_path / "r.json"
-    assert runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--warmup", "2", "--min-runs", "50",
+    assert cli.main(["--bundle", str(bundle_dir), "--out", str(out), "--warmup", "2", "--min-runs", "50",
                         "--min-seconds", "0", "--rounds", "5", "--quiet"]) == 0
     res = json.loads(out.read_text())
     assert res["runs"] == 50 and len(res["latency_samples_ms"]) == 50
@@ -166,8 +158,8 @@ def test_latency_counts_every_run_and_keeps_the_best_round_beside_it():
     rng = np.random.default_rng(0)
     fast = [{"samples_ms": list(0.020 + 0.002 * rng.random(500)), "runs": 500, "seconds": 0.01} for _ in range(3)]
     slow = [{"samples_ms": list(0.040 + 0.004 * rng.random(500)), "runs": 500, "seconds": 0.02} for _ in range(3)]
-    summary = runner.latency_summary(fast[:1] + slow[:1] + fast[1:2] + slow[1:], batch_size=1)
-    calm = runner.latency_summary(fast, batch_size=1)
+    summary = timing.latency_summary(fast[:1] + slow[:1] + fast[1:2] + slow[1:], batch_size=1)
+    calm = timing.latency_summary(fast, batch_size=1)
     pooled = np.concatenate([r["samples_ms"] for r in fast[:1] + slow[:1] + fast[1:2] + slow[1:]])
     assert summary["latency_ms"]["p90"] == pytest.approx(float(np.percentile(pooled, 90)))
     assert summary["latency_ms"]["p90"] > 0.039          # 3 of 5 rounds in the spell: the tail is the spell's
@@ -186,11 +178,11 @@ def test_progress_goes_to_stderr_unless_quiet(bundle, tmp_path, capsys):
     bundle_dir, _, _ = bundle
     args = ["--bundle", str(bundle_dir), "--out", str(tmp_path / "r.json"),
             "--warmup", "0", "--min-runs", "3", "--min-seconds", "0.3"]
-    assert runner.main(args) == 0
+    assert cli.main(args) == 0
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "verified" in captured.err and "p50" in captured.err
-    assert runner.main(args + ["--quiet"]) == 0
+    assert cli.main(args + ["--quiet"]) == 0
     assert capsys.readouterr().err == ""
 
 
@@ -200,7 +192,7 @@ def test_progress_goes_to_stderr_unless_quiet(bundle, tmp_path, capsys):
 
 def _run_expect_bundle_error(bundle_dir, tmp_path, capsys):
     out = tmp_path / "results.json"
-    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), *FAST])
+    rc = cli.main(["--bundle", str(bundle_dir), "--out", str(out), *FAST])
     err = capsys.readouterr().err
     assert rc == 2
     assert not out.exists()
@@ -262,20 +254,20 @@ def test_model_file_must_be_listed_and_inside_bundle(pristine_bundle, tmp_path):
 
     unlisted = dict(manifest, files={"eval.npz": manifest["files"]["eval.npz"]})
     _write_manifest(bundle_dir, unlisted)
-    with pytest.raises(runner.BundleError, match="model_file 'model.onnx' is not listed"):
-        runner.verify_bundle(bundle_dir)
+    with pytest.raises(ondevice_bundle.BundleError, match="model_file 'model.onnx' is not listed"):
+        ondevice_bundle.verify_bundle(bundle_dir)
 
     escaping = dict(manifest, files=dict(manifest["files"], **{"../x": {"sha256": "0", "bytes": 1}}))
     _write_manifest(bundle_dir, escaping)
-    with pytest.raises(runner.BundleError, match="relative path inside the bundle"):
-        runner.verify_bundle(bundle_dir)
+    with pytest.raises(ondevice_bundle.BundleError, match="relative path inside the bundle"):
+        ondevice_bundle.verify_bundle(bundle_dir)
 
     _write_manifest(bundle_dir, dict(manifest, schema=2))
-    with pytest.raises(runner.BundleError, match="unsupported schema 2"):
-        runner.verify_bundle(bundle_dir)
+    with pytest.raises(ondevice_bundle.BundleError, match="unsupported schema 2"):
+        ondevice_bundle.verify_bundle(bundle_dir)
 
     _write_manifest(bundle_dir, manifest)
-    assert runner.verify_bundle(bundle_dir) == manifest
+    assert ondevice_bundle.verify_bundle(bundle_dir) == manifest
 
 
 def test_pickled_eval_arrays_are_refused(bundle, tmp_path, capsys):
@@ -292,17 +284,17 @@ def test_pickled_eval_arrays_are_refused(bundle, tmp_path, capsys):
 def test_unknown_runtime_fails_clearly(bundle, tmp_path, capsys):
     bundle_dir, _, _ = bundle
     out = tmp_path / "r.json"
-    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--runtime", "coreml", *FAST])
+    rc = cli.main(["--bundle", str(bundle_dir), "--out", str(out), "--runtime", "coreml", *FAST])
     assert rc == 3 and not out.exists()
     err = capsys.readouterr().err
     assert "runtime 'coreml' is not supported" in err and "onnxruntime" in err and "tflite" in err
 
     # A runtime that exists but cannot load this model (ONNX given to TFLite) is a runtime problem too.
-    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out), "--runtime", "tflite", *FAST])
+    rc = cli.main(["--bundle", str(bundle_dir), "--out", str(out), "--runtime", "tflite", *FAST])
     assert rc == 3 and not out.exists()
     assert "could not load" in capsys.readouterr().err
 
-    rc = runner.main(["--bundle", str(bundle_dir), "--out", str(out),
+    rc = cli.main(["--bundle", str(bundle_dir), "--out", str(out),
                       "--providers", "NoSuchExecutionProvider", *FAST])
     assert rc == 3 and not out.exists()
     assert "NoSuchExecutionProvider" in capsys.readouterr().err
@@ -314,13 +306,13 @@ def test_unknown_runtime_fails_clearly(bundle, tmp_path, capsys):
 
 def test_accuracy_and_nll_known_values():
     probs = np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]])
-    assert runner.accuracy(probs, np.array([0, 1, 1])) == pytest.approx(2 / 3)
+    assert metrics.accuracy(probs, np.array([0, 1, 1])) == pytest.approx(2 / 3)
 
     probs = np.array([[0.5, 0.5], [0.25, 0.75]])
-    assert runner.negative_log_likelihood(probs, np.array([0, 1])) == pytest.approx(
+    assert metrics.negative_log_likelihood(probs, np.array([0, 1])) == pytest.approx(
         (math.log(2) + math.log(4 / 3)) / 2)
     # p[y] = 0 is clipped at 1e-12 instead of giving inf.
-    assert runner.negative_log_likelihood(np.array([[1.0, 0.0]]), np.array([1])) == pytest.approx(
+    assert metrics.negative_log_likelihood(np.array([[1.0, 0.0]]), np.array([1])) == pytest.approx(
         -math.log(1e-12))
 
 
@@ -328,24 +320,24 @@ def test_ece_known_values():
     # Perfectly calibrated: confidence 0.8, 8 of 10 right.
     probs = np.tile([0.8, 0.2], (10, 1))
     y = np.array([0] * 8 + [1] * 2)
-    assert runner.expected_calibration_error(probs, y) == pytest.approx(0.0, abs=1e-12)
+    assert metrics.expected_calibration_error(probs, y) == pytest.approx(0.0, abs=1e-12)
     # Overconfident: confidence 0.9, half right -> |0.5 - 0.9| = 0.4.
     probs = np.tile([0.9, 0.1], (10, 1))
     y = np.array([0] * 5 + [1] * 5)
-    assert runner.expected_calibration_error(probs, y) == pytest.approx(0.4)
+    assert metrics.expected_calibration_error(probs, y) == pytest.approx(0.4)
     # Two bins: conf 0.95 both right (gap 0.05), conf 0.7 both wrong (gap 0.7).
     probs = np.array([[0.95, 0.05], [0.95, 0.05], [0.7, 0.3], [0.7, 0.3]])
     y = np.array([0, 0, 1, 1])
-    assert runner.expected_calibration_error(probs, y) == pytest.approx(0.5 * 0.05 + 0.5 * 0.7)
+    assert metrics.expected_calibration_error(probs, y) == pytest.approx(0.5 * 0.05 + 0.5 * 0.7)
     # With a single bin, ECE is |mean accuracy - mean confidence|.
-    assert runner.expected_calibration_error(probs, y, n_bins=1) == pytest.approx(abs(0.5 - 0.825))
+    assert metrics.expected_calibration_error(probs, y, n_bins=1) == pytest.approx(abs(0.5 - 0.825))
 
 
 def test_brier_and_classification_metrics():
     probs = np.array([[1.0, 0.0], [0.5, 0.5]])
     y = np.array([0, 0])
-    assert runner.brier_score(probs, y) == pytest.approx(0.25)
-    m = runner.classification_metrics(probs, y)
+    assert metrics.brier_score(probs, y) == pytest.approx(0.25)
+    m = metrics.classification_metrics(probs, y)
     assert set(m) == {"accuracy", "nll", "ece", "brier", "n"}
     assert m["n"] == 2 and m["brier"] == pytest.approx(0.25)
     assert m["accuracy"] == pytest.approx(1.0)  # argmax of a tie is class 0
@@ -355,79 +347,120 @@ def test_brier_and_classification_metrics():
 
 def test_metrics_reject_bad_input():
     with pytest.raises(ValueError):
-        runner.accuracy(np.array([0.5, 0.5]), np.array([0]))
+        metrics.accuracy(np.array([0.5, 0.5]), np.array([0]))
     with pytest.raises(ValueError):
-        runner.brier_score(np.array([[0.5, 0.5]]), np.array([2]))
+        metrics.brier_score(np.array([[0.5, 0.5]]), np.array([2]))
     with pytest.raises(ValueError):
-        runner.classification_metrics(np.zeros((0, 2)), np.zeros(0, dtype=int))
+        metrics.classification_metrics(np.zeros((0, 2)), np.zeros(0, dtype=int))
 
 
 # --------------------------------------------------------------------------
 # (f)-(g) self-containment
 # --------------------------------------------------------------------------
 
-def test_runner_runs_standalone_in_isolated_interpreter(pristine_bundle, tmp_path):
-    """Copy only runner.py, run it with `python -I` and with torch/edgebayes
-    made unimportable: it must still work."""
-    bundle_dir, _, _ = pristine_bundle
-    work = tmp_path / "device"
-    work.mkdir()
-    shutil.copy(RUNNER_PATH, work / "runner.py")
-    out = work / "results.json"
-    # Setting sys.modules[name] = None makes `import name` raise ImportError.
-    launcher = (
-        "import sys, runpy\n"
-        "for name in ('torch', 'edgebayes'):\n"
-        "    sys.modules[name] = None\n"
-        "sys.argv = ['runner.py'] + sys.argv[1:]\n"
-        "runpy.run_path('runner.py', run_name='__main__')\n"
-    )
+def test_the_bundles_zipapp_runs_isolated_from_any_folder(pristine_bundle, tmp_path):
+    """A bundle as export writes it (write_bundle: runner.pyz inside, hashed in the manifest), copied to a
+    folder outside the repository and run there with `python -I bundle/runner.pyz`, as a device runs it;
+    then again with torch and edgebayes made unimportable."""
+    pytest.importorskip("torch")
+    from edgebayes.export.bundle import write_bundle
+
+    src, probs, y = pristine_bundle
+    with np.load(src / "eval.npz") as data:
+        x = data["x"]
+    exported = tmp_path / "export" / "bundle"
+    manifest = write_bundle(exported, src / "model.onnx", x, y, probs, classes=["a", "b", "c"], mc_samples=1,
+                            knob_name="inclusion_threshold", knob_value=0.5,
+                            reference_metrics=metrics.classification_metrics(probs, y), provenance={})
+    assert manifest["runner"] == "runner.pyz" and "runner.pyz" in manifest["files"]
+    device = tmp_path / "device"
+    shutil.copytree(exported, device / "bundle")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run(
-        [sys.executable, "-I", "-c", launcher, "--bundle", str(bundle_dir), "--out", str(out), *FAST],
-        cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-I", "bundle/runner.pyz", "--bundle", "bundle", "--out", "results.json",
+                           "--warmup", "2", "--min-runs", "5", "--min-seconds", "0.02"],
+                          cwd=device, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    res = json.loads(out.read_text())
-    assert res["max_abs_prob_diff"] < 1e-5 and res["metrics"]["n"] == 50
+    assert "runner: bundle bundle verified" in proc.stderr and "p50" in proc.stderr   # it says what it did
+    res = json.loads((device / "results.json").read_text())
+    assert res["max_abs_prob_diff"] < 1e-5 and res["metrics"]["n"] == 50 and res["runs"] >= 5
 
-    # And plainly, as it is run on a device.
-    proc = subprocess.run([sys.executable, "-I", "runner.py", "--help"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "--bundle" in proc.stdout
-
-
-def _imports(tree_body_or_tree):
-    names = []
-    for node in ast.walk(tree_body_or_tree):
-        if isinstance(node, ast.Import):
-            names += [alias.name.split(".")[0] for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "runner.py must not use relative imports"
-            names.append(node.module.split(".")[0])
-    return names
+    # Nothing of torch or edgebayes is needed: with both unimportable (None in sys.modules) it runs the same.
+    launcher = ("import runpy, sys\n"
+                "for name in ('torch', 'edgebayes'):\n"
+                "    sys.modules[name] = None\n"
+                "sys.argv = ['bundle/runner.pyz'] + sys.argv[1:]\n"
+                "runpy.run_path('bundle/runner.pyz', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-I", "-c", launcher, "--bundle", "bundle", "--out", "again.json", *FAST],
+                          cwd=device, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((device / "again.json").read_text())["metrics"] == res["metrics"]
 
 
-def test_runner_imports_only_stdlib_numpy_and_runtimes():
-    tree = ast.parse(RUNNER_PATH.read_text())
-    lazy_ok = {"onnxruntime", "ai_edge_litert", "tflite_runtime", "tensorflow", "tensorrt", "cuda", "tqdm"}
-    allowed = set(sys.stdlib_module_names) | {"numpy"} | lazy_ok
-    names = set(_imports(tree))
-    assert names <= allowed, f"unexpected imports: {sorted(names - allowed)}"
-    assert "numpy" in names and not {"torch", "edgebayes"} & names
+def test_the_zipapp_is_part_of_the_bundle_and_fixed_at_export(pristine_bundle, tmp_path, monkeypatch):
+    """Exporting twice gives the same runner.pyz bytes (the export stage's outputs hash the same); an altered
+    runner.pyz fails the bundle's verification like an altered model; an edit of the source after export
+    does not reach an exported bundle."""
+    pytest.importorskip("torch")
+    from edgebayes.export.bundle import write_bundle
+    from edgebayes.ondevice import pack
 
-    # Runtimes (and tqdm) must be imported lazily, never at module level.
-    top_level = set()
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            top_level |= set(_imports(node))
-    assert not top_level & lazy_ok, f"import these lazily: {sorted(top_level & lazy_ok)}"
+    src, probs, y = pristine_bundle
+    with np.load(src / "eval.npz") as data:
+        x = data["x"]
 
-    # np.load must always be called with allow_pickle=False.
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "load" \
-                and getattr(node.func.value, "id", None) == "np":
-            kw = {k.arg: k.value for k in node.keywords}
-            assert isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value is False
+    def export(name):
+        write_bundle(tmp_path / name, src / "model.onnx", x, y, probs, classes=["a", "b", "c"], mc_samples=1,
+                     knob_name="t", knob_value=0.5, reference_metrics={}, provenance={})
+        return (tmp_path / name / "runner.pyz").read_bytes()
+
+    first = export("one")
+    assert export("two") == first
+    with zipfile.ZipFile(tmp_path / "one" / "runner.pyz") as archive:
+        names = archive.namelist()
+        assert names[0] == "__main__.py" and names[1:] == sorted(names[1:])
+        assert {f"ondevice/{p.name}" for p in ONDEVICE.glob("*.py")} == set(names[1:])
+        assert {info.date_time for info in archive.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+
+    # The source changes after export (here: what the packer reads); the exported bundle keeps its runner.
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for module in ONDEVICE.glob("*.py"):
+        (edited / module.name).write_bytes(module.read_bytes() + (b"# edited\n" if module.name == "cli.py" else b""))
+    monkeypatch.setattr(pack, "__file__", str(edited / "pack.py"))
+    assert export("three") != first and (tmp_path / "one" / "runner.pyz").read_bytes() == first
+    ondevice_bundle.verify_bundle(tmp_path / "one")
+
+    runner = tmp_path / "one" / "runner.pyz"
+    runner.write_bytes(runner.read_bytes() + b"\0")
+    with pytest.raises(ondevice_bundle.BundleError, match="runner.pyz: size mismatch"):
+        ondevice_bundle.verify_bundle(tmp_path / "one")
+
+
+def test_one_command_line_builder_and_the_runners_defaults_are_the_configs():
+    """command_line gives what the parser reads back; the parser's defaults are BenchmarkConfig's."""
+    from edgebayes.config import BenchmarkConfig
+
+    argv = cli.command_line("bundle/runner.pyz", "r.json", bundle="bundle", warmup=3, min_seconds=0.5, batch_size=4,
+                            artifact=None, quiet=True, progress=False, tags={"device": "pi", "connection": "ssh"})
+    assert argv[0] == "bundle/runner.pyz" and "--artifact" not in argv and "--progress" not in argv
+    args = cli.build_parser().parse_args(argv[1:])
+    assert (args.bundle, args.out, args.warmup, args.min_seconds, args.batch_size, args.quiet) == (
+        "bundle", "r.json", 3, 0.5, 4, True)
+    assert args.tag == ["device=pi", "connection=ssh"]
+    with pytest.raises(TypeError, match="no option 'batchsize'"):
+        cli.command_line("runner.pyz", "r.json", bundle="b", batchsize=4)
+    defaults = cli.build_parser().parse_args(["--bundle", "b", "--out", "o"])
+    assert {k: getattr(defaults, k) for k in PROTOCOL} == vars(BenchmarkConfig())
+
+
+def test_the_runner_never_unpickles():
+    """np.load is always called with allow_pickle=False, in every module of the package."""
+    for path in ONDEVICE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "load" \
+                    and getattr(node.func.value, "id", None) == "np":
+                kw = {k.arg: k.value for k in node.keywords}
+                assert isinstance(kw.get("allow_pickle"), ast.Constant) and kw["allow_pickle"].value is False, path
 
 
 # --------------------------------------------------------------------------
@@ -435,25 +468,25 @@ def test_runner_imports_only_stdlib_numpy_and_runtimes():
 # --------------------------------------------------------------------------
 
 def test_ood_auroc_and_aupr_match_scikit_learn():
-    metrics = pytest.importorskip("sklearn.metrics")
+    sk = pytest.importorskip("sklearn.metrics")
     rng = np.random.default_rng(1)
     for _ in range(5):
         scores = np.round(rng.random(300), 1)        # rounded: many ties, which both must count the same way
         labels = rng.random(300) < 0.3
-        assert runner.auroc(scores, labels) == pytest.approx(metrics.roc_auc_score(labels, scores))
-        assert runner.average_precision(scores, labels) == pytest.approx(metrics.average_precision_score(labels, scores))
-    assert runner.auroc([0.1, 0.2, 0.9, 0.8], [0, 0, 1, 1]) == 1.0
+        assert metrics.auroc(scores, labels) == pytest.approx(sk.roc_auc_score(labels, scores))
+        assert metrics.average_precision(scores, labels) == pytest.approx(sk.average_precision_score(labels, scores))
+    assert metrics.auroc([0.1, 0.2, 0.9, 0.8], [0, 0, 1, 1]) == 1.0
     with pytest.raises(ValueError):
-        runner.auroc([0.1, 0.2], [1, 1])
+        metrics.auroc([0.1, 0.2], [1, 1])
 
 
 def test_selective_prediction_rejects_the_most_uncertain_first():
     # 8 confident right answers, 2 uncertain wrong ones: rejecting 20 % leaves only right answers.
     probs = np.array([[0.95, 0.05]] * 8 + [[0.55, 0.45]] * 2)
     y = np.array([0] * 8 + [1] * 2)
-    sel = runner.selective_prediction(probs, y, fractions=(0.0, 0.1, 0.2, 0.5))
+    sel = metrics.selective_prediction(probs, y, fractions=(0.0, 0.1, 0.2, 0.5))
     assert sel["accuracy"] == [0.8, pytest.approx(8 / 9), 1.0, 1.0] and sel["kept"] == [10, 9, 8, 5]
-    assert sel["max_entropy"][2] == pytest.approx(runner.predictive_entropy(probs[:1])[0])
+    assert sel["max_entropy"][2] == pytest.approx(metrics.predictive_entropy(probs[:1])[0])
 
 
 def test_ood_inputs_in_the_bundle_are_scored_on_the_device(bundle, tmp_path):
@@ -467,7 +500,7 @@ def test_ood_inputs_in_the_bundle_are_scored_on_the_device(bundle, tmp_path):
     manifest["files"]["eval.npz"] = {"sha256": _sha256(bundle_dir / "eval.npz"), "bytes": (bundle_dir / "eval.npz").stat().st_size}
     _write_manifest(bundle_dir, manifest)
     out = tmp_path / "r.json"
-    assert runner.main(["--bundle", str(bundle_dir), "--out", str(out), *FAST]) == 0
+    assert cli.main(["--bundle", str(bundle_dir), "--out", str(out), *FAST]) == 0
     ood = json.loads(out.read_text())["ood"]
     assert ood["n_in"] == 50 and ood["n_out"] == 30 and 0 <= ood["auroc"] <= 1 and 0 <= ood["aupr"] <= 1
     assert ood["score"] == "predictive entropy"
@@ -475,7 +508,7 @@ def test_ood_inputs_in_the_bundle_are_scored_on_the_device(bundle, tmp_path):
 
 def test_native_start_up_noise_is_filtered_and_the_rest_kept(capfd):
     """TensorFlow / LiteRT write straight to fd 2; their start-up lines go, anything else stays."""
-    with runner.native_noise_filtered():
+    with backends.native_noise_filtered():
         os.write(2, b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n")
         os.write(2, b"I0000 00:00:1795571770.392150    6752 port.cc:153] oneDNN custom operations are on.\n")
         os.write(2, b"E0000 real trouble: could not allocate tensors\n")

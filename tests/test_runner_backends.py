@@ -1,4 +1,4 @@
-"""The runner's TFLite and TensorRT backends and multi-artifact bundles (deploy/runner.py).
+"""The runner's TFLite and TensorRT backends and multi-artifact bundles (edgebayes/ondevice).
 
 TensorRT cannot be installed on these machines (its wheels fetch NVIDIA's libraries from NVIDIA's own index):
 engine-build commands, the engine cache and the backend's buffer handling are tested here against a fake
@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from _nets import samples_and_inputs
-from edgebayes.deploy import runner
 from edgebayes.export.bundle import write_bundle
 from edgebayes.export.compress import MCAverage
 from edgebayes.export.formats import FORMATS, export_artifact
+from edgebayes.ondevice import backends, cli, runtimes
+from edgebayes.ondevice import tensorrt_backend as trt_backend
 
 FAST = ["--warmup", "1", "--min-runs", "3", "--min-seconds", "0.01", "--quiet"]
 ARTIFACTS = ("onnx", "tflite-fp32", "tflite-int8")
@@ -57,7 +58,7 @@ def bundle(multi_bundle, tmp_path):
 @pytest.mark.parametrize("artifact", ARTIFACTS)
 def test_runner_runs_each_artifact(multi_bundle, tmp_path, artifact):
     out = tmp_path / "r.json"
-    assert runner.main(["--bundle", str(multi_bundle), "--out", str(out), "--artifact", artifact, *FAST]) == 0
+    assert cli.main(["--bundle", str(multi_bundle), "--out", str(out), "--artifact", artifact, *FAST]) == 0
     res = json.loads(out.read_text())
     assert res["bundle"]["artifact"] == artifact and res["runtime"]["name"] == FORMATS[artifact].runtime
     assert res["max_abs_prob_diff"] <= (1e-5 if FORMATS[artifact].precision == "fp32" else 0.1)
@@ -67,13 +68,13 @@ def test_runner_runs_each_artifact(multi_bundle, tmp_path, artifact):
 
 def test_default_artifact_is_the_primary_model_file(multi_bundle, tmp_path):
     out = tmp_path / "r.json"
-    assert runner.main(["--bundle", str(multi_bundle), "--out", str(out), *FAST]) == 0
+    assert cli.main(["--bundle", str(multi_bundle), "--out", str(out), *FAST]) == 0
     assert json.loads(out.read_text())["bundle"]["artifact"] == "onnx"
 
 
 def _expect_bundle_error(bundle, tmp_path, capsys, *extra):
-    code = runner.main(["--bundle", str(bundle), "--out", str(tmp_path / "r.json"), *extra, *FAST])
-    assert code == runner.EXIT_BUNDLE and not (tmp_path / "r.json").exists()
+    code = cli.main(["--bundle", str(bundle), "--out", str(tmp_path / "r.json"), *extra, *FAST])
+    assert code == cli.EXIT_BUNDLE and not (tmp_path / "r.json").exists()
     return capsys.readouterr().err
 
 
@@ -103,7 +104,7 @@ def test_unknown_or_unlisted_artifact_is_refused(bundle, tmp_path, capsys):
 # --- TFLite -----------------------------------------------------------------------------------
 
 def test_tflite_backend_runs_batches_on_a_batch_one_model(multi_bundle):
-    backend = runner.TFLiteBackend(str(multi_bundle / "model-tflite-fp32.tflite"), threads=1)
+    backend = backends.TFLiteBackend(str(multi_bundle / "model-tflite-fp32.tflite"), threads=1)
     x = np.load(multi_bundle / "eval.npz")["x"][:7]
     batch = backend.run(x)
     rows = np.concatenate([backend.run(x[i:i + 1]) for i in range(7)])
@@ -119,40 +120,40 @@ def test_tflite_loader_falls_back_to_tflite_runtime(monkeypatch):
     monkeypatch.setitem(sys.modules, "ai_edge_litert", None)  # None in sys.modules: ImportError on import
     monkeypatch.setitem(sys.modules, "tflite_runtime", fake)
     monkeypatch.setitem(sys.modules, "tflite_runtime.interpreter", fake.interpreter)
-    assert runner._tflite_interpreter() == (fake_interpreter, "tflite_runtime", "2.14.0")
+    assert backends._tflite_interpreter() == (fake_interpreter, "tflite_runtime", "2.14.0")
 
     monkeypatch.setitem(sys.modules, "tflite_runtime", None)
     monkeypatch.setitem(sys.modules, "tensorflow", None)
-    with pytest.raises(runner.RuntimeProblem, match="no TFLite runtime.*pip install ai-edge-litert"):
-        runner._tflite_interpreter()
+    with pytest.raises(backends.RuntimeProblem, match="no TFLite runtime.*pip install ai-edge-litert"):
+        backends._tflite_interpreter()
 
 
 # --- TensorRT ---------------------------------------------------------------------------------
 
-OPTIONS = runner.trt_build_options("fp16", 512, "input", (1, 28, 28), max_batch=64, opt_batch=1)
+OPTIONS = trt_backend.trt_build_options("fp16", 512, "input", (1, 28, 28), max_batch=64, opt_batch=1)
 
 
 def test_trtexec_command_carries_precision_workspace_and_shapes():
-    cmd = runner.trtexec_command("b/model.onnx", "cache/k.engine", OPTIONS, trtexec="/usr/src/tensorrt/bin/trtexec")
+    cmd = trt_backend.trtexec_command("b/model.onnx", "cache/k.engine", OPTIONS, trtexec="/usr/src/tensorrt/bin/trtexec")
     assert cmd[:3] == ["/usr/src/tensorrt/bin/trtexec", "--onnx=b/model.onnx", "--saveEngine=cache/k.engine"]
     assert "--memPoolSize=workspace:512" in cmd and "--fp16" in cmd and "--int8" not in cmd
     assert {"--minShapes=input:1x1x28x28", "--optShapes=input:1x1x28x28", "--maxShapes=input:64x1x28x28"} <= set(cmd)
-    int8 = runner.trtexec_command("m.onnx", "e", {**OPTIONS, "precision": "int8"})
+    int8 = trt_backend.trtexec_command("m.onnx", "e", {**OPTIONS, "precision": "int8"})
     assert "--int8" in int8 and "--fp16" not in int8
-    assert not {"--int8", "--fp16"} & set(runner.trtexec_command("m.onnx", "e", {**OPTIONS, "precision": "fp32"}))
-    with pytest.raises(runner.RuntimeProblem, match="precision 'int4'"):
-        runner.trt_build_options("int4", 512, "input", (4,), 8)
+    assert not {"--int8", "--fp16"} & set(trt_backend.trtexec_command("m.onnx", "e", {**OPTIONS, "precision": "fp32"}))
+    with pytest.raises(backends.RuntimeProblem, match="precision 'int4'"):
+        trt_backend.trt_build_options("int4", 512, "input", (4,), 8)
 
 
 def test_engine_cache_key_follows_content_options_and_version(tmp_path):
     onnx = tmp_path / "m.onnx"
     onnx.write_bytes(b"graph-1")
-    key = runner.engine_cache_key(onnx, OPTIONS, "10.3")
-    assert key == runner.engine_cache_key(onnx, dict(reversed(list(OPTIONS.items()))), "10.3")
-    assert key != runner.engine_cache_key(onnx, {**OPTIONS, "workspace_mb": 1024}, "10.3")
-    assert key != runner.engine_cache_key(onnx, OPTIONS, "8.6")
+    key = trt_backend.engine_cache_key(onnx, OPTIONS, "10.3")
+    assert key == trt_backend.engine_cache_key(onnx, dict(reversed(list(OPTIONS.items()))), "10.3")
+    assert key != trt_backend.engine_cache_key(onnx, {**OPTIONS, "workspace_mb": 1024}, "10.3")
+    assert key != trt_backend.engine_cache_key(onnx, OPTIONS, "8.6")
     onnx.write_bytes(b"graph-2")
-    assert key != runner.engine_cache_key(onnx, OPTIONS, "10.3")
+    assert key != trt_backend.engine_cache_key(onnx, OPTIONS, "10.3")
 
 
 def test_engine_is_built_once_with_trtexec_then_cached(tmp_path):
@@ -168,15 +169,15 @@ def test_engine_is_built_once_with_trtexec_then_cached(tmp_path):
 
     trt = types.SimpleNamespace(__version__="10.3")
     which = lambda name: f"/opt/{name}"  # noqa: E731
-    path, built = runner.cached_engine(trt, onnx, OPTIONS, tmp_path / "cache", run=fake_run, which=which)
+    path, built = trt_backend.cached_engine(trt, onnx, OPTIONS, tmp_path / "cache", run=fake_run, which=which)
     assert built and Path(path).read_bytes() == b"engine" and calls[0][0] == "/opt/trtexec"
-    again, built = runner.cached_engine(trt, onnx, OPTIONS, tmp_path / "cache", run=fake_run, which=which)
+    again, built = trt_backend.cached_engine(trt, onnx, OPTIONS, tmp_path / "cache", run=fake_run, which=which)
     assert again == path and not built and len(calls) == 1
 
     def failing_run(cmd, **kwargs):
         return subprocess.CompletedProcess(cmd, 1, stdout="[E] Error: unsupported op\n&&&& FAILED")
-    with pytest.raises(runner.RuntimeProblem, match="trtexec failed.*unsupported op"):
-        runner.cached_engine(trt, onnx, {**OPTIONS, "precision": "int8"}, tmp_path / "cache", run=failing_run,
+    with pytest.raises(backends.RuntimeProblem, match="trtexec failed.*unsupported op"):
+        trt_backend.cached_engine(trt, onnx, {**OPTIONS, "precision": "int8"}, tmp_path / "cache", run=failing_run,
                              which=which)
 
 
@@ -281,12 +282,12 @@ def test_tensorrt_backend_buffers_against_a_fake_engine(tmp_path):
     onnx = tmp_path / "bundle" / "model.onnx"
     onnx.parent.mkdir()
     onnx.write_bytes(b"graph")
-    options = runner.trt_build_options("int8", 256, "input", (3, 4), max_batch=8)
+    options = trt_backend.trt_build_options("int8", 256, "input", (3, 4), max_batch=8)
     cache = tmp_path / "engines"
     cache.mkdir()
-    (cache / (runner.engine_cache_key(onnx, options, trt.__version__) + ".engine")).write_bytes(b"fake engine")
+    (cache / (trt_backend.engine_cache_key(onnx, options, trt.__version__) + ".engine")).write_bytes(b"fake engine")
 
-    backend = runner.make_backend("tensorrt", str(onnx), precision="int8", workspace_mb=256, engine_cache=str(cache),
+    backend = runtimes.make_backend("tensorrt", str(onnx), precision="int8", workspace_mb=256, engine_cache=str(cache),
                                   example_shape=(3, 4), max_batch=8, trt=trt, memory=memory)
     assert not backend.built and backend.info()["precision"] == "int8"
     # Buffers sized for max_batch rows: 8 x 12 float32 in, 8 x 5 float32 out.
@@ -320,8 +321,8 @@ def test_tensorrt_engine_build_time_is_recorded(tmp_path, monkeypatch):
         path.write_bytes(b"fake engine")
         return str(path), True
 
-    monkeypatch.setattr(runner, "cached_engine", slow_build)
-    backend = runner.make_backend("tensorrt", str(onnx), precision="fp16", engine_cache=str(tmp_path / "c"),
+    monkeypatch.setattr(trt_backend, "cached_engine", slow_build)
+    backend = runtimes.make_backend("tensorrt", str(onnx), precision="fp16", engine_cache=str(tmp_path / "c"),
                                   example_shape=(4,), max_batch=2, trt=trt, memory=memory)
     assert backend.built and backend.engine_build_ms >= 50
     assert backend.info()["engine_build_ms"] == backend.engine_build_ms
@@ -329,14 +330,14 @@ def test_tensorrt_engine_build_time_is_recorded(tmp_path, monkeypatch):
 
 def test_tensorrt_backend_without_tensorrt_fails_clearly(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
-    with pytest.raises(runner.RuntimeProblem, match="TensorRT is not installed"):
-        runner.TensorRTBackend(str(tmp_path / "m.onnx"), example_shape=(4,))
+    with pytest.raises(backends.RuntimeProblem, match="TensorRT is not installed"):
+        trt_backend.TensorRTBackend(str(tmp_path / "m.onnx"), example_shape=(4,))
 
 
 def test_real_tensorrt_engine(multi_bundle, tmp_path):
     pytest.importorskip("tensorrt", reason="TensorRT cannot be installed on these machines (NVIDIA's wheels "
                                            "download from NVIDIA's index); engines are built on the target")
-    backend = runner.make_backend("tensorrt", str(multi_bundle / "model.onnx"), precision="fp16",
+    backend = runtimes.make_backend("tensorrt", str(multi_bundle / "model.onnx"), precision="fp16",
                                   workspace_mb=256, engine_cache=str(tmp_path), example_shape=(64,))
     x = np.load(multi_bundle / "eval.npz")["x"]
     ref = np.load(multi_bundle / "eval.npz")["reference_probs"]
