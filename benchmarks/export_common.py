@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgebayes.deploy.runner import make_backend
 from edgebayes.export.formats import FORMATS, export_artifact
+from edgebayes.ondevice.runtimes import make_backend
 from edgebayes.provenance import atomic_path, provenance
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -4,7 +4,7 @@
 For each device: profile it afresh (`edgebayes devices profile`), then run select -> export -> deploy ->
 report with --force (training is reused if up to date), and read from the report the chosen point's
 predicted latency (the table fit) against the latency the deployment measured, at p90 and p99. Both are
-over all timed runs (the rounds pooled, runner.latency_summary): the figure a budget is judged on, which
+over all timed runs (the rounds pooled, ondevice/timing.py latency_summary): the figure a budget is judged on, which
 the table is fitted to. Target (issue 22): the median absolute error over the cycles <= 15 %, per device
 and percentile, for `local` and `ssh-localhost` (its throwaway sshd is started and stopped by edgebayes).
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from edgebayes.cli import EXIT_BUDGET
 from edgebayes.cli import main as edgebayes
 from edgebayes.config import load_device_profile, load_pipeline_config
-from edgebayes.deploy.runner import positive_int
+from edgebayes.ondevice.cli import positive_int
 from edgebayes.provenance import provenance, write_json
 
 TARGET = 0.15

@@ -151,11 +151,15 @@ def test_deploy_failures_each_give_one_message_and_stay_resumable(exported, ssh_
     ("raise MemoryError('simulated crash')", "(exit code 1): MemoryError: simulated crash"),
     ("import os; os.abort()", "the runner failed on device crash (exit code"),   # killed by SIGABRT
 ])
-def test_runner_crash_on_the_device(exported, ssh_device, tmp_path, capsys, monkeypatch, crash, message):
-    crashing = tmp_path / "runner.py"
+def test_runner_crash_on_the_device(exported, ssh_device, tmp_path, capsys, crash, message):
+    """The device's python dies running the bundle's runner.pyz (and only that: the preflight runs)."""
+    crashing = tmp_path / "crashing_runner.py"
     crashing.write_text(f"import sys\nsys.stderr.write('runner: loading\\n')\n{crash}\n")
-    monkeypatch.setattr("edgebayes.deploy.transport.RUNNER", crashing)
-    code, _, err = deploy_to(exported, ssh_device("crash"), capsys)
+    python = tmp_path / "python-that-crashes-the-runner"
+    python.write_text(f'#!/bin/sh\ncase "$1" in *runner.pyz) exec {sys.executable} {crashing} ;; esac\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    code, _, err = deploy_to(exported, ssh_device("crash", python=str(python)), capsys)
     assert code == 1 and "the runner failed on device crash" in err and message in err, err
     assert "unreachable" not in err
     assert_resumable(exported, "crash")
@@ -361,19 +365,19 @@ def test_runner_times_models_in_interleaved_rounds(tmp_path):
     import numpy as np
     import torch
 
-    from edgebayes.deploy.runner import main as runner_main
+    from edgebayes.ondevice.cli import main as runner_main
     from edgebayes.export.onnx_export import export_onnx
 
     for i, width in enumerate((4, 32)):
         export_onnx(torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 3)), torch.zeros(1, 8),
                     tmp_path / f"m{i}.onnx")
     np.save(tmp_path / "x.npy", np.ones((2, 8), dtype=np.float32))
-    (tmp_path / "spec.json").write_text(json.dumps({"example": "x.npy", "batch_size": 1, "models": [
+    (tmp_path / "spec.json").write_text(json.dumps({"example": "x.npy", "models": [
         {"id": "small", "file": "m0.onnx"}, {"id": "big", "file": "m1.onnx", "runtime": "onnxruntime"}]}))
     out = tmp_path / "out.json"
     assert runner_main(["--time-models", str(tmp_path / "spec.json"), "--out", str(out), "--warmup", "2",
                         "--min-runs", "30", "--min-seconds", "0", "--rounds", "3", "--threads", "1",
-                        "--tag", "device=t"]) == 0
+                        "--batch-size", "2", "--tag", "device=t"]) == 0
     res = json.loads(out.read_text())
     assert [m["id"] for m in res["models"]] == ["small", "big"]
     for m in res["models"]:
@@ -381,7 +385,7 @@ def test_runner_times_models_in_interleaved_rounds(tmp_path):
         assert 0 < m["latency_ms"]["p50"] <= m["latency_ms"]["p90"] <= m["latency_ms"]["p99"]
         assert m["latency_ms_best_round"]["p90"] == min(r["p90"] for r in m["round_ms"]) and len(m["round_ms"]) == 3
         assert m["latency_ms"]["max"] == max(r["max"] for r in m["round_ms"])   # every run counts
-    assert res["protocol"]["rounds"] == 3
+    assert res["protocol"]["rounds"] == 3 and res["protocol"]["batch_size"] == 2   # one channel: --batch-size
     # What selection's memory estimate needs: the runtime alone, and its one-off set-up (smallest model first).
     assert res["memory"]["runtime_baseline_mb"] > 1 and res["memory"]["runtime_setup_mb"] >= 0
     assert res["memory"]["setup_measured_with"] == "small"

@@ -486,11 +486,13 @@ def test_full_disk_under_atomic_writes_names_the_file(tiny_disk):
 # The runner and the device
 # ---------------------------------------------------------------------------------------------
 def test_runner_runs_from_any_folder(tmp_path):
-    """`python src/edgebayes/deploy/runner.py` puts deploy/ first on sys.path: no module there (or anywhere
-    in the package) may be named like a standard module (deploy/select.py shadowed `select`)."""
-    runner = Path(edgebayes.__file__).parent / "deploy/runner.py"
-    proc = subprocess.run([sys.executable, str(runner), "--help"], cwd=tmp_path, capture_output=True, text=True)
-    assert proc.returncode == 0 and "usage: runner.py" in proc.stdout, proc.stderr
+    """The runner zipapp runs from any folder; no module of the package may be named like a standard module
+    (deploy/select.py shadowed `select` when the runner was a script beside it)."""
+    from edgebayes.ondevice.pack import write_runner
+
+    runner = write_runner(tmp_path / "runner.pyz")
+    proc = subprocess.run([sys.executable, "-I", str(runner), "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: runner.pyz" in proc.stdout, proc.stderr
     modules = {p.stem for p in Path(edgebayes.__file__).parent.rglob("*.py")}
     assert not modules & set(sys.stdlib_module_names)
 

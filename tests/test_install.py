@@ -52,7 +52,7 @@ def test_profiles_version_and_placeholders_after_a_non_editable_install(tmp_path
     assert where.returncode == 0, where.stderr
     module, devices = where.stdout.split()
     assert Path(module).is_relative_to(venv) and Path(devices).is_relative_to(venv)   # the wheel's, not ROOT's
-    assert (Path(module).parent / "deploy" / "runner.py").is_file()
+    assert (Path(module).parent / "ondevice" / "cli.py").is_file()   # what export zips into runner.pyz
 
     edgebayes = venv / "bin" / "edgebayes"
     version = run(edgebayes, "--version", cwd=elsewhere)

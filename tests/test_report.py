@@ -314,7 +314,7 @@ def predicted_inputs(has_table=True):
     here["ood"] = {"auroc": 0.95, "aupr": 0.9}
     inputs["results"] = None
     inputs["predicted"] = {"reason": "device pi: host unreachable", "here": here,
-                           "finish": ["scp -r bundle runner.py pi:edgebayes/", "ssh pi 'cd edgebayes && python3 runner.py'",
+                           "finish": ["scp -r bundle pi:edgebayes/", "ssh pi 'cd edgebayes && python3 bundle/runner.pyz'",
                                       "edgebayes report --config pipeline.yaml --device pi --results results.json"]}
     cost = inputs["candidates"][2]["cost"]
     cost.update(predicted_latency_ms=0.3, predicted_latency_ms_by_percentile={"p50": 0.2, "p90": 0.3, "p99": 0.4},

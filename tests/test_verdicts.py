@@ -128,7 +128,8 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     finish = s["finish"]
     assert finish[-1].startswith("edgebayes report") and "--device" in finish[-1] and "--results" in finish[-1]
     assert str(device) in finish[-1]
-    assert any("scp" in step and "runner.py" in step and "bundle" in step for step in finish)
+    assert any("scp" in step and "bundle" in step for step in finish)
+    assert any("bundle/runner.pyz --bundle bundle" in step for step in finish)   # the bundle's own runner
     html = (run / "report/far-board/report.html").read_text()
     assert "(predicted)" in html and "PREDICTED, not measured on the device" in html and "--results" in html
     assert not (run / "deploy/far-board/stage.json").exists()   # the next pipeline deploys when it is back
@@ -137,11 +138,10 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     code, _, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
     assert code == 1 and f"--device {device}" in err and "--results" in err
 
-    # Finish by hand: run the bundle with runner.py "on the device" (here), import its results.
+    # Finish by hand: run the bundle with its runner.pyz "on the device" (here), import its results.
     board = tmp_path / "board"
     shutil.copytree(run / "export/far-board/bundle", board / "bundle")
-    shutil.copy(ROOT / "src/edgebayes/deploy/runner.py", board / "runner.py")
-    done = subprocess.run([sys.executable, "runner.py", "--bundle", "bundle", "--out", "results.json", "--min-runs",
+    done = subprocess.run([sys.executable, "bundle/runner.pyz", "--bundle", "bundle", "--out", "results.json", "--min-runs",
                            "30", "--min-seconds", "0", "--quiet"], cwd=board, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     code, out, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs,
