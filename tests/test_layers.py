@@ -24,7 +24,8 @@ def test_ondevice_imports_nothing_of_edgebayes_and_only_stdlib_and_numpy():
                 if isinstance(child, ast.Import):
                     found.extend((alias.name.split(".")[0], in_function) for alias in child.names)
                 elif isinstance(child, ast.ImportFrom):
-                    assert child.level in (0, 1), f"{path.name}: `from {'.' * child.level}{child.module}` leaves ondevice"
+                    assert child.level in (0, 1), \
+                        f"{path.name}: `from {'.' * child.level}{child.module}` leaves ondevice"
                     if child.level == 0:
                         found.append((child.module.split(".")[0], in_function))
                     else:   # `from .x import y`, or `from . import x`

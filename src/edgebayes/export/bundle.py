@@ -59,7 +59,8 @@ def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_s
             "reference": reference_metrics,
             **({"artifacts": entries} if entries else {}),
             "files": {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-                      for name in sorted({primary, EVAL_FILE, RUNNER_FILE, *(e["model_file"] for e in entries.values())})},
+                      for name in sorted({primary, EVAL_FILE, RUNNER_FILE,
+                                          *(e["model_file"] for e in entries.values())})},
             "provenance": provenance,
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -82,7 +82,8 @@ def build_parser():
     parser.add_argument("--rounds", type=positive_int, default=PROTOCOL["rounds"],
                         help="timed rounds; percentiles over all their samples, the best round's beside them "
                              "(latency_summary)")
-    parser.add_argument("--batch-size", type=positive_int, default=1, help="rows per timed run (of --time-models too)")
+    parser.add_argument("--batch-size", type=positive_int, default=1,
+                        help="rows per timed run (of --time-models too)")
     parser.add_argument("--threads", type=_non_negative_int, default=0, help="intra-op threads, 0 = runtime default")
     parser.add_argument("--runtime", default=None,
                         help=f"runtime to use ({', '.join(sorted(BACKENDS))}); default: from the manifest's format")
@@ -139,8 +140,8 @@ def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, ro
 
     The spec is JSON: {"example": "x.npy", "models": [{"id": ..., "file": ..., "runtime": "onnxruntime"},
     ...]}, paths relative to the spec's folder; the batch size is --batch-size's (one channel, as for a
-    bundle). The example rows are read with allow_pickle=False. Writes {"models": [{"id", "latency_ms", "runs", ...}], "runtime", "device",
-    "memory", ...}.
+    bundle). The example rows are read with allow_pickle=False. Writes {"models": [{"id", "latency_ms",
+    "runs", ...}], "runtime", "device", "memory", ...}.
 
     memory: what selection's memory estimate needs from the device. runtime_baseline_mb is the RSS with
     the runtimes imported and no model; runtime_setup_mb the one-off cost of a runtime's first session and
