@@ -178,7 +178,8 @@ def test_engine_is_built_once_with_trtexec_then_cached(tmp_path):
         return subprocess.CompletedProcess(cmd, 1, stdout="[E] Error: unsupported op\n&&&& FAILED")
     with pytest.raises(backends.RuntimeProblem, match="trtexec failed.*unsupported op"):
         trt_backend.cached_engine(trt, onnx, {**OPTIONS, "precision": "int8"}, tmp_path / "cache", run=failing_run,
-                             which=which)
+                                  which=which)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [Path(path).name]   # no partial engine left
 
 
 class FakeMemory:
@@ -288,7 +289,7 @@ def test_tensorrt_backend_buffers_against_a_fake_engine(tmp_path):
     (cache / (trt_backend.engine_cache_key(onnx, options, trt.__version__) + ".engine")).write_bytes(b"fake engine")
 
     backend = runtimes.make_backend("tensorrt", str(onnx), precision="int8", workspace_mb=256, engine_cache=str(cache),
-                                  example_shape=(3, 4), max_batch=8, trt=trt, memory=memory)
+                                    example_shape=(3, 4), max_batch=8, trt=trt, memory=memory)
     assert not backend.built and backend.info()["precision"] == "int8"
     # Buffers sized for max_batch rows: 8 x 12 float32 in, 8 x 5 float32 out.
     assert sorted(len(b) for b in memory.buffers.values()) == [8 * 5 * 4, 8 * 12 * 4]
@@ -323,7 +324,7 @@ def test_tensorrt_engine_build_time_is_recorded(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trt_backend, "cached_engine", slow_build)
     backend = runtimes.make_backend("tensorrt", str(onnx), precision="fp16", engine_cache=str(tmp_path / "c"),
-                                  example_shape=(4,), max_batch=2, trt=trt, memory=memory)
+                                    example_shape=(4,), max_batch=2, trt=trt, memory=memory)
     assert backend.built and backend.engine_build_ms >= 50
     assert backend.info()["engine_build_ms"] == backend.engine_build_ms
 
@@ -338,7 +339,7 @@ def test_real_tensorrt_engine(multi_bundle, tmp_path):
     pytest.importorskip("tensorrt", reason="TensorRT cannot be installed on these machines (NVIDIA's wheels "
                                            "download from NVIDIA's index); engines are built on the target")
     backend = runtimes.make_backend("tensorrt", str(multi_bundle / "model.onnx"), precision="fp16",
-                                  workspace_mb=256, engine_cache=str(tmp_path), example_shape=(64,))
+                                    workspace_mb=256, engine_cache=str(tmp_path), example_shape=(64,))
     x = np.load(multi_bundle / "eval.npz")["x"]
     ref = np.load(multi_bundle / "eval.npz")["reference_probs"]
     assert np.abs(backend.run(x) - ref).max() < 1e-2

@@ -99,14 +99,13 @@ def cached_engine(trt, onnx_path, options, cache_dir, run=None, which=None):
         return engine_path, False
     trtexec = (which or shutil.which)("trtexec")
     if trtexec:
-        tmp = engine_path + ".partial"
-        done = (run or subprocess.run)(trtexec_command(onnx_path, tmp, options, trtexec),
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if done.returncode != 0 or not os.path.isfile(tmp):
-            tail = (done.stdout or "").strip().splitlines()[-3:]
-            raise RuntimeProblem(f"trtexec failed to build an engine from {onnx_path} "
-                                 f"(exit {done.returncode}): {' | '.join(tail)}")
-        os.replace(tmp, engine_path)
+        with atomic_path(engine_path) as tmp:   # a failed or interrupted build leaves no engine behind
+            done = (run or subprocess.run)(trtexec_command(onnx_path, tmp, options, trtexec),
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode != 0 or not os.path.getsize(tmp):
+                tail = (done.stdout or "").strip().splitlines()[-3:]
+                raise RuntimeProblem(f"trtexec failed to build an engine from {onnx_path} "
+                                     f"(exit {done.returncode}): {' | '.join(tail)}")
     else:
         build_engine_python(trt, onnx_path, engine_path, options)
     return engine_path, True
