@@ -4,7 +4,7 @@
     edgebayes devices check DEVICE         preflight: reachable? python, runtime, free disk and memory there
     edgebayes devices profile DEVICE       time a sweep of models there; store its latency table
 
-    edgebayes report --results FILE        import results.json of runner.py run by hand on the device
+    edgebayes report --results FILE        import results.json of the bundle's runner.pyz run by hand on the device
     edgebayes report --devices A B C       one page comparing the chosen points of several devices
 
 Exit codes: 0 done, and the chosen point meets every budget on the device; 1 a stage failed (its message
@@ -49,7 +49,7 @@ def build_parser():
                            help="print the closing summary as JSON on stdout (the log goes to stderr)")
         if name == "report":
             p.add_argument("--results", metavar="FILE", default=None,
-                           help="results.json of runner.py run on the device by hand: import it, then report")
+                           help="results.json of the bundle's runner.pyz run by hand on the device: import it, report")
             p.add_argument("--devices", nargs="+", metavar="DEVICE", default=None,
                            help="write one page comparing these devices' reports (each reported already)")
     devices = sub.add_parser("devices", help="list, check or profile device profiles")
