@@ -453,6 +453,14 @@ def test_one_command_line_builder_and_the_runners_defaults_are_the_configs():
     assert {k: getattr(defaults, k) for k in PROTOCOL} == vars(BenchmarkConfig())
 
 
+def test_every_runtime_of_the_table_has_a_backend():
+    from edgebayes.ondevice import runtimes
+    from edgebayes.ondevice.tables import FORMAT_TO_RUNTIME, FORMATS, RUNTIMES
+
+    assert set(runtimes.BACKENDS) == set(RUNTIMES) >= {f.runtime for f in FORMATS.values()}
+    assert FORMAT_TO_RUNTIME == {"onnx": "onnxruntime", "tflite": "tflite", "tensorrt": "tensorrt"}
+
+
 def test_the_runner_never_unpickles():
     """np.load is always called with allow_pickle=False, in every module of the package."""
     for path in ONDEVICE.glob("*.py"):

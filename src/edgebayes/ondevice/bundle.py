@@ -51,8 +51,9 @@ def verify_bundle(bundle_dir):
     """Check a bundle directory and return its manifest (a dict).
 
     Checks: manifest.json exists and is a JSON object with every required
-    key and schema 1; model_file and eval_file are listed in `files`; every
-    listed file exists with the listed byte size and sha256.  Raises
+    key and schema 1; model_file, eval_file and the runner (where the manifest
+    names one, as exported bundles do) are listed in `files`; every listed
+    file exists with the listed byte size and sha256.  Raises
     BundleError with a one-line message naming the bundle and the file.
     """
     bundle_dir = os.fspath(bundle_dir)
