@@ -434,6 +434,11 @@ def test_the_zipapp_is_part_of_the_bundle_and_fixed_at_export(pristine_bundle, t
     runner.write_bytes(runner.read_bytes() + b"\0")
     with pytest.raises(ondevice_bundle.BundleError, match="runner.pyz: size mismatch"):
         ondevice_bundle.verify_bundle(tmp_path / "one")
+    manifest = _manifest(tmp_path / "two")   # a runner the manifest names but does not hash is refused too
+    del manifest["files"]["runner.pyz"]
+    _write_manifest(tmp_path / "two", manifest)
+    with pytest.raises(ondevice_bundle.BundleError, match="runner 'runner.pyz' is not listed in 'files'"):
+        ondevice_bundle.verify_bundle(tmp_path / "two")
 
 
 def test_one_command_line_builder_and_the_runners_defaults_are_the_configs():
