@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 from conftest import ROOT
 from edgebayes.cli import main
 from edgebayes.config import NestedConfig
-from edgebayes.export.surgery import remove_dead_units
+from edgebayes.compressed.surgery import remove_dead_units
 from edgebayes.train.nested import (
     NestedLayer,
     NestedLinear,

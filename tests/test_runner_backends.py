@@ -19,7 +19,7 @@ import torch
 from _nets import samples_and_inputs
 from edgebayes.deploy import runner
 from edgebayes.export.bundle import write_bundle
-from edgebayes.export.compress import MCAverage
+from edgebayes.compressed.samples import MCAverage
 from edgebayes.export.formats import FORMATS, export_artifact
 
 FAST = ["--warmup", "1", "--min-runs", "3", "--min-seconds", "0.01", "--quiet"]

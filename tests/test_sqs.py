@@ -13,8 +13,8 @@ from sklearn.cluster import KMeans
 from edgebayes.cli import main
 from edgebayes.config import ConfigError, PipelineConfig, SQSConfig, load_pipeline_config
 from edgebayes.errors import InputError
-from edgebayes.export import codebook
-from edgebayes.export.compress import compress
+from edgebayes.compressed import codebook
+from edgebayes.compressed.samples import compress
 from edgebayes.train.models import build_model
 from edgebayes.train.sqs import (
     SQSNet,

@@ -83,7 +83,7 @@ def test_posterior_mean_samples_inclusion_where_the_median_model_is_empty(setup,
     """Paper 000's estimator draws z ~ Ber(gamma) per sample: with gamma near 1 it agrees with the median model;
     with every node of a layer at gamma = 0.3 the median model (threshold 0.5) is empty and cannot be
     exported, yet each eval forward inside sampled_inclusion switches on about 30% of the nodes."""
-    from edgebayes.export.compress import EmptyLayerError
+    from edgebayes.compressed.samples import EmptyLayerError
 
     cfg, splits = copy.deepcopy(setup[0]), setup[1]
     cfg.train.epochs, cfg.train.batch_size = 30, 64  # enough for the digits MLP to learn (~0.9)

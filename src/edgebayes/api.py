@@ -10,7 +10,7 @@
     print(eb.metrics(probs, y_test))                        # accuracy, NLL, ECE, Brier
 
 Nothing here has logic of its own: `fit` is train/trainer.py's `train` with a config made from its
-arguments, `compress` is export/compress.py's, `save` and `run` are export/formats.py's (`save`, not
+arguments, `compress` is compressed/samples.py's, `save` and `run` are export/formats.py's (`save`, not
 `export`: edgebayes.export is the export package).
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from edgebayes.config import PipelineConfig, TrainConfig
-from edgebayes.export.compress import Compressed, compress as _compress
+from edgebayes.compressed.samples import Compressed, compress as _compress
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.bayesianize import bayesianize  # noqa: F401  (re-exported)
 

@@ -256,8 +256,9 @@ def _has_inclusion(model):
 
 
 def run_train(ctx):
-    from edgebayes.export.compress import EmptyLayerError
-    from edgebayes.train.metrics import ood_scores, reliability_bins, structure_report
+    from edgebayes.compressed.samples import EmptyLayerError
+    from edgebayes.compressed.structure import structure_report
+    from edgebayes.train.metrics import ood_scores, reliability_bins
     from edgebayes.train import distributed
     from edgebayes.train.trainer import evaluate, posterior_mean_metrics, train
 
@@ -383,10 +384,11 @@ def run_export(ctx):
     import tempfile
 
     from edgebayes.export.bundle import write_bundle
-    from edgebayes.export.compress import compress, predict
+    from edgebayes.compressed.samples import compress, predict
     from edgebayes.export.formats import FORMATS, artifact_predict, check_fidelity, export_artifact, fidelity
     from edgebayes.export.onnx_export import onnx_parameter_count
-    from edgebayes.train.metrics import classification_metrics, count_weights, structure_report
+    from edgebayes.compressed.structure import count_weights, structure_report
+    from edgebayes.train.metrics import classification_metrics
 
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     model, splits = load_trained_model(ctx), splits_for(ctx)

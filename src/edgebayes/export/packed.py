@@ -618,7 +618,7 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC
     `example` (a batch of inputs, [B, ...]) drives shape propagation and the equality check against the
     unrolled MC average; a packed graph that differs by more than `atol` is refused.
     """
-    from edgebayes.export.compress import MCAverage
+    from edgebayes.compressed.samples import MCAverage
 
     samples = list(samples)
     if not samples:

@@ -66,7 +66,7 @@ Test time at width k (appendix 8.2, 9.2): keep the first k groups, scale group j
 probability P(z_j = 1) (1 for the fixed groups), draw the weights (one draw per posterior sample), and
 recollect the batch-norm statistics of that plain network on a few training batches (2 x 512 by default).
 `posterior_sample` returns that network with dense shapes and the masks of the kept channels; compress and
-surgery (export/) then remove the other channels physically.
+surgery (edgebayes/compressed) then remove the other channels physically.
 """
 
 import math

@@ -50,7 +50,7 @@ Where this deviates from or completes the paper, and why:
     Ber(lambda)) once per group and lambda~_g KL(slab) per weight, the global quantile ranks each weight by
     its group's score (one boundary group may be cut part-way, so the count stays exact), and whole inputs
     are pruned. Why: an unstructured 50% mask costs ~0.7-1 bit per weight on disk, as much as the 2-bit
-    indices of the kept weights (export/codebook.py), and an MLP's first layer holds most of its weights;
+    indices of the kept weights (compressed/codebook.py), and an MLP's first layer holds most of its weights;
     with whole inputs pruned there the first layer's mask costs one bit per input.
   - One K per training run: the pipeline's deploy-time knob is the non-zero rate alone (with M), so select
     sees rate x M; a different K is a different run (config), as the paper trains one model per K.
@@ -69,7 +69,7 @@ from torch.func import functional_call
 from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 
 from edgebayes.errors import InputError
-from edgebayes.export import codebook
+from edgebayes.compressed import codebook
 from edgebayes.provenance import atomic_torch_save, code_version, load_checkpoint, read_json, write_json
 from edgebayes.train import distributed
 from edgebayes.train.accel import DeviceData, autocast, to_channels_last
@@ -229,7 +229,7 @@ class SQSNet(nn.Module):
         if windowing not in WINDOWS:
             raise ValueError(f"unknown windowing {windowing!r}; expected one of {sorted(WINDOWS)}")
         self.base = base
-        self.input_shape = getattr(base, "input_shape", None)  # export's surgery probes with it
+        self.input_shape = getattr(base, "input_shape", None)  # surgery probes with it (compressed/surgery.py)
         self.components, self.windowing, self.iqr_factor = components, windowing, iqr_factor
         self.tau, self.sigma0_sq, self.prior = tau, sigma0_sq, prior
         self.default_knob = nonzero_rate
@@ -359,8 +359,8 @@ class SQSNet(nn.Module):
     # -- compressed form --------------------------------------------------------------------------
     @torch.no_grad()
     def layer_codes(self, nonzero_rate, m=1, seed=0, greedy=False):
-        """The codebook form (export/codebook.py) of the m samples that export's compress() draws."""
-        from edgebayes.export.compress import sample_generator
+        """The codebook form (compressed/codebook.py) of the m samples that compress() draws (compressed/samples.py)."""
+        from edgebayes.compressed.samples import sample_generator
 
         gen, masks = sample_generator(seed), self.keep_masks(nonzero_rate)
         draws = [self.sample_levels(gen, greedy) for _ in range(m)]
@@ -376,7 +376,7 @@ class SQSNet(nn.Module):
         return codes
 
     def write_compressed(self, path, nonzero_rate, m=1, seed=0, greedy=False):
-        """Write the compressed file; returns its rates (paper formula and bytes, export/codebook.py)."""
+        """Write the compressed file; returns its rates (paper formula and bytes, compressed/codebook.py)."""
         codes = self.layer_codes(nonzero_rate, m, seed, greedy)
         meta = {"nonzero_rate": nonzero_rate, "components": self.components, "windowing": self.windowing,
                 "samples": m, "greedy": greedy}

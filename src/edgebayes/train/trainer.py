@@ -42,7 +42,7 @@ from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line
 
 from torch.nn.parallel import DistributedDataParallel
 
-from edgebayes.export.compress import compress, predict
+from edgebayes.compressed.samples import compress, predict
 from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
 from edgebayes.train.accel import DeviceData, autocast, compile_step, to_channels_last

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgebayes.export.surgery import SurgeryError, remove_dead_units
+from edgebayes.compressed.surgery import SurgeryError, remove_dead_units
 
 
 class EmptyLayerError(SurgeryError):
