@@ -30,7 +30,7 @@ from edgebayes.compressed.samples import compress, predict
 from edgebayes.provenance import provenance, write_json
 from edgebayes.compressed.structure import count_weights
 from edgebayes.train.metrics import classification_metrics, ood_scores
-from edgebayes.train.trainer import train
+from edgebayes.train.families import fit
 
 METRICS = (("accuracy", "accuracy", True), ("nll", "NLL", False), ("ece", "ECE", False),
            ("ood_auroc", "OOD AUROC", True), ("ood_aupr", "OOD AUPR", True))
@@ -72,7 +72,7 @@ def run(args):
     for family in ("bn3", "fn3", "dnn"):
         fcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=family))
         t0 = time.perf_counter()
-        model, history = train(fcfg, splits, work / family / "checkpoint.pt", log=print)
+        model, history = fit(fcfg, splits, work / family / "checkpoint.pt", log=print)
         train_seconds = sum(h["seconds"] for h in history)
         m = args.mc_samples if family == "bn3" else 1
         points = widths if family != "dnn" else [model.default_knob]

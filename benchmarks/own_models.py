@@ -34,7 +34,7 @@ from edgebayes.compressed.samples import compress
 from edgebayes.compressed.surgery import remove_dead_units
 from edgebayes.export.formats import artifact_predict, export_artifact
 from edgebayes.provenance import atomic_path, provenance
-from edgebayes.train.bayesianize import bayesianize
+from edgebayes.train.families import bayesianize
 from edgebayes.compressed.structure import structure_report
 
 RESULTS = Path(__file__).resolve().parent / "results"

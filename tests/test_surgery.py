@@ -8,7 +8,8 @@ from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.compressed.samples import MCAverage, compress, sample_generator
 from edgebayes.compressed.surgery import SurgeryError, format_report, remove_dead_units
 from edgebayes.compressed.structure import count_weights, paper_flops, structure_report
-from edgebayes.train.models import BayesianNet, LayerFactory, build_model
+from edgebayes.train.layers import LayerFactory
+from edgebayes.train.models import BayesianNet, build_model
 from edgebayes.train.spike_slab import SpikeSlabLayer
 
 from _nets import CatPoolFlatten, ConstantAfterNorm, Depthwise
