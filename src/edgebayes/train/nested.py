@@ -34,26 +34,22 @@ Where this completes or deviates from the paper, and why:
   - The prior's pi is not given. Default: pi = sigmoid(3), the posterior's initial mu, so Phi1 = 0 at init; or
     "uniform" (FN3's distribution), with mubar_init "uniform" likewise Phi1 = 0 at init.
   - nested.mubar_init: "uniform" starts BN3 from FN3's distribution (every width equally likely) instead of
-    mubar = 3; our MNIST LeNet-5-Caffe config uses it (the paper has no LeNet setup). With D = 10 groups,
-    mubar = 3 puts 68 % of the mass on the full width and 4.7 % on widths <= 2, and in a CPU-length run
-    (2,000-4,000 Adam steps, mubar moves at most about lr per step) the narrow sub-networks are then
-    rarely trained: after 5 epochs on 10,000 images, width 2 of 10 reached 0.850 accuracy against FN3's
-    0.895; from the uniform start, 0.921. nested.prior_keep_logit: "uniform" makes FN3's distribution the
-    prior as well (the sigmoid(3) chain pulls q towards the full width). After 15 epochs on all of MNIST
-    (benchmarks/results/nested_width_sweep_mnist_lenet5_full15ep*.md) BN3 trailed FN3 at width 2 of 10 by
-    0.5-0.8 points with kappa 1e-3 or 1e-4 whatever the prior or noise init (the data term moves q's mass
-    towards wider sub-networks; the width-2 network carries noise sized for all widths); with the uniform
-    prior, log alpha init -4 and kappa 1e-2 it is 0.07 points under (0.9828 vs 0.9835), at most 0.16 at
-    any width, with lower ECE at every width. Over 3 seeds (benchmarks/results/nested_width_seeds_*.md)
-    the mean gap is -0.10 / -0.03 points at widths 2 / 3 and +0.06 to +0.14 at widths 4-10, against a
-    seed-to-seed standard deviation of 0.15 points per family and width.
+    mubar = 3; our MNIST LeNet-5-Caffe config uses it (the paper has no LeNet setup). Why: with D = 10
+    groups, mubar = 3 puts 68 % of the mass on the full width and 4.7 % on widths <= 2, and mubar moves at
+    most about lr per Adam step, so in a CPU-length run the narrow sub-networks are rarely trained
+    (benchmarks/results/nested_width_sweep_mnist_lenet5.md). nested.prior_keep_logit: "uniform" makes
+    FN3's distribution the prior as well, since the sigmoid(3) chain pulls q towards the full width.
+    The LeNet-5-Caffe config's uniform prior, log alpha init -4 and kappa 1e-2 are the setting in which
+    BN3 matches FN3 at the narrow widths (the data term moves q's mass towards wider sub-networks, and the
+    narrow network carries noise sized for all widths): 3 seeds in
+    benchmarks/results/nested_width_seeds_mnist_lenet5_full15ep.md; the settings that trail FN3 in
+    nested_width_sweep_mnist_lenet5_full15ep*.md.
   - Biases are deterministic (the paper omits them, section 3.2) and carry no KL.
   - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
     (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
   - The temperature schedule is not given: exponential per epoch from nested.temperature to
-    nested.temperature_min (start_epoch below), 0.3 -> 0.03 by default. Measured on digits (MLP 64x64,
-    kappa 0.01, 100 epochs): starting at 1 (-> 0.1) the soft "slope" masks of a high temperature rarely
-    truncate, and the narrowest width lost accuracy (0.936 vs 0.955 at 2 of 8 groups).
+    nested.temperature_min (NestedNet.start_epoch), 0.3 -> 0.03 by default, not from 1: the soft "slope"
+    masks of a high temperature rarely truncate, so the narrowest widths train less and lose accuracy.
   - In MobileNetV2 the ordering unit sits on the depthwise convolution of each inverted residual block
     (appendix 9.1); since a depthwise channel reads exactly one expand channel, dropping it drops that
     filter of the expand convolution too (`truncates`), which the paper states and surgery needs.

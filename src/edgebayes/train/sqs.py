@@ -35,7 +35,7 @@ Where this deviates from or completes the paper, and why:
     scores), and r_t is also the prior inclusion probability lambda of the Bernoulli KL. Without the
     mask the keep fraction that training settles at is set by the balance of NLL and regularizer, not by
     r, and the network deployed at r has weights switched on or off that training never saw that way
-    (digits, MLP 64x64, kl_weight 0.01: 81% kept in training, 34% test accuracy at r = 0.5).
+    (on digits training then settled far above the target rate and the net deployed at r was near chance).
   - The paper does not say how s is initialised: all s_i start at tau' logit(keep_init) plus a tie-break
     of 0.1 tau' |theta_i| / std_layer |theta| (0.1 in logit per standard deviation: lambda~ stays near
     keep_init), so the first steps of the schedule prune small weights, not the last ones by index; after
@@ -49,9 +49,9 @@ Where this deviates from or completes the paper, and why:
     of paper 000 with the input feature as the group. The regularizer then counts KL(Ber(lambda~_g) ||
     Ber(lambda)) once per group and lambda~_g KL(slab) per weight, the global quantile ranks each weight by
     its group's score (one boundary group may be cut part-way, so the count stays exact), and whole inputs
-    are pruned. Why: an unstructured 50% mask costs ~0.7-1 bit per weight on disk, as much as the 2-bit
-    indices of the kept weights (compressed/codebook.py), and an MLP's first layer holds most of its weights;
-    with whole inputs pruned there the first layer's mask costs one bit per input.
+    are pruned. Why: an unstructured 50% mask costs about as much on disk as the 2-bit indices of the kept
+    weights (compressed/codebook.py; benchmarks/results/sqs_mnist_mlp100.md), and an MLP's first layer
+    holds most of its weights; with whole inputs pruned there the first layer's mask costs one bit per input.
   - One K per training run: the pipeline's deploy-time knob is the non-zero rate alone (with M), so select
     sees rate x M; a different K is a different run (config), as the paper trains one model per K.
 """
