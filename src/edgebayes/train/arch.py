@@ -4,7 +4,7 @@
 
     build(factory, input_shape, classes) -> nn.Module
 
-that every family calls with its own `LayerFactory` (train/models.py): once with the dnn factory for the
+that every family calls with its own `LayerFactory` (train/layers.py): once with the dnn factory for the
 plain twin that posterior samples are copied into, once with the family's factory for the trained net.
 
 `model.arch` may be
