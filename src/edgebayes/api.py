@@ -10,8 +10,9 @@
     print(eb.metrics(probs, y_test))                        # accuracy, NLL, ECE, Brier
 
 Nothing here has logic of its own: `bayesianize` is the family registry's (train/families.py), `fit` is
-train/trainer.py's `train` under the ELBO with a config made from its arguments, `compress` is compressed/samples.py's, `save` and `run` are export/formats.py's (`save`, not
-`export`: edgebayes.export is the export package).
+train/trainer.py's `train` under the ELBO with a config made from its arguments, `compress` is
+compressed/samples.py's, `save` and `run` are export/formats.py's (`save`, not `export`: edgebayes.export
+is the export package).
 """
 
 import dataclasses

@@ -1,9 +1,9 @@
-"""The ELBO trainer: read it top to bottom.
+"""The training loop of every family, and the ELBO it minimises for papers 000 and 002: read it top to bottom.
 
 Loss per mini-batch = mean NLL + KL / N_train, i.e. the negative ELBO of paper 000 (NLL summed over the
 data set plus the KLs) divided by the data set size N, so the learning rate means the same whatever N is.
-Adam as in paper 000 (1e-3 for MLP / LeNet), or SGD with momentum and step decays (ResNets). CPU or CUDA. A checkpoint is written (atomically) after every
-epoch with the optimizer and RNG state; a run interrupted at any point resumes from the last finished
+Adam as in paper 000 (1e-3 for MLP / LeNet), or SGD with momentum and step decays (ResNets). CPU or CUDA.
+A checkpoint is written (atomically) after every epoch with the optimizer and RNG state; a run interrupted at any point resumes from the last finished
 epoch and ends with the same result as an uninterrupted one (an epoch's order depends on seed and epoch only).
 
 Speed (none of it changes the objective): the training split lives on the device and is augmented there
@@ -38,7 +38,6 @@ import copy
 import math
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
