@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from export_common import RUNTIMES, export_for, inputs, lenet5_caffe, mlp, np1, time_artifacts, write_results
-from edgebayes.export.compress import MCAverage
+from edgebayes.compressed.samples import MCAverage
 
 MS = (1, 2, 4, 8)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from export_common import RUNTIMES, export_for, inputs, lenet5_caffe, mlp, np1, time_artifacts, write_results
-from edgebayes.export.compress import MCAverage
-from edgebayes.export.surgery import remove_dead_units
-from edgebayes.train.metrics import paper_flops
+from edgebayes.compressed.samples import MCAverage
+from edgebayes.compressed.surgery import remove_dead_units
+from edgebayes.compressed.structure import paper_flops
 
 
 def keep_first(n, k):

@@ -2,7 +2,7 @@
 
 Trains the config's nested network as bn3 and as fn3, and the deterministic net of the same architecture
 (family dnn), with the same data, optimizer and epochs. Then, for every width k (groups kept, fixed + 1
-.. D), compresses the nested nets exactly as the pipeline does (export/compress.py: keep the first k
+.. D), compresses the nested nets exactly as the pipeline does (compressed/samples.py: keep the first k
 groups, rescale by the keep probability, recollect batch-norm statistics, physically remove the other
 channels) and measures on the test split: accuracy, NLL, ECE (15 bins), and OOD detection by predictive
 entropy (AUROC, AUPR; the OOD set is the config's data.ood, uniform noise images for MNIST here).
@@ -26,10 +26,11 @@ import torch
 
 from edgebayes.config import load_pipeline_config
 from edgebayes.data import load_data
-from edgebayes.export.compress import compress, predict
+from edgebayes.compressed.samples import compress, predict
 from edgebayes.provenance import provenance, write_json
-from edgebayes.train.metrics import classification_metrics, count_weights, ood_scores
-from edgebayes.train.trainer import train
+from edgebayes.compressed.structure import count_weights
+from edgebayes.train.metrics import classification_metrics, ood_scores
+from edgebayes.train.families import fit
 
 METRICS = (("accuracy", "accuracy", True), ("nll", "NLL", False), ("ece", "ECE", False),
            ("ood_auroc", "OOD AUROC", True), ("ood_aupr", "OOD AUPR", True))
@@ -71,7 +72,7 @@ def run(args):
     for family in ("bn3", "fn3", "dnn"):
         fcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=family))
         t0 = time.perf_counter()
-        model, history = train(fcfg, splits, work / family / "checkpoint.pt", log=print)
+        model, history = fit(fcfg, splits, work / family / "checkpoint.pt", log=print)
         train_seconds = sum(h["seconds"] for h in history)
         m = args.mc_samples if family == "bn3" else 1
         points = widths if family != "dnn" else [model.default_knob]

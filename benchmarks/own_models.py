@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgebayes.export.compress import compress
-from edgebayes.export.surgery import remove_dead_units
+from edgebayes.compressed.samples import compress
+from edgebayes.compressed.surgery import remove_dead_units
 from edgebayes.export.formats import artifact_predict, export_artifact
 from edgebayes.provenance import atomic_path, provenance
-from edgebayes.train.bayesianize import bayesianize
-from edgebayes.train.metrics import structure_report
+from edgebayes.train.families import bayesianize
+from edgebayes.compressed.structure import structure_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPE = (3, 32, 32)

@@ -30,8 +30,8 @@ from scipy.stats import wasserstein_distance
 
 from edgebayes.config import as_dict, load_pipeline_config
 from edgebayes.data import load_data
-from edgebayes.export import codebook
-from edgebayes.export.compress import MCAverage, compress, predict
+from edgebayes.compressed import codebook
+from edgebayes.compressed.samples import MCAverage, compress, predict
 from edgebayes.provenance import provenance, write_json
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.sqs import assign_windows, pretrained_base, train_sqs
@@ -203,7 +203,7 @@ def markdown(result) -> str:
         lines.append("")
     if "scores" in result:
         lines += ["## First layer's keep scores: per weight (paper 001) vs per input pixel (MC average, M = 4)", "",
-                  "Mask and indices: bits per weight of each stream entropy-coded alone (export/codebook.py "
+                  "Mask and indices: bits per weight of each stream entropy-coded alone (compressed/codebook.py "
                   "section_bytes).", "",
                   "| Non-zero | Rate (formula) | Scores | Drop | Rate by bytes | File bytes | Mask bits / weight | "
                   "Index bits / weight |", "|---|---|---|---|---|---|---|---|"]

@@ -6,7 +6,7 @@ For each config and seed the pipeline's own train stage runs: the deterministic 
 seed sets its initial weights and batch order; the data split stays the config's), then SQS fine-tuning.
 Test accuracy is the pipeline's: MC average of train.mc_samples_eval samples at the config's non-zero rate.
 The compressed file of one sample (train/model.sqs, as the pipeline writes it) gives the rate by bytes, and
-export/codebook.py's section_bytes where those bytes go. Results: <out>/<name>.json (with provenance:
+compressed/codebook.py's section_bytes where those bytes go. Results: <out>/<name>.json (with provenance:
 machine, commit, versions), <name>.md and <name>.png (drop against rate by bytes, one point per seed).
 Finished runs resume from their checkpoints in --work.
 
@@ -26,7 +26,7 @@ import torch
 from edgebayes.config import as_dict, load_pipeline_config
 from edgebayes.data import load_data
 from edgebayes.errors import InputError
-from edgebayes.export import codebook
+from edgebayes.compressed import codebook
 from edgebayes.provenance import atomic_path, provenance, write_json
 from edgebayes.train.sqs import stage_summary, train_sqs
 from edgebayes.train.trainer import evaluate
@@ -74,7 +74,7 @@ def markdown(result) -> str:
              f"positive = worse), "
              f"the SQS net MC-averaged. Rate by bytes: fp32 weights and biases / bytes of train/model.sqs (one "
              f"sample, as the train stage writes it). Mask and index bits per weight: each stream entropy-coded alone "
-             f"(export/codebook.py section_bytes). Issue 5 asks for a drop <= {100 * MAX_DROP:g} point and >= "
+             f"(compressed/codebook.py section_bytes). Issue 5 asks for a drop <= {100 * MAX_DROP:g} point and >= "
              f"{MIN_RATE:g}x by bytes.", ""]
     for entry in result["configs"]:
         s = entry["sqs"]

@@ -29,8 +29,8 @@ from edgebayes.config import load_device_profile, load_pipeline_config
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.provenance import provenance, write_json
 from edgebayes.stages import Context, load_trained_model, run_stage, splits_for
-from edgebayes.train.metrics import structure_report
-from edgebayes.export.compress import EmptyLayerError
+from edgebayes.compressed.structure import structure_report
+from edgebayes.compressed.samples import EmptyLayerError
 from edgebayes.train.trainer import evaluate, posterior_mean_metrics
 from export_common import time_artifacts
 

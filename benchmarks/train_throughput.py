@@ -38,7 +38,8 @@ import torch
 from edgebayes.config import load_pipeline_config
 from edgebayes.data import Splits
 from edgebayes.provenance import provenance, write_json
-from edgebayes.train.trainer import resolve_device, train
+from edgebayes.train.families import fit
+from edgebayes.train.trainer import resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs")
@@ -65,7 +66,7 @@ def time_family(base_cfg, family, splits, args, precision):
         t.batch_size = args.batch_size
     cfg.sqs.pretrain_epochs = 1
     with tempfile.TemporaryDirectory() as tmp:
-        _, history = train(cfg, splits, Path(tmp) / "checkpoint.pt", log=lambda *_: None)
+        _, history = fit(cfg, splits, Path(tmp) / "checkpoint.pt", log=lambda *_: None)
     epoch_seconds = min(h["train_seconds"] for h in history[1:])  # the first epoch is warm-up
     return {"family": family, "precision": precision, "batch_size": t.batch_size, "epochs": t.epochs,
             "train_images": len(splits.train_x), "epoch_seconds": epoch_seconds,

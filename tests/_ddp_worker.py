@@ -15,7 +15,7 @@ import torch.distributed as dist
 import edgebayes.train.spike_slab as spike_slab
 from edgebayes.config import PipelineConfig
 from edgebayes.data import load_data
-from edgebayes.train.trainer import train
+from edgebayes.train.families import fit
 
 
 def config(family, epochs):
@@ -49,13 +49,13 @@ def run_all(out: Path, splits):
     quiet = dict(log=lambda *_: None)
     results = {}
     with zero_noise():
-        model, history = train(config("ss-gl", 3), splits, out / "zero_noise.pt", **quiet)
+        model, history = fit(config("ss-gl", 3), splits, out / "zero_noise.pt", **quiet)
         results["ss-gl zero noise"] = (model.state_dict(), history)
     # Resume with per-process noise: 3 epochs straight, and 2 epochs then 1 more from the checkpoint.
-    model, history = train(config("ss-ig", 3), splits, out / "straight.pt", **quiet)
+    model, history = fit(config("ss-ig", 3), splits, out / "straight.pt", **quiet)
     results["ss-ig straight"] = (model.state_dict(), history)
-    train(config("ss-ig", 2), splits, out / "resumed.pt", **quiet)
-    model, history = train(config("ss-ig", 3), splits, out / "resumed.pt", **quiet)
+    fit(config("ss-ig", 2), splits, out / "resumed.pt", **quiet)
+    model, history = fit(config("ss-ig", 3), splits, out / "resumed.pt", **quiet)
     results["ss-ig resumed"] = (model.state_dict(), history)
     return results
 

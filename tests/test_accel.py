@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import edgebayes.train.trainer as trainer
+from edgebayes.train.families import fit
 from edgebayes.config import PipelineConfig
 from edgebayes.data import load_data
 from edgebayes.train.accel import DeviceData, augment, autocast
@@ -112,7 +112,7 @@ def test_training_under_bf16_autocast_learns_digits(digits, tmp_path):
     cfg, splits = copy.deepcopy(digits[0]), digits[1]
     cfg.model.family, cfg.train.precision = "ss-gl", "bf16"
     cfg.train.epochs, cfg.train.kl_weight, cfg.train.lr = 15, 0.1, 3e-3
-    model, history = trainer.train(cfg, splits, tmp_path / "bf16.pt", **QUIET)
+    model, history = fit(cfg, splits, tmp_path / "bf16.pt", **QUIET)
     assert history[-1]["loss"] < history[0]["loss"]
     assert history[-1]["val_accuracy"] > 0.8
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -123,13 +123,13 @@ def test_channels_last_and_augmentation_train_a_convolutional_net(digits, tmp_pa
     contiguous run's loss up to the convolution algorithm's rounding; augmentation changes the inputs."""
     cfg, splits = copy.deepcopy(digits[0]), digits[1]
     cfg.model.family, cfg.model.arch, cfg.train.epochs, cfg.train.batch_size = "dnn", "resnet20", 1, 256
-    _, plain = trainer.train(cfg, splits, tmp_path / "plain.pt", **QUIET)
+    _, plain = fit(cfg, splits, tmp_path / "plain.pt", **QUIET)
     cfg.train.channels_last = True
-    model, nhwc = trainer.train(cfg, splits, tmp_path / "nhwc.pt", **QUIET)
+    model, nhwc = fit(cfg, splits, tmp_path / "nhwc.pt", **QUIET)
     assert nhwc[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-4)
     assert all(p.is_contiguous() for p in model.parameters())  # handed back in the default layout
     cfg.train.augment, cfg.train.augment_padding = True, 2
-    _, augmented = trainer.train(cfg, splits, tmp_path / "aug.pt", **QUIET)
+    _, augmented = fit(cfg, splits, tmp_path / "aug.pt", **QUIET)
     assert augmented[0]["loss"] != pytest.approx(nhwc[0]["loss"], rel=1e-4)
 
 
@@ -142,10 +142,10 @@ def test_compile_falls_back_to_eager_and_says_why(digits, tmp_path, monkeypatch)
 
     monkeypatch.setattr(torch, "compile", broken)
     messages = []
-    _, history = trainer.train(cfg, splits, tmp_path / "c.pt", log=messages.append)
+    _, history = fit(cfg, splits, tmp_path / "c.pt", log=messages.append)
     assert any("torch.compile failed (RuntimeError: no C++ compiler found)" in m and "eager" in m for m in messages)
     cfg.train.compile = False
-    _, eager = trainer.train(cfg, splits, tmp_path / "e.pt", **QUIET)
+    _, eager = fit(cfg, splits, tmp_path / "e.pt", **QUIET)
     assert history[0]["loss"] == eager[0]["loss"]
 
 
@@ -158,11 +158,11 @@ def test_compiled_training_matches_eager(digits, tmp_path):
 
     cfg, splits = copy.deepcopy(digits[0]), digits[1]
     cfg.model.family, cfg.train.epochs, cfg.train.batch_size = "ss-gl", 1, 256
-    _, eager = trainer.train(cfg, splits, tmp_path / "e.pt", **QUIET)
+    _, eager = fit(cfg, splits, tmp_path / "e.pt", **QUIET)
     cfg.train.compile = True
     messages = []
     with torch._inductor.config.patch(fallback_random=True):
-        _, compiled = trainer.train(cfg, splits, tmp_path / "c.pt", log=messages.append)
+        _, compiled = fit(cfg, splits, tmp_path / "c.pt", log=messages.append)
     assert "train.compile: forward and KL compiled with torch.compile" in messages
     assert compiled[0]["loss"] == pytest.approx(eager[0]["loss"], rel=1e-4)
     assert compiled[0]["kl"] == pytest.approx(eager[0]["kl"], rel=1e-4)
@@ -176,7 +176,7 @@ def test_cuda_fast_path_learns_digits(digits, tmp_path):
     cfg, splits = copy.deepcopy(digits[0]), digits[1]
     cfg.model.family, cfg.train.device, cfg.train.precision, cfg.train.channels_last = "ss-gl", "cuda", "bf16", True
     cfg.train.epochs, cfg.train.kl_weight, cfg.train.lr = 15, 0.1, 3e-3
-    model, history = trainer.train(cfg, splits, tmp_path / "cuda.pt", **QUIET)
+    model, history = fit(cfg, splits, tmp_path / "cuda.pt", **QUIET)
     assert history[-1]["loss"] < history[0]["loss"] and history[-1]["val_accuracy"] > 0.7
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
     x = torch.rand(16, 3, 6, 6, device="cuda")

@@ -258,7 +258,7 @@ def test_unknown_ood_set_names_file_and_key(tmp_path, capsys):
 def test_every_shipped_config_loads_and_builds_its_network(path):
     from types import SimpleNamespace
 
-    from edgebayes.train.trainer import model_for
+    from edgebayes.train.families import build as model_for
 
     cfg = load_pipeline_config(path)
     shape = {"cifar10": (3, 32, 32), "digits": (1, 8, 8)}.get(cfg.data.dataset, (1, 28, 28))

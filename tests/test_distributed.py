@@ -24,7 +24,7 @@ import _ddp_worker as worker  # noqa: E402
 from edgebayes.cli import main  # noqa: E402
 from edgebayes.config import ConfigError, load_pipeline_config  # noqa: E402
 from edgebayes.data import load_data  # noqa: E402
-from edgebayes.train.trainer import train  # noqa: E402
+from edgebayes.train.families import fit  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 QUIET = dict(log=lambda *_: None)
@@ -72,10 +72,10 @@ def test_bayesian_two_processes_match_one_when_the_noise_is_identical(two_proces
     splits = load_data(worker.PipelineConfig().data, 0)
     cfg = worker.config("ss-gl", 3)
     with worker.zero_noise():
-        one, one_history = train(cfg, splits, tmp_path / "one.pt", **QUIET)
+        one, one_history = fit(cfg, splits, tmp_path / "one.pt", **QUIET)
         double_kl = copy.deepcopy(cfg)
         double_kl.train.kl_weight = 2.0
-        wrong, _ = train(double_kl, splits, tmp_path / "kl2.pt", **QUIET)
+        wrong, _ = fit(double_kl, splits, tmp_path / "kl2.pt", **QUIET)
     two, two_history = two_processes["ss-gl zero noise"]
     _assert_close(one.state_dict(), two, atol=1e-5)
     assert [h["kl"] for h in two_history] == pytest.approx([h["kl"] for h in one_history], rel=1e-5)

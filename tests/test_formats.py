@@ -12,7 +12,7 @@ import torch
 
 from _nets import samples_and_inputs
 from edgebayes.config import ExportFormat
-from edgebayes.export.compress import MCAverage
+from edgebayes.compressed.samples import MCAverage
 from edgebayes.export.formats import FORMATS, artifact_predict, check_fidelity, export_artifact, fidelity
 
 TOLERANCE, MAX_DROP = 1e-4, 0.05

@@ -12,11 +12,11 @@ from scipy.stats import chisquare
 from conftest import ROOT
 from edgebayes.cli import main
 from edgebayes.config import NestedConfig
-from edgebayes.export.surgery import remove_dead_units
+from edgebayes.compressed.surgery import remove_dead_units
+from edgebayes.train.models import NestedNet
 from edgebayes.train.nested import (
     NestedLayer,
     NestedLinear,
-    NestedNet,
     downhill_sample,
     keep_probabilities,
     ordered_mask_log_probs,

@@ -12,7 +12,7 @@ from torch import nn
 from edgebayes.cli import main
 from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.train.arch import ArchError, register_arch, resolve_arch
-from edgebayes.train.bayesianize import bayesianize
+from edgebayes.train.families import bayesianize
 from edgebayes.train.models import BayesianNet, build_model
 from edgebayes.train.spike_slab import SpikeSlabLayer
 
@@ -240,7 +240,7 @@ class _Branchy(nn.Module):
 
 def test_bayesianize_nested_and_unknown_families():
     from edgebayes.config import NestedConfig
-    from edgebayes.train.nested import NestedNet
+    from edgebayes.train.models import NestedNet
 
     module = nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
     net = bayesianize(module, "bn3", input_shape=(1, 4, 4), n_train=100, nested=NestedConfig(groups=4, fixed_groups=1))

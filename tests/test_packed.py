@@ -14,7 +14,7 @@ from torch import nn
 
 from _nets import IDIOMS, idiom_samples, samples_and_inputs, torchvision_samples
 from edgebayes.config import ModelConfig, PriorConfig
-from edgebayes.export.compress import MCAverage, compress
+from edgebayes.compressed.samples import MCAverage, compress
 from edgebayes.export.onnx_export import export_onnx, onnx_predict
 from edgebayes.export.packed import PackingError, mc_graph, pack_samples
 from edgebayes.train.models import build_model

@@ -18,7 +18,7 @@ import torch
 
 from _nets import samples_and_inputs
 from edgebayes.export.bundle import write_bundle
-from edgebayes.export.compress import MCAverage
+from edgebayes.compressed.samples import MCAverage
 from edgebayes.export.formats import FORMATS, export_artifact
 from edgebayes.ondevice import backends, cli, runtimes
 from edgebayes.ondevice import tensorrt_backend as trt_backend

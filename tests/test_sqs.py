@@ -13,8 +13,8 @@ from sklearn.cluster import KMeans
 from edgebayes.cli import main
 from edgebayes.config import ConfigError, PipelineConfig, SQSConfig, load_pipeline_config
 from edgebayes.errors import InputError
-from edgebayes.export import codebook
-from edgebayes.export.compress import compress
+from edgebayes.compressed import codebook
+from edgebayes.compressed.samples import compress
 from edgebayes.train.models import build_model
 from edgebayes.train.sqs import (
     SQSNet,
@@ -328,3 +328,42 @@ def test_sqs_wraps_the_convolutions_of_lenet5_caffe(tmp_path):
     x = torch.rand(3, 1, 28, 28)
     assert torch.allclose(torch.softmax(reloaded(x), -1), compressed.mc_model(1)(x), atol=1e-6)
     assert rates["rate_formula"] == pytest.approx(64)
+
+
+def test_sqs_fine_tuning_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    """Both stages run in the one training loop (train/trainer.py): fine-tuning interrupted after an epoch's
+    checkpoint resumes from it (the pretrained dnn is reused) and ends with the uninterrupted model."""
+    import edgebayes.train.trainer as trainer
+    from edgebayes.data import load_data
+    from edgebayes.train.families import fit
+
+    cfg = PipelineConfig(model=PipelineConfig().model.__class__(family="sqs", hidden=[16]))
+    cfg.train.epochs, cfg.train.batch_size, cfg.train.mc_samples_val, cfg.train.device = 3, 64, 1, "cpu"
+    cfg.train.kl_weight = 0.01
+    cfg.sqs = SQSConfig(windows="single", pretrain_epochs=2, pretrain_lr=3.0e-3)
+    splits = load_data(cfg.data, cfg.seed)
+    quiet = dict(log=lambda *_: None)
+    (tmp_path / "full").mkdir()
+    full, full_history = fit(cfg, splits, tmp_path / "full" / "checkpoint.pt", **quiet)
+
+    real_save = trainer.atomic_torch_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        if path.name == "checkpoint.pt" and obj["epoch"] == 2:
+            raise KeyboardInterrupt  # after the second fine-tuning epoch was checkpointed
+
+    (tmp_path / "part").mkdir()
+    monkeypatch.setattr(trainer, "atomic_torch_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        fit(cfg, splits, tmp_path / "part" / "checkpoint.pt", **quiet)
+    monkeypatch.setattr(trainer, "atomic_torch_save", real_save)
+    messages = []
+    resumed, history = fit(cfg, splits, tmp_path / "part" / "checkpoint.pt", log=messages.append)
+
+    assert any("checkpoint.pt after epoch 2" in m for m in messages)
+    assert any("pretrained.pt after epoch 2" in m for m in messages)  # the finished pretraining is reused
+    assert [h["epoch"] for h in history] == [1, 2, 3] and "train_keep_fraction" in history[-1]
+    assert history[-1]["val_accuracy"] == full_history[-1]["val_accuracy"] > 0.5  # trained, not at chance
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -1,14 +1,15 @@
-"""Structural surgery (export/surgery.py), posterior samples (train/models.py) and compress (export/compress.py)."""
+"""Structural surgery (compressed/surgery.py), posterior samples (train/models.py) and compress (compressed/samples.py)."""
 
 import pytest
 import torch
 from torch import nn
 
 from edgebayes.config import ModelConfig, PriorConfig
-from edgebayes.export.compress import MCAverage, compress, sample_generator
-from edgebayes.export.surgery import SurgeryError, format_report, remove_dead_units
-from edgebayes.train.metrics import count_weights, paper_flops, structure_report
-from edgebayes.train.models import BayesianNet, LayerFactory, build_model
+from edgebayes.compressed.samples import MCAverage, compress, sample_generator
+from edgebayes.compressed.surgery import SurgeryError, format_report, remove_dead_units
+from edgebayes.compressed.structure import count_weights, paper_flops, structure_report
+from edgebayes.train.layers import LayerFactory
+from edgebayes.train.models import BayesianNet, build_model
 from edgebayes.train.spike_slab import SpikeSlabLayer
 
 from _nets import CatPoolFlatten, ConstantAfterNorm, Depthwise
@@ -568,7 +569,7 @@ def test_effective_flops_count_live_inputs_per_group_of_a_depthwise_convolution(
     its own channel, so C_in,pr is 1, 0, 1, 1 per output, not 3 // 4 = 0 for all (which counted 186 FLOPs
     and 10 weights). By hand, appendix A.1: expand (1 + 1) 25 x 3 = 150, depthwise (3 x 9 + 4) 9 = 279;
     weights 2 x 3 = 6 and 3 x 9 + 4 = 31."""
-    from edgebayes.train.metrics import _layer_costs
+    from edgebayes.compressed.structure import _layer_costs
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 4, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, groups=4)).eval()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import edgebayes.train.trainer as trainer
+from edgebayes.train.families import fit
 from edgebayes.config import PipelineConfig
 from edgebayes.data import load_data
 
@@ -20,7 +21,7 @@ def setup():
 
 def test_resume_after_interruption_matches_uninterrupted_run(setup, tmp_path, monkeypatch):
     cfg, splits = setup
-    full, _ = trainer.train(cfg, splits, tmp_path / "full.pt", log=lambda *_: None)
+    full, _ = fit(cfg, splits, tmp_path / "full.pt", log=lambda *_: None)
 
     saves = {"n": 0}
     real_save = trainer.atomic_torch_save
@@ -33,10 +34,10 @@ def test_resume_after_interruption_matches_uninterrupted_run(setup, tmp_path, mo
 
     monkeypatch.setattr(trainer, "atomic_torch_save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        trainer.train(cfg, splits, tmp_path / "part.pt", log=lambda *_: None)
+        fit(cfg, splits, tmp_path / "part.pt", log=lambda *_: None)
     monkeypatch.setattr(trainer, "atomic_torch_save", real_save)
     messages = []
-    resumed, history = trainer.train(cfg, splits, tmp_path / "part.pt", log=messages.append)
+    resumed, history = fit(cfg, splits, tmp_path / "part.pt", log=messages.append)
 
     assert any("after epoch 2" in m for m in messages)
     assert [h["epoch"] for h in history] == [1, 2, 3, 4]
@@ -48,7 +49,7 @@ def test_checkpoint_loads_with_weights_only(setup, tmp_path):
     cfg, splits = setup
     cfg = copy.deepcopy(cfg)
     cfg.train.epochs = 1
-    trainer.train(cfg, splits, tmp_path / "c.pt", log=lambda *_: None)
+    fit(cfg, splits, tmp_path / "c.pt", log=lambda *_: None)
     state = torch.load(tmp_path / "c.pt", weights_only=True)
     assert state["epoch"] == 1 and "model" in state and "optimizer" in state
 
@@ -57,7 +58,7 @@ def test_training_reduces_the_loss_and_learns(setup, tmp_path):
     cfg, splits = setup
     cfg = copy.deepcopy(cfg)
     cfg.train.epochs, cfg.train.kl_weight, cfg.train.batch_size, cfg.train.lr = 15, 0.1, 64, 3e-3
-    model, history = trainer.train(cfg, splits, tmp_path / "l.pt", log=lambda *_: None)
+    model, history = fit(cfg, splits, tmp_path / "l.pt", log=lambda *_: None)
     assert history[-1]["loss"] < history[0]["loss"]
     assert history[-1]["val_accuracy"] > 0.8
 
@@ -67,7 +68,7 @@ def test_history_records_mean_inclusion_of_prunable_layers(setup, tmp_path):
     cfg, splits = setup
     cfg = copy.deepcopy(cfg)
     cfg.model.family, cfg.train.epochs = "ss-ig", 1
-    model, history = trainer.train(cfg, splits, tmp_path / "m.pt", log=lambda *_: None)
+    model, history = fit(cfg, splits, tmp_path / "m.pt", log=lambda *_: None)
     record = history[-1]["mean_inclusion"]
     prunable = [n for n, layer in model.bayesian_layers() if layer.prunable]
     assert list(record) == prunable and len(prunable) == 2
@@ -83,11 +84,11 @@ def test_posterior_mean_samples_inclusion_where_the_median_model_is_empty(setup,
     """Paper 000's estimator draws z ~ Ber(gamma) per sample: with gamma near 1 it agrees with the median model;
     with every node of a layer at gamma = 0.3 the median model (threshold 0.5) is empty and cannot be
     exported, yet each eval forward inside sampled_inclusion switches on about 30% of the nodes."""
-    from edgebayes.export.compress import EmptyLayerError
+    from edgebayes.compressed.samples import EmptyLayerError
 
     cfg, splits = copy.deepcopy(setup[0]), setup[1]
     cfg.train.epochs, cfg.train.batch_size = 30, 64  # enough for the digits MLP to learn (~0.9)
-    model, _ = trainer.train(cfg, splits, tmp_path / "m.pt", log=lambda *_: None)
+    model, _ = fit(cfg, splits, tmp_path / "m.pt", log=lambda *_: None)
     median = trainer.evaluate(model, splits.test_x, splits.test_y, 0.5, 8, cfg.seed)[0]["accuracy"]
     sampled = trainer.posterior_mean_metrics(model, splits.test_x, splits.test_y, 8, cfg.seed)["accuracy"]
     assert median > 0.6 and abs(sampled - median) < 0.05

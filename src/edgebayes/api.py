@@ -9,9 +9,10 @@
     probs = eb.run("model.onnx", x_test)                    # onnxruntime: MC-averaged class probabilities
     print(eb.metrics(probs, y_test))                        # accuracy, NLL, ECE, Brier
 
-Nothing here has logic of its own: `fit` is train/trainer.py's `train` with a config made from its
-arguments, `compress` is export/compress.py's, `save` and `run` are export/formats.py's (`save`, not
-`export`: edgebayes.export is the export package).
+Nothing here has logic of its own: `bayesianize` is the family registry's (train/families.py), `fit` is
+train/trainer.py's `train` under the ELBO with a config made from its arguments, `compress` is
+compressed/samples.py's, `save` and `run` are export/formats.py's (`save`, not `export`: edgebayes.export
+is the export package).
 """
 
 import dataclasses
@@ -21,9 +22,9 @@ import numpy as np
 import torch
 
 from edgebayes.config import PipelineConfig, TrainConfig
-from edgebayes.export.compress import Compressed, compress as _compress
+from edgebayes.compressed.samples import Compressed, compress as _compress
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
-from edgebayes.train.bayesianize import bayesianize  # noqa: F401  (re-exported)
+from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
 
 
 def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, **train):
@@ -34,7 +35,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
     (batch_size, lr, optimizer, kl_weight, device, ...). `checkpoint` (a path) makes the run resumable.
     """
     from edgebayes.data import Splits
-    from edgebayes.train.trainer import train as run_train
+    from edgebayes.train.trainer import ELBO, train as run_train
 
     x, y = torch.as_tensor(np.asarray(x), dtype=torch.float32), torch.as_tensor(np.asarray(y), dtype=torch.int64)
     if val is None:
@@ -51,9 +52,9 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
     if path is None:
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
-            _, history = run_train(cfg, splits, Path(tmp) / "checkpoint.pt", log=log, model=net)
+            _, history = run_train(cfg, splits, Path(tmp) / "checkpoint.pt", lambda: net, ELBO(), log)
     else:
-        _, history = run_train(cfg, splits, path, log=log, model=net)
+        _, history = run_train(cfg, splits, path, lambda: net, ELBO(), log)
     return history
 
 

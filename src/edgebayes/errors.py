@@ -18,3 +18,8 @@ class StageError(Exception):
 class CorruptFileError(StageError, ValueError):
     """The message names the file. Also a ValueError, as json's own error is, so that callers catching
     ValueError around a read keep working."""
+
+
+class ArchError(InputError, ValueError):
+    """`model.arch` names nothing that builds a network (train/arch.py), or a module cannot be made the
+    net of a family (train/bayesianize.py); the message says what was tried."""

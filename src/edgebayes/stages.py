@@ -97,8 +97,11 @@ class Context:
     def fingerprint(self, stage):
         c, p = self.cfg, self.profile
         if stage == "train":
+            from edgebayes.train.families import family_of
+
             # A family's own section counts for it only: other families' fingerprints stay as they were.
-            own = {"sqs": [c.sqs], "bn3": [c.nested], "fn3": [c.nested]}.get(c.model.family, [])
+            section = family_of(c).section
+            own = [getattr(c, section)] if section else []
             # What data.path and model.pretrained hold now (size and mtime) counts where they are set
             contents = [h] if (h := data_fingerprint(c.data)) is not None else []
             if c.model.pretrained:
@@ -242,10 +245,10 @@ def splits_for(ctx):
 
 
 def load_trained_model(ctx):
-    from edgebayes.train.trainer import model_for
+    from edgebayes.train.families import build
 
     out = ctx.require("train", "checkpoint.pt")
-    model = model_for(ctx.cfg, splits_for(ctx))
+    model = build(ctx.cfg, splits_for(ctx))
     state = load_checkpoint(out / "checkpoint.pt")
     model.load_state_dict(state["model"])
     return model.eval()
@@ -257,10 +260,12 @@ def _has_inclusion(model):
 
 
 def run_train(ctx):
-    from edgebayes.export.compress import EmptyLayerError
-    from edgebayes.train.metrics import ood_scores, reliability_bins, structure_report
+    from edgebayes.compressed.samples import EmptyLayerError
+    from edgebayes.compressed.structure import structure_report
+    from edgebayes.train.metrics import ood_scores, reliability_bins
     from edgebayes.train import distributed
-    from edgebayes.train.trainer import evaluate, posterior_mean_metrics, train
+    from edgebayes.train.families import family_of
+    from edgebayes.train.trainer import evaluate, posterior_mean_metrics
 
     cfg, splits = ctx.cfg, splits_for(ctx)  # first: bad data must fail before anything is touched
     if cfg.train.processes > 1 and not distributed.launched():
@@ -287,7 +292,8 @@ def run_train(ctx):
             checkpoint.unlink()
         write_json(marker, {"fingerprint": ctx.fingerprint("train")})
 
-    model, history = train(cfg, splits, checkpoint, log=ctx.log)
+    family = family_of(cfg)
+    model, history = family.fit(cfg, splits, checkpoint, ctx.log)
     if not distributed.is_main_process():
         return
     # Done means the checkpoint on disk holds every configured epoch: it is what select and export load.
@@ -334,11 +340,8 @@ def run_train(ctx):
         "history": history,
         "provenance": ctx.provenance("train"),
     }
-    if cfg.model.family == "sqs":  # accuracy against the full-precision start, compression by formula and bytes
-        from edgebayes.train.sqs import stage_summary
-        metrics["sqs"] = stage_summary(model, splits, out, knob_value, test)
-        ctx.log(f"train: SQS drop {metrics['sqs']['accuracy_drop']:+.4f} against full precision; compression "
-                f"{metrics['sqs']['rate_formula']:.1f}x by formula, {metrics['sqs']['rate_bytes']:.1f}x by file bytes")
+    if family.summary is not None:  # the family's own figures (SQS: against full precision, file bytes)
+        metrics[family.name] = family.summary(model, splits, out, knob_value, test, ctx.log)
     if splits.ood_x is not None:
         ood_probs = compressed.mc_model()(splits.ood_x).detach().numpy()
         metrics["ood"] = {"set": cfg.data.ood, **ood_scores(probs, ood_probs)}
@@ -383,11 +386,13 @@ def run_select(ctx):
 def run_export(ctx):
     import tempfile
 
+    from edgebayes.compressed.samples import compress, predict
+    from edgebayes.compressed.structure import count_weights, structure_report
     from edgebayes.export.bundle import write_bundle
-    from edgebayes.export.compress import compress, predict
     from edgebayes.export.formats import FORMATS, artifact_predict, check_fidelity, export_artifact, fidelity
     from edgebayes.export.onnx_export import onnx_parameter_count
-    from edgebayes.train.metrics import classification_metrics, count_weights, structure_report
+    from edgebayes.train.families import family_of
+    from edgebayes.train.metrics import classification_metrics
 
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     model, splits = load_trained_model(ctx), splits_for(ctx)
@@ -455,9 +460,9 @@ def run_export(ctx):
                       for name, art in manifest["artifacts"].items()},
         "provenance": ctx.provenance("export"),
     }
-    if hasattr(model, "write_compressed"):  # SQS: the real compressed form of the M exported samples
-        summary["compressed_form"] = {"file": "model.sqs", **model.write_compressed(out / "model.sqs", knob_value, m,
-                                                                                    ctx.cfg.seed)}
+    write_compressed = family_of(ctx.cfg).write_compressed
+    if write_compressed is not None:  # SQS: the real compressed form of the M exported samples
+        summary["compressed_form"] = write_compressed(model, out, knob_value, m, ctx.cfg.seed)
     write_json(out / "export.json", summary)
     ctx.log(f"export: {out / 'bundle'} with {', '.join(artifacts)}; ONNX parameters {onnx_params} = {m} x "
             f"{kept_per_sample} kept weights: {summary['params_match']}")

@@ -58,6 +58,19 @@ class LatencyModelError(StageError):
     pass
 
 
+def formats_for(profile):
+    """The export formats this device's runtime loads, at the precisions its profile lists."""
+    from edgebayes.export.formats import FORMATS
+
+    fmts = [f for f in FORMATS.values()
+            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision]
+    if not fmts:
+        known = ", ".join(f"{f.name} ({f.runtime} {f.precision})" for f in FORMATS.values())
+        raise StageError(f"device {profile.name}: no export format for runtime {profile.runtime.name} at "
+                         f"precision {', '.join(profile.runtime.precision)} (formats here: {known})")
+    return fmts
+
+
 def operator_count(path):
     """Operators an inference with the exported file dispatches: the ONNX graph's nodes (Constant and
     Identity nodes hold no work), or the TFLite model's ops. A TensorRT format ships ONNX, counted as such."""
@@ -226,10 +239,9 @@ def _mlp(widths, activation):
 
 def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
     """Measure the sweep on the device and write its latency table; returns (path, table)."""
-    from edgebayes.deploy.selection import formats_for
-    from edgebayes.export.compress import MCAverage
+    from edgebayes.compressed.samples import MCAverage
+    from edgebayes.compressed.structure import count_weights, paper_flops
     from edgebayes.export.formats import export_artifact
-    from edgebayes.train.metrics import count_weights, paper_flops
 
     if cfg.model.arch != "mlp":
         raise LatencyModelError(f"devices profile sweeps MLPs (model.arch mlp); for {cfg.model.arch} use "

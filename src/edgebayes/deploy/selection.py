@@ -27,31 +27,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, measure_models,
-                                            operator_count, predictor_for, profile_device)
+from edgebayes.compressed.samples import EmptyLayerError, compress, predict
+from edgebayes.compressed.structure import count_weights, paper_flops
+from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, formats_for,
+                                            measure_models, operator_count, predictor_for, profile_device)
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError
-from edgebayes.export.compress import EmptyLayerError, compress, predict
 from edgebayes.ondevice.backends import RuntimeProblem
 from edgebayes.ondevice.runtimes import make_backend, predict_all
-from edgebayes.train.metrics import classification_metrics, count_weights, paper_flops
+from edgebayes.train.metrics import classification_metrics
 
 
 class SelectionError(StageError):
     pass
-
-
-def formats_for(profile):
-    """The export formats this device's runtime loads, at the precisions its profile lists."""
-    from edgebayes.export.formats import FORMATS
-
-    fmts = [f for f in FORMATS.values()
-            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision]
-    if not fmts:
-        known = ", ".join(f"{f.name} ({f.runtime} {f.precision})" for f in FORMATS.values())
-        raise SelectionError(f"device {profile.name}: no export format for runtime {profile.runtime.name} at "
-                             f"precision {', '.join(profile.runtime.precision)} (formats here: {known})")
-    return fmts
 
 
 def select_bench(benchmark):

@@ -618,7 +618,7 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC
     `example` (a batch of inputs, [B, ...]) drives shape propagation and the equality check against the
     unrolled MC average; a packed graph that differs by more than `atol` is refused.
     """
-    from edgebayes.export.compress import MCAverage
+    from edgebayes.compressed.samples import MCAverage
 
     samples = list(samples)
     if not samples:
@@ -640,7 +640,7 @@ def mc_graph(mc_model, layout: str, example: torch.Tensor) -> nn.Module:
     if layout == "packed":
         if len(mc_model.samples) == 1:
             # One sample: nothing to pack. The plain graph runs Gemms where the packed one runs 1x1
-            # convolutions and reshapes, 1.1-1.6x slower in onnxruntime (export_packed_latency.md, M = 1).
+            # convolutions and reshapes, slower in onnxruntime (benchmarks/results/export_packed_latency.md, M = 1).
             return mc_model.eval()
         return pack_samples(mc_model.samples, example)
     raise ValueError(f"unknown MC layout {layout!r}; expected one of {LAYOUTS}")

@@ -4,7 +4,7 @@
 
     build(factory, input_shape, classes) -> nn.Module
 
-that every family calls with its own `LayerFactory` (train/models.py): once with the dnn factory for the
+that every family calls with its own `LayerFactory` (train/layers.py): once with the dnn factory for the
 plain twin that posterior samples are copied into, once with the family's factory for the trained net.
 
 `model.arch` may be
@@ -27,15 +27,12 @@ it, so a switched-off channel is exactly zero after it); everything else is ordi
 
 import inspect
 
-from edgebayes.errors import InputError
+from edgebayes.errors import ArchError
 from edgebayes.plugins import IMPORT_PATH, load_callable
+from edgebayes.train.bayesianize import module_builder, with_pretrained
 from edgebayes.train.zoo import ARCHITECTURES
 
 _REGISTERED = {}
-
-
-class ArchError(InputError, ValueError):
-    """`model.arch` names nothing that builds a network; the message says what was tried."""
 
 
 def register_arch(name: str, builder):
@@ -77,8 +74,6 @@ def _lookup(name: str):
 def resolve_arch(model_cfg):
     """model section -> build(factory, input_shape, classes) (module docstring)."""
     fn = _lookup(model_cfg.arch)
-    from edgebayes.train.bayesianize import module_builder, with_pretrained
-
     if model_cfg.arch in ARCHITECTURES or takes_factory(fn):
         kw = (dict(hidden=model_cfg.hidden, width_multiplier=model_cfg.width_multiplier)
               if model_cfg.arch in ARCHITECTURES else dict(model_cfg.options or {}))

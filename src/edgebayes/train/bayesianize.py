@@ -3,8 +3,10 @@
     net = bayesianize(torchvision.models.resnet18(num_classes=10), "ss-gl", input_shape=(3, 32, 32),
                       n_train=50_000)
 
-Every nn.Conv2d and nn.Linear is swapped for the layer the family's `LayerFactory` builds (the same switch
-the zoo goes through, train/models.py), in place, so the user's own `forward` keeps running unchanged:
+`bayesianize` itself is in the family registry (train/families.py), which wraps the converted module in
+its family's net; this module converts. Every nn.Conv2d and nn.Linear is swapped for the layer the
+family's `LayerFactory` builds (the same switch the zoo goes through, train/layers.py), in place, so the
+user's own `forward` keeps running unchanged:
 
   - a convolution whose only consumer is a batch norm takes that batch norm with it (`norm`: the layer owns
     it, z multiplies its output, so a switched-off channel is exactly zero); the batch norm's old place
@@ -28,7 +30,8 @@ import pickle
 import torch
 from torch import fx, nn
 
-from edgebayes.train.arch import ArchError
+from edgebayes.errors import ArchError, InputError
+from edgebayes.train.layers import ConvNorm, LayerFactory
 
 AFFINE = (nn.Conv2d, nn.Linear)
 NORMS = (nn.BatchNorm2d,)
@@ -165,8 +168,6 @@ def with_pretrained(build, path):
     state = {}
 
     def build_from(factory, input_shape, classes):
-        from edgebayes.train.models import LayerFactory
-
         if not state:
             state.update(read_state_dict(path))
         net = build(factory, input_shape, classes)
@@ -178,8 +179,6 @@ def with_pretrained(build, path):
 @torch.no_grad()
 def start_from_plain(net, plain):
     """Copy a plain twin's weights into the factory-built `net` of the same builder (names line up)."""
-    from edgebayes.train.models import ConvNorm
-
     net.load_state_dict({k: v for k, v in plain.state_dict().items() if k in net.state_dict()
                          and net.state_dict()[k].shape == v.shape}, strict=False)
     inside = {f"{n}.conv" for n, m in plain.named_modules() if isinstance(m, ConvNorm)}
@@ -192,8 +191,6 @@ def start_from_plain(net, plain):
 
 def read_state_dict(path):
     """A state dict of tensors from `path` (weights_only; a pipeline checkpoint's "model" entry too)."""
-    from edgebayes.errors import InputError
-
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:   # torch's own text advises weights_only=False: never for a user's file
@@ -211,8 +208,6 @@ def read_state_dict(path):
 def apply_state_dict(module, state, path):
     """Load `state` into a plain module; tensors whose shapes differ (a classifier trained for another number
     of classes) keep their fresh initialisation, and `module.skipped_pretrained` names them."""
-    from edgebayes.errors import InputError
-
     own = module.state_dict()
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not fits:
@@ -232,32 +227,8 @@ def _check_runs(module, input_shape):
                         f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=None, nested=None,
-                activation="silu", calibration_x=None):
-    """The family's network around a plain `module`, with the interface of the later stages.
-
-    `prior` (PriorConfig) and `nested` (NestedConfig) default to the config defaults; `n_train` enters the
-    prior inclusion probabilities of paper 000; `calibration_x` (training inputs) recollects batch-norm
-    statistics of nested-net samples. Returns a BayesianNet (dnn, bnn, ss-*) or a NestedNet (bn3, fn3).
-    """
-    from edgebayes.config import NestedConfig, PriorConfig
-    from edgebayes.train.models import FAMILIES, BayesianNet
-    from edgebayes.train.nested import NESTED_FAMILIES, NestedNet
-
-    if family == "sqs":  # SQS fine-tunes a trained dnn in its own two-stage loop (train/sqs.py)
-        raise ArchError("bayesianize: family sqs runs through the pipeline: model.family: sqs with model.arch: "
-                        "<import path of the module's constructor> (and model.pretrained)")
-    if family not in FAMILIES:
-        raise ArchError(f"bayesianize: unknown family {family!r}; expected one of {FAMILIES}")
-    classes = _output_classes(module, input_shape)
-    build = module_builder(lambda _: module)
-    if family in NESTED_FAMILIES:
-        return NestedNet(build, family, nested or NestedConfig(), input_shape, classes, activation=activation,
-                         calibration_x=calibration_x)
-    return BayesianNet(build, family, prior or PriorConfig(), input_shape, classes, n_train, activation)
-
-
-def _output_classes(module, input_shape):
+def output_classes(module, input_shape):
+    """The number of classes `module` predicts (its output's second dimension), checking that it runs."""
     _check_runs(module, input_shape)
     with torch.no_grad():
         out = module.eval()(torch.zeros((1,) + tuple(input_shape)))

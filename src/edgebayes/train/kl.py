@@ -1,6 +1,6 @@
 """Closed-form KL divergences and expectations used by the Bayesian layers.
 
-Notation follows ../shared/METHODS.md. A LogNormal variational law LN(m, s^2) means x = exp(m + s*eps):
+A LogNormal variational law LN(m, s^2) means x = exp(m + s*eps):
 E[log x] = m, E[x] = exp(m + s^2/2), E[1/x] = exp(-m + s^2/2), entropy H = m + 1/2 + 1/2 log(2 pi s^2).
 Every function works elementwise on tensors and returns the un-summed KL, so callers decide how to sum.
 """

@@ -1,130 +1,15 @@
-"""Metrics: predictive (from the on-device package, so they are defined once) and structural (paper 000).
+"""Metrics of training: predictive (from the on-device package, so they are defined once) and OOD detection.
 
 Predictive metrics (accuracy, NLL, ECE with 15 equal-width bins, Brier) live in edgebayes.ondevice.metrics,
-which the device runs and which imports nothing of edgebayes; everything here reuses them.
-
-Structural metrics follow paper 000 exactly:
-  - node sparsity (eq. 17) = O_pr / O, kept units over units, per layer;
-  - compression ratio = non-zero weights of the compressed net / weights of the dense net (biases count);
-  - FLOPs ratio with appendix A.1's formula, multiplies only:
-      linear  (I_pr + 1) O_pr;     conv  (C_in,pr Kw Kh + 1) Ow Oh C_out,pr,
-    over every Linear and Conv2d (for ResNets: the convolutions and the last linear layer, as the paper).
+which the device runs and which imports nothing of edgebayes; everything here reuses them. Structural
+metrics (node sparsity, compression and FLOPs ratios of paper 000) are in edgebayes/compressed/structure.py,
+beside the samples they count.
 """
 
 import numpy as np
-import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
-from torch import nn
 
 from edgebayes.ondevice.metrics import classification_metrics, reliability_bins  # noqa: F401
-
-
-def _layer_costs(module: nn.Module, input_shape, effective: bool):
-    """(FLOPs, weights) of the Linear / Conv2d layers of a plain module, for one example, by appendix A.1.
-
-    effective=False counts the module's shapes. effective=True counts a masked module as the paper does:
-    C_out,pr = outputs whose weight row or bias is non-zero, C_in,pr = input channels that are not
-    identically zero, so dead units count as pruned before any surgery. "Identically zero" is measured by
-    surgery's probe (export/surgery.py, probe_inputs): zero on a random batch and on a batch where
-    everything that depends on the input is driven to both signs. Zero on a random batch alone would also
-    count a live ReLU unit that is off for the few probe examples (common where maps are 1x1 or 2x2).
-
-    A grouped convolution's output reads only the input channels of its group, so C_in,pr is counted per
-    group: a depthwise output reads one channel, 1 if it is live, 0 if not (C_in,pr // groups, the live
-    inputs of the whole layer divided by the groups, is 0 as soon as one input channel is dead).
-    """
-    flops = weights = 0
-    probe = torch.randn((4,) + tuple(input_shape), generator=torch.Generator().manual_seed(0))
-    if effective:
-        from edgebayes.export.surgery import probe_inputs  # export's probe: one definition of "dead"
-        ranges = probe_inputs(module.eval(), probe)
-
-    def hook(m, inputs, output):
-        nonlocal flops, weights
-        w, x = m.weight, inputs[0]
-        groups = m.groups if isinstance(m, nn.Conv2d) else 1
-        if effective:
-            rows = w.flatten(1).abs().sum(1) > 0
-            if m.bias is not None:
-                rows |= m.bias != 0
-            lo, hi, _ = ranges[m]
-            live_in = (lo != 0) | (hi != 0)
-        else:
-            rows = torch.ones(w.shape[0], dtype=torch.bool)
-            live_in = torch.ones(m.in_channels if isinstance(m, nn.Conv2d) else m.in_features, dtype=torch.bool)
-        # C_in,pr of each live output: the live inputs of its group; summed over the live outputs
-        c_in = int(live_in.view(groups, -1).sum(1).repeat_interleave(w.shape[0] // groups)[rows].sum())
-        c_out = int(rows.sum())
-        bias = 1 if m.bias is not None else 0
-        if isinstance(m, nn.Conv2d):
-            kh, kw = m.kernel_size
-            oh, ow = output.shape[-2:]
-            flops += (c_in * kw * kh + c_out) * ow * oh   # the formula's +1 is there with or without a bias
-            weights += c_in * kw * kh + bias * c_out
-        else:
-            flops += c_in + c_out
-            weights += c_in + bias * c_out
-
-    handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    try:
-        with torch.no_grad():
-            module.eval()(probe[:1])
-    finally:
-        for h in handles:
-            h.remove()
-    return flops, weights
-
-
-def paper_flops(module: nn.Module, input_shape, effective=False) -> int:
-    """FLOPs of a plain module for one example by appendix A.1 (Linear and Conv2d; see _layer_costs)."""
-    return _layer_costs(module, input_shape, effective)[0]
-
-
-def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) -> int:
-    """Weights and biases of the Linear / Conv2d layers of a plain module.
-
-    fold_batch_norm=True counts the network as exported: a batch norm right after a bias-free convolution
-    (in an nn.Sequential) folds into it and gives it one bias per channel.
-    """
-    total = 0
-    if fold_batch_norm:
-        for seq in module.modules():
-            if isinstance(seq, nn.Sequential):
-                children = list(seq.children())
-                total += sum(b.num_features for a, b in zip(children, children[1:])
-                             if isinstance(a, nn.Conv2d) and a.bias is None and isinstance(b, nn.BatchNorm2d))
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
-            for p in (m.weight, m.bias):
-                if p is not None:
-                    total += int((p != 0).sum()) if nonzero_only else p.numel()
-    return total
-
-
-def structure_report(dense: nn.Module, pruned: nn.Module, kept: dict, input_shape) -> dict:
-    """Per-layer node sparsity, compression and FLOPs ratio of a posterior sample (paper 000, section 5).
-
-    `dense` is the sample with dead units zeroed, `pruned` the same after surgery, `kept` maps each
-    layer's name to the boolean mask of its kept output units (or channels). compression_ratio and
-    flops_ratio count as the paper does, by the masks (`_layer_costs(effective=True)`); the physical_*
-    ratios count the network after surgery. Physical is higher where surgery cannot remove a dead channel
-    exactly (a residual-stream channel live in another block, a constant read by a padded convolution, an
-    expand channel whose depthwise channel is live: surgery's report says which and why); it can be lower,
-    since surgery also removes what the masks count as live: a producer channel that only a dead depthwise
-    channel reads, a channel that is a constant folded into the next layer's bias.
-    """
-    layers = [{"name": n, "kept": int(m.sum()), "total": int(m.numel()),
-               "node_sparsity": float(m.sum()) / m.numel()} for n, m in kept.items()]
-    dense_flops, dense_w = _layer_costs(dense, input_shape, effective=False)
-    masked_flops, masked_w = _layer_costs(dense, input_shape, effective=True)
-    pruned_flops, kept_w = _layer_costs(pruned, input_shape, effective=False)
-    return {
-        "layers": layers,
-        "dense_weights": dense_w, "kept_weights": kept_w, "compression_ratio": masked_w / dense_w,
-        "physical_compression_ratio": kept_w / dense_w,
-        "dense_flops": dense_flops, "pruned_flops": pruned_flops, "flops_ratio": masked_flops / dense_flops,
-        "physical_flops_ratio": pruned_flops / dense_flops,
-    }
 
 
 def ood_scores(probs_in: np.ndarray, probs_out: np.ndarray) -> dict:

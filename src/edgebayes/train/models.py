@@ -1,119 +1,30 @@
-"""Networks of every family from one architecture definition, and the interface later stages rely on.
+"""The networks of the families built by the layer factory, with the interface later stages rely on.
 
-`LayerFactory(family, ...)` is the one switch (as in timm) that decides which layer type a whole
-architecture is built from:
-  - dnn:    plain nn.Linear / nn.Conv2d (+ nn.BatchNorm2d), the deterministic baseline;
-  - bnn:    dense mean-field Gaussian layers (the SS-IG layer that is never pruned), the dense BNN baseline;
-  - ss-ig, ss-gl, ss-ghs: spike-and-slab layers over nodes and channels (paper 000);
-  - bn3, fn3: nested layers with an ordering unit over groups of output channels (paper 002; the
-    network, NestedNet, is in train/nested.py).
-Architectures (edgebayes.train.zoo) only call the factory.
-
-`BayesianNet` wraps a network and answers the interface of ../shared/DESIGN.md:
+`BayesianNet` (dnn, bnn and the spike-and-slab families of paper 000) and `NestedNet` (bn3, fn3 of
+paper 002) wrap an architecture built by `LayerFactory` (train/layers.py) and answer the posterior-net
+interface (train/families.py, PosteriorNet):
   - `kl()`: the KL term of the negative ELBO;
-  - `knob` (here the inclusion threshold), `default_knob`, `operating_points(values)`;
+  - `knob` (inclusion threshold, width), `default_knob`, `operating_points(values)`;
   - `posterior_sample(knob_value, generator)`: one posterior sample as a *plain* module, the same
     architecture built by the dnn factory with the sampled weights copied in (rows of switched-off units
     exactly zero), plus the "dead units" description that surgery uses: {qualified name of each Linear /
     Conv2d in the plain module: boolean mask of its kept outputs}.
+SQS (paper 001) wraps a trained plain network instead: train/sqs.py.
 """
 
-from collections import OrderedDict
-
+import numpy as np
 import torch
 from torch import nn
 
+from edgebayes.train.arch import as_builder, resolve_arch
+from edgebayes.train.layers import LayerFactory
+from edgebayes.train.nested import NESTED_FAMILIES, NestedLayer, recollect_batch_norm
 from edgebayes.train.spike_slab import (
-    PRIORS,
     GlobalHorseshoeScale,
     GlobalScale,
-    SpikeSlabConv2d,
     SpikeSlabLayer,
-    SpikeSlabLinear,
     prior_inclusion_probability,
 )
-from edgebayes.train.arch import as_builder, resolve_arch
-from edgebayes.train.nested import NESTED_FAMILIES, NestedConv2d, NestedLinear
-
-FAMILIES = ("dnn", "bnn") + PRIORS + NESTED_FAMILIES
-ACTIVATIONS = {"silu": nn.SiLU, "relu": nn.ReLU, "tanh": nn.Tanh}
-
-
-class ConvNorm(nn.Sequential):
-    """A plain convolution followed by its batch norm: the plain twin of a spike-and-slab layer with `norm`."""
-
-    def __init__(self, conv, norm):
-        super().__init__(OrderedDict(conv=conv, norm=norm))
-
-
-class LayerFactory:
-    """Builds the layers of one family. `linear_inclusion(fan_in, units)` gives lambda_l of FC layers.
-
-    The contract every architecture (zoo, a user's builder, bayesianize) relies on, in one place:
-      - `linear(in_features, out_features, prunable=True)` and `conv(in_channels, out_channels, kernel_size,
-        stride=1, padding=0, groups=1, bias=True, norm=False, prunable=True)` are the only layers with
-        weights the families treat; `activation()` is the configured activation. Anything else
-        (pooling, additions, concatenation, flatten, reshapes) is plain PyTorch in the builder's forward.
-      - `prunable=False` marks a layer that is never pruned: no spike-and-slab selection, no nested
-        dropout. The layers that produce the network's outputs must be built so (VGG's first and dense
-        layers are too, by choice).
-      - `norm=True` gives the convolution its batch norm, owned by the layer: the node indicator (or the
-        nested mask) multiplies the batch norm's output, so a switched-off channel is exactly zero and
-        surgery can cut it. Write a batch norm that follows a convolution this way, not as its own module.
-      - `truncates` (nested families only) names the layer whose output channels a depthwise layer's mask
-        also drops (MobileNetV2, see train/nested.py).
-    With family dnn the same calls give nn.Linear, nn.Conv2d and ConvNorm(conv, norm): the plain twin that
-    posterior samples are copied into, so the names of both nets line up.
-    """
-
-    def __init__(self, family, prior_cfg=None, global_scale=None, linear_inclusion=None, activation="silu",
-                 nested_cfg=None):
-        if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-        self.family, self.prior_cfg, self.global_scale = family, prior_cfg, global_scale
-        self.linear_inclusion = linear_inclusion
-        self.activation_name = activation
-        self.nested_cfg = nested_cfg
-        self._made = 0   # layers built so far: the first gets its own log alpha init (paper 002)
-
-    def activation(self):
-        return ACTIVATIONS[self.activation_name]()
-
-    def _bayesian(self, prunable, prior_inclusion):
-        p = self.prior_cfg
-        prior = "ss-ig" if self.family == "bnn" else self.family
-        return dict(prior=prior, prunable=prunable and self.family != "bnn", prior_inclusion=prior_inclusion,
-                    sigma0_sq=p.sigma0_sq, temperature=p.temperature, gamma_init=p.gamma_init,
-                    global_scale=self.global_scale, c_reg=p.c_reg,
-                    noncentered=p.parameterization == "non-centered")
-
-    def _nested(self, prunable):
-        c, first = self.nested_cfg, self._made == 0
-        self._made += 1
-        return dict(groups=c.groups, fixed_groups=c.fixed_groups, nested=prunable, bayesian=self.family == "bn3",
-                    learned_order=self.family == "bn3", mubar_init=c.mubar_init, prior_keep_logit=c.prior_keep_logit,
-                    log_alpha_init=c.log_alpha_init_first if first else c.log_alpha_init)
-
-    def linear(self, in_features, out_features, prunable=True):
-        if self.family == "dnn":
-            return nn.Linear(in_features, out_features)
-        if self.family in NESTED_FAMILIES:
-            return NestedLinear(in_features, out_features, **self._nested(prunable))
-        lam = self.linear_inclusion(in_features, out_features) if prunable else 1.0
-        return SpikeSlabLinear(in_features, out_features, **self._bayesian(prunable, lam))
-
-    def conv(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, bias=True, norm=False,
-             prunable=True, truncates=None):
-        if self.family == "dnn":
-            conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, groups=groups, bias=bias)
-            return ConvNorm(conv, nn.BatchNorm2d(out_channels)) if norm else conv
-        if self.family in NESTED_FAMILIES:
-            return NestedConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, bias=bias,
-                                norm=nn.BatchNorm2d(out_channels) if norm else None, truncates=truncates,
-                                **self._nested(prunable))
-        return SpikeSlabConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, bias=bias,
-                               norm=nn.BatchNorm2d(out_channels) if norm else None,
-                               **self._bayesian(prunable, self.prior_cfg.conv_inclusion))
 
 
 class BayesianNet(nn.Module):
@@ -211,9 +122,148 @@ class BayesianNet(nn.Module):
         return plain.cpu().eval(), kept
 
 
-def build_model(model_cfg, prior_cfg, input_shape, classes, n_train):
-    """Builder function: config -> network of the configured family and architecture.
+# ---------------------------------------------------------------------------------------------
+# The network
+# ---------------------------------------------------------------------------------------------
+class NestedNet(nn.Module):
+    """A nested network (BN3 or FN3, train/nested.py) with the interface of the later stages (module docstring).
 
-    The nested families need their own config section and training batches: train/nested.py build_nested."""
+    knob = width, the number of groups kept in every nested layer (1..D); operating points are widths.
+    `calibration_x` holds the training inputs whose batches recollect the batch-norm statistics of every
+    posterior sample (not saved in checkpoints: the family registry's build takes them from the training split again).
+    """
+
+    knob = "width"
+
+    def __init__(self, build, family, nested_cfg, input_shape, classes, activation="silu", calibration_x=None,
+                 bn_batch_size=512, **zoo_kw):
+        """`build(factory, input_shape, classes)` makes the architecture (train/arch.py resolve_arch); a zoo
+        name with its keyword arguments (hidden=...) is accepted too."""
+        super().__init__()
+        build = as_builder(build, **zoo_kw)
+
+        if family not in NESTED_FAMILIES:
+            raise ValueError(f"unknown nested family {family!r}; expected one of {NESTED_FAMILIES}")
+        self.family, self.input_shape, self.classes = family, tuple(input_shape), classes
+        self.groups, self.fixed_groups = nested_cfg.groups, nested_cfg.fixed_groups
+        self.temperature, self.temperature_min = nested_cfg.temperature, nested_cfg.temperature_min
+        self.default_knob = self.groups
+        self.bn_batch_size = bn_batch_size
+        self._build_plain = lambda: build(LayerFactory("dnn", activation=activation), input_shape, classes)
+        self.net = build(LayerFactory(family, nested_cfg=nested_cfg, activation=activation), input_shape, classes)
+        self.register_buffer("calibration_x", calibration_x, persistent=False)
+        self.set_temperature(self.temperature)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def nested_layers(self):
+        """(name, layer) of every variational / nested layer, in module order."""
+        return [(n, m) for n, m in self.net.named_modules() if isinstance(m, NestedLayer)]
+
+    bayesian_layers = nested_layers   # the name the trainer's per-epoch record reads
+
+    def kl(self):
+        return sum((layer.kl() for _, layer in self.nested_layers()), torch.zeros((), device=self._device()))
+
+    def _device(self):
+        return next(self.parameters()).device
+
+    # -- training schedule ----------------------------------------------------------------------
+    def temperature_at(self, epoch, epochs):
+        """Exponential annealing from nested.temperature (first epoch) to nested.temperature_min (last)."""
+        progress = epoch / max(1, epochs - 1)
+        return self.temperature * (self.temperature_min / self.temperature) ** progress
+
+    def set_temperature(self, tau):
+        for _, layer in self.nested_layers():
+            layer.temperature = float(tau)
+
+    def start_epoch(self, epoch, epochs):
+        """Called by the trainer before each epoch (0-based): anneal the Downhill temperature."""
+        self.set_temperature(self.temperature_at(epoch, epochs))
+
+    # -- the deploy interface ---------------------------------------------------------------------
+    def set_width(self, width):
+        for _, layer in self.nested_layers():
+            layer.width = int(width)
+
+    def operating_points(self, values=None):
+        """The widths to try: integers in 1..D. Default: 8 widths spread over F+1..D (D included)."""
+        if values is None:
+            return sorted({int(round(v)) for v in np.linspace(self.fixed_groups + 1, self.groups, 8)})
+        bad = [v for v in values if v != int(v) or not 1 <= v <= self.groups]
+        if bad:
+            raise ValueError(f"widths must be whole numbers of groups in 1..{self.groups}, got {bad}")
+        return [int(v) for v in values]
+
+    @staticmethod
+    def _plain_name(name, layer):
+        return f"{name}.conv" if layer.norm is not None else name
+
+    def _truncated(self):
+        """{plain name of a layer: the nested layer whose mask also drops its output channels}."""
+        names = {id(m): n for n, m in self.nested_layers()}
+        return {self._plain_name(names[id(layer.truncates)], layer.truncates): layer
+                for _, layer in self.nested_layers() if layer.truncates is not None}
+
+    def kept_units(self, width):
+        """{plain Linear/Conv2d name: boolean mask of kept outputs} at this width, in module order."""
+        own = {self._plain_name(n, m): m.kept_channels(width).cpu() for n, m in self.nested_layers()}
+        own.update({name: layer.kept_channels(width).cpu() for name, layer in self._truncated().items()})
+        return {name: own.get(name, torch.ones(m.weight.shape[0], dtype=torch.bool))
+                for name, m in self._build_plain().named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
+
+    @torch.no_grad()
+    def posterior_sample(self, width, generator=None):
+        """One posterior sample at a width as a plain module with dense shapes, and its kept masks.
+
+        Weights drawn once (eq. 17), channels beyond the width exactly zero (weights, bias and batch-norm
+        scale and shift), kept channels scaled by P(z_j = 1), batch-norm statistics recollected.
+        """
+        width = self.operating_points([width])[0]
+        plain = self._build_plain()
+        own, target = self.net.state_dict(), plain.state_dict()
+        plain.load_state_dict({k: (own[k] if k in own and own[k].shape == v.shape else v) for k, v in target.items()})
+        for name, layer in self.nested_layers():
+            affine = plain.get_submodule(self._plain_name(name, layer))
+            scale = layer.channel_scale(width)
+            weight = layer.sample_weight(generator).to(affine.weight.device)
+            if layer.norm is None:   # scale folded into the affine map
+                affine.weight.copy_(weight * scale.view((-1,) + (1,) * (weight.dim() - 1)))
+                if layer.bias is not None:
+                    affine.bias.copy_(layer.bias * scale)
+            else:                    # scale after the batch norm: folded into its affine parameters
+                keep = layer.kept_channels(width).to(weight.dtype)
+                affine.weight.copy_(weight * keep.view((-1,) + (1,) * (weight.dim() - 1)))
+                if layer.bias is not None:
+                    affine.bias.copy_(layer.bias * keep)
+                norm = plain.get_submodule(f"{name}.norm")
+                norm.weight.mul_(scale)
+                norm.bias.mul_(scale)
+        for name, layer in self._truncated().items():   # e.g. MobileNetV2's expand conv before a depthwise
+            keep = layer.kept_channels(width).float()
+            self._drop_outputs(plain, name, keep)
+        if self.calibration_x is not None:
+            recollect_batch_norm(plain, self.calibration_x.cpu(), self.bn_batch_size)
+        return plain.cpu().eval(), self.kept_units(width)
+
+    @staticmethod
+    def _drop_outputs(plain, name, keep):
+        affine = plain.get_submodule(name)
+        affine.weight.mul_(keep.view((-1,) + (1,) * (affine.weight.dim() - 1)))
+        if affine.bias is not None:
+            affine.bias.mul_(keep)
+        if name.endswith(".conv"):
+            norm = plain.get_submodule(name[: -len(".conv")] + ".norm")
+            norm.weight.mul_(keep)
+            norm.bias.mul_(keep)
+
+
+def build_model(model_cfg, prior_cfg, input_shape, classes, n_train):
+    """config sections -> BayesianNet of the configured family (dnn, bnn, ss-*) and architecture, untrained.
+
+    The registry (train/families.py) builds every family; this is its BayesianNet case, also used for the
+    plain dnn that SQS starts from."""
     return BayesianNet(resolve_arch(model_cfg), model_cfg.family, prior_cfg, input_shape, classes, n_train,
                        activation=model_cfg.activation)

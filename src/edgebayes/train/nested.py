@@ -34,26 +34,22 @@ Where this completes or deviates from the paper, and why:
   - The prior's pi is not given. Default: pi = sigmoid(3), the posterior's initial mu, so Phi1 = 0 at init; or
     "uniform" (FN3's distribution), with mubar_init "uniform" likewise Phi1 = 0 at init.
   - nested.mubar_init: "uniform" starts BN3 from FN3's distribution (every width equally likely) instead of
-    mubar = 3; our MNIST LeNet-5-Caffe config uses it (the paper has no LeNet setup). With D = 10 groups,
-    mubar = 3 puts 68 % of the mass on the full width and 4.7 % on widths <= 2, and in a CPU-length run
-    (2,000-4,000 Adam steps, mubar moves at most about lr per step) the narrow sub-networks are then
-    rarely trained: after 5 epochs on 10,000 images, width 2 of 10 reached 0.850 accuracy against FN3's
-    0.895; from the uniform start, 0.921. nested.prior_keep_logit: "uniform" makes FN3's distribution the
-    prior as well (the sigmoid(3) chain pulls q towards the full width). After 15 epochs on all of MNIST
-    (benchmarks/results/nested_width_sweep_mnist_lenet5_full15ep*.md) BN3 trailed FN3 at width 2 of 10 by
-    0.5-0.8 points with kappa 1e-3 or 1e-4 whatever the prior or noise init (the data term moves q's mass
-    towards wider sub-networks; the width-2 network carries noise sized for all widths); with the uniform
-    prior, log alpha init -4 and kappa 1e-2 it is 0.07 points under (0.9828 vs 0.9835), at most 0.16 at
-    any width, with lower ECE at every width. Over 3 seeds (benchmarks/results/nested_width_seeds_*.md)
-    the mean gap is -0.10 / -0.03 points at widths 2 / 3 and +0.06 to +0.14 at widths 4-10, against a
-    seed-to-seed standard deviation of 0.15 points per family and width.
+    mubar = 3; our MNIST LeNet-5-Caffe config uses it (the paper has no LeNet setup). Why: with D = 10
+    groups, mubar = 3 puts 68 % of the mass on the full width and 4.7 % on widths <= 2, and mubar moves at
+    most about lr per Adam step, so in a CPU-length run the narrow sub-networks are rarely trained
+    (benchmarks/results/nested_width_sweep_mnist_lenet5.md). nested.prior_keep_logit: "uniform" makes
+    FN3's distribution the prior as well, since the sigmoid(3) chain pulls q towards the full width.
+    The LeNet-5-Caffe config's uniform prior, log alpha init -4 and kappa 1e-2 are the setting in which
+    BN3 matches FN3 at the narrow widths (the data term moves q's mass towards wider sub-networks, and the
+    narrow network carries noise sized for all widths): 3 seeds in
+    benchmarks/results/nested_width_seeds_mnist_lenet5_full15ep.md; the settings that trail FN3 in
+    nested_width_sweep_mnist_lenet5_full15ep*.md.
   - Biases are deterministic (the paper omits them, section 3.2) and carry no KL.
   - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
     (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
   - The temperature schedule is not given: exponential per epoch from nested.temperature to
-    nested.temperature_min (start_epoch below), 0.3 -> 0.03 by default. Measured on digits (MLP 64x64,
-    kappa 0.01, 100 epochs): starting at 1 (-> 0.1) the soft "slope" masks of a high temperature rarely
-    truncate, and the narrowest width lost accuracy (0.936 vs 0.955 at 2 of 8 groups).
+    nested.temperature_min (NestedNet.start_epoch), 0.3 -> 0.03 by default, not from 1: the soft "slope"
+    masks of a high temperature rarely truncate, so the narrowest widths train less and lose accuracy.
   - In MobileNetV2 the ordering unit sits on the depthwise convolution of each inverted residual block
     (appendix 9.1); since a depthwise channel reads exactly one expand channel, dropping it drops that
     filter of the expand convolution too (`truncates`), which the paper states and surgery needs.
@@ -65,13 +61,12 @@ masks are hard samples (the tau -> 0 limit, Property 2: z = v_b, b ~ Categorical
 Test time at width k (appendix 8.2, 9.2): keep the first k groups, scale group j's output by its keep
 probability P(z_j = 1) (1 for the fixed groups), draw the weights (one draw per posterior sample), and
 recollect the batch-norm statistics of that plain network on a few training batches (2 x 512 by default).
-`posterior_sample` returns that network with dense shapes and the masks of the kept channels; compress and
-surgery (export/) then remove the other channels physically.
+`NestedNet.posterior_sample` (train/models.py) returns that network with dense shapes and the masks of the
+kept channels; compress and surgery (edgebayes/compressed) then remove the other channels physically.
 """
 
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -331,154 +326,3 @@ def recollect_batch_norm(module, x, batch_size=512):
     for m, momentum in zip(norms, momenta):
         m.momentum = momentum
     return module.eval()
-
-
-# ---------------------------------------------------------------------------------------------
-# The network
-# ---------------------------------------------------------------------------------------------
-class NestedNet(nn.Module):
-    """A nested network (BN3 or FN3) with the interface of the later stages (train/models.py).
-
-    knob = width, the number of groups kept in every nested layer (1..D); operating points are widths.
-    `calibration_x` holds the training inputs whose batches recollect the batch-norm statistics of every
-    posterior sample (not saved in checkpoints: build_nested takes them from the training split again).
-    """
-
-    knob = "width"
-
-    def __init__(self, build, family, nested_cfg, input_shape, classes, activation="silu", calibration_x=None,
-                 bn_batch_size=512, **zoo_kw):
-        """`build(factory, input_shape, classes)` makes the architecture (train/arch.py resolve_arch); a zoo
-        name with its keyword arguments (hidden=...) is accepted too."""
-        super().__init__()
-        from edgebayes.train.arch import as_builder
-        from edgebayes.train.models import LayerFactory
-
-        build = as_builder(build, **zoo_kw)
-
-        if family not in NESTED_FAMILIES:
-            raise ValueError(f"unknown nested family {family!r}; expected one of {NESTED_FAMILIES}")
-        self.family, self.input_shape, self.classes = family, tuple(input_shape), classes
-        self.groups, self.fixed_groups = nested_cfg.groups, nested_cfg.fixed_groups
-        self.temperature, self.temperature_min = nested_cfg.temperature, nested_cfg.temperature_min
-        self.default_knob = self.groups
-        self.bn_batch_size = bn_batch_size
-        self._build_plain = lambda: build(LayerFactory("dnn", activation=activation), input_shape, classes)
-        self.net = build(LayerFactory(family, nested_cfg=nested_cfg, activation=activation), input_shape, classes)
-        self.register_buffer("calibration_x", calibration_x, persistent=False)
-        self.set_temperature(self.temperature)
-
-    def forward(self, x):
-        return self.net(x)
-
-    def nested_layers(self):
-        """(name, layer) of every variational / nested layer, in module order."""
-        return [(n, m) for n, m in self.net.named_modules() if isinstance(m, NestedLayer)]
-
-    bayesian_layers = nested_layers   # the name the trainer's per-epoch record reads
-
-    def kl(self):
-        return sum((layer.kl() for _, layer in self.nested_layers()), torch.zeros((), device=self._device()))
-
-    def _device(self):
-        return next(self.parameters()).device
-
-    # -- training schedule ----------------------------------------------------------------------
-    def temperature_at(self, epoch, epochs):
-        """Exponential annealing from nested.temperature (first epoch) to nested.temperature_min (last)."""
-        progress = epoch / max(1, epochs - 1)
-        return self.temperature * (self.temperature_min / self.temperature) ** progress
-
-    def set_temperature(self, tau):
-        for _, layer in self.nested_layers():
-            layer.temperature = float(tau)
-
-    def start_epoch(self, epoch, epochs):
-        """Called by the trainer before each epoch (0-based): anneal the Downhill temperature."""
-        self.set_temperature(self.temperature_at(epoch, epochs))
-
-    # -- the deploy interface ---------------------------------------------------------------------
-    def set_width(self, width):
-        for _, layer in self.nested_layers():
-            layer.width = int(width)
-
-    def operating_points(self, values=None):
-        """The widths to try: integers in 1..D. Default: 8 widths spread over F+1..D (D included)."""
-        if values is None:
-            return sorted({int(round(v)) for v in np.linspace(self.fixed_groups + 1, self.groups, 8)})
-        bad = [v for v in values if v != int(v) or not 1 <= v <= self.groups]
-        if bad:
-            raise ValueError(f"widths must be whole numbers of groups in 1..{self.groups}, got {bad}")
-        return [int(v) for v in values]
-
-    @staticmethod
-    def _plain_name(name, layer):
-        return f"{name}.conv" if layer.norm is not None else name
-
-    def _truncated(self):
-        """{plain name of a layer: the nested layer whose mask also drops its output channels}."""
-        names = {id(m): n for n, m in self.nested_layers()}
-        return {self._plain_name(names[id(layer.truncates)], layer.truncates): layer
-                for _, layer in self.nested_layers() if layer.truncates is not None}
-
-    def kept_units(self, width):
-        """{plain Linear/Conv2d name: boolean mask of kept outputs} at this width, in module order."""
-        own = {self._plain_name(n, m): m.kept_channels(width).cpu() for n, m in self.nested_layers()}
-        own.update({name: layer.kept_channels(width).cpu() for name, layer in self._truncated().items()})
-        return {name: own.get(name, torch.ones(m.weight.shape[0], dtype=torch.bool))
-                for name, m in self._build_plain().named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
-
-    @torch.no_grad()
-    def posterior_sample(self, width, generator=None):
-        """One posterior sample at a width as a plain module with dense shapes, and its kept masks.
-
-        Weights drawn once (eq. 17), channels beyond the width exactly zero (weights, bias and batch-norm
-        scale and shift), kept channels scaled by P(z_j = 1), batch-norm statistics recollected.
-        """
-        width = self.operating_points([width])[0]
-        plain = self._build_plain()
-        own, target = self.net.state_dict(), plain.state_dict()
-        plain.load_state_dict({k: (own[k] if k in own and own[k].shape == v.shape else v) for k, v in target.items()})
-        for name, layer in self.nested_layers():
-            affine = plain.get_submodule(self._plain_name(name, layer))
-            scale = layer.channel_scale(width)
-            weight = layer.sample_weight(generator).to(affine.weight.device)
-            if layer.norm is None:   # scale folded into the affine map
-                affine.weight.copy_(weight * scale.view((-1,) + (1,) * (weight.dim() - 1)))
-                if layer.bias is not None:
-                    affine.bias.copy_(layer.bias * scale)
-            else:                    # scale after the batch norm: folded into its affine parameters
-                keep = layer.kept_channels(width).to(weight.dtype)
-                affine.weight.copy_(weight * keep.view((-1,) + (1,) * (weight.dim() - 1)))
-                if layer.bias is not None:
-                    affine.bias.copy_(layer.bias * keep)
-                norm = plain.get_submodule(f"{name}.norm")
-                norm.weight.mul_(scale)
-                norm.bias.mul_(scale)
-        for name, layer in self._truncated().items():   # e.g. MobileNetV2's expand conv before a depthwise
-            keep = layer.kept_channels(width).float()
-            self._drop_outputs(plain, name, keep)
-        if self.calibration_x is not None:
-            recollect_batch_norm(plain, self.calibration_x.cpu(), self.bn_batch_size)
-        return plain.cpu().eval(), self.kept_units(width)
-
-    @staticmethod
-    def _drop_outputs(plain, name, keep):
-        affine = plain.get_submodule(name)
-        affine.weight.mul_(keep.view((-1,) + (1,) * (affine.weight.dim() - 1)))
-        if affine.bias is not None:
-            affine.bias.mul_(keep)
-        if name.endswith(".conv"):
-            norm = plain.get_submodule(name[: -len(".conv")] + ".norm")
-            norm.weight.mul_(keep)
-            norm.bias.mul_(keep)
-
-
-def build_nested(cfg, splits):
-    """Builder: config + data splits -> NestedNet (the calibration batches are the training split's first rows)."""
-    n = cfg.nested
-    calibration = splits.train_x[: n.bn_batches * n.bn_batch_size]
-    from edgebayes.train.arch import resolve_arch
-
-    return NestedNet(resolve_arch(cfg.model), cfg.model.family, n, splits.input_shape, len(splits.classes),
-                     activation=cfg.model.activation, calibration_x=calibration, bn_batch_size=n.bn_batch_size)

@@ -22,7 +22,7 @@ Negative ELBO term of a layer (appendix E.1, F.1):
     + KL of the scale variables.
 The expectation needs E[log tau*^2] and E[1/tau*^2]. Both are closed form for SS-GL. For SS-GHS,
 E[1/tau*^2] = E[1/(beta alpha zeta_a zeta_b)] + 1/c^2 is closed form and E[log(c^2 + beta alpha varsigma^2)] is
-not: it is estimated with reparameterized samples (one per step in training), as METHODS.md says.
+not: it is estimated with reparameterized samples (one per step in training), unbiased and differentiable.
 
 Non-centered parameterization (section 5.3, used for ResNets): w_j = tau*_j w0_j with w0 ~ N(0, sigma0^2 I)
 and q(w0_j) = N(mu_j, diag sigma_j^2); the weight KL is then against the fixed N(0, sigma0^2), and tau*_j is

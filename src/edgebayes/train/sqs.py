@@ -35,7 +35,7 @@ Where this deviates from or completes the paper, and why:
     scores), and r_t is also the prior inclusion probability lambda of the Bernoulli KL. Without the
     mask the keep fraction that training settles at is set by the balance of NLL and regularizer, not by
     r, and the network deployed at r has weights switched on or off that training never saw that way
-    (digits, MLP 64x64, kl_weight 0.01: 81% kept in training, 34% test accuracy at r = 0.5).
+    (on digits training then settled far above the target rate and the net deployed at r was near chance).
   - The paper does not say how s is initialised: all s_i start at tau' logit(keep_init) plus a tie-break
     of 0.1 tau' |theta_i| / std_layer |theta| (0.1 in logit per standard deviation: lambda~ stays near
     keep_init), so the first steps of the schedule prune small weights, not the last ones by index; after
@@ -49,9 +49,9 @@ Where this deviates from or completes the paper, and why:
     of paper 000 with the input feature as the group. The regularizer then counts KL(Ber(lambda~_g) ||
     Ber(lambda)) once per group and lambda~_g KL(slab) per weight, the global quantile ranks each weight by
     its group's score (one boundary group may be cut part-way, so the count stays exact), and whole inputs
-    are pruned. Why: an unstructured 50% mask costs ~0.7-1 bit per weight on disk, as much as the 2-bit
-    indices of the kept weights (export/codebook.py), and an MLP's first layer holds most of its weights;
-    with whole inputs pruned there the first layer's mask costs one bit per input.
+    are pruned. Why: an unstructured 50% mask costs about as much on disk as the 2-bit indices of the kept
+    weights (compressed/codebook.py; benchmarks/results/sqs_mnist_mlp100.md), and an MLP's first layer
+    holds most of its weights; with whole inputs pruned there the first layer's mask costs one bit per input.
   - One K per training run: the pipeline's deploy-time knob is the non-zero rate alone (with M), so select
     sees rate x M; a different K is a different run (config), as the paper trains one model per K.
 """
@@ -59,21 +59,21 @@ Where this deviates from or completes the paper, and why:
 import copy
 import dataclasses
 import math
-import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 
+from edgebayes.compressed import codebook
+from edgebayes.compressed.samples import sample_generator
+from edgebayes.config import fingerprint
 from edgebayes.errors import InputError
-from edgebayes.export import codebook
-from edgebayes.provenance import atomic_torch_save, code_version, load_checkpoint, read_json, write_json
-from edgebayes.train import distributed
-from edgebayes.train.accel import DeviceData, autocast, to_channels_last
+from edgebayes.provenance import code_version, read_json, write_json
+from edgebayes.train.accel import autocast
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
+from edgebayes.train.models import build_model
+from edgebayes.train.trainer import ELBO, evaluate, train
 
 WINDOWS = {"outlier": 4, "equal": 4, "single": 1}
 WRAPPED = (nn.Linear, nn.Conv2d)
@@ -229,7 +229,7 @@ class SQSNet(nn.Module):
         if windowing not in WINDOWS:
             raise ValueError(f"unknown windowing {windowing!r}; expected one of {sorted(WINDOWS)}")
         self.base = base
-        self.input_shape = getattr(base, "input_shape", None)  # export's surgery probes with it
+        self.input_shape = getattr(base, "input_shape", None)  # surgery probes with it (compressed/surgery.py)
         self.components, self.windowing, self.iqr_factor = components, windowing, iqr_factor
         self.tau, self.sigma0_sq, self.prior = tau, sigma0_sq, prior
         self.default_knob = nonzero_rate
@@ -359,9 +359,7 @@ class SQSNet(nn.Module):
     # -- compressed form --------------------------------------------------------------------------
     @torch.no_grad()
     def layer_codes(self, nonzero_rate, m=1, seed=0, greedy=False):
-        """The codebook form (export/codebook.py) of the m samples that export's compress() draws."""
-        from edgebayes.export.compress import sample_generator
-
+        """The codebook form (compressed/codebook.py) of the m samples that compress() draws (compressed/samples.py)."""
         gen, masks = sample_generator(seed), self.keep_masks(nonzero_rate)
         draws = [self.sample_levels(gen, greedy) for _ in range(m)]
         codes = []
@@ -376,7 +374,7 @@ class SQSNet(nn.Module):
         return codes
 
     def write_compressed(self, path, nonzero_rate, m=1, seed=0, greedy=False):
-        """Write the compressed file; returns its rates (paper formula and bytes, export/codebook.py)."""
+        """Write the compressed file; returns its rates (paper formula and bytes, compressed/codebook.py)."""
         codes = self.layer_codes(nonzero_rate, m, seed, greedy)
         meta = {"nonzero_rate": nonzero_rate, "components": self.components, "windowing": self.windowing,
                 "samples": m, "greedy": greedy}
@@ -405,10 +403,14 @@ def base_config(cfg):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="dnn"))
 
 
+def build_base(cfg, splits):
+    """The plain (dnn) network of the configured architecture that SQS wraps, untrained."""
+    return build_model(base_config(cfg).model, cfg.prior, splits.input_shape, len(splits.classes),
+                       len(splits.train_x))
+
+
 def build_sqs(cfg, input_shape, classes, n_train):
     """An SQS network of the configured architecture (untrained; `initialise` or load a state dict)."""
-    from edgebayes.train.models import build_model
-
     s = cfg.sqs
     base = build_model(base_config(cfg).model, cfg.prior, input_shape, classes, n_train)
     return SQSNet(base, components=s.components, windowing=s.windows, iqr_factor=s.iqr_factor, tau=s.tau,
@@ -427,15 +429,14 @@ def pruning_schedule(step, total_steps, keep_init, target, fraction, power=3):
 def pretrained_base(cfg, splits, train_dir, log=print):
     """The starting network: a user's state dict (sqs.checkpoint) or the pipeline's own dnn, trained here.
 
-    The deterministic stage checkpoints to train_dir/pretrained.pt (resumable) and is reused while its
-    config (seed, data, model, the pretraining settings) is unchanged; pretrained.json holds its metrics.
+    The deterministic stage is the first call of the one training loop (train/trainer.py, the ELBO of a
+    dnn: its KL is 0, so the plain NLL); it checkpoints to train_dir/pretrained.pt (resumable) and is
+    reused while its config (seed, data, model, the pretraining settings) is unchanged; pretrained.json
+    holds its metrics.
     """
-    from edgebayes.config import fingerprint
-    from edgebayes.train.trainer import evaluate, model_for, train
-
     s, base_cfg = cfg.sqs, base_config(cfg)
     if s.checkpoint:
-        base = model_for(base_cfg, splits)
+        base = build_base(cfg, splits)
         try:
             state = torch.load(s.checkpoint, map_location="cpu", weights_only=True)
             state = state.get("model", state)  # a pipeline checkpoint holds the state dict under "model"
@@ -455,7 +456,7 @@ def pretrained_base(cfg, splits, train_dir, log=print):
             path.unlink()
         write_json(marker, {"fingerprint": key})
         log(f"sqs: pretraining the deterministic {cfg.model.arch} for {s.pretrain_epochs} epochs")
-        base, _ = train(pre_cfg, splits, path, log=log)
+        base, _ = train(pre_cfg, splits, path, lambda: build_base(cfg, splits), ELBO(), log)
         source = {"source": "pretrained", "epochs": s.pretrain_epochs, "fingerprint": key}
     base = base.cpu().eval()
     test, _, _ = evaluate(base, splits.test_x, splits.test_y, 1.0, 1, cfg.seed)
@@ -463,82 +464,75 @@ def pretrained_base(cfg, splits, train_dir, log=print):
     return base, test
 
 
-def train_sqs(cfg, splits, checkpoint_path, log=print):
-    """Pretrain (or load) the full-precision network, then SQS fine-tuning; returns (model, history).
+class SQSObjective:
+    """Eq. 8 for the one training loop (train/trainer.py ELBO says what an objective answers).
 
-    Resumable like the ELBO trainer: a checkpoint after every epoch with the optimizer and RNG states.
+    AdamW with one learning rate for the quantization parameters and one for the keep scores; each step
+    sets the pruning schedule's rate (the prior inclusion lambda and the training mask) and halves tau'
+    after half of the steps; the mean weights and the regularizer come from one evaluation of phi.
+    Validation is the deployed form: compress at the default non-zero rate (trainer.evaluate).
     """
-    from edgebayes.train.trainer import evaluate, resolve_device
 
-    s, t, device = cfg.sqs, cfg.train, resolve_device(cfg.train.device)
-    base, base_test = pretrained_base(cfg, splits, checkpoint_path.parent, log)
-    torch.manual_seed(cfg.seed)
-    model = build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
-    model.base.load_state_dict(base.state_dict())
-    model.initialise(s.keep_init, cfg.seed)
-    model.to(device)
-    to_channels_last(model, t.channels_last)
-    if t.compile:
-        log("train.compile: not applied to SQS fine-tuning (its forward is a functional_call with new weights "
-            "every step); the pretraining stage compiles")
-    quantization, pruning = model.parameter_groups()
-    optimizer = torch.optim.AdamW([{"params": quantization, "lr": s.lr_quantization},
-                                   {"params": pruning, "lr": s.lr_pruning}], weight_decay=s.weight_decay)
-    history, start_epoch = [], 0
-    if checkpoint_path.exists():  # the layout of the ELBO trainer's checkpoints (train/trainer.py)
-        state = load_checkpoint(checkpoint_path, map_location=device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        distributed.restore_rng(state["rng_states"], distributed.World(), device, cfg.seed)
-        history, start_epoch = state["history"], state["epoch"]
-        log(f"resuming SQS fine-tuning from {checkpoint_path} after epoch {start_epoch}")
+    name = "sqs"
+    shown = ("train_keep_fraction",)
 
-    data = DeviceData(splits.train_x, splits.train_y, device, t.batch_size, cfg.seed,
-                      augment_padding=t.augment_padding if t.augment else None, channels_last=t.channels_last)
-    n, bs = len(data), t.batch_size
-    steps_per_epoch = math.ceil(n / bs)
-    total = cfg.train.epochs * steps_per_epoch
-    log(f"sqs: K={s.components}, windows={s.windows}, prior={s.prior}, target non-zero {s.nonzero_rate}; "
-        f"full-precision test accuracy {base_test['accuracy']:.4f}")
-    bar = tqdm(range(start_epoch, cfg.train.epochs), desc="sqs", unit="epoch", initial=start_epoch,
-               total=cfg.train.epochs)
-    for epoch in bar:
-        model.train()
-        t0 = time.perf_counter()
-        sums = torch.zeros(3, device=device)  # epoch means of loss, NLL and regularizer, summed on the device
-        for b, (x, y, batch) in enumerate(data.batches(epoch)):
-            step = epoch * steps_per_epoch + b
-            rate = pruning_schedule(step, total, s.keep_init, s.nonzero_rate, s.schedule_fraction)
-            model.prior_inclusion.fill_(rate)
-            model.tau_prime.fill_(s.tau_prime / 2 if step >= total / 2 else s.tau_prime)
-            weights, kl = model.weights_and_regularizer(rate)  # phi once per step for both terms; fp32
-            with autocast(device, t.precision):  # bf16 matmuls / convolutions only (train/accel.py)
-                logits = functional_call(model.base, weights, (x,))
-            nll = F.cross_entropy(logits.float(), y)
-            loss = nll + t.kl_weight * kl / n  # the ELBO trainer's scaling (train/trainer.py)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            sums += torch.stack([loss.detach(), nll.detach(), kl.detach()]) * batch / n
-        sums = dict(zip(("loss", "nll", "kl"), sums.tolist()))
-        train_seconds = time.perf_counter() - t0
-        model.eval()
+    def __init__(self, s):
+        self.s = s
+
+    def optimizer(self, model, t):
+        quantization, pruning = model.parameter_groups()
+        return torch.optim.AdamW([{"params": quantization, "lr": self.s.lr_quantization},
+                                  {"params": pruning, "lr": self.s.lr_pruning}],
+                                 weight_decay=self.s.weight_decay), None
+
+    def prepare(self, model, forward, example, t, log):
+        if t.compile:
+            log("train.compile: not applied to SQS fine-tuning (its forward is a functional_call with new "
+                "weights every step); the pretraining stage compiles")
+        return forward, model.kl
+
+    def start_epoch(self, model, epoch, epochs):
+        pass
+
+    def terms(self, model, forward, kl_term, x, step, total_steps, device, precision):
+        s = self.s
+        rate = pruning_schedule(step, total_steps, s.keep_init, s.nonzero_rate, s.schedule_fraction)
+        model.prior_inclusion.fill_(rate)
+        model.tau_prime.fill_(s.tau_prime / 2 if step >= total_steps / 2 else s.tau_prime)
+        weights, kl = model.weights_and_regularizer(rate)  # phi once per step for both terms; fp32
+        with autocast(device, precision):  # bf16 matmuls / convolutions only (train/accel.py)
+            logits = functional_call(model.base, weights, (x,))
+        return logits, kl
+
+    def validate(self, model, splits, cfg, device):
         val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_val,
                              cfg.seed)
         with torch.no_grad():
             keep = torch.cat([model.posterior(nm).keep_probability(model.tau_prime).expand(
                 model.posterior(nm).theta.shape).reshape(-1) for nm in model.wrapped])
-        record = {"epoch": epoch + 1, **sums, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
-                  "train_keep_fraction": float((keep > 0.5).float().mean()),
-                  "prior_inclusion": float(model.prior_inclusion), "tau_prime": float(model.tau_prime),
-                  "train_seconds": train_seconds, "seconds": time.perf_counter() - t0}
-        history.append(record)
-        bar.set_postfix(loss=f"{sums['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}",
-                        keep=f"{record['train_keep_fraction']:.2f}")
-        atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
-                           "rng_states": distributed.rng_states(distributed.World(), device), "epoch": epoch + 1},
-                          checkpoint_path)
-    return model.cpu().to(memory_format=torch.contiguous_format).eval(), history
+        return {"val_accuracy": val["accuracy"], "val_nll": val["nll"],
+                "train_keep_fraction": float((keep > 0.5).float().mean()),
+                "prior_inclusion": float(model.prior_inclusion), "tau_prime": float(model.tau_prime)}
+
+
+def train_sqs(cfg, splits, checkpoint_path, log=print):
+    """Pretrain (or load) the full-precision network, then SQS fine-tuning; returns (model, history).
+
+    Two calls of the one training loop (train/trainer.py): the dnn under the ELBO (pretrained_base), then
+    the SQS net under eq. 8. Both are resumable: a checkpoint after every epoch with the optimizer and RNG
+    states.
+    """
+    s = cfg.sqs
+    base, base_test = pretrained_base(cfg, splits, checkpoint_path.parent, log)
+    log(f"sqs: K={s.components}, windows={s.windows}, prior={s.prior}, target non-zero {s.nonzero_rate}; "
+        f"full-precision test accuracy {base_test['accuracy']:.4f}")
+
+    def build():
+        model = build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
+        model.base.load_state_dict(base.state_dict())
+        return model.initialise(s.keep_init, cfg.seed)
+
+    return train(cfg, splits, checkpoint_path, build, SQSObjective(s), log)
 
 
 def stage_summary(model, splits, train_dir, knob_value, test_metrics):

@@ -1,9 +1,9 @@
-"""The ELBO trainer: read it top to bottom.
+"""The training loop of every family, and the ELBO it minimises for papers 000 and 002: read it top to bottom.
 
 Loss per mini-batch = mean NLL + KL / N_train, i.e. the negative ELBO of paper 000 (NLL summed over the
 data set plus the KLs) divided by the data set size N, so the learning rate means the same whatever N is.
-Adam as in paper 000 (1e-3 for MLP / LeNet), or SGD with momentum and step decays (ResNets). CPU or CUDA. A checkpoint is written (atomically) after every
-epoch with the optimizer and RNG state; a run interrupted at any point resumes from the last finished
+Adam as in paper 000 (1e-3 for MLP / LeNet), or SGD with momentum and step decays (ResNets). CPU or CUDA.
+A checkpoint is written (atomically) after every epoch with the optimizer and RNG state; a run interrupted at any point resumes from the last finished
 epoch and ends with the same result as an uninterrupted one (an epoch's order depends on seed and epoch only).
 
 Speed (none of it changes the objective): the training split lives on the device and is augmented there
@@ -18,36 +18,36 @@ of the slab (about 5 nats per weight at the paper's initial sigma = softplus(-6)
 likelihood and the exact ELBO switches every node off before the posterior variances have grown. The
 paper's MNIST setups (N = 60,000) keep kl_weight = 1.
 
-Spike-and-slab dynamics (measured on LeNet-5-Caffe / MNIST, batch 32, Adam 1e-3; see issue 3): at init the slab
-KL of a node (about 5.5 nats per weight at sigma = softplus(-6)) outweighs that node's share of the NLL, and the
-same for every node of a layer, so Adam lowers all inclusion logits of a layer together by about lr per step
-(fc1: 500 gammas within 0.02 of each other). They cross 0.5 together (about step 3,300 from gamma = 0.99):
-`kept_nodes` then drops to 0 and the median model (z = 1[gamma > 0.5]) predicts at chance, while the network with
-z ~ q(z) (the paper's MC estimator) still has about 98% validation accuracy. This is the method, not a bug:
-the paper's own training logs show the same smooth fall of the sampled fraction of nodes. The fall slows near
-gamma = 0.07 (step 9,000 here) and the nodes only then start to separate, so judge pruning by `mean_inclusion`
-and train for many more Adam steps (the paper: 1200 epochs x 59 steps at batch 1024, about 70,000) before reading
-the median model. SS-GHS learns its slab scale and its slab KL per node falls to about 10 nats within 2,000 steps,
-so its gammas barely move early; it prunes much later.
+Spike-and-slab dynamics (why `kept_nodes` alone misleads early in training): at init the slab KL of a
+node (about 5.5 nats per weight at sigma = softplus(-6)) outweighs that node's share of the NLL, and the
+same for every node of a layer, so Adam lowers all inclusion logits of a layer together by about lr per
+step. They cross 0.5 together: `kept_nodes` then drops to 0 and the median model (z = 1[gamma > 0.5])
+predicts at chance, while the network with z ~ q(z) (the paper's MC estimator) still predicts well. This
+is the method, not a bug: the paper's own training logs show the same smooth fall of the sampled fraction
+of nodes. The nodes separate only later, so judge pruning by `mean_inclusion` and train for many more
+Adam steps (the paper: about 70,000) before reading the median model. SS-GHS learns its slab scale, its
+slab KL per node falls early, and it prunes much later. Measured on LeNet-5-Caffe / MNIST:
+benchmarks/results/lenet5_mnist_ss*_cpu_*ep.md (empty median models at 8 epochs, z ~ q(z) above 98%).
+
+The loop is one for every family: a family brings its objective (`ELBO` here; SQS's eq. 8 in
+train/sqs.py), which says how to build the optimizer, the loss terms of a step and the per-epoch record.
 """
 
 import contextlib
 import copy
+import math
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
-
 from torch.nn.parallel import DistributedDataParallel
 
-from edgebayes.export.compress import compress, predict
+from edgebayes.compressed.samples import compress, predict
+from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
 from edgebayes.train.accel import DeviceData, autocast, compile_step, to_channels_last
 from edgebayes.train.metrics import classification_metrics
-from edgebayes.train.models import build_model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -56,16 +56,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device is cuda but no CUDA device is available (use auto or cpu)")
     return torch.device(name)
-
-
-def model_for(cfg, splits):
-    if cfg.model.family == "sqs":  # paper 001 wraps a trained dnn: train/sqs.py
-        from edgebayes.train.sqs import build_sqs
-        return build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
-    if cfg.model.family in ("bn3", "fn3"):  # paper 002's nested nets: train/nested.py
-        from edgebayes.train.nested import build_nested
-        return build_nested(cfg, splits)
-    return build_model(cfg.model, cfg.prior, splits.input_shape, len(splits.classes), n_train=len(splits.train_x))
 
 
 def evaluate(model, x, y, knob_value, m, seed):
@@ -129,24 +119,62 @@ def mean_inclusion(model):
             if layer.prunable}
 
 
-def train(cfg, splits, checkpoint_path, log=print, model=None):
-    """Train (or resume) the configured model, or `model` when given (the Python API); returns (model, history).
+class ELBO:
+    """The negative ELBO per mini-batch (module docstring), with Adam or SGD and step decays: papers 000, 002.
+
+    What a family's objective answers, for the one loop below: `optimizer`, `prepare` (DDP wrapper and
+    torch.compile), `start_epoch` (per-epoch schedules), `terms` (logits and KL of a step), `validate`
+    (the per-epoch record beyond loss, NLL and KL) and `shown` (the record keys on the progress bar).
+    """
+
+    name = "train"
+    shown = ("kept_nodes",)
+
+    def optimizer(self, model, t):
+        if t.optimizer == "adam":
+            optimizer = torch.optim.Adam(model.parameters(), lr=t.lr)
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum)
+        return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones,
+                                                               gamma=t.lr_gamma)
+
+    def prepare(self, model, forward, example, t, log):
+        """(forward, kl term) of a step: compiled when train.compile asks for it (train/accel.py)."""
+        if t.compile:
+            return compile_step(forward, model, example, log)
+        return forward, model.kl
+
+    def start_epoch(self, model, epoch, epochs):
+        if hasattr(model, "start_epoch"):  # per-epoch schedules of a family (nested: Downhill temperature)
+            model.start_epoch(epoch, epochs)
+
+    def terms(self, model, forward, kl_term, x, step, total_steps, device, precision):
+        with autocast(device, precision):  # bf16 matmuls / convolutions only (train/accel.py)
+            logits = forward(x)
+        return logits, kl_term()  # the KL in fp32, outside autocast; added whole in every process
+
+    def validate(self, model, splits, cfg, device):
+        val = classification_metrics(mc_predict(model, splits.val_x.to(device), cfg.train.mc_samples_val, cfg.seed),
+                                     splits.val_y.numpy())
+        kept = [int(k.sum()) for k in model.kept_units(model.default_knob).values()][:-1]  # hidden layers
+        return {"val_accuracy": val["accuracy"], "val_nll": val["nll"], "kept_nodes": kept,
+                "mean_inclusion": mean_inclusion(model)}
+
+
+def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
+    """Train (or resume) the net that `build()` makes, under `objective` (default: the ELBO); returns
+    (model, history). `build` is called after seeding with cfg.seed, so every process starts from the same
+    weights; the family registry (train/families.py) passes the configured family's builder.
 
     Under torchrun (train/distributed.py) every process returns the trained model; process 0 alone
     validates, writes the checkpoint and keeps the history (the others' is not kept up to date).
     """
-    if cfg.model.family == "sqs":  # pretraining stage then SQS fine-tuning: train/sqs.py
-        from edgebayes.train.sqs import train_sqs
-        return train_sqs(cfg, splits, checkpoint_path, log)
+    objective = objective or ELBO()
     t = cfg.train
     world, device = distributed.setup(resolve_device(t.device))
     torch.manual_seed(cfg.seed)  # the same initial weights in every process
-    model = to_channels_last((model if model is not None else model_for(cfg, splits)).to(device), t.channels_last)
-    if t.optimizer == "adam":
-        optimizer = torch.optim.Adam(model.parameters(), lr=t.lr)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum)
-    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones, gamma=t.lr_gamma)
+    model = to_channels_last(build().to(device), t.channels_last)
+    optimizer, scheduler = objective.optimizer(model, t)
     history, start_epoch = [], 0
     if world.size > 1:
         torch.manual_seed(cfg.seed + world.rank)  # each process draws its own training noise
@@ -156,7 +184,8 @@ def train(cfg, splits, checkpoint_path, log=print, model=None):
         state = load_checkpoint(checkpoint_path, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
         if not distributed.restore_rng(state["rng_states"], world, device, cfg.seed):
             log(f"resuming with {world.size} processes a run checkpointed with {len(state['rng_states'])}: "
                 f"the training noise is reseeded, so the result differs from an uninterrupted run")
@@ -168,44 +197,40 @@ def train(cfg, splits, checkpoint_path, log=print, model=None):
     data = DeviceData(splits.train_x, splits.train_y, device, t.batch_size, cfg.seed, world.rank, world.size,
                       t.augment_padding if t.augment else None, t.channels_last)
     n = len(data)
-    kl_term = model.kl
-    if t.compile:
-        forward, kl_term = compile_step(forward, model, data.x[: t.batch_size], log)
-    bar = tqdm(range(start_epoch, t.epochs), desc="train", unit="epoch", initial=start_epoch, total=t.epochs,
-               disable=not world.main)
+    steps_per_epoch = math.ceil(n / t.batch_size)
+    forward, kl_term = objective.prepare(model, forward, data.x[: t.batch_size], t, log)
+    bar = tqdm(range(start_epoch, t.epochs), desc=objective.name, unit="epoch", initial=start_epoch,
+               total=t.epochs, disable=not world.main)
     for epoch in bar:
         model.train()
-        if hasattr(model, "start_epoch"):  # per-epoch schedules of a family (nested: Downhill temperature)
-            model.start_epoch(epoch, cfg.train.epochs)
+        objective.start_epoch(model, epoch, t.epochs)
         t0 = time.perf_counter()
         sums = torch.zeros(2, device=device)  # epoch means of the NLL and the KL, summed on the device
-        for x, y, batch in data.batches(epoch):
-            with autocast(device, t.precision):  # bf16 matmuls / convolutions only (train/accel.py)
-                logits = forward(x)
+        for b, (x, y, batch) in enumerate(data.batches(epoch)):
+            logits, kl = objective.terms(model, forward, kl_term, x, epoch * steps_per_epoch + b,
+                                         t.epochs * steps_per_epoch, device, t.precision)
             # The shard's NLL sum / (B / W): once DDP averages the W gradients, the batch's mean NLL.
             nll = F.cross_entropy(logits.float(), y, reduction="sum") * world.size / batch
-            kl = kl_term()  # fp32, outside autocast; added whole in every process (train/distributed.py)
             loss = nll + t.kl_weight * kl / n
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             sums += torch.stack([nll.detach(), kl.detach().to(device)]) * batch / n
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
         nll_mean, kl_mean = (world.all_reduce_sum(sums) / world.size).tolist()  # over processes (see above)
         train_seconds = time.perf_counter() - t0
         if world.main:  # validation: process 0 only
-            val = classification_metrics(mc_predict(model, splits.val_x.to(device), t.mc_samples_val, cfg.seed),
-                                         splits.val_y.numpy())
-            kept = [int(k.sum()) for k in model.kept_units(model.default_knob).values()][:-1]  # hidden layers
+            model.eval()
             history.append({"epoch": epoch + 1, "loss": nll_mean + t.kl_weight * kl_mean / n, "nll": nll_mean,
-                            "kl": kl_mean, "val_accuracy": val["accuracy"], "val_nll": val["nll"],
-                            "kept_nodes": kept, "mean_inclusion": mean_inclusion(model),
+                            "kl": kl_mean, **objective.validate(model, splits, cfg, device),
                             "train_seconds": train_seconds, "seconds": time.perf_counter() - t0})
-            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{val['accuracy']:.3f}", kept=kept)
-        rng = distributed.rng_states(world, device)  # after validation (kept_units draws); every process
+            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{history[-1]['val_accuracy']:.3f}",
+                            **{k: history[-1][k] for k in objective.shown})
+        rng = distributed.rng_states(world, device)  # after validation (it may draw); every process
         if world.main:
             atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                               "scheduler": scheduler.state_dict(), "rng_states": rng, "history": history,
-                               "epoch": epoch + 1}, checkpoint_path)
+                               "scheduler": None if scheduler is None else scheduler.state_dict(),
+                               "rng_states": rng, "history": history, "epoch": epoch + 1}, checkpoint_path)
     world.close()
     return model.cpu().to(memory_format=torch.contiguous_format).eval(), history

@@ -2,7 +2,7 @@
 
 An architecture never names a layer type: it asks the factory for `linear(...)` and `conv(...)`, so the
 same definition gives the deterministic net (plain nn.Linear / nn.Conv2d), the dense BNN, the
-spike-and-slab nets and the nested nets (see edgebayes.train.models.LayerFactory).
+spike-and-slab nets and the nested nets (see edgebayes.train.layers.LayerFactory).
 """
 
 from edgebayes.train.zoo.lenet import lenet5_caffe

@@ -1,6 +1,6 @@
 """Compress: draw M posterior samples at a knob value and make each a small plain module.
 
-Every family ends here in the same form (../shared/DESIGN.md): a deterministic architecture (the kept
+Every family ends here in the same form: a deterministic architecture (the kept
 widths) plus M posterior samples of its weights. `MCAverage` turns the M samples into one module whose
 output is the average of their softmax outputs: the graph that export writes and the device runs.
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgebayes.export.surgery import SurgeryError, remove_dead_units
+from edgebayes.compressed.surgery import SurgeryError, remove_dead_units
 
 
 class EmptyLayerError(SurgeryError):
@@ -24,7 +24,7 @@ class MCAverage(nn.Module):
     """Average of the softmax outputs of M plain modules: the MC predictive distribution.
 
     The posterior samples are baked in as constants: no random op is in the graph, because ONNX tools
-    and TFLite converters freeze or drop them (../shared/DEPENDENCIES.md).
+    and TFLite converters freeze or drop them.
     """
 
     def __init__(self, samples):

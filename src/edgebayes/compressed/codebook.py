@@ -1,4 +1,4 @@
-"""The real compressed form of a sparse, quantized network on disk (paper 001, issue 5).
+"""The real compressed form of a sparse, quantized network on disk (paper 001).
 
 Per layer the file stores
   - the codebook: the layer's quantization levels mu_k (float32), only those some kept weight uses;
@@ -21,18 +21,10 @@ Two compression rates are reported (`rates`):
 They differ by the mask (at a 50% non-zero rate an i.i.d. mask costs as much as a 2-bit index per kept
 weight; its entropy coding recovers only what the mask's structure allows), by the biases and codebooks
 (small), and, with windowing, by the extra levels (W windows x K components per layer can use more than K
-distinct values, which log2 K does not count). Measured on MNIST (benchmarks/results/sqs_mnist_mlp100.md,
-MLP 2x100, K = 4, one window, 50% non-zero, 5 seeds; `section_bytes` splits the bytes):
-  - paper 001's per-weight keep scores (configs/mnist-mlp100-sqs.yaml): 32x by the formula, 18.1-18.4x by
-    bytes, 1.75-1.78 bits per weight: ~0.68 for the mask (dead input pixels zero whole columns of the first
-    layer, stored input-major; the rest of the mask is close to i.i.d.), ~0.93 for the indices (half the
-    weights at ~1.85 bits after entropy coding);
-  - per-input keep scores in the first layer (configs/mnist-mlp100-sqs-inputs.yaml, train/sqs.py): whole
-    pixels pruned, so the mask costs ~0.13 bits per weight and the file comes to 27.8-29.3x, 87-92% of
-    the formula; what is left is the indices at ~1.7 bits per kept weight, the biases and the codebooks.
-25x by bytes at 50% non-zero needs mask + indices <= 1.28 bits per weight, which an unstructured mask of
-~1 bit does not leave room for; at 20% non-zero the per-weight model gives 27.4x, losing 0.98 points
-(sqs_ablations.md).
+distinct values, which log2 K does not count). `section_bytes` splits a file's bytes into mask, indices,
+biases and codebooks; the measured rates of paper 001's per-weight keep scores and of per-input scores in
+the first layer (train/sqs.py, whole pixels pruned: a much cheaper mask) are in
+benchmarks/results/sqs_mnist_mlp100.md and sqs_ablations.md.
 
 Masks of 2-D and 4-D weights may be stored input-major (weight.transpose(0, 1)): in an MLP on images a
 dead input pixel then becomes one long run of zeros; per layer the smaller of the two orders is kept.

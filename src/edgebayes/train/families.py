@@ -1,0 +1,161 @@
+"""The family registry: one place that says, for each family, how it is built, trained and summarized.
+
+    family = FAMILIES[cfg.model.family]
+    net, history = family.fit(cfg, splits, checkpoint_path, log)   # train stage
+    net = family.build(cfg, splits)                                # untrained, to load a checkpoint into
+
+Every trained net answers the same small interface (`PosteriorNet`), so the stages after training call
+the net, never its family's name: select sweeps `net.operating_points()` of `net.knob`, export draws
+`net.posterior_sample(knob_value)` through compress (edgebayes/compressed). What differs between families
+is here: the builder, the training (the one loop of train/trainer.py with the family's objective; SQS
+runs it twice: pretraining a dnn, then fine-tuning), the config section of the family's own settings,
+the train stage's extra summary and the compressed file a family writes.
+
+The config's checks of a family's settings (select.knob_values in the knob's range, the sqs / nested
+sections) are still in config.py.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from edgebayes.config import NestedConfig, PriorConfig
+from edgebayes.errors import ArchError
+from edgebayes.train import sqs
+from edgebayes.train.arch import resolve_arch
+from edgebayes.train.bayesianize import module_builder, output_classes
+from edgebayes.train.models import BayesianNet, NestedNet
+from edgebayes.train.trainer import ELBO, train
+
+
+@runtime_checkable
+class PosteriorNet(Protocol):
+    """What every family's net offers the later stages (BayesianNet, NestedNet, SQSNet)."""
+
+    knob: str               # the deploy-time knob select sweeps: inclusion_threshold, width, nonzero_rate
+    default_knob: float     # the knob value the train stage reports at
+    input_shape: tuple      # one example's shape (surgery probes with it)
+
+    def kl(self) -> torch.Tensor:
+        """The regularizer of the family's objective (the KL of the negative ELBO)."""
+
+    def operating_points(self, values=None) -> list:
+        """The knob values to try (the family's defaults when None); ValueError for values out of range."""
+
+    def posterior_sample(self, knob_value, generator=None) -> tuple[nn.Module, dict]:
+        """One posterior sample as a plain module with dense shapes, and {Linear/Conv2d name: kept outputs}."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    paper: str                     # where the method is defined
+    knob: str                      # what select sweeps (the net's `knob`)
+    build: Callable                # (cfg, splits) -> PosteriorNet of the configured architecture, untrained
+    fit: Callable                  # (cfg, splits, checkpoint_path, log) -> (trained net, history)
+    section: Optional[str] = None  # the config section of the family's own settings (PipelineConfig field)
+    wrap: Optional[Callable] = None     # (build, input_shape, classes, n_train, prior, nested, activation,
+    #                                     calibration_x) -> net around an architecture builder; None: pipeline only
+    summary: Optional[Callable] = None  # (net, splits, train_dir, knob_value, test metrics, log) -> dict
+    write_compressed: Optional[Callable] = None  # (net, folder, knob_value, m, seed) -> {"file": name, **rates}
+
+
+def _wrap_bayesian(family):
+    def wrap(build, input_shape, classes, n_train, prior, nested, activation, calibration_x):
+        return BayesianNet(build, family, prior, input_shape, classes, n_train, activation)
+    return wrap
+
+
+def _wrap_nested(family):
+    def wrap(build, input_shape, classes, n_train, prior, nested, activation, calibration_x):
+        return NestedNet(build, family, nested, input_shape, classes, activation=activation,
+                         calibration_x=calibration_x, bn_batch_size=nested.bn_batch_size)
+    return wrap
+
+
+def _from_arch(wrap):
+    """build(cfg, splits) of a family that wraps the configured architecture; nested nets recollect their
+    batch-norm statistics on the training split's first rows."""
+    def build(cfg, splits):
+        n = cfg.nested
+        return wrap(resolve_arch(cfg.model), splits.input_shape, len(splits.classes), len(splits.train_x),
+                    cfg.prior, n, cfg.model.activation, splits.train_x[: n.bn_batches * n.bn_batch_size])
+    return build
+
+
+def _fit_elbo(build):
+    def fit(cfg, splits, checkpoint_path, log=print):
+        return train(cfg, splits, checkpoint_path, lambda: build(cfg, splits), ELBO(), log)
+    return fit
+
+
+def _sqs_build(cfg, splits):
+    return sqs.build_sqs(cfg, splits.input_shape, len(splits.classes), len(splits.train_x))
+
+
+def _sqs_summary(net, splits, train_dir, knob_value, test, log):
+    """Accuracy against the full-precision start, compression by formula and by the bytes of model.sqs."""
+    summary = sqs.stage_summary(net, splits, train_dir, knob_value, test)
+    log(f"train: SQS drop {summary['accuracy_drop']:+.4f} against full precision; compression "
+        f"{summary['rate_formula']:.1f}x by formula, {summary['rate_bytes']:.1f}x by file bytes")
+    return summary
+
+
+def _sqs_write_compressed(net, folder, knob_value, m, seed):
+    """The real compressed form (compressed/codebook.py) of the m samples export draws, as model.sqs."""
+    return {"file": "model.sqs", **net.write_compressed(folder / "model.sqs", knob_value, m, seed)}
+
+
+def _registry():
+    families = []
+    for name, paper in (("dnn", "deterministic baseline"), ("bnn", "dense BNN baseline: paper 000's SS-IG, unpruned"),
+                        ("ss-ig", "paper 000"), ("ss-gl", "paper 000"), ("ss-ghs", "paper 000")):
+        wrap = _wrap_bayesian(name)
+        build = _from_arch(wrap)
+        families.append(Family(name, paper, BayesianNet.knob, build, _fit_elbo(build), wrap=wrap))
+    for name, paper in (("bn3", "paper 002"), ("fn3", "paper 002's baseline (Cui et al. 2020)")):
+        wrap = _wrap_nested(name)
+        build = _from_arch(wrap)
+        families.append(Family(name, paper, NestedNet.knob, build, _fit_elbo(build), section="nested", wrap=wrap))
+    families.append(Family("sqs", "paper 001", sqs.SQSNet.knob, _sqs_build, sqs.train_sqs, section="sqs",
+                           summary=_sqs_summary,
+                           write_compressed=_sqs_write_compressed))
+    return {f.name: f for f in families}
+
+
+FAMILIES = _registry()
+
+
+def family_of(cfg) -> Family:
+    return FAMILIES[cfg.model.family]
+
+
+def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=None, nested=None,
+                activation="silu", calibration_x=None):
+    """The family's network around a plain `module`, with the interface of the later stages.
+
+    Every Conv2d / Linear is swapped for the family's layer (train/bayesianize.py says how). `prior`
+    (PriorConfig) and `nested` (NestedConfig) default to the config defaults; `n_train` enters the prior
+    inclusion probabilities of paper 000; `calibration_x` (training inputs) recollects batch-norm
+    statistics of nested-net samples.
+    """
+    if family not in FAMILIES:
+        raise ArchError(f"bayesianize: unknown family {family!r}; expected one of {tuple(FAMILIES)}")
+    if FAMILIES[family].wrap is None:  # SQS fine-tunes a trained dnn in two calls of the loop (train/sqs.py)
+        raise ArchError(f"bayesianize: family {family} runs through the pipeline: model.family: {family} with "
+                        f"model.arch: <import path of the module's constructor> (and model.pretrained)")
+    classes = output_classes(module, input_shape)
+    return FAMILIES[family].wrap(module_builder(lambda _: module), input_shape, classes, n_train,
+                                 prior or PriorConfig(), nested or NestedConfig(), activation, calibration_x)
+
+
+def build(cfg, splits) -> PosteriorNet:
+    """The configured family's net of the configured architecture, untrained (to load a checkpoint into)."""
+    return family_of(cfg).build(cfg, splits)
+
+
+def fit(cfg, splits, checkpoint_path, log=print):
+    """Train (or resume) the configured family's net; returns (net, history)."""
+    return family_of(cfg).fit(cfg, splits, checkpoint_path, log)
