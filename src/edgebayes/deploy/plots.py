@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from edgebayes.deploy.summary import as_dict, fmt, fmt_ms, get, knob_label, num, same_point, time_axis
+from edgebayes.deploy.summary import dict_or_empty, fmt, fmt_ms, get, knob_label, num, same_point, time_axis
 
 def _new_fig(w: float, h: float, **kw: Any):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -145,7 +145,7 @@ def plot_latency_prediction(candidates: list, lp: dict) -> bytes | None:
            for c in candidates]
     pts = [(m, p) for m, p in pts if m is not None and p is not None]
     chosen = {k: (num(v.get("measured_ms")), num(v.get("predicted_ms")))
-              for k, v in as_dict(lp.get("by_percentile")).items() if isinstance(v, dict)}
+              for k, v in dict_or_empty(lp.get("by_percentile")).items() if isinstance(v, dict)}
     chosen = {k: v for k, v in chosen.items() if None not in v}
     if not chosen and None not in (num(lp.get("measured_ms")), num(lp.get("predicted_ms"))):
         chosen = {f"p{fmt(lp.get('percentile'))}": (num(lp["measured_ms"]), num(lp["predicted_ms"]))}
@@ -360,7 +360,7 @@ def plot_devices(rows: list[dict]) -> bytes | None:
 
 def report_figures(d: dict, s: dict) -> dict[str, bytes | None]:
     """Every figure of a run's report page, by its file name, from the inputs d and their summary s."""
-    results, train = as_dict(d.get("results")), as_dict(d.get("train"))
+    results, train = dict_or_empty(d.get("results")), dict_or_empty(d.get("train"))
     layers = get(train, "sparsity", "layers") or []
     candidates = [c for c in d.get("candidates") or [] if isinstance(c, dict)]
     hidden_names = [str(l.get("name")) for l in layers if isinstance(l, dict) and l.get("name") != "output"]

@@ -30,7 +30,7 @@ from markupsafe import Markup
 
 from edgebayes.deploy import plots
 from edgebayes.deploy.plots import hist_window as _hist_window  # noqa: F401  (tests check the axis window)
-from edgebayes.deploy.summary import (BUDGETS, BYTES_PER_MB, METRIC_LABELS, METRICS, NA, as_dict, diff,
+from edgebayes.deploy.summary import (BUDGETS, BYTES_PER_MB, METRIC_LABELS, METRICS, NA, dict_or_empty, diff,
                                       fidelity_rows, fmt, fmt_diff, fmt_ms, fmt_pct, fmt_unit, get,
                                       jsonable as _jsonable, knob_label, num, same_point, summarize as _summarize,
                                       summary_text, terminal_summary)
@@ -82,7 +82,7 @@ def _data_uri(png: bytes | None) -> str | None:
 
 def _measured_on(results: dict) -> dict:
     """What the device's runner ran on: runtime and machine, from its results."""
-    rt, hw = as_dict(results.get("runtime")), as_dict(results.get("device"))
+    rt, hw = dict_or_empty(results.get("runtime")), dict_or_empty(results.get("device"))
     return {
         "runtime": " ".join(str(x) for x in (rt.get("name"), rt.get("version")) if x) or None,
         "providers": ", ".join(map(str, rt.get("providers") or [])) or None,
@@ -95,12 +95,12 @@ def _measured_on(results: dict) -> dict:
 
 def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
     predicted = s.get("mode") == "predicted"
-    results = as_dict(d.get("results"))
+    results = dict_or_empty(d.get("results"))
     title = f"edgebayes report: {s['run_name'] or NA} on {s['device'] or NA}" + (" (predicted)" if predicted else "")
     return _ENV.get_template("page.html.j2").render(
         sections=SECTIONS, title=title, d=d, s=s, predicted=predicted, results=results,
-        train=as_dict(d.get("train")), choice=as_dict(d.get("choice")), lat=as_dict(results.get("latency_ms")),
-        here=as_dict(get(d, "predicted", "here")), measured_on=_measured_on(results), fidelity=fidelity_rows(d),
+        train=dict_or_empty(d.get("train")), choice=dict_or_empty(d.get("choice")), lat=dict_or_empty(results.get("latency_ms")),
+        here=dict_or_empty(get(d, "predicted", "here")), measured_on=_measured_on(results), fidelity=fidelity_rows(d),
         pngs={name: _data_uri(png) for name, png in pngs.items()}) + "\n"
 
 
@@ -123,7 +123,7 @@ def write_comparison(reports: list, out_dir: Path, name: str = "devices") -> dic
     rows = []
     for report, path in reports:
         t = terminal_summary(report, path)
-        s = as_dict(report.get("summary"))
+        s = dict_or_empty(report.get("summary"))
         rows.append({**t, "latency_stat": s.get("latency_stat"), "latency_ms": s.get("latency_at_percentile_ms"),
                      "latency_all": t["latency_ms"], "budget_ms": s.get("latency_budget_ms"),
                      "run_name": s.get("run_name")})

@@ -203,24 +203,24 @@ def pruned_fraction(layers: Any) -> float | None:
     return 1.0 - sum(kept) / sum(total)
 
 
-def as_dict(x: Any) -> dict:
+def dict_or_empty(x: Any) -> dict:
     return x if isinstance(x, dict) else {}
 
 
 def summarize(d: dict) -> dict:
     """Compute the summary block from the (JSON-clean) inputs."""
-    device = as_dict(d.get("device"))
-    budgets = as_dict(device.get("budgets"))
+    device = dict_or_empty(d.get("device"))
+    budgets = dict_or_empty(device.get("budgets"))
     predicted_in = d.get("predicted") if isinstance(d.get("predicted"), dict) else None
     mode = "predicted" if predicted_in is not None else "measured"
-    results = as_dict(d.get("results"))
-    here = as_dict(get(predicted_in, "here"))   # predicted: the bundle run on this machine
+    results = dict_or_empty(d.get("results"))
+    here = dict_or_empty(get(predicted_in, "here"))   # predicted: the bundle run on this machine
     outputs = here if predicted_in is not None else results   # where accuracy, OOD and rejection come from
-    export = as_dict(d.get("export"))
-    train = as_dict(d.get("train"))
-    choice = as_dict(d.get("choice"))
+    export = dict_or_empty(d.get("export"))
+    train = dict_or_empty(d.get("train"))
+    choice = dict_or_empty(d.get("choice"))
     candidates = [c for c in (d.get("candidates") or []) if isinstance(c, dict)]
-    lat = as_dict(results.get("latency_ms"))
+    lat = dict_or_empty(results.get("latency_ms"))
     warnings: list[str] = []
 
     metrics = {}
@@ -232,9 +232,9 @@ def summarize(d: dict) -> dict:
 
     chosen = next((c for c in candidates
                    if same_point(c, choice.get("knob_value"), choice.get("mc_samples"))), None)
-    cost = as_dict(get(chosen, "cost"))
+    cost = dict_or_empty(get(chosen, "cost"))
     has_table = cost.get("latency_model_has_table")
-    by_pct = as_dict(cost.get("predicted_latency_ms_by_percentile"))
+    by_pct = dict_or_empty(cost.get("predicted_latency_ms_by_percentile"))
     if not by_pct and num(cost.get("predicted_latency_ms")) is not None and budgets.get("percentile") is not None:
         by_pct = {f"p{num(budgets['percentile']):g}": cost["predicted_latency_ms"]}
     # A latency model without a table (FLOPs / declared throughput) gives small models its fixed overhead:
@@ -256,7 +256,7 @@ def summarize(d: dict) -> dict:
         model_mb, model_src = model_bytes / BYTES_PER_MB, "export.model_bytes"
     else:  # fall back to the selection stage's estimate for the chosen point
         model_mb, model_src = num(cost.get("model_mb")), "candidate cost estimate"
-    mem = as_dict(results.get("memory"))
+    mem = dict_or_empty(results.get("memory"))
     estimate = num(cost.get("memory_estimate_mb"))
     lower = bool(cost.get("memory_estimate_lower_bound"))
     if predicted_in is not None:
@@ -335,8 +335,8 @@ def summarize(d: dict) -> dict:
         "estimate_parts_mb": cost.get("memory_parts_mb"),
         "estimate_error": None if estimate is None or not deployed_mb else (estimate - deployed_mb) / deployed_mb,
     }
-    ood_train = as_dict(train.get("ood"))
-    ood = as_dict(outputs.get("ood"))
+    ood_train = dict_or_empty(train.get("ood"))
+    ood = dict_or_empty(outputs.get("ood"))
 
     return {
         "run_name": d.get("run_name"),
@@ -425,9 +425,9 @@ def fidelity_rows(d: dict) -> list[dict]:
 def terminal_summary(report: dict, report_path: Any = None) -> dict:
     """The figures a run ends with (`edgebayes pipeline` / `report`, `--json`): device, chosen point,
     accuracy, ECE, OOD AUROC, latency percentiles, size, memory, each budget's verdict, the report's path."""
-    s = as_dict(report.get("summary"))
+    s = dict_or_empty(report.get("summary"))
     predicted = s.get("mode") == "predicted"
-    lat = s.get("latency_predicted_ms") if predicted else {**as_dict(s.get("latency_ms")), "max": s.get("latency_max_ms")}
+    lat = s.get("latency_predicted_ms") if predicted else {**dict_or_empty(s.get("latency_ms")), "max": s.get("latency_max_ms")}
     return {
         "run": s.get("run_name"), "device": s.get("device"), "mode": s.get("mode"),
         "chosen": {k: s.get(k) for k in ("knob", "knob_value", "mc_samples", "format", "precision")},
@@ -444,7 +444,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "memory_runtime_baseline_mb": get(s, "memory", "runtime_baseline_mb"),
         "memory_model_mb": get(s, "memory", "model_mb"),
         "budgets": {k: {"limit": r.get("limit"), "value": r.get("measured"), "basis": r.get("basis"),
-                        "verdict": r.get("verdict")} for k, r in as_dict(s.get("budgets")).items()},
+                        "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
         "verdict": s.get("overall_verdict"),
         "report": None if report_path is None else str(report_path),
     }
@@ -456,10 +456,10 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
         return fmt_ms(x, ascii_only=True)
 
     c = t["chosen"]
-    lat = as_dict(t.get("latency_ms"))
+    lat = dict_or_empty(t.get("latency_ms"))
     predicted = t.get("mode") == "predicted"
     lat_txt = ", ".join(f"{k} {ms(v)}" for k, v in lat.items() if v is not None) or "n/a"
-    best = as_dict(t.get("latency_ms_best_round"))
+    best = dict_or_empty(t.get("latency_ms_best_round"))
     lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})",
              f"  chosen point  {knob_label(c.get('knob'))} {fmt(c.get('knob_value'))}, M={c.get('mc_samples')}, "
              f"{c.get('format')} ({c.get('precision')})",
@@ -471,7 +471,7 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              f"  memory        {fmt(t.get('memory_mb'), 'MB')} ({t.get('memory_basis')})"
              + (f": runtime {fmt(t['memory_runtime_baseline_mb'], 'MB')} + model {fmt(t['memory_model_mb'], 'MB')}"
                 if t.get("memory_model_mb") is not None else "")]
-    for key, b in as_dict(t.get("budgets")).items():
+    for key, b in dict_or_empty(t.get("budgets")).items():
         label, unit = BUDGETS.get(key, (key, ""))
         limit = "not set" if b.get("limit") is None else f"<= {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
         value = ms(b.get("value")) if unit == "ms" else fmt(b.get("value"), unit)
