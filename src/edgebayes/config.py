@@ -70,6 +70,7 @@ class Check:
 
 
 def Range(message: str, gt=None, ge=None, lt=None, le=None) -> Check:
+    """A Check of bounds (named like annotated_types' Gt / Interval markers, which would word the message)."""
     bounds = {"exclusiveMinimum": gt, "minimum": ge, "exclusiveMaximum": lt, "maximum": le}
     return Check(lambda v: ((gt is None or v > gt) and (ge is None or v >= ge) and (lt is None or v < lt)
                             and (le is None or v <= le)), message, **{k: b for k, b in bounds.items() if b is not None})
