@@ -16,7 +16,6 @@ Checkpoints go to --work, so an interrupted run resumes. The paper-002 reproduct
 """
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -52,13 +51,13 @@ def evaluate_point(model, splits, knob, m, seed):
 def run(args):
     cfg = load_pipeline_config(args.config)
     kl_weight = cfg.train.kl_weight if args.kl_weight is None else args.kl_weight
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=args.epochs or cfg.train.epochs,
-                                                             kl_weight=kl_weight))
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"epochs": args.epochs or cfg.train.epochs,
+                                                                         "kl_weight": kl_weight})})
     torch.set_num_threads(args.threads)
     splits = load_data(cfg.data, cfg.seed)
     # --seed changes training only (initial weights, batch order, weight noise, MC samples): the same
     # training, test and OOD images, so two seeds differ by training randomness alone
-    cfg = dataclasses.replace(cfg, seed=cfg.seed if args.seed is None else args.seed)
+    cfg = cfg.model_copy(update={"seed": cfg.seed if args.seed is None else args.seed})
     if args.train_subset:
         splits.train_x, splits.train_y = splits.train_x[: args.train_subset], splits.train_y[: args.train_subset]
     work = Path(args.work)
@@ -70,7 +69,7 @@ def run(args):
                "kappa": cfg.train.kl_weight, "groups": n.groups, "fixed_groups": n.fixed_groups,
                "mc_samples": args.mc_samples, "widths": widths, "families": {}}
     for family in ("bn3", "fn3", "dnn"):
-        fcfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family=family))
+        fcfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"family": family})})
         t0 = time.perf_counter()
         model, history = fit(fcfg, splits, work / family / "checkpoint.pt", log=print)
         train_seconds = sum(h["seconds"] for h in history)

@@ -17,7 +17,6 @@ versions) and sqs_ablations.md. Re-running resumes finished variants from their 
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -62,9 +61,9 @@ class Runner:
         key = json.dumps(sqs, sort_keys=True)
         if key not in self.cache:
             name = "_".join(f"{k}-{v}" for k, v in sorted(sqs.items()))
-            cfg = dataclasses.replace(
-                self.cfg, train=dataclasses.replace(self.cfg.train, epochs=self.epochs),
-                sqs=dataclasses.replace(self.cfg.sqs, checkpoint=str(self.work / "pretrained.pt"), **sqs))
+            cfg = self.cfg.model_copy(update={
+                "train": self.cfg.train.model_copy(update={"epochs": self.epochs}),
+                "sqs": self.cfg.sqs.model_copy(update={"checkpoint": str(self.work / "pretrained.pt"), **sqs})})
             t0 = time.perf_counter()
             model, history = train_sqs(cfg, self.splits, self.work / name / "checkpoint.pt", log=lambda *a: None)
             seconds = sum(h["seconds"] for h in history)
@@ -232,9 +231,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     cfg = load_pipeline_config(args.config)
     if args.hidden:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden=args.hidden))
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hidden": args.hidden})})
     if args.batch_size:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=args.batch_size))
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"batch_size": args.batch_size})})
     splits = load_data(cfg.data, cfg.seed)
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)

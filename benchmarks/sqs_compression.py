@@ -15,7 +15,6 @@ Finished runs resume from their checkpoints in --work.
 """
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -153,7 +152,7 @@ def main(argv=None):
             print(f"{path}: seed {seed}", flush=True)
             work = Path(args.work) / Path(path).stem / f"seed{seed}"
             work.mkdir(parents=True, exist_ok=True)
-            runs.append(run_one(dataclasses.replace(cfg, seed=seed), splits, work, log=lambda *a: None))
+            runs.append(run_one(cfg.model_copy(update={"seed": seed}), splits, work, log=lambda *a: None))
             r = runs[-1]
             print(f"  drop {100 * r['drop']:+.2f} points, {r['rate_bytes']:.1f}x by bytes "
                   f"({r['file_bytes']} B), {r['fine_tune_seconds']:.0f} s", flush=True)

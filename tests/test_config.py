@@ -2,6 +2,7 @@
 with one message on stderr naming the file and the key."""
 
 import copy
+import json
 import re
 from pathlib import Path
 
@@ -279,3 +280,74 @@ def test_cifar_resnets_have_6n_plus_2_weighted_layers(depth):
     weighted = [n for n, m in net.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
                 and "shortcut" not in n]
     assert len(weighted) == depth  # the stem, 2 per basic block, the classifier; projections not counted
+
+
+# ---------------------------------------------------------------------------------------------
+# `edgebayes config schema`: the JSON Schema describes the shipped files (jsonschema is not installed here,
+# so a small validator of the keywords the schema uses checks them)
+# ---------------------------------------------------------------------------------------------
+def _conforms(value, schema, defs, where=""):
+    """Raise AssertionError naming the key where `value` breaks `schema` (object, array, scalar types,
+    enum, anyOf, $ref, bounds, minItems, additionalProperties, required)."""
+    if "$ref" in schema:
+        return _conforms(value, defs[schema["$ref"].split("/")[-1]], defs, where)
+    if "anyOf" in schema:
+        for option in schema["anyOf"]:
+            try:
+                return _conforms(value, option, defs, where)
+            except AssertionError:
+                pass
+        raise AssertionError(f"{where}: {value!r} matches no option")
+    if "enum" in schema or "const" in schema:
+        assert value in schema.get("enum", [schema.get("const")]), f"{where}: {value!r} not in the enum"
+    kind = schema.get("type")
+    python = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
+              "integer": int, "number": (int, float)}
+    if kind:
+        assert isinstance(value, python[kind]) and (kind in ("boolean",) or not isinstance(value, bool)), \
+            f"{where}: {value!r} is not {kind}"
+    if kind == "object":
+        for key in schema.get("required", []):
+            assert key in value, f"{where}.{key}: required"
+        for key, item in value.items():
+            assert key in schema["properties"] or schema.get("additionalProperties", True), f"{where}.{key}: unknown"
+            if key in schema["properties"]:
+                _conforms(item, schema["properties"][key], defs, f"{where}.{key}")
+    if kind == "array":
+        assert len(value) >= schema.get("minItems", 0), f"{where}: too short"
+        for i, item in enumerate(value):
+            _conforms(item, schema.get("items", {}), defs, f"{where}[{i}]")
+    for bound, ok in (("minimum", lambda v, b: v >= b), ("exclusiveMinimum", lambda v, b: v > b),
+                      ("maximum", lambda v, b: v <= b), ("exclusiveMaximum", lambda v, b: v < b)):
+        if bound in schema and isinstance(value, (int, float)):
+            assert ok(value, schema[bound]), f"{where}: {value!r} breaks {bound} {schema[bound]}"
+
+
+def test_config_schema_describes_every_shipped_config_and_profile(tmp_path, capsys):
+    out = tmp_path / "schema" / "pipeline.json"
+    assert main(["config", "schema", "--out", str(out)]) == 0
+    pipeline = json.loads(out.read_text())
+    assert main(["config", "schema", "--device"]) == 0
+    device = json.loads(capsys.readouterr().out)
+    assert [p.name for p in out.parent.iterdir()] == ["pipeline.json"]     # written atomically, no temp file left
+
+    families = pipeline["$defs"]["ModelConfig"]["properties"]["family"]["enum"]
+    assert families == ["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs", "bn3", "fn3"]
+    assert device["required"] == ["name"] and "required" not in pipeline           # a run has defaults for all
+    assert all(d["additionalProperties"] is False for d in [pipeline, device, *pipeline["$defs"].values()])
+    assert pipeline["$defs"]["TrainConfig"]["properties"]["epochs"]["exclusiveMinimum"] == 0
+
+    from edgebayes.config import _load_yaml   # YAML 1.2 numbers (4.7e10), as editors read them
+
+    files = [PIPELINE, *sorted((ROOT / "configs").glob("*.yaml"))]
+    for path in files:
+        _conforms(_load_yaml(path), pipeline, pipeline["$defs"], path.name)
+    profiles = [p for p in sorted((ROOT / "devices").glob("*.yaml")) if "alias" not in _load_yaml(p)]
+    for path in profiles:
+        _conforms(_load_yaml(path), device, device["$defs"], path.name)
+    assert len(files) > 10 and len(profiles) > 4
+
+    bad = _base()
+    bad["model"]["family"] = "ss-nope"
+    with pytest.raises(AssertionError, match="model.family"):
+        _conforms(bad, pipeline, pipeline["$defs"])

@@ -53,6 +53,10 @@ def test_profiles_version_and_placeholders_after_a_non_editable_install(tmp_path
     module, devices = where.stdout.split()
     assert Path(module).is_relative_to(venv) and Path(devices).is_relative_to(venv)   # the wheel's, not ROOT's
     assert (Path(module).parent / "ondevice" / "cli.py").is_file()   # what export zips into runner.pyz
+    page = run(python, "-c", "from edgebayes.deploy.report import write_report as w; "
+                             "w({'run_name': 'wheel', 'device': {'name': 'pi'}}, 'out')", cwd=elsewhere)
+    assert page.returncode == 0, page.stderr[-2000:]   # the templates are package data
+    assert "edgebayes report: wheel on pi" in (elsewhere / "out" / "report.html").read_text()
 
     edgebayes = venv / "bin" / "edgebayes"
     version = run(edgebayes, "--version", cwd=elsewhere)

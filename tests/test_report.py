@@ -368,3 +368,23 @@ def test_comparison_page(tmp_path):
     assert "50 µs" in html_text and "300 µs" in html_text     # p90 measured / predicted, each device's own
     assert (tmp_path / "devices.png").read_bytes().startswith(PNG_MAGIC)
     assert json.loads((tmp_path / "devices.json").read_text()) == json.loads(json.dumps(data))
+
+
+def test_every_user_supplied_name_is_escaped_on_both_pages(tmp_path):
+    """The templates autoescape: a tag in a run, device, knob, artifact, layer or provenance name is text."""
+    evil = "<i>x</i>"
+    inputs = make_inputs()
+    inputs["run_name"] = inputs["device"]["name"] = inputs["device"]["runtime"] = evil
+    inputs["choice"]["knob"] = inputs["choice"]["reason"] = inputs["objective"] = evil
+    inputs["train"]["family"] = inputs["train"]["model"]["arch"] = evil
+    inputs["results"]["device"]["hostname"] = inputs["provenance"]["git_commit"] = evil
+    inputs["provenance"]["versions"] = {evil: evil}
+    inputs["export"]["artifacts"] = {evil: {"precision": evil, "layout": evil, "bytes": 50000,
+                                            "fidelity": {"check": {"passed": True, "rule": evil}}}}
+    inputs["artifact_results"] = {evil: {"skipped": evil}}
+    inputs["predicted"] = None
+    rep = report_mod.write_report(inputs, tmp_path / "run")
+    report_mod.write_comparison([(rep, tmp_path / "run" / "report.html")], tmp_path)
+    for page in (tmp_path / "run" / "report.html", tmp_path / "devices.html"):
+        text = page.read_text()
+        assert "<i>" not in text and "&lt;i&gt;x&lt;/i&gt;" in text, page.name

@@ -15,7 +15,6 @@ compressed/samples.py's, `save` and `run` are export/formats.py's (`save`, not `
 is the export package).
 """
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +46,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
         vy = torch.as_tensor(np.asarray(val[1]), dtype=torch.int64)
     classes = [str(c) for c in range(int(max(y.max(), vy.max())) + 1)]
     splits = Splits(x, y, vx, vy, vx, vy, classes)
-    cfg = PipelineConfig(seed=seed, train=dataclasses.replace(TrainConfig(), epochs=epochs, **train))
+    cfg = PipelineConfig(seed=seed, train=TrainConfig().model_copy(update={"epochs": epochs, **train}))
     path = Path(checkpoint) if checkpoint else None
     if path is None:
         import tempfile

@@ -7,6 +7,9 @@
     edgebayes report --results FILE        import results.json of the bundle's runner.pyz run by hand on the device
     edgebayes report --devices A B C       one page comparing the chosen points of several devices
 
+    edgebayes config schema [--device] [--out FILE]   the JSON Schema of pipeline.yaml (or of a device
+                                                      profile), for an editor's completion and checks
+
 Exit codes: 0 done, and the chosen point meets every budget on the device; 1 a stage failed (its message
 says why; artifacts of finished stages are kept); 2 bad input (config, device profile, data files, a
 results file of another bundle), reported with one message naming the file and key; 3 the chosen point
@@ -64,7 +67,26 @@ def build_parser():
     prof.add_argument("device", help="device profile name in devices/, or a YAML path")
     prof.add_argument("--config", default="pipeline.yaml", help="input size, widths and M to sweep (default: pipeline.yaml)")
     prof.add_argument("--runs-dir", default="runs", help="the table goes to RUNS_DIR/devices/DEVICE/ (default: runs)")
+    config = sub.add_parser("config", help="the config files' JSON Schema")
+    schema = config.add_subparsers(dest="action", required=True).add_parser(
+        "schema", help="write the JSON Schema of pipeline.yaml (or, with --device, of a device profile)")
+    schema.add_argument("--device", action="store_true", help="the schema of devices/<name>.yaml instead")
+    schema.add_argument("--out", metavar="FILE", default=None, help="write it to FILE (default: stdout)")
     return parser
+
+
+def _schema(args):
+    from edgebayes.config import json_schema
+    from edgebayes.provenance import atomic_path
+
+    text = json.dumps(json_schema("device" if args.device else "pipeline"), indent=2) + "\n"
+    if args.out is None:
+        print(text, end="")
+        return 0
+    with atomic_path(args.out) as tmp:
+        tmp.write_text(text)
+    print(f"config schema: written to {args.out}", file=sys.stderr)
+    return 0
 
 
 def _devices_dir_option(parser, default=argparse.SUPPRESS):
@@ -191,6 +213,8 @@ def _run(args):
     from edgebayes import config
 
     config.USER_DEVICES_DIR = args.devices_dir
+    if args.command == "config":
+        return _schema(args)
     if args.command == "devices":
         return _devices(args)
     cfg, profile = load_pipeline_config(args.config), load_device_profile(args.device)  # before torch loads
@@ -222,7 +246,7 @@ def main(argv=None) -> int:
     (issue 19): the errors the code raises itself, and those of the machine (disk full, a read-only or
     misplaced runs folder, memory) or of a file's content (JSON, a checkpoint torch refuses to unpickle)."""
     args = build_parser().parse_args(argv)
-    what = f"devices {args.action}" if args.command == "devices" else args.command
+    what = f"{args.command} {args.action}" if args.command in ("devices", "config") else args.command
     try:
         return _run(args)
     except InputError as e:

@@ -22,7 +22,6 @@ Inputs are float32, images (C, H, W), feature vectors (F,). Labels are int64 cla
 """
 
 import csv
-import dataclasses
 import gzip
 import os
 import struct
@@ -686,7 +685,7 @@ def _ood_set(cfg, splits, generator):
     if cfg.ood == "digits":
         x = _digits()[0]["train"][0]
     else:
-        x = OFFICIAL_SPLITS[cfg.ood](cfg.ood, dataclasses.replace(cfg, dataset=cfg.ood, ood=None), train=False)[0]
+        x = OFFICIAL_SPLITS[cfg.ood](cfg.ood, cfg.model_copy(update={"dataset": cfg.ood, "ood": None}), train=False)[0]
     if tuple(x.shape[1:]) != splits.input_shape:
         raise DataError(f"data.ood: {cfg.ood} images have shape {tuple(x.shape[1:])}, "
                         f"but {cfg.dataset} has {splits.input_shape}")

@@ -57,7 +57,6 @@ Where this deviates from or completes the paper, and why:
 """
 
 import copy
-import dataclasses
 import math
 
 import numpy as np
@@ -400,7 +399,7 @@ def load_compressed(path, base: nn.Module, sample=0) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 def base_config(cfg):
     """The config of the deterministic network SQS wraps: the same architecture, family dnn."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="dnn"))
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"family": "dnn"})})
 
 
 def build_base(cfg, splits):
@@ -448,8 +447,8 @@ def pretrained_base(cfg, splits, train_dir, log=print):
                              f"{cfg.model.arch} {cfg.model.hidden}: {str(e).splitlines()[0]}") from None
         source = {"source": "checkpoint", "path": str(s.checkpoint)}
     else:
-        pre_cfg = dataclasses.replace(base_cfg, train=dataclasses.replace(
-            cfg.train, epochs=s.pretrain_epochs, lr=s.pretrain_lr, kl_weight=1.0, mc_samples_eval=1, mc_samples_val=1))
+        pre_cfg = base_cfg.model_copy(update={"train": cfg.train.model_copy(update=dict(
+            epochs=s.pretrain_epochs, lr=s.pretrain_lr, kl_weight=1.0, mc_samples_eval=1, mc_samples_val=1))})
         path, marker = train_dir / "pretrained.pt", train_dir / "pretrained.json"
         key = fingerprint("sqs-pretrain", code_version(), cfg.seed, cfg.data, base_cfg.model, pre_cfg.train)
         if path.exists() and (not marker.is_file() or read_json(marker).get("fingerprint") != key):

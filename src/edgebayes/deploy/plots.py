@@ -1,0 +1,379 @@
+"""The report's figures, each a PNG as bytes (None when there is nothing to plot): drawn on a Figure with an
+Agg canvas, so no pyplot state and never a display."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from edgebayes.deploy.summary import dict_or_empty, fmt, fmt_ms, get, knob_label, num, same_point, time_axis
+
+def _new_fig(w: float, h: float, **kw: Any):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110, layout="constrained", **kw)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
+                   budget_mb: float | None = None) -> bytes | None:
+    """Val accuracy vs latency (left) and vs model size (right) for every candidate; colour = M, marker =
+    fits or not; the Pareto front, the budget lines and the chosen point drawn on both."""
+    pts = [(c, num(get(c, "cost", "latency_ms")), num(get(c, "val", "accuracy")))
+           for c in candidates]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None]
+    if not pts:
+        return None
+    from matplotlib.lines import Line2D
+
+    unit, k = time_axis([x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else []))
+    pts = [(c, k * x, y) for c, x, y in pts]
+    budget_label = None if budget_ms is None else fmt_ms(budget_ms)
+    budget_ms = None if budget_ms is None else k * budget_ms
+
+    fig = _new_fig(11.0, 5.0)
+    ax, ax_mb = fig.subplots(1, 2, width_ratios=[3, 2])
+    _size_panel(ax_mb, candidates, choice, budget_mb)
+    front = sorted((x, y) for c, x, y in pts if c.get("pareto_latency"))
+    if len(front) > 1:
+        ax.step(*zip(*front), where="post", color="#555", linewidth=1.1, zorder=1)
+    ms = sorted({c.get("mc_samples") for c, _, _ in pts}, key=lambda m: (num(m) is None, num(m) or 0, str(m)))
+    # Sequential colours: more posterior samples = darker, and no red (red means "violates").
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis"]
+    colours = {m: cmap(0.85 * i / max(1, len(ms) - 1)) for i, m in enumerate(ms)}
+    for c, x, y in pts:
+        col = colours[c.get("mc_samples")]
+        if c.get("fits"):
+            ax.scatter(x, y, s=46, marker="o", color=col, edgecolor="black", linewidth=0.5, zorder=3)
+        else:
+            ax.scatter(x, y, s=46, marker="X", color=col, alpha=0.55, zorder=2)
+    chosen = [(x, y) for c, x, y in pts if same_point(c, choice.get("knob_value"), choice.get("mc_samples"))]
+    for x, y in chosen[:1]:
+        ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
+        ax.annotate(f"chosen: {knob_label(choice.get('knob'))} {fmt(choice.get('knob_value'))}, "
+                    f"M={choice.get('mc_samples')}",
+                    (x, y), xytext=(12, -18), textcoords="offset points", color="crimson",
+                    fontsize=9, fontweight="bold")
+    xs = [x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else [])
+    if min(xs) > 0 and max(xs) / min(xs) > 10:  # wide spread: linear axis would squash the points
+        ax.set_xscale("log")
+    if budget_ms is not None:
+        ax.axvline(budget_ms, color="crimson", linestyle="--", linewidth=1.3)
+    ax.set_xlabel(f"latency per batch ({unit})" + (", log scale" if ax.get_xscale() == "log" else ""))
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("Candidate operating points: accuracy vs latency")
+    ax.grid(True, alpha=0.3)
+    handles = [Line2D([], [], marker="o", linestyle="", color=colours[m], markeredgecolor="black",
+                      markeredgewidth=0.5, label=f"M = {m}") for m in ms]
+    handles += [Line2D([], [], marker="o", linestyle="", color="grey", label="fits budget"),
+                Line2D([], [], marker="X", linestyle="", color="grey", alpha=0.55, label="violates budget")]
+    if chosen:
+        handles.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none",
+                              markeredgecolor="crimson", markersize=12, label="chosen"))
+    if len(front) > 1:
+        handles.append(Line2D([], [], color="#555", label="Pareto front"))
+    if budget_ms is not None:
+        handles.append(Line2D([], [], color="crimson", linestyle="--", label=f"latency budget {budget_label}"))
+    if budget_mb is not None:
+        handles.append(Line2D([], [], color="darkorange", linestyle="--", label=f"size budget {fmt(budget_mb)} MB"))
+    ax.legend(handles=handles, loc="lower right", fontsize=7, framealpha=0.85)
+    return _png(fig)
+
+
+def _size_panel(ax, candidates: list, choice: dict, budget_mb: float | None) -> None:
+    """Val accuracy vs model size: Pareto-optimal points (accuracy, latency, size) filled, others hollow."""
+    pts = [(c, num(get(c, "cost", "model_mb")), num(get(c, "val", "accuracy"))) for c in candidates]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None]
+    for c, x, y in pts:
+        on_front = bool(c.get("pareto"))
+        ax.scatter(x, y, s=40, marker="o", facecolor="#2c7fb8" if on_front else "none", edgecolor="#2c7fb8",
+                   alpha=1.0 if c.get("fits") else 0.45, zorder=3)
+        if same_point(c, choice.get("knob_value"), choice.get("mc_samples")) and \
+                c.get("precision", choice.get("precision")) == choice.get("precision"):
+            ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
+    if budget_mb is not None:
+        ax.axvline(budget_mb, color="darkorange", linestyle="--", linewidth=1.3)
+    xs = [x for _, x, _ in pts] + ([budget_mb] if budget_mb is not None else [])
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 10:
+        ax.set_xscale("log")
+    ax.set_xlabel("model file size (MB)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("Accuracy vs size (filled: Pareto-optimal)")
+    ax.grid(True, alpha=0.3)
+
+
+def plot_knob(candidates: list, knob: Any) -> bytes | None:
+    """Validation accuracy and ECE against the knob, one line per M (and precision)."""
+    series: dict = {}
+    for c in candidates:
+        k, acc, ece = num(c.get("knob_value")), num(get(c, "val", "accuracy")), num(get(c, "val", "ece"))
+        if k is not None and acc is not None and ece is not None:
+            label = f"M = {c.get('mc_samples')}" + (f", {c['precision']}" if c.get("precision") not in (None, "fp32") else "")
+            series.setdefault(label, []).append((k, acc, ece))
+    if not series:
+        return None
+    fig = _new_fig(9.0, 3.4)
+    a1, a2 = fig.subplots(1, 2)
+    for label, rows in sorted(series.items()):
+        rows.sort()
+        a1.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", label=label)
+        a2.plot([r[0] for r in rows], [r[2] for r in rows], marker="o", label=label)
+    for ax, what in ((a1, "validation accuracy"), (a2, "validation ECE")):
+        ax.set_xlabel(knob_label(knob))
+        ax.set_ylabel(what)
+        ax.set_title(f"{what[:1].upper()}{what[1:]} vs {knob_label(knob)}")
+        ax.grid(True, alpha=0.3)
+    a1.legend(fontsize=8)
+    return _png(fig)
+
+
+def plot_latency_prediction(candidates: list, lp: dict) -> bytes | None:
+    """Predicted against measured latency: every candidate measured at selection, and the chosen point's
+    deployment benchmark at p50 / p90 / p99 (all over every timed run); the diagonal is a perfect latency
+    model, the band +-25 %."""
+    pts = [(num(get(c, "cost", "measured_latency_ms")), num(get(c, "cost", "predicted_latency_ms")))
+           for c in candidates]
+    pts = [(m, p) for m, p in pts if m is not None and p is not None]
+    chosen = {k: (num(v.get("measured_ms")), num(v.get("predicted_ms")))
+              for k, v in dict_or_empty(lp.get("by_percentile")).items() if isinstance(v, dict)}
+    chosen = {k: v for k, v in chosen.items() if None not in v}
+    if not chosen and None not in (num(lp.get("measured_ms")), num(lp.get("predicted_ms"))):
+        chosen = {f"p{fmt(lp.get('percentile'))}": (num(lp["measured_ms"]), num(lp["predicted_ms"]))}
+    if not pts and not chosen:
+        return None
+    values = [v for pt in pts + list(chosen.values()) for v in pt]
+    unit, k = time_axis(values)
+    fig = _new_fig(4.8, 4.2)
+    ax = fig.add_subplot()
+    if pts:
+        ax.scatter([k * m for m, _ in pts], [k * p for _, p in pts], s=28, color="#74a9cf", edgecolor="black",
+                   linewidth=0.4, label=f"candidates at selection (p{fmt(lp.get('percentile'))})", zorder=3)
+    for (name, (m, pr)), marker in zip(sorted(chosen.items()), ("o", "*", "D", "s")):
+        ax.scatter(k * m, k * pr, s=110, marker=marker, color="crimson", zorder=4,
+                   label=f"chosen, deployed, {name} (error {100 * (pr - m) / m:+.1f} %)")
+    lo, hi = k * min(values) * 0.8, k * max(values) * 1.2
+    ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", linewidth=1)
+    ax.fill_between([lo, hi], [0.75 * lo, 0.75 * hi], [1.25 * lo, 1.25 * hi], color="grey", alpha=0.12,
+                    label="±25 %")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel(f"measured latency, all timed runs ({unit})")
+    ax.set_ylabel(f"predicted latency ({unit})")
+    ax.set_title("Latency model: predicted vs measured", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    return _png(fig)
+
+
+def plot_sparsity(layers: Any) -> bytes | None:
+    rows = [l for l in (layers or []) if isinstance(l, dict)
+            and num(l.get("kept")) is not None and num(l.get("total")) is not None]
+    if not rows:
+        return None
+    fig = _new_fig(7.0, 0.9 + 0.55 * max(3, len(rows)))
+    ax = fig.add_subplot()
+    names = [str(l.get("name", f"layer {i + 1}")) for i, l in enumerate(rows)]
+    y = list(range(len(rows)))[::-1]  # first layer on top
+    totals = [num(l["total"]) for l in rows]
+    kept = [num(l["kept"]) for l in rows]
+    ax.barh(y, totals, color="#d9d9d9", label="total nodes")
+    ax.barh(y, kept, color="#2c7fb8", height=0.55, label="kept nodes")
+    for yi, k, t in zip(y, kept, totals):
+        ax.text(t, yi, f"  {k:g}/{t:g}", va="center", fontsize=9)
+    ax.set_yticks(y, names)
+    ax.set_xlim(0, max(totals) * 1.18)
+    ax.set_xlabel("nodes (units)")
+    ax.set_title("Kept nodes per layer after pruning")
+    ax.legend(loc="lower right", fontsize=8)
+    return _png(fig)
+
+
+def hist_window(xs: list[float]) -> tuple[float, float, float]:
+    """(low, high, padding) of the histogram's x-axis for sorted samples: from the fastest run to the
+    99.9th percentile, or 1.5 x the 99th where the last 0.9 % stretch further, so that a few runs 10-100x
+    slower (a 2-core machine's other work) do not squeeze the rest into one bar; the legend names them."""
+    p99, p999 = (xs[min(len(xs) - 1, int(q * len(xs)))] for q in (0.99, 0.999))
+    lo, hi = xs[0], min(p999, 1.5 * p99)
+    return lo, hi, 0.05 * (hi - lo) if hi > lo else 0.05 * hi
+
+
+def plot_latency_hist(samples: Any, lat: dict, budget_ms: float | None) -> bytes | None:
+    """Histogram of the timed runs. The x-axis covers the data up to its 99.9th percentile (a few slow
+    runs far out would squeeze the rest into one bar); the runs beyond, the maximum and a budget off the
+    axis are named in the legend, not drawn."""
+    xs = sorted(v for v in (num(s) for s in (samples or [])) if v is not None)
+    if not xs:
+        return None
+    lo, hi, pad = hist_window(xs)
+    unit, k = time_axis([hi])
+    shown = [v for v in xs if v <= hi]
+    fig = _new_fig(5.2, 3.6)
+    ax = fig.add_subplot()
+    ax.hist([k * v for v in shown], bins=min(60, max(10, len(shown) // 20)), range=(k * lo, k * hi),
+            color="#74a9cf", edgecolor="white", linewidth=0.3)
+    for key, style in (("p50", ":"), ("p90", "--"), ("p99", "-.")):
+        v = num(lat.get(key))
+        if v is not None and v <= hi + pad:
+            ax.axvline(k * v, color="black", linestyle=style, linewidth=1, label=f"{key} {fmt_ms(v)}")
+    from matplotlib.lines import Line2D
+
+    extra = []
+    beyond = len(xs) - len(shown)
+    if beyond:
+        extra.append(Line2D([], [], linestyle="", label=f"{beyond} slower runs not shown (max {fmt_ms(xs[-1])})"))
+    if budget_ms is not None and budget_ms <= hi + pad:
+        ax.axvline(k * budget_ms, color="crimson", linestyle="--", linewidth=1.3, label=f"budget {fmt_ms(budget_ms)}")
+    elif budget_ms is not None:
+        extra.append(Line2D([], [], color="crimson", linestyle="--", label=f"budget {fmt_ms(budget_ms)} (off the axis)"))
+    ax.set_xlim(k * (lo - pad), k * (hi + pad))
+    ax.set_title("Latency on the device (all timed runs)", fontsize=10)
+    ax.set_xlabel(f"latency per batch ({unit})")
+    ax.set_ylabel("runs")
+    handles, _ = ax.get_legend_handles_labels()
+    ax.legend(handles=handles + extra, fontsize=7)
+    return _png(fig)
+
+
+def plot_selective(selective: Any) -> bytes | None:
+    """Accuracy against the fraction of inputs rejected, the most uncertain (highest predictive entropy)
+    first: what a Bayesian net's uncertainty buys when it may say "not sure"."""
+    if not isinstance(selective, dict):
+        return None
+    pts = [(num(r), num(a)) for r, a in zip(selective.get("rejected") or [], selective.get("accuracy") or [])]
+    pts = [(r, a) for r, a in pts if r is not None and a is not None]
+    if len(pts) < 2:
+        return None
+    fig = _new_fig(4.8, 3.6)
+    ax = fig.add_subplot()
+    ax.plot([100 * r for r, _ in pts], [a for _, a in pts], marker="o", markersize=3, color="#2c7fb8",
+            label="by predictive entropy")
+    ax.axhline(pts[0][1], color="grey", linestyle=":", linewidth=1, label=f"no rejection ({fmt(pts[0][1])})")
+    ax.set_xlabel("inputs rejected, most uncertain first (%)")
+    ax.set_ylabel("accuracy on the rest")
+    ax.set_title("Selective prediction: accuracy vs rejection", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return _png(fig)
+
+
+def plot_reliability(rel: Any, ece: Any) -> bytes | None:
+    acc = rel.get("bin_accuracy") if isinstance(rel, dict) else None
+    if not isinstance(acc, list) or not acc:
+        return None
+    conf = rel.get("bin_confidence") or [None] * len(acc)
+    count = rel.get("bin_count") or [None] * len(acc)
+    nb = len(acc)
+    width = 1.0 / nb
+    centers = [(i + 0.5) * width for i in range(nb)]
+    fig = _new_fig(4.7, 4.7)
+    gs = fig.add_gridspec(2, 1, height_ratios=[4, 1])
+    ax = fig.add_subplot(gs[0])
+    axc = fig.add_subplot(gs[1], sharex=ax)
+    # Empty bins (count 0 or no value) are left blank rather than drawn as zero accuracy.
+    bx, bh, cx, cy = [], [], [], []
+    for c, a, v, n in zip(centers, acc, conf, count):
+        if n == 0:
+            continue
+        if num(a) is not None:
+            bx.append(c)
+            bh.append(num(a))
+        if num(v) is not None:
+            cx.append(c)
+            cy.append(num(v))
+    ax.bar(bx, bh, width=width * 0.95, color="#2c7fb8", edgecolor="white", label="accuracy in bin")
+    ax.scatter(cx, cy, color="black", s=14, zorder=3, label="mean confidence in bin")
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfect calibration")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy")
+    ax.set_title("Reliability diagram" + (f" (ECE = {fmt(num(ece))})" if num(ece) is not None else ""))
+    ax.legend(loc="upper left", fontsize=8)
+    ax.tick_params(labelbottom=False)
+    axc.bar(centers, [num(n) or 0 for n in count], width=width * 0.95, color="#bdbdbd")
+    axc.set_xlabel("confidence (max predicted probability)")
+    axc.set_ylabel("examples")
+    return _png(fig)
+
+
+def plot_history(history: Any, layer_names: list[str]) -> bytes | None:
+    hist = [h for h in (history or []) if isinstance(h, dict)]
+    ep = [(num(h.get("epoch")) if num(h.get("epoch")) is not None else i + 1) for i, h in enumerate(hist)]
+    acc = [(e, num(h.get("val_accuracy"))) for e, h in zip(ep, hist) if num(h.get("val_accuracy")) is not None]
+    kept = [(e, h["kept_nodes"]) for e, h in zip(ep, hist) if isinstance(h.get("kept_nodes"), list)]
+    if not acc and not kept:
+        return None
+    fig = _new_fig(9.0, 3.4)
+    a1, a2 = fig.subplots(1, 2)
+    if acc:
+        a1.plot(*zip(*acc), color="#2c7fb8")
+    a1.set_title("Validation accuracy during training")
+    a1.set_xlabel("epoch")
+    a1.set_ylabel("val accuracy")
+    a1.grid(True, alpha=0.3)
+    width = max((len(k) for _, k in kept), default=0)
+    for j in range(width):
+        pts = [(e, num(k[j])) for e, k in kept if j < len(k) and num(k[j]) is not None]
+        if pts:
+            a2.plot(*zip(*pts), label=layer_names[j] if j < len(layer_names) else f"layer {j + 1}")
+    a2.set_title("Kept nodes per hidden layer")
+    a2.set_xlabel("epoch")
+    a2.set_ylabel("kept nodes")
+    a2.grid(True, alpha=0.3)
+    if width:
+        a2.legend(fontsize=8)
+    return _png(fig)
+
+
+
+def plot_devices(rows: list[dict]) -> bytes | None:
+    pts = [(r["device"], num(r["latency_ms"]), num(r["accuracy"]), r["mode"]) for r in rows]
+    pts = [p for p in pts if p[1] is not None and p[2] is not None]
+    if not pts:
+        return None
+    unit, k = time_axis([x for _, x, _, _ in pts])
+    fig = _new_fig(6.0, 3.8)
+    ax = fig.add_subplot()
+    for name, x, y, mode in pts:
+        ax.scatter(k * x, y, s=70, marker="o" if mode == "measured" else "^",
+                   color="#2c7fb8" if mode == "measured" else "#9e9ac8", edgecolor="black", linewidth=0.5, zorder=3)
+        ax.annotate(name, (k * x, y), xytext=(6, 4), textcoords="offset points", fontsize=8)
+    xs = [k * x for _, x, _, _ in pts]
+    if min(xs) > 0 and max(xs) / min(xs) > 10:
+        ax.set_xscale("log")
+    ax.set_xlabel(f"latency at each device's budget percentile ({unit})")
+    ax.set_ylabel("accuracy")
+    ax.set_title("Chosen point per device (circle: measured, triangle: predicted)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.margins(0.15)
+    return _png(fig)
+
+
+
+def report_figures(d: dict, s: dict) -> dict[str, bytes | None]:
+    """Every figure of a run's report page, by its file name, from the inputs d and their summary s."""
+    results, train = dict_or_empty(d.get("results")), dict_or_empty(d.get("train"))
+    layers = get(train, "sparsity", "layers") or []
+    candidates = [c for c in d.get("candidates") or [] if isinstance(c, dict)]
+    hidden_names = [str(l.get("name")) for l in layers if isinstance(l, dict) and l.get("name") != "output"]
+    return {
+        "tradeoff.png": plot_tradeoff(candidates, d.get("choice") or {}, s["latency_budget_ms"],
+                                      s["budgets"]["model_mb"]["limit"]),
+        "knob.png": plot_knob(candidates, s["knob"]),
+        "latency_prediction.png": plot_latency_prediction(candidates, s["latency_prediction"]),
+        "sparsity.png": plot_sparsity(layers),
+        "latency_hist.png": plot_latency_hist(results.get("latency_samples_ms"),
+                                              results.get("latency_ms") or {}, s["latency_budget_ms"]),
+        "reliability.png": plot_reliability(d.get("reliability") or get(d, "predicted", "here", "reliability"),
+                                            s["metrics"]["ece"]["device"]),
+        "selective.png": plot_selective(s.get("selective")),
+        "training.png": plot_history(train.get("history"), hidden_names),
+    }

@@ -1,0 +1,484 @@
+"""The report's numbers: the summary block of report.json, the terminal summary, and how each figure is
+written (units, "n/a"), shared by the page's templates (as filters), its plots and the terminal.
+
+A report is "measured" (the device's runner results) or, when the device could not be reached, "predicted"
+(``inputs["predicted"]``): the device's latency model and memory estimate stand for its measurements, the
+accuracy figures are the bundle's on this machine, and every figure says which it is.
+
+Units: latencies in µs below 1 ms, else ms (``fmt_ms``); sizes and memory in MB (10^6 bytes) everywhere, as
+the budgets are. Missing optional inputs are "n/a" on the page and null in the JSON.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from pathlib import Path
+from typing import Any
+
+NA = "n/a"
+# Model size in MB = 10^6 bytes, as the selection stage computes candidates' model_mb,
+# so "fits" in selection and the verdict here agree.
+BYTES_PER_MB = 1_000_000
+# Budget key in device.budgets -> (label on the page, unit).
+BUDGETS = {
+    "latency_ms": ("latency", "ms"),
+    "memory_mb": ("memory", "MB"),
+    "model_mb": ("model size", "MB"),
+}
+METRICS = ("accuracy", "nll", "ece", "brier")
+METRIC_LABELS = {"accuracy": "accuracy", "nll": "NLL", "ece": "ECE", "brier": "Brier", "n": "n"}
+
+
+# ----------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------
+
+def jsonable(x: Any) -> Any:
+    """Deep copy into plain JSON types; NaN/inf become None so the file is strict JSON."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (bool, str)) or x is None:
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, Path):
+        return str(x)
+    # numpy scalars/arrays (and anything else exposing tolist/item) without importing numpy
+    for attr in ("tolist", "item"):
+        if hasattr(x, attr):
+            return jsonable(getattr(x, attr)())
+    return str(x)
+
+
+def get(d: Any, *keys: Any) -> Any:
+    """d[k1][k2]... or None when any level is absent."""
+    for k in keys:
+        if isinstance(d, dict):
+            d = d.get(k)
+        elif isinstance(d, list) and isinstance(k, int) and -len(d) <= k < len(d):
+            d = d[k]
+        else:
+            return None
+    return d
+
+
+def num(x: Any) -> float | None:
+    """A finite number as float, else None (bools are not numbers here)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def diff(a: Any, b: Any) -> float | None:
+    a, b = num(a), num(b)
+    return None if a is None or b is None else a - b
+
+
+def fmt(x: Any, unit: str = "") -> str:
+    """Human formatting; None -> 'n/a'. Tiny values (fidelity ~1e-7) go scientific."""
+    if x is None:
+        return NA
+    if isinstance(x, bool):
+        s = "yes" if x else "no"
+    elif isinstance(x, int):
+        s = f"{x:,}"
+    elif isinstance(x, float):
+        if x == 0:
+            s = "0"
+        elif abs(x) >= 1000:
+            s = f"{x:,.0f}"
+        elif abs(x) < 1e-3:
+            s = f"{x:.2e}"
+        else:
+            s = f"{x:.4g}"
+    else:
+        s = str(x)
+    return f"{s} {unit}" if unit else s
+
+
+def fmt_diff(x: float | None) -> str:
+    if x is None:
+        return NA
+    if x == 0:
+        return "0"
+    return f"{x:+.2e}" if abs(x) < 1e-3 else f"{x:+.4f}"
+
+
+def fmt_ms(x: Any, ascii_only: bool = False) -> str:
+    """A latency in the unit that fits: '7.83 µs' below 1 ms, '2.79 ms' above; None -> 'n/a'."""
+    v = num(x)
+    if v is None:
+        return NA
+    if abs(v) < 1.0:
+        return f"{1000 * v:.3g} {'us' if ascii_only else 'µs'}"
+    return f"{v:,.4g} ms" if v < 1000 else f"{v:,.0f} ms"
+
+
+def fmt_unit(x: Any, unit: str) -> str:
+    """fmt, but latencies ('ms') in the unit that fits."""
+    return fmt_ms(x) if unit == "ms" else fmt(num(x) if num(x) is not None else x, unit)
+
+
+def time_axis(values: list[float]) -> tuple[str, float]:
+    """Unit and factor for a plot axis of latencies in ms: µs when every value is below 1 ms."""
+    return ("µs", 1000.0) if values and max(values) < 1.0 else ("ms", 1.0)
+
+
+def fmt_pct(x: float | None) -> str:
+    return NA if x is None else f"{100 * x:.1f} %"
+
+
+
+def knob_label(knob: Any) -> str:
+    """'inclusion_threshold' -> 'inclusion threshold' (the family's deploy-time knob)."""
+    return str(knob or "knob").replace("_", " ")
+
+
+def same_point(cand: dict, knob_value: Any, m: Any) -> bool:
+    t1, t2 = num(cand.get("knob_value")), num(knob_value)
+    return (t1 is not None and t2 is not None and math.isclose(t1, t2, rel_tol=1e-9, abs_tol=1e-12)
+            and cand.get("mc_samples") == m)
+
+
+def wilson(p: float | None, n: float | None, z: float = 1.96) -> list[float] | None:
+    """95% Wilson interval for an accuracy measured on n examples (how much is noise)."""
+    if p is None or n is None or n <= 0 or not 0 <= p <= 1:
+        return None
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return [max(0.0, mid - half), min(1.0, mid + half)]
+
+
+# ----------------------------------------------------------------------------
+# summary
+# ----------------------------------------------------------------------------
+
+def latency_key(lat: dict, percentile: Any) -> str | None:
+    """Reported latency statistic to judge the budget with: p<percentile> if reported,
+    else the nearest reported percentile above it (conservative), else max."""
+    pct = num(percentile)
+    if pct is None:
+        pct = 90.0
+    exact = f"p{pct:g}"
+    if num(lat.get(exact)) is not None:
+        return exact
+    reported = sorted(
+        (float(k[1:]), k) for k in lat
+        if k.startswith("p") and k[1:].replace(".", "", 1).isdigit() and num(lat[k]) is not None
+    )
+    for value, key in reported:
+        if value >= pct:
+            return key
+    if num(lat.get("max")) is not None:
+        return "max"
+    return reported[-1][1] if reported else None
+
+
+def verdict_of(limit: float | None, measured: float | None) -> str:
+    if limit is None:
+        return "not set"
+    if measured is None:
+        return NA
+    return "pass" if measured <= limit else "fail"
+
+
+def pruned_fraction(layers: Any) -> float | None:
+    """1 - kept/total over hidden layers; the output layer (named 'output', else the last) is excluded."""
+    if not isinstance(layers, list) or not layers:
+        return None
+    layers = [l for l in layers if isinstance(l, dict)]
+    hidden = [l for l in layers if l.get("name") != "output"]
+    if len(hidden) == len(layers):
+        hidden = layers[:-1]
+    kept = [num(l.get("kept")) for l in hidden]
+    total = [num(l.get("total")) for l in hidden]
+    if not hidden or None in kept or None in total or sum(total) <= 0:
+        return None
+    return 1.0 - sum(kept) / sum(total)
+
+
+def dict_or_empty(x: Any) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
+def summarize(d: dict) -> dict:
+    """Compute the summary block from the (JSON-clean) inputs."""
+    device = dict_or_empty(d.get("device"))
+    budgets = dict_or_empty(device.get("budgets"))
+    predicted_in = d.get("predicted") if isinstance(d.get("predicted"), dict) else None
+    mode = "predicted" if predicted_in is not None else "measured"
+    results = dict_or_empty(d.get("results"))
+    here = dict_or_empty(get(predicted_in, "here"))   # predicted: the bundle run on this machine
+    outputs = here if predicted_in is not None else results   # where accuracy, OOD and rejection come from
+    export = dict_or_empty(d.get("export"))
+    train = dict_or_empty(d.get("train"))
+    choice = dict_or_empty(d.get("choice"))
+    candidates = [c for c in (d.get("candidates") or []) if isinstance(c, dict)]
+    lat = dict_or_empty(results.get("latency_ms"))
+    warnings: list[str] = []
+
+    metrics = {}
+    for m in METRICS:
+        dev, ref = get(outputs, "metrics", m), get(outputs, "reference", m)
+        metrics[m] = {"device": dev, "reference": ref, "diff": diff(dev, ref)}
+    n_eval = get(outputs, "metrics", "n")
+    ci = wilson(num(metrics["accuracy"]["device"]), num(n_eval))
+
+    chosen = next((c for c in candidates
+                   if same_point(c, choice.get("knob_value"), choice.get("mc_samples"))), None)
+    cost = dict_or_empty(get(chosen, "cost"))
+    has_table = cost.get("latency_model_has_table")
+    by_pct = dict_or_empty(cost.get("predicted_latency_ms_by_percentile"))
+    if not by_pct and num(cost.get("predicted_latency_ms")) is not None and budgets.get("percentile") is not None:
+        by_pct = {f"p{num(budgets['percentile']):g}": cost["predicted_latency_ms"]}
+    # A latency model without a table (FLOPs / declared throughput) gives small models its fixed overhead:
+    # the same figure for every candidate, which is not a prediction of this model's latency.
+    predicted_lat = {} if has_table is False else {k: num(v) for k, v in by_pct.items()}
+
+    # Budget verdicts.
+    if predicted_in is None:
+        lat_key = latency_key(lat, budgets.get("percentile"))
+        lat_value = num(lat.get(lat_key)) if lat_key else None
+        lat_src = f"{lat_key} latency over all timed runs" if lat_key else "latency"
+    else:
+        lat_key = latency_key(predicted_lat, budgets.get("percentile"))
+        lat_value = num(predicted_lat.get(lat_key)) if lat_key else None
+        lat_src = (f"{lat_key} predicted by {cost.get('predicted_by') or 'the latency model'}" if lat_value is not None
+                   else "not predicted: the device has no latency table")
+    model_bytes = num(export.get("model_bytes"))
+    if model_bytes is not None:
+        model_mb, model_src = model_bytes / BYTES_PER_MB, "export.model_bytes"
+    else:  # fall back to the selection stage's estimate for the chosen point
+        model_mb, model_src = num(cost.get("model_mb")), "candidate cost estimate"
+    mem = dict_or_empty(results.get("memory"))
+    estimate = num(cost.get("memory_estimate_mb"))
+    lower = bool(cost.get("memory_estimate_lower_bound"))
+    if predicted_in is not None:
+        memory = (estimate, "estimated at selection" + (" (a lower bound: no measurement of the runtime)"
+                                                         if lower else "") if estimate is not None else "estimate")
+    elif num(mem.get("deployed_mb")) is not None:
+        memory = (num(mem["deployed_mb"]), "runtime baseline + the model's own peak")
+    else:
+        memory = (num(results.get("peak_rss_mb")), "peak RSS")
+    measured = {"latency_ms": (lat_value, lat_src), "memory_mb": memory, "model_mb": (model_mb, model_src)}
+    basis = {"latency_ms": "predicted" if predicted_in is not None else "measured",
+             "memory_mb": "estimated" if predicted_in is not None else "measured", "model_mb": "file"}
+    budget_rows = {}
+    for key, (label, unit) in BUDGETS.items():
+        limit = num(budgets.get(key))
+        value, source = measured[key]
+        verdict = verdict_of(limit, value)
+        if key == "memory_mb" and predicted_in is not None and lower and verdict == "pass":
+            verdict = NA   # a lower bound under the budget says nothing
+        budget_rows[key] = {"label": label, "unit": unit, "limit": limit, "measured": value,
+                            "measured_as": source, "verdict": verdict, "basis": basis[key]}
+    verdicts = [r["verdict"] for r in budget_rows.values() if r["verdict"] != "not set"]
+    overall = ("fail" if "fail" in verdicts else NA if NA in verdicts
+               else "pass" if verdicts else "not set")
+
+    onnx_params, kept_total = export.get("onnx_params"), export.get("kept_weights_total")
+    params_match = (None if num(onnx_params) is None or num(kept_total) is None
+                    else onnx_params == kept_total)
+
+    # Things an engineer should not miss when trusting the numbers.
+    if predicted_in is not None and predicted_in.get("here_failed"):   # (the page's banner says the rest)
+        warnings.append(f"The bundle did not run on this machine: {predicted_in['here_failed']}.")
+    if has_table is False:
+        warnings.append(f"{device.get('name') or 'This device'} has no latency table: its latency model is FLOPs / "
+                        f"declared throughput, which gives these models about its fixed overhead "
+                        f"({fmt_ms(num(cost.get('predicted_latency_ms')))} for the chosen point), so latency did not "
+                        f"tell the candidates apart. Run `edgebayes devices profile {device.get('name') or 'DEVICE'}` "
+                        "on the board to measure one.")
+    if params_match is False:
+        warnings.append(f"ONNX parameter count {onnx_params} != kept weights {kept_total}: "
+                        "the exported graph does not match the pruned model.")
+    b_bs, r_bs = budgets.get("batch_size"), results.get("batch_size")
+    if b_bs is not None and r_bs is not None and b_bs != r_bs:
+        warnings.append(f"latency measured at batch size {r_bs}, budget is for batch size {b_bs}.")
+    if choice and chosen is None:
+        warnings.append("chosen operating point is not among the candidates.")
+    elif chosen is not None and chosen.get("fits") is False:
+        warnings.append("chosen operating point did not fit the budget during selection.")
+    pct = num(budgets.get("percentile"))
+    if lat_key and pct is not None and lat_key != f"p{pct:g}":
+        warnings.append(f"p{pct:g} latency not reported; judged with {lat_key} (conservative).")
+
+    # Predicted (the device's latency model) against measured (the deployment's benchmark) latency of the
+    # chosen point, at the budget's percentile and at each percentile: how far the latency model can be
+    # trusted on this device. Both are over all timed samples (runner.latency_summary).
+    predicted = num(cost.get("predicted_latency_ms")) if has_table is not False else None
+    lat_measured = None if predicted_in is not None else lat_value
+    error = None if predicted is None or not lat_measured else (predicted - lat_measured) / lat_measured
+    # The measurement's own noise: the range of the benchmark rounds' percentiles relative to the best round.
+    spread = num(get(results, "latency_spread", lat_key)) if lat_key else None
+    by_percentile = {}
+    for k in ("p50", "p90", "p99"):
+        pk, mk = num(predicted_lat.get(k)), num(lat.get(k))
+        by_percentile[k] = {"predicted_ms": pk, "measured_ms": mk,
+                            "error": None if pk is None or not mk else (pk - mk) / mk}
+    latency_prediction = {"percentile": budgets.get("percentile"), "predicted_ms": predicted,
+                          "predicted_by": cost.get("predicted_by"), "measured_ms": lat_measured,
+                          "error": error, "abs_error": None if error is None else abs(error),
+                          "measurement_spread": spread, "has_table": has_table, "by_percentile": by_percentile}
+
+    deployed_mb = num(mem.get("deployed_mb"))
+    memory_block = {
+        "runtime_baseline_mb": num(mem.get("runtime_baseline_mb")), "model_mb": num(mem.get("model_mb")),
+        "deployed_mb": deployed_mb, "runner_peak_rss_mb": num(results.get("peak_rss_mb")),
+        "estimate_mb": estimate, "estimate_lower_bound": lower if estimate is not None else None,
+        "estimate_parts_mb": cost.get("memory_parts_mb"),
+        "estimate_error": None if estimate is None or not deployed_mb else (estimate - deployed_mb) / deployed_mb,
+    }
+    ood_train = dict_or_empty(train.get("ood"))
+    ood = dict_or_empty(outputs.get("ood"))
+
+    return {
+        "run_name": d.get("run_name"),
+        "device": device.get("name"),
+        "mode": mode,
+        "runtime": device.get("runtime"),
+        "knob": choice.get("knob"),
+        "knob_value": choice.get("knob_value"),
+        "mc_samples": choice.get("mc_samples"),
+        "precision": choice.get("precision"),
+        "format": choice.get("format"),
+        "objective": d.get("objective"),
+        "max_ece": d.get("max_ece"),
+        "latency_prediction": latency_prediction,
+        "pareto": [c.get("id") or f"{knob_label(c.get('knob'))} {c.get('knob_value')}, M={c.get('mc_samples')}"
+                   for c in candidates if c.get("pareto")],
+        "choice_reason": choice.get("reason"),
+        "metrics": metrics,
+        "metrics_measured_on": "this machine" if predicted_in is not None else "device",
+        "n_eval": n_eval,
+        "accuracy_ci95": ci,
+        "max_abs_prob_diff": outputs.get("max_abs_prob_diff"),
+        "latency_ms": {k: lat.get(k) for k in ("p50", "p90", "p99")},
+        "latency_max_ms": lat.get("max"),
+        "latency_ms_best_round": {k: get(results, "latency_ms_best_round", k) for k in ("p50", "p90", "p99")},
+        "latency_predicted_ms": {k: predicted_lat.get(k) for k in ("p50", "p90", "p99")},
+        "cold_start": results.get("cold_start"),
+        "latency_percentile": budgets.get("percentile"),
+        "latency_stat": lat_key,
+        "latency_at_percentile_ms": lat_value,
+        "latency_budget_ms": num(budgets.get("latency_ms")),
+        "budgets": budget_rows,
+        "overall_verdict": overall,
+        "memory": memory_block,
+        "ood": {"auroc": num(ood.get("auroc")), "aupr": num(ood.get("aupr")), "score": ood.get("score"),
+                "n_out": ood.get("n_out"), "train_auroc": num(ood_train.get("auroc")),
+                "train_aupr": num(ood_train.get("aupr")), "set": ood_train.get("set")},
+        "selective": outputs.get("selective") if isinstance(outputs.get("selective"), dict) else None,
+        "model_mb": model_mb,
+        "pruned_fraction_hidden": pruned_fraction(get(train, "sparsity", "layers")),
+        "compression_ratio": train.get("compression_ratio"),
+        "flops_ratio": train.get("flops_ratio"),
+        "onnx_params": onnx_params,
+        "kept_weights_total": kept_total,
+        "kept_weights_per_sample": export.get("kept_weights_per_sample"),
+        "params_match": params_match,
+        "fidelity_max_abs_prob_diff": export.get("fidelity_max_abs_prob_diff"),
+        "finish": (predicted_in or {}).get("finish"),
+        "warnings": warnings,
+        "report_created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+
+# ----------------------------------------------------------------------------
+# fidelity of every exported artifact (export formats, issue 8)
+# ----------------------------------------------------------------------------
+
+def fidelity_rows(d: dict) -> list[dict]:
+    """One row per exported artifact: its metrics at export (beside the PyTorch MC average's), the
+    largest probability difference, the tolerance check, and what the device measured running it."""
+    artifacts = get(d, "export", "artifacts")
+    on_device = d.get("artifact_results") if isinstance(d.get("artifact_results"), dict) else {}
+    rows = []
+    for name, art in (artifacts.items() if isinstance(artifacts, dict) else []):
+        fid = art.get("fidelity") if isinstance(art, dict) else None
+        if not isinstance(fid, dict):
+            continue
+        dev = on_device.get(name) if isinstance(on_device.get(name), dict) else {}
+        rows.append({
+            "artifact": name, "precision": art.get("precision"), "layout": art.get("layout"),
+            "bytes": art.get("bytes"), "accuracy": fid.get("accuracy"), "nll": fid.get("nll"),
+            "ece": fid.get("ece"), "reference": fid.get("reference"),
+            "max_abs_prob_diff": fid.get("max_abs_prob_diff"), "check": fid.get("check"),
+            "device_accuracy": get(dev, "metrics", "accuracy"), "device_ece": get(dev, "metrics", "ece"),
+            "device_p50_ms": get(dev, "latency_ms", "p50"), "device_skipped": dev.get("skipped"),
+        })
+    return rows
+
+
+
+# ----------------------------------------------------------------------------
+# what the terminal shows at the end of a run, and a page comparing devices
+# ----------------------------------------------------------------------------
+
+def terminal_summary(report: dict, report_path: Any = None) -> dict:
+    """The figures a run ends with (`edgebayes pipeline` / `report`, `--json`): device, chosen point,
+    accuracy, ECE, OOD AUROC, latency percentiles, size, memory, each budget's verdict, the report's path."""
+    s = dict_or_empty(report.get("summary"))
+    predicted = s.get("mode") == "predicted"
+    lat = s.get("latency_predicted_ms") if predicted else {**dict_or_empty(s.get("latency_ms")), "max": s.get("latency_max_ms")}
+    return {
+        "run": s.get("run_name"), "device": s.get("device"), "mode": s.get("mode"),
+        "chosen": {k: s.get(k) for k in ("knob", "knob_value", "mc_samples", "format", "precision")},
+        "accuracy": get(s, "metrics", "accuracy", "device"), "ece": get(s, "metrics", "ece", "device"),
+        "metrics_measured_on": s.get("metrics_measured_on"),
+        "ood_auroc": get(s, "ood", "auroc"), "ood_aupr": get(s, "ood", "aupr"),
+        "latency_ms": lat, "latency_basis": (("no latency table" if get(s, "latency_prediction", "has_table") is False
+                                              else str(get(s, "latency_prediction", "predicted_by")))
+                                             if predicted else "measured, all timed runs"),
+        "latency_ms_best_round": None if predicted else s.get("latency_ms_best_round"),
+        "model_mb": s.get("model_mb"),
+        "memory_mb": get(s, "budgets", "memory_mb", "measured"),
+        "memory_basis": get(s, "budgets", "memory_mb", "measured_as"),
+        "memory_runtime_baseline_mb": get(s, "memory", "runtime_baseline_mb"),
+        "memory_model_mb": get(s, "memory", "model_mb"),
+        "budgets": {k: {"limit": r.get("limit"), "value": r.get("measured"), "basis": r.get("basis"),
+                        "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
+        "verdict": s.get("overall_verdict"),
+        "report": None if report_path is None else str(report_path),
+    }
+
+
+def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
+    """terminal_summary as the block of lines printed at the end of a run (ASCII units)."""
+    def ms(x):
+        return fmt_ms(x, ascii_only=True)
+
+    c = t["chosen"]
+    lat = dict_or_empty(t.get("latency_ms"))
+    predicted = t.get("mode") == "predicted"
+    lat_txt = ", ".join(f"{k} {ms(v)}" for k, v in lat.items() if v is not None) or "n/a"
+    best = dict_or_empty(t.get("latency_ms_best_round"))
+    lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})",
+             f"  chosen point  {knob_label(c.get('knob'))} {fmt(c.get('knob_value'))}, M={c.get('mc_samples')}, "
+             f"{c.get('format')} ({c.get('precision')})",
+             f"  accuracy      {fmt(t.get('accuracy'))}, ECE {fmt(t.get('ece'))}, OOD AUROC {fmt(t.get('ood_auroc'))}"
+             + (" (the bundle on this machine)" if predicted else " (on the device)"),
+             f"  latency       {lat_txt} ({t.get('latency_basis')})"
+             + (f"; best round p90 {ms(best.get('p90'))}" if best.get("p90") is not None else ""),
+             f"  size          {fmt(t.get('model_mb'), 'MB')}",
+             f"  memory        {fmt(t.get('memory_mb'), 'MB')} ({t.get('memory_basis')})"
+             + (f": runtime {fmt(t['memory_runtime_baseline_mb'], 'MB')} + model {fmt(t['memory_model_mb'], 'MB')}"
+                if t.get("memory_model_mb") is not None else "")]
+    for key, b in dict_or_empty(t.get("budgets")).items():
+        label, unit = BUDGETS.get(key, (key, ""))
+        limit = "not set" if b.get("limit") is None else f"<= {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
+        value = ms(b.get("value")) if unit == "ms" else fmt(b.get("value"), unit)
+        lines.append(f"  budget        {label} {value} {limit}: {b.get('verdict')}"
+                     + (f" ({b.get('basis')})" if b.get("basis") not in (None, "measured", "file") else ""))
+    lines.append(f"  verdict       {t.get('verdict')}" + (" (predicted)" if predicted else "")
+                 + (f", exit code {exit_code}" if exit_code is not None else ""))
+    lines.append(f"  report        {t.get('report')}")
+    return lines
+
