@@ -169,7 +169,7 @@ class SelectConfig:
 
 
 # Target formats of the exported MC-averaged model (export/formats.py has what each one is).
-ExportFormat = Literal["onnx", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflite-int8", "tensorrt-fp16",
+ExportFormat = Literal["onnx", "onnx-codebook", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflite-int8", "tensorrt-fp16",
                        "tensorrt-int8"]
 
 

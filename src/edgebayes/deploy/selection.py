@@ -40,12 +40,14 @@ class SelectionError(StageError):
     pass
 
 
-def formats_for(profile):
-    """The export formats this device's runtime loads, at the precisions its profile lists."""
+def formats_for(profile, family=None):
+    """The export formats this device's runtime loads, at the precisions its profile lists; a format made
+    for some model families only (onnx-codebook: SQS) when `family` is one of them."""
     from edgebayes.export.formats import FORMATS
 
     fmts = [f for f in FORMATS.values()
-            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision]
+            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision
+            and (not f.families or family in f.families)]
     if not fmts:
         known = ", ".join(f"{f.name} ({f.runtime} {f.precision})" for f in FORMATS.values())
         raise SelectionError(f"device {profile.name}: no export format for runtime {profile.runtime.name} at "
@@ -163,7 +165,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     calib_x: training inputs that calibrate the int8 formats (as export calibrates the deployed one)."""
     from edgebayes.export.formats import export_artifact
 
-    fmts = formats_for(profile)
+    fmts = formats_for(profile, cfg.model.family)
     b = profile.budgets
     example = val_x[:1]
     batch = val_x[torch.arange(b.batch_size) % len(val_x)]

@@ -1,0 +1,298 @@
+"""Low-bit ONNX of a codebook-quantized network (SQS, paper 001): the deployed file as small as the model.
+
+`lowbit_onnx` rewrites the fp32 ONNX that export writes (formats.py's "onnx") into the format
+"onnx-codebook": every weight initializer with at most 255 distinct non-zero values (an SQS layer has K
+levels per window) is replaced by
+
+  - its codebook (float32 levels, stored once per distinct codebook: the M samples of a layer share it) and
+    its level indices, bit-packed into uint8 bytes at 1, 2, 4 or 8 bits each (the smallest that holds the
+    levels; 3 bits would straddle bytes), unpacked in the graph with BitShift / Mod / Gather. Gather from
+    the codebook, not DequantizeLinear: SQS levels are k-means centres, not an affine grid
+    scale * (q - zero_point), so DequantizeLinear (int4 / uint4 / uint8) cannot give them exactly, and
+    onnxruntime 1.31 has no 2-bit type (ONNX's INT2 / UINT2 come with opset 25). BitShift (opset 11),
+    Mod, Gather, NonZero, ScatterND run in every opset >= 11 the exporter writes;
+  - the sparsity mask as structure where it is structured: input features that every weight of a Gemm /
+    MatMul ignores (whole pixels pruned by sqs.first_layer_scores = per-input; dead units of the layer
+    before) are removed from the weight, and a Gather of the kept features runs before the layer, so their
+    multiply-adds go too. The kept features are stored as a bit per input feature (decoded with NonZero).
+    Where the mask is not structured, the cheapest of three encodings per tensor (by stored bytes):
+      zero-level   the zero is one more codebook level (K + 1 levels: 4 bits for K = 4);
+      mask         one mask bit per weight + the indices of the kept weights only (ScatterND);
+      zero-list    dense indices of K levels + the flat positions of the few zeros (uint16 / uint32), which
+                   suits a layer whose zeros are few (the per-input boundary column).
+Biases and every other initializer stay float32.
+
+The dequantized weights are the exact float32 values of the fp32 graph: the low-bit graph computes the same
+function (max |p - p_fp32| at float rounding, from the removed zero columns only).
+
+In memory: onnxruntime (1.31, default graph optimizations) constant-folds the decoding subgraph when the
+session is created, so the weights are expanded to dense float32 at load (the pruned input columns stay
+removed): the file is small, the session's weights are fp32 (measured in benchmarks/sqs_compression.py: the
+session's RSS is that of the fp32 graph with fewer columns). Turning constant folding off keeps the packed
+bytes in memory and decodes the weights at every call (slower). No runtime here keeps 2-bit weights packed
+and computes on them. TFLite: not written (see the report of issue 21): its quantized weight formats are
+affine int8 / int4 (per-channel scales), which cannot hold a non-uniform codebook exactly, and
+litert-torch folds a Gather of constant indices back to a dense fp32 constant.
+
+`breakdown` says where an artifact's bytes go (indices, mask, codebooks, biases, graph), beside the fp32
+file's.
+"""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from edgebayes.provenance import atomic_path
+
+MAX_LEVELS = 255          # non-zero levels of a codebook weight (the zero level makes 256: uint8 indices)
+PACK_BITS = (1, 2, 4, 8)  # index widths that tile a byte
+# Roles of the initializers the rewrite adds (by name prefix), for `breakdown`.
+ROLES = {"idx": "indices", "mask": "mask", "zeros": "mask", "keep": "mask",
+         "levels": "codebooks", "const": "graph"}
+
+
+def pack_bits(bits: int) -> int:
+    """The stored width of an index of `bits` bits: the next of 1, 2, 4, 8."""
+    return next(b for b in PACK_BITS if b >= bits)
+
+
+def _pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """Pack non-negative ints < 2**bits (bits in 1, 2, 4, 8) into uint8, most significant first."""
+    per = 8 // bits
+    v = np.zeros(math.ceil(values.size / per) * per, dtype=np.uint8)
+    v[: values.size] = values.ravel()
+    v = v.reshape(-1, per).astype(np.uint16)
+    shifts = (8 - bits * np.arange(1, per + 1)).astype(np.uint16)
+    return (v << shifts).sum(1).astype(np.uint8)
+
+
+class _Builder:
+    """Adds initializers and nodes to a graph; constants are stored once (by value)."""
+
+    def __init__(self, graph):
+        self.graph, self.nodes, self.consts, self.count = graph, [], {}, 0
+
+    def name(self, stem):
+        self.count += 1
+        return f"{stem}{self.count}"
+
+    def init(self, prefix, array):
+        array = np.ascontiguousarray(array)
+        key = (prefix, array.dtype.str, array.shape, array.tobytes())
+        if key not in self.consts:  # one codebook / constant for every tensor that uses the same values
+            name = self.name(prefix)
+            self.graph.initializer.append(numpy_helper.from_array(array, name))
+            self.consts[key] = name
+        return self.consts[key]
+
+    def node(self, op, inputs, **attrs):
+        # Short value names and no node names (both optional to the format): they are bytes of the file.
+        out = self.name("cb")
+        self.nodes.append(helper.make_node(op, inputs, [out], **attrs))
+        return out
+
+    def unpack(self, packed: np.ndarray, bits: int, count: int, prefix: str) -> str:
+        """Graph that decodes `count` ints of `bits` bits from the uint8 initializer `packed` -> int64 (count,)."""
+        if bits < 8:
+            per = 8 // bits
+            col = self.init(prefix, packed.reshape(-1, 1))  # a column: the shifts broadcast along its rows
+            shifts = self.init("const", (8 - bits * np.arange(1, per + 1)).astype(np.uint8))
+            shifted = self.node("BitShift", [col, shifts], direction="RIGHT")
+            data = self.node("Mod", [shifted, self.init("const", np.array(2 ** bits, np.uint8))])
+            data = self.node("Reshape", [data, self.init("const", np.array([-1], np.int64))])
+            data = self.node("Slice", [data, self.init("const", np.array([0], np.int64)),
+                                       self.init("const", np.array([count], np.int64))])
+        else:
+            data = self.init(prefix, packed)
+        return self.node("Cast", [data], to=onnx.TensorProto.INT64)
+
+
+def _encodings(w: np.ndarray):
+    """Candidate encodings of one weight: (stored bytes, name, parts) for those that apply."""
+    flat = w.ravel()
+    nonzero = flat != 0
+    levels, idx = np.unique(flat[nonzero], return_inverse=True)
+    zeros, n = int((~nonzero).sum()), flat.size
+    bits = pack_bits(max(1, math.ceil(math.log2(max(len(levels), 2)))))
+    out = []
+    if zeros == 0:
+        return [(math.ceil(n * bits / 8), "dense", {"levels": levels, "idx": idx, "bits": bits})]
+    dense = np.zeros(n, np.int64)
+    dense[nonzero] = idx + 1
+    zbits = pack_bits(math.ceil(math.log2(len(levels) + 1)))
+    out.append((math.ceil(n * zbits / 8), "zero-level",
+                {"levels": np.concatenate([[0.0], levels]).astype(np.float32), "idx": dense, "bits": zbits}))
+    out.append((math.ceil(n / 8) + math.ceil((n - zeros) * bits / 8), "mask",
+                {"levels": levels, "idx": idx, "bits": bits, "mask": nonzero}))
+    pos_dtype = np.uint16 if n <= 2 ** 16 else np.uint32
+    filled = np.zeros(n, np.int64)
+    filled[nonzero] = idx
+    out.append((math.ceil(n * bits / 8) + zeros * np.dtype(pos_dtype).itemsize, "zero-list",
+                {"levels": levels, "idx": filled, "bits": bits, "zeros": np.flatnonzero(~nonzero).astype(pos_dtype)}))
+    return out
+
+
+def _decode(b: _Builder, w: np.ndarray, kind=None) -> tuple:
+    """Graph computing the float32 weight `w` from its cheapest encoding (or the one named `kind`):
+    (output name, encoding name)."""
+    _, kind, p = min((e for e in _encodings(w) if kind in (None, e[1])), key=lambda e: e[0])
+    n = w.size
+    levels = b.init("levels", np.asarray(p["levels"], np.float32))
+    shape = b.init("const", np.array(w.shape, np.int64))
+    if kind in ("dense", "zero-level", "zero-list"):
+        idx = b.unpack(_pack(p["idx"], p["bits"]), p["bits"], n, "idx")
+        flat = b.node("Gather", [levels, idx], axis=0)
+        if kind == "zero-list":
+            pos = b.node("Cast", [b.init("zeros", p["zeros"].reshape(-1, 1))], to=onnx.TensorProto.INT64)
+            zero = b.init("const", np.zeros(len(p["zeros"]), np.float32))
+            flat = b.node("ScatterND", [flat, pos, zero])
+    else:  # mask: the kept weights' values scattered into zeros at the mask's positions
+        kept = b.node("Gather", [levels, b.unpack(_pack(p["idx"], p["bits"]), p["bits"], len(p["idx"]), "idx")],
+                      axis=0)
+        mask = b.unpack(np.packbits(p["mask"]), 1, n, "mask")
+        pos = b.node("Transpose", [b.node("NonZero", [mask])], perm=[1, 0])
+        zeros = b.node("ConstantOfShape", [b.init("const", np.array([n], np.int64))],
+                       value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        flat = b.node("ScatterND", [zeros, pos, kept])
+    return b.node("Reshape", [flat, shape]), kind
+
+
+def _is_codebook(w: np.ndarray) -> bool:
+    """A weight of few levels whose encoding (with its codebook) is smaller than its float32 bytes: a small
+    full-precision layer (40 weights, 40 values) has few values too, and gains nothing."""
+    if w.dtype != np.float32 or w.ndim < 2 or len(np.unique(w[w != 0])) > MAX_LEVELS:
+        return False
+    cost, _, p = min(_encodings(w), key=lambda e: e[0])
+    return cost + 4 * len(p["levels"]) < w.nbytes
+
+
+def _input_axis(node, w):
+    """The axis of a Gemm / MatMul weight that runs over the layer's input features, or None."""
+    if node.op_type == "MatMul" and w.ndim == 2:
+        return 0
+    if node.op_type == "Gemm":
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        return 1 if trans_b else 0
+    return None
+
+
+def _short_names(g):
+    """Name every value but the graph's input and output v0, v1, ... and drop node names and doc strings
+    (all optional to the format): the exporter's '/samples.0/hidden1/Gemm_output_0' names are a tenth of a
+    small file. The tensors' roles (breakdown) are read before this, from the encoding's own names."""
+    keep = {v.name for v in (*g.input, *g.output)}
+    names = {}
+
+    def short(name):
+        if not name or name in keep:
+            return name
+        if name not in names:
+            prefix = next((p for p in ROLES if name.startswith(p)), "v")
+            names[name] = f"{prefix}{len(names)}"
+        return names[name]
+
+    for t in g.initializer:
+        t.name = short(t.name)
+    for n in g.node:
+        n.name, n.doc_string = "", ""
+        n.input[:] = [short(i) for i in n.input]
+        n.output[:] = [short(o) for o in n.output]
+    for v in g.value_info:
+        v.name = short(v.name)
+
+
+def _bypass_identities(g, weights):
+    """The exporter hands an initializer that several layers share (equal samples, equal biases) to them
+    through Identity nodes: let those layers read the initializer itself, so that it is decoded once and a
+    Gemm's weight is seen as an initializer (its pruned inputs can then be removed)."""
+    alias = {n.output[0]: n.input[0] for n in g.node if n.op_type == "Identity" and n.input[0] in weights}
+    outputs = {o.name for o in g.output}
+    keep = [n for n in g.node if not (n.op_type == "Identity" and n.output[0] in alias and n.output[0] not in outputs)]
+    for n in keep:
+        n.input[:] = [alias.get(i, i) if i not in outputs else i for i in n.input]
+    del g.node[:]
+    g.node.extend(keep)
+
+
+def lowbit_onnx(fp32_path, out_path) -> dict:
+    """Write the low-bit form of the fp32 ONNX at `fp32_path` to `out_path` (atomically); returns
+    {"tensors": {initializer: {"encoding", "shape", "inputs_removed"}}, "inputs_removed": n}.
+
+    Raises ValueError when no weight of the graph is codebook-quantized (not an SQS network).
+    """
+    model = onnx.load(str(fp32_path))
+    g = model.graph
+    weights = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    _bypass_identities(g, weights)
+    users = {}
+    for node in g.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    b = _Builder(g)
+    decoded, tensors, removed = {}, {}, 0
+    new_nodes = []
+    for node in g.node:
+        for slot, name in enumerate(node.input):
+            if name not in weights or not _is_codebook(weights[name]):
+                continue
+            if name in decoded:  # a weight read twice (the exporter's Identity re-use): decoded once
+                node.input[slot] = decoded[name]
+                continue
+            w, info = weights[name], {"shape": list(weights[name].shape), "inputs_removed": 0}
+            axis = _input_axis(node, w)
+            if axis is not None and len(users[name]) == 1:  # a weight of several layers keeps its shape
+                dead = ~np.any(w != 0, axis=1 - axis)
+                if dead.any() and not dead.all():
+                    # Structured mask: drop the input features no weight reads, gather the rest before the layer.
+                    w = np.compress(~dead, w, axis=axis)
+                    keep = b.unpack(np.packbits(~dead), 1, dead.size, "keep")
+                    keep = b.node("Reshape", [b.node("NonZero", [keep]), b.init("const", np.array([-1], np.int64))])
+                    gathered = b.node("Gather", [node.input[0], keep], axis=-1)
+                    node.input[0] = gathered
+                    info["inputs_removed"] = int(dead.sum())
+                    removed += int(dead.sum())
+            out, kind = _decode(b, w)
+            info.update(encoding=kind, stored_shape=list(w.shape))
+            decoded[name], tensors[name] = out, info
+            node.input[slot] = out
+        new_nodes += b.nodes
+        b.nodes = []
+        new_nodes.append(node)
+    if not tensors:
+        raise ValueError(f"{fp32_path}: no weight has <= {MAX_LEVELS} distinct values: not a codebook-quantized "
+                         f"(SQS) network; onnx-codebook is for SQS models")
+    del g.node[:]
+    g.node.extend(new_nodes)
+    kept = [t for t in g.initializer if t.name not in decoded]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    _short_names(g)
+    onnx.checker.check_model(model)
+    with atomic_path(out_path) as tmp:
+        onnx.save(model, str(tmp))
+    return {"tensors": tensors, "inputs_removed": removed}
+
+
+def breakdown(path, fp32_path=None) -> dict:
+    """Where the bytes of an ONNX file go: {"bytes", "sections": {indices, mask, codebooks, biases, graph}}
+    (graph = everything but the stored tensors: nodes, names, the small decoding constants), with the fp32
+    file's bytes and the compression ratio fp32 / this file when `fp32_path` is given."""
+    size = Path(path).stat().st_size
+    sections = dict.fromkeys(("indices", "mask", "codebooks", "biases", "weights_fp32", "graph"), 0)
+    tensors = 0
+    for t in onnx.load(str(path)).graph.initializer:
+        nbytes = numpy_helper.to_array(t).nbytes
+        tensors += nbytes
+        role = next((r for p, r in ROLES.items() if t.name.startswith(p)), None)
+        if role is None:
+            role = "biases" if len(t.dims) <= 1 else "weights_fp32"
+        sections[role] += nbytes
+    sections["graph"] += size - tensors
+    out = {"bytes": size, "sections": sections}
+    if fp32_path is not None:
+        fp32 = Path(fp32_path).stat().st_size
+        out.update(fp32_bytes=fp32, compression_ratio=fp32 / size)
+    return out
