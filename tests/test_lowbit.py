@@ -89,3 +89,18 @@ def test_a_network_without_a_codebook_is_refused(tmp_path):
     with pytest.raises(ValueError, match="SQS"):
         export_artifact(torch.nn.Sequential(net, torch.nn.Softmax(-1)), "onnx-codebook", tmp_path / "x.onnx",
                         torch.randn(4, INPUTS), layout="unrolled")
+
+
+def test_onnxruntime_decodes_the_weights_once_at_load(tmp_path):
+    """Every decoding op is constant-folded when the session is created: no per-call decoding cost."""
+    import onnxruntime as ort
+
+    net = sqs_net(first_layer_scores="per-weight")
+    mc = compress(net, 0.5, 2, seed=0).mc_model()
+    path = export_artifact(mc, "onnx-codebook", tmp_path / "cb.onnx", torch.randn(16, INPUTS), layout="unrolled")
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node}
+    decoding = {"BitShift", "Mod", "CumSum", "Where", "ScatterND", "TopK", "Range", "Cast", "Slice"}
+    assert ops and not ops & decoding, ops & decoding

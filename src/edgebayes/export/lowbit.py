@@ -9,15 +9,16 @@ levels per window) is replaced by
     levels; 3 bits would straddle bytes), unpacked in the graph with BitShift / Mod / Gather. Gather from
     the codebook, not DequantizeLinear: SQS levels are k-means centres, not an affine grid
     scale * (q - zero_point), so DequantizeLinear (int4 / uint4 / uint8) cannot give them exactly, and
-    onnxruntime 1.31 has no 2-bit type (ONNX's INT2 / UINT2 come with opset 25). BitShift (opset 11),
-    Mod, Gather, NonZero, ScatterND run in every opset >= 11 the exporter writes;
+    onnxruntime 1.31 has no 2-bit type (ONNX's INT2 / UINT2 come with opset 25). BitShift, Mod, Gather,
+    CumSum, Where, ScatterND, Range, TopK are all in opset 11, and onnxruntime constant-folds every one of
+    them (NonZero it does not fold, so it is not used);
   - the sparsity mask as structure where it is structured: input features that every weight of a Gemm /
     MatMul ignores (whole pixels pruned by sqs.first_layer_scores = per-input; dead units of the layer
     before) are removed from the weight, and a Gather of the kept features runs before the layer, so their
-    multiply-adds go too. The kept features are stored as a bit per input feature (decoded with NonZero).
+    multiply-adds go too. The kept features are stored as a bit per input feature.
     Where the mask is not structured, the cheapest of three encodings per tensor (by stored bytes):
       zero-level   the zero is one more codebook level (K + 1 levels: 4 bits for K = 4);
-      mask         one mask bit per weight + the indices of the kept weights only (ScatterND);
+      mask         one mask bit per weight + the indices of the kept weights only (CumSum, Where);
       zero-list    dense indices of K levels + the flat positions of the few zeros (uint16 / uint32), which
                    suits a layer whose zeros are few (the per-input boundary column).
 Biases and every other initializer stay float32.
@@ -27,10 +28,11 @@ function (max |p - p_fp32| at float rounding, from the removed zero columns only
 
 In memory: onnxruntime (1.31, default graph optimizations) constant-folds the decoding subgraph when the
 session is created, so the weights are expanded to dense float32 at load (the pruned input columns stay
-removed): the file is small, the session's weights are fp32 (measured in benchmarks/sqs_compression.py: the
-session's RSS is that of the fp32 graph with fewer columns). Turning constant folding off keeps the packed
-bytes in memory and decodes the weights at every call (slower). No runtime here keeps 2-bit weights packed
-and computes on them. TFLite: not written (see the report of issue 21): its quantized weight formats are
+removed): the file is small, the session's weights are fp32, and the latency is the fp32 graph's (MNIST MLP
+2x100, benchmarks/results/sqs_mnist_mlp100_deployed.md: 17,123 B against 360,130 B, 7.9 us against 8.2 us at
+batch 1; a session adds 8.97 MB RSS against 8.25 MB for the fp32 file: the runtime's own set-up dominates
+both). Turning constant folding off keeps the packed bytes in memory and decodes the weights at every call
+(357 us). No runtime here keeps 2-bit weights packed and computes on them. TFLite: not written (see the report of issue 21): its quantized weight formats are
 affine int8 / int4 (per-channel scales), which cannot hold a non-uniform codebook exactly, and
 litert-torch folds a Gather of constant indices back to a dense fp32 constant.
 
@@ -80,7 +82,7 @@ class _Builder:
         return f"{stem}{self.count}"
 
     def init(self, prefix, array):
-        array = np.ascontiguousarray(array)
+        array = np.array(array, order="C")  # (not ascontiguousarray: it makes a scalar 1-D)
         key = (prefix, array.dtype.str, array.shape, array.tobytes())
         if key not in self.consts:  # one codebook / constant for every tensor that uses the same values
             name = self.name(prefix)
@@ -108,6 +110,21 @@ class _Builder:
         else:
             data = self.init(prefix, packed)
         return self.node("Cast", [data], to=onnx.TensorProto.INT64)
+
+
+    def kept_positions(self, keep: np.ndarray) -> str:
+        """Graph giving the positions of the True entries of the bool vector `keep` (stored as one bit each),
+        ascending: the k largest of keep[i] * (n - i). Not NonZero: onnxruntime does not constant-fold it,
+        and a graph with it would decode at every call."""
+        n = keep.size
+        bits = self.unpack(np.packbits(keep), 1, n, "keep")
+        desc = self.node("Range", [self.init("const", np.array(n, np.int64)), self.init("const", np.array(0, np.int64)),
+                                   self.init("const", np.array(-1, np.int64))])
+        top = self.name("cb")
+        self.nodes.append(helper.make_node("TopK", [self.node("Mul", [bits, desc]),
+                                                    self.init("const", np.array([int(keep.sum())], np.int64))],
+                                           [self.name("cb"), top]))
+        return top
 
 
 def _encodings(w: np.ndarray):
@@ -153,10 +170,12 @@ def _decode(b: _Builder, w: np.ndarray, kind=None) -> tuple:
         kept = b.node("Gather", [levels, b.unpack(_pack(p["idx"], p["bits"]), p["bits"], len(p["idx"]), "idx")],
                       axis=0)
         mask = b.unpack(np.packbits(p["mask"]), 1, n, "mask")
-        pos = b.node("Transpose", [b.node("NonZero", [mask])], perm=[1, 0])
-        zeros = b.node("ConstantOfShape", [b.init("const", np.array([n], np.int64))],
-                       value=numpy_helper.from_array(np.zeros(1, np.float32)))
-        flat = b.node("ScatterND", [zeros, pos, kept])
+        # Weight i is kept value number cumsum(mask)[i] - 1 (clamped at 0 where the mask is 0, then zeroed).
+        rank = b.node("Sub", [b.node("CumSum", [mask, b.init("const", np.array(0, np.int64))]),
+                              b.init("const", np.array(1, np.int64))])
+        rank = b.node("Max", [rank, b.init("const", np.array(0, np.int64))])
+        flat = b.node("Where", [b.node("Cast", [mask], to=onnx.TensorProto.BOOL),
+                                b.node("Gather", [kept, rank], axis=0), b.init("const", np.array(0, np.float32))])
     return b.node("Reshape", [flat, shape]), kind
 
 
@@ -248,9 +267,7 @@ def lowbit_onnx(fp32_path, out_path) -> dict:
                 if dead.any() and not dead.all():
                     # Structured mask: drop the input features no weight reads, gather the rest before the layer.
                     w = np.compress(~dead, w, axis=axis)
-                    keep = b.unpack(np.packbits(~dead), 1, dead.size, "keep")
-                    keep = b.node("Reshape", [b.node("NonZero", [keep]), b.init("const", np.array([-1], np.int64))])
-                    gathered = b.node("Gather", [node.input[0], keep], axis=-1)
+                    gathered = b.node("Gather", [node.input[0], b.kept_positions(~dead)], axis=-1)
                     node.input[0] = gathered
                     info["inputs_removed"] = int(dead.sum())
                     removed += int(dead.sum())
