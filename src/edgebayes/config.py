@@ -227,7 +227,7 @@ class Budgets:
     latency_ms: Optional[float] = None  # at `percentile`, for `batch_size` inputs
     percentile: Literal[50, 90, 99] = 90
     batch_size: int = 1
-    memory_mb: Optional[float] = None   # peak RSS of the runner on the device
+    memory_mb: Optional[float] = None   # the model's own memory on the device (deploy/memory.py)
     model_mb: Optional[float] = None    # size of the model file
     mc_samples: Optional[list[int]] = None  # the numbers of MC samples allowed; null: any
     mc_samples_max: Optional[int] = None    # or a range: at most this many

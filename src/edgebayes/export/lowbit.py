@@ -238,7 +238,8 @@ def _bypass_identities(g, weights):
 
 def lowbit_onnx(fp32_path, out_path) -> dict:
     """Write the low-bit form of the fp32 ONNX at `fp32_path` to `out_path` (atomically); returns
-    {"tensors": {initializer: {"encoding", "shape", "inputs_removed"}}, "inputs_removed": n}.
+    {"tensors": {initializer: {"encoding", "shape", "stored_shape", "inputs_removed"}}, "inputs_removed": n,
+    "runtime_weight_bytes": the weights' bytes once the runtime has decoded them (dense fp32)}.
 
     Raises ValueError when no weight of the graph is codebook-quantized (not an SQS network).
     """
@@ -290,7 +291,11 @@ def lowbit_onnx(fp32_path, out_path) -> dict:
     onnx.checker.check_model(model)
     with atomic_path(out_path) as tmp:
         onnx.save(model, str(tmp))
-    return {"tensors": tensors, "inputs_removed": removed}
+    # What the runtime holds once it has decoded (constant-folded) the weights: dense float32 without the
+    # removed inputs, plus every tensor stored as it was (biases).
+    decoded_bytes = sum(4 * int(np.prod(t["stored_shape"])) for t in tensors.values())
+    runtime_bytes = decoded_bytes + sum(a.nbytes for n, a in weights.items() if n not in decoded)
+    return {"tensors": tensors, "inputs_removed": removed, "runtime_weight_bytes": int(runtime_bytes)}
 
 
 def breakdown(path, fp32_path=None) -> dict:
