@@ -197,7 +197,7 @@ def deployed_table(entry) -> list:
         fp32 = d["formats"]["onnx"]["bytes"]
         for fmt, f in d["formats"].items():
             sec = f["breakdown"]["sections"]
-            parts = ("fp32 weights {weights_fp32}, biases {biases}, graph {graph}" if fmt == "onnx" else
+            parts = ("fp32 weights {weights}, biases {biases}, graph {graph}" if fmt == "onnx" else
                      "{indices} / {mask} / {codebooks} / {biases} / {graph}").format(**sec)
             lines.append(f"| {r['seed']} | {fmt} | {f['bytes']:,} | {fp32 / f['bytes']:.1f}x | {f['accuracy']:.4f} | "
                          f"{d['reference_accuracy']:.4f} | {f['max_abs_prob_diff']:.1e} | "

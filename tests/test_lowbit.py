@@ -59,7 +59,7 @@ def test_codebook_onnx_has_integer_weights_no_pruned_inputs_and_the_torch_probab
     assert np.abs(probs - predict(mc, x).numpy()).max() <= 1e-4
     b = details["bytes_breakdown"]
     assert b["bytes"] == path.stat().st_size and b["fp32_bytes"] == fp32.stat().st_size
-    assert sum(b["sections"].values()) == b["bytes"] and b["sections"]["weights_fp32"] == 0
+    assert sum(b["sections"].values()) == b["bytes"] and b["sections"]["weights"] == 0
 
 
 @pytest.mark.parametrize("kind", ["dense", "zero-level", "mask", "zero-list"])
@@ -104,3 +104,39 @@ def test_onnxruntime_decodes_the_weights_once_at_load(tmp_path):
     ops = {n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node}
     decoding = {"BitShift", "Mod", "CumSum", "Where", "ScatterND", "TopK", "Range", "Cast", "Slice"}
     assert ops and not ops & decoding, ops & decoding
+
+
+def test_the_mask_of_stacked_samples_is_stored_once():
+    rng = np.random.default_rng(0)
+    block = rng.random((6, 50)) < 0.5
+    w = np.where(np.tile(block, (4, 1)), rng.choice(np.float32([-0.3, -0.1, 0.1, 0.3]), (24, 50)), 0).astype(np.float32)
+    assert lowbit._blocks(w != 0) == 4
+    size, kind, parts = next(e for e in lowbit._encodings(w) if e[1] == "mask")
+    assert parts["mask"].size == w.size // 4 and size == 300 // 8 + 1 + int((w != 0).sum()) * 2 // 8
+    graph = helper.make_graph([], "t", [], [helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, list(w.shape))])
+    b = lowbit._Builder(graph)
+    out, _ = lowbit._decode(b, w, "mask")
+    graph.node.extend(b.nodes + [helper.make_node("Identity", [out], ["w"])])
+    import onnxruntime as ort
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
+    assert np.array_equal(got, w)
+
+
+@pytest.mark.parametrize("storage, tolerance", [("fp16", 1e-3), ("int8", 2e-2)])
+def test_fp16_and_int8_weight_storage_keep_the_function_and_store_no_fp32_weight(tmp_path, storage, tolerance):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 8),
+                              torch.nn.ReLU(), torch.nn.Linear(8, CLASSES), torch.nn.Softmax(-1)).eval()
+    x = torch.randn(32, 1, 8, 8)
+    fp32 = export_artifact(net, "onnx", tmp_path / "fp32.onnx", x[:4], layout="unrolled")
+    out = tmp_path / f"{storage}.onnx"
+    assert lowbit.weight_storage(fp32, out, storage)["tensors"] == 3
+    inits = [numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer]
+    assert not [a for a in inits if a.dtype == np.float32 and a.ndim >= 2]
+    assert any(a.dtype == (np.float16 if storage == "fp16" else np.int8) for a in inits)
+    ref = artifact_predict(fp32, "onnx", x.numpy())
+    assert np.abs(artifact_predict(out, "onnx", x.numpy()) - ref).max() <= tolerance
+    stored = lowbit.breakdown(out)["sections"]["weights"]
+    assert stored <= lowbit.breakdown(fp32)["sections"]["weights"] / (2 if storage == "fp16" else 3)

@@ -18,7 +18,8 @@ levels per window) is replaced by
     multiply-adds go too. The kept features are stored as a bit per input feature.
     Where the mask is not structured, the cheapest of three encodings per tensor (by stored bytes):
       zero-level   the zero is one more codebook level (K + 1 levels: 4 bits for K = 4);
-      mask         one mask bit per weight + the indices of the kept weights only (CumSum, Where);
+      mask         one mask bit per weight + the indices of the kept weights only (CumSum, Where); the
+                   mask of M samples stacked along the output channels (packed layout) stored once;
       zero-list    dense indices of K levels + the flat positions of the few zeros (uint16 / uint32), which
                    suits a layer whose zeros are few (the per-input boundary column).
 Biases and every other initializer stay float32.
@@ -36,8 +37,9 @@ both). Turning constant folding off keeps the packed bytes in memory and decodes
 affine int8 / int4 (per-channel scales), which cannot hold a non-uniform codebook exactly, and
 litert-torch folds a Gather of constant indices back to a dense fp32 constant.
 
-`breakdown` says where an artifact's bytes go (indices, mask, codebooks, biases, graph), beside the fp32
-file's.
+`breakdown` says where an artifact's bytes go (indices, mask, codebooks, biases, weights stored whole,
+graph), beside the fp32 file's. `weight_storage` writes the fp16 / int8 weight-storage forms of any fp32
+ONNX (the spike-and-slab families' samples, benchmarks/sample_bytes.py).
 """
 
 import math
@@ -53,7 +55,7 @@ MAX_LEVELS = 255          # non-zero levels of a codebook weight (the zero level
 PACK_BITS = (1, 2, 4, 8)  # index widths that tile a byte
 # Roles of the initializers the rewrite adds (by name prefix), for `breakdown`.
 ROLES = {"idx": "indices", "mask": "mask", "zeros": "mask", "keep": "mask",
-         "levels": "codebooks", "const": "graph"}
+         "levels": "codebooks", "const": "graph", "w16_": "weights", "w8_": "weights", "scale_": "weights"}
 
 
 def pack_bits(bits: int) -> int:
@@ -127,6 +129,17 @@ class _Builder:
         return top
 
 
+def _blocks(nonzero: np.ndarray, most: int = 16) -> int:
+    """The largest k <= `most` such that the rows of `nonzero` are k equal blocks: the packed layout stacks
+    the M samples of a layer along the output channels, and SQS samples share one mask (its inclusion is
+    deterministic), so the mask is stored once and tiled M times."""
+    rows = nonzero.shape[0]
+    for k in range(min(most, rows), 1, -1):
+        if rows % k == 0 and (nonzero.reshape(k, -1) == nonzero[: rows // k].reshape(1, -1)).all():
+            return k
+    return 1
+
+
 def _encodings(w: np.ndarray):
     """Candidate encodings of one weight: (stored bytes, name, parts) for those that apply."""
     flat = w.ravel()
@@ -142,8 +155,9 @@ def _encodings(w: np.ndarray):
     zbits = pack_bits(math.ceil(math.log2(len(levels) + 1)))
     out.append((math.ceil(n * zbits / 8), "zero-level",
                 {"levels": np.concatenate([[0.0], levels]).astype(np.float32), "idx": dense, "bits": zbits}))
-    out.append((math.ceil(n / 8) + math.ceil((n - zeros) * bits / 8), "mask",
-                {"levels": levels, "idx": idx, "bits": bits, "mask": nonzero}))
+    blocks = _blocks(nonzero.reshape(w.shape[0], -1))
+    out.append((math.ceil(n / blocks / 8) + math.ceil((n - zeros) * bits / 8), "mask",
+                {"levels": levels, "idx": idx, "bits": bits, "mask": nonzero[: n // blocks], "blocks": blocks}))
     pos_dtype = np.uint16 if n <= 2 ** 16 else np.uint32
     filled = np.zeros(n, np.int64)
     filled[nonzero] = idx
@@ -169,7 +183,9 @@ def _decode(b: _Builder, w: np.ndarray, kind=None) -> tuple:
     else:  # mask: the kept weights' values scattered into zeros at the mask's positions
         kept = b.node("Gather", [levels, b.unpack(_pack(p["idx"], p["bits"]), p["bits"], len(p["idx"]), "idx")],
                       axis=0)
-        mask = b.unpack(np.packbits(p["mask"]), 1, n, "mask")
+        mask = b.unpack(np.packbits(p["mask"]), 1, p["mask"].size, "mask")
+        if p["blocks"] > 1:
+            mask = b.node("Tile", [mask, b.init("const", np.array([p["blocks"]], np.int64))])
         # Weight i is kept value number cumsum(mask)[i] - 1 (clamped at 0 where the mask is 0, then zeroed).
         rank = b.node("Sub", [b.node("CumSum", [mask, b.init("const", np.array(0, np.int64))]),
                               b.init("const", np.array(1, np.int64))])
@@ -303,14 +319,14 @@ def breakdown(path, fp32_path=None) -> dict:
     (graph = everything but the stored tensors: nodes, names, the small decoding constants), with the fp32
     file's bytes and the compression ratio fp32 / this file when `fp32_path` is given."""
     size = Path(path).stat().st_size
-    sections = dict.fromkeys(("indices", "mask", "codebooks", "biases", "weights_fp32", "graph"), 0)
+    sections = dict.fromkeys(("indices", "mask", "codebooks", "biases", "weights", "graph"), 0)
     tensors = 0
     for t in onnx.load(str(path)).graph.initializer:
         nbytes = numpy_helper.to_array(t).nbytes
         tensors += nbytes
         role = next((r for p, r in ROLES.items() if t.name.startswith(p)), None)
         if role is None:
-            role = "biases" if len(t.dims) <= 1 else "weights_fp32"
+            role = "biases" if len(t.dims) <= 1 else "weights"
         sections[role] += nbytes
     sections["graph"] += size - tensors
     out = {"bytes": size, "sections": sections}
@@ -318,3 +334,48 @@ def breakdown(path, fp32_path=None) -> dict:
         fp32 = Path(fp32_path).stat().st_size
         out.update(fp32_bytes=fp32, compression_ratio=fp32 / size)
     return out
+
+
+def weight_storage(fp32_path, out_path, storage: str) -> dict:
+    """Rewrite the weights (float32 initializers of 2 or more dimensions) of an fp32 ONNX file to `storage`:
+    "fp16" (stored fp16, a Cast back to float32 before use) or "int8" (symmetric per output channel: int8
+    values and float32 scales, a DequantizeLinear before use; axis 0, the output channels of a Gemm with
+    transB, of a Conv and of the packed layout's grouped 1x1 Conv). Compute stays fp32: this changes what
+    is stored and shipped. Biases stay float32. Returns {"tensors": n rewritten}."""
+    if storage not in ("fp16", "int8"):
+        raise ValueError(f"weight storage {storage!r}; expected fp16 or int8")
+    model = onnx.load(str(fp32_path))
+    g = model.graph
+    weights = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    _bypass_identities(g, weights)
+    b, done, nodes = _Builder(g), {}, []
+    for node in g.node:
+        for slot, name in enumerate(node.input):
+            w = weights.get(name)
+            if w is None or w.dtype != np.float32 or w.ndim < 2:
+                continue
+            if name not in done:
+                if storage == "fp16":
+                    done[name] = b.node("Cast", [b.init("w16_", w.astype(np.float16))], to=onnx.TensorProto.FLOAT)
+                else:
+                    axis = 1 if node.op_type == "MatMul" or (node.op_type == "Gemm" and _input_axis(node, w) == 0) else 0
+                    peak = np.abs(w).max(axis=tuple(i for i in range(w.ndim) if i != axis))
+                    scale = np.where(peak > 0, peak / 127, 1).astype(np.float32)
+                    shape = [1] * w.ndim
+                    shape[axis] = -1
+                    q = np.clip(np.round(w / scale.reshape(shape)), -127, 127).astype(np.int8)
+                    done[name] = b.node("DequantizeLinear", [b.init("w8_", q), b.init("scale_", scale)], axis=axis)
+            node.input[slot] = done[name]
+        nodes += b.nodes
+        b.nodes = []
+        nodes.append(node)
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [t for t in g.initializer if t.name not in done]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    _short_names(g)
+    onnx.checker.check_model(model)
+    with atomic_path(out_path) as tmp:
+        onnx.save(model, str(tmp))
+    return {"tensors": len(done)}
