@@ -319,7 +319,9 @@ def test_pipeline_with_family_sqs_on_digits(tmp_path):
     assert results["metrics"]["accuracy"] >= 0.85 and results["max_abs_prob_diff"] < 1e-4
     report = json.loads((run / "report/small-flash/report.json").read_text())
     assert report["summary"]["budgets"]["model_mb"]["verdict"] == "pass"
-    assert (run / "report/small-flash/report.html").is_file()
+    html_text = (run / "report/small-flash/report.html").read_text()
+    ratio = export["artifacts"]["onnx-codebook"]["bytes_breakdown"]["compression_ratio"]
+    assert "Where the shipped bytes go" in html_text and f"{ratio:.1f}x" in html_text
 
 
 def test_sqs_wraps_the_convolutions_of_lenet5_caffe(tmp_path):

@@ -1071,6 +1071,7 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
         p.append(f"<p class='muted'>{NA}</p>")
 
     p.append(fidelity_section(d))
+    p.append(bytes_section(d))
 
     # 9. provenance
     prov = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
@@ -1131,6 +1132,26 @@ def fidelity_section(d: dict) -> str:
             "difference of any class probability. Device columns: the runner on the target.</p>"
             + _table(["artifact", "precision", "layout", "MB", "accuracy", "NLL", "ECE", "max |Δp|", "check",
                       "device accuracy", "device ECE", "device p50"], body, num_cols={3, 9, 10, 11}))
+
+
+def bytes_section(d: dict) -> str:
+    """Where the shipped bytes go, per ONNX artifact and section (export/lowbit.py breakdown, in export.json),
+    with the fp32 ONNX of the same network and the compression ratio of the shipped file (issue 21)."""
+    artifacts = _get(d, "export", "artifacts")
+    rows = [(name, art["bytes_breakdown"]) for name, art in (artifacts.items() if isinstance(artifacts, dict) else [])
+            if isinstance(art, dict) and isinstance(art.get("bytes_breakdown"), dict)]
+    if not rows:
+        return ""
+    keys = ("indices", "mask", "codebooks", "biases", "weights", "graph")
+    body = [[_e(name), _e(f"{b['bytes']:,}"), *(_e(f"{_get(b, 'sections', k) or 0:,}") for k in keys),
+             _e(f"{b['fp32_bytes']:,}" if _num(b.get("fp32_bytes")) is not None else NA),
+             _e(f"{b['compression_ratio']:.1f}x" if _num(b.get("compression_ratio")) is not None else NA)]
+            for name, b in rows]
+    return ("<h2>Where the shipped bytes go</h2>"
+            "<p class='muted'>Bytes of each ONNX file by section: level indices, masks (kept inputs, zeros), "
+            "codebooks, biases, weights stored whole (fp32, or fp16/int8), graph (nodes, names, shapes). fp32: the "
+            "fp32 ONNX of the same network; ratio = fp32 / shipped.</p>"
+            + _table(["artifact", "bytes", *keys, "fp32 ONNX bytes", "ratio"], body, num_cols=set(range(1, 10))))
 
 
 # ----------------------------------------------------------------------------

@@ -200,11 +200,13 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
                     if f.name == "onnx-codebook":
                         info.update(lowbit_onnx(fp32, path), bytes_breakdown=breakdown(path, fp32))
                     else:
-                        info.update(quantize_onnx_int8(fp32, path, calib_x))
+                        info.update(quantize_onnx_int8(fp32, path, calib_x), bytes_breakdown=breakdown(path, fp32))
             else:  # fp32 ONNX; for tensorrt-fp16 the engine is built from it in fp16 on the target
                 export_onnx(module, example_x[:1], path, opset)
         else:
             info.update(export_tflite(module, example_x, path, f.precision, calib_x))
+    if f.suffix == ".onnx" and "bytes_breakdown" not in info:
+        info["bytes_breakdown"] = breakdown(path, path if f.precision == "fp32" else None)
     if details is not None:
         details.update(info)
     return path
