@@ -8,8 +8,10 @@ levels per window) is replaced by
     its level indices, bit-packed into uint8 bytes at 1, 2, 4 or 8 bits each (the smallest that holds the
     levels; 3 bits would straddle bytes), unpacked in the graph with BitShift / Mod / Gather. Gather from
     the codebook, not DequantizeLinear: SQS levels are k-means centres, not an affine grid
-    scale * (q - zero_point), so DequantizeLinear (int4 / uint4 / uint8) cannot give them exactly, and
-    onnxruntime 1.31 has no 2-bit type (ONNX's INT2 / UINT2 come with opset 25). BitShift, Mod, Gather,
+    scale * (q - zero_point), so DequantizeLinear (int4 / uint4 / uint8) cannot give them exactly. The
+    indices could also be typed UINT4 (opset 21) or UINT2 (opset 25) initializers cast to int64:
+    onnxruntime 1.31 runs both on the CPU (tried), at the same bytes; the uint8 bit-packing keeps the graph
+    at the exporter's opset (17), which older runtimes on the boards load. BitShift, Mod, Gather,
     CumSum, Where, ScatterND, Range, TopK are all in opset 11, and onnxruntime constant-folds every one of
     them (NonZero it does not fold, so it is not used);
   - the sparsity mask as structure where it is structured: input features that every weight of a Gemm /
@@ -33,9 +35,11 @@ removed): the file is small, the session's weights are fp32, and the latency is 
 2x100, benchmarks/results/sqs_mnist_mlp100_deployed.md: 17,123 B against 360,130 B, 7.9 us against 8.2 us at
 batch 1; a session adds 8.97 MB RSS against 8.25 MB for the fp32 file: the runtime's own set-up dominates
 both). Turning constant folding off keeps the packed bytes in memory and decodes the weights at every call
-(357 us). No runtime here keeps 2-bit weights packed and computes on them. TFLite: not written (see the report of issue 21): its quantized weight formats are
-affine int8 / int4 (per-channel scales), which cannot hold a non-uniform codebook exactly, and
-litert-torch folds a Gather of constant indices back to a dense fp32 constant.
+(357 us). No runtime here keeps 2-bit weights packed and computes on them.
+
+TFLite: not written. Its quantized weight formats are affine int8 / int4 (a scale and zero point per tensor
+or channel), which cannot hold a non-uniform codebook exactly (the 1e-4 fidelity would fail); a TFLite
+graph that gathers from a codebook through constant indices was not tried.
 
 `breakdown` says where an artifact's bytes go (indices, mask, codebooks, biases, weights stored whole,
 graph), beside the fp32 file's. `weight_storage` writes the fp16 / int8 weight-storage forms of any fp32
