@@ -243,6 +243,21 @@ def _short_names(g):
         v.name = short(v.name)
 
 
+def _save(model, nodes, replaced, out_path):
+    """The rewritten graph: `nodes` in order, the `replaced` initializers dropped, short names; checked and
+    written atomically."""
+    g = model.graph
+    del g.node[:]
+    g.node.extend(nodes)
+    kept = [t for t in g.initializer if t.name not in replaced]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    _short_names(g)
+    onnx.checker.check_model(model)
+    with atomic_path(out_path) as tmp:
+        onnx.save(model, str(tmp))
+
+
 def _bypass_identities(g, weights):
     """The exporter hands an initializer that several layers share (equal samples, equal biases) to them
     through Identity nodes: let those layers read the initializer itself, so that it is decoded once and a
@@ -302,15 +317,7 @@ def lowbit_onnx(fp32_path, out_path) -> dict:
     if not tensors:
         raise ValueError(f"{fp32_path}: no weight has <= {MAX_LEVELS} distinct values: not a codebook-quantized "
                          f"(SQS) network; onnx-codebook is for SQS models")
-    del g.node[:]
-    g.node.extend(new_nodes)
-    kept = [t for t in g.initializer if t.name not in decoded]
-    del g.initializer[:]
-    g.initializer.extend(kept)
-    _short_names(g)
-    onnx.checker.check_model(model)
-    with atomic_path(out_path) as tmp:
-        onnx.save(model, str(tmp))
+    _save(model, new_nodes, decoded, out_path)
     # What the runtime holds once it has decoded (constant-folded) the weights: dense float32 without the
     # removed inputs, plus every tensor stored as it was (biases).
     decoded_bytes = sum(4 * int(np.prod(t["stored_shape"])) for t in tensors.values())
@@ -373,13 +380,5 @@ def weight_storage(fp32_path, out_path, storage: str) -> dict:
         nodes += b.nodes
         b.nodes = []
         nodes.append(node)
-    del g.node[:]
-    g.node.extend(nodes)
-    kept = [t for t in g.initializer if t.name not in done]
-    del g.initializer[:]
-    g.initializer.extend(kept)
-    _short_names(g)
-    onnx.checker.check_model(model)
-    with atomic_path(out_path) as tmp:
-        onnx.save(model, str(tmp))
+    _save(model, nodes, done, out_path)
     return {"tensors": len(done)}
