@@ -12,7 +12,8 @@ indices and one codebook per layer, the mask once for the M samples where they s
 sample = (bytes(M) - bytes(1)) / (M - 1) at the largest M. Accuracy and ECE on the first --test-rows test
 images (15 bins, the runner's metric functions).
 
-    python benchmarks/sample_bytes.py --epochs 3 --sqs-pretrain-epochs 3 --sqs-epochs 1 --threads 1
+    EDGEBAYES_DATA=../shared/datasets python benchmarks/sample_bytes.py --epochs 3 --sqs-pretrain-epochs 3 \
+        --sqs-epochs 1 --threads 1   (mnist-lenet5-ssghs.yaml names no data.root)
 """
 
 import argparse
@@ -56,10 +57,11 @@ def measure(name, ctx, test_rows, threads, log):
     model, splits = load_trained_model(ctx), splits_for(ctx)
     x, y = splits.test_x[:test_rows], splits.test_y[:test_rows].numpy()
     knob = model.operating_points(None)[0] if name == "sqs" else 0.5
-    rows = []
+    rows, kept = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for m in MS:
-            mc = compress(model, knob, m, ctx.cfg.seed).mc_model()
+            compressed = compress(model, knob, m, ctx.cfg.seed)
+            mc, kept = compressed.mc_model(), {k: int(v.sum()) for k, v in compressed.kept.items()}
             fp32 = export_artifact(mc, "onnx", Path(tmp) / f"m{m}-fp32.onnx", x[:16])
             for storage in storages(name):
                 path = Path(tmp) / f"m{m}-{storage}.onnx"
@@ -76,7 +78,7 @@ def measure(name, ctx, test_rows, threads, log):
                              "sections": breakdown(path, fp32)["sections"]})
                 log(f"{name} M={m} {storage}: {rows[-1]['bytes']:,} B, accuracy {met['accuracy']:.4f}, "
                     f"ECE {met['ece']:.4f}")
-    return {"knob": model.knob, "knob_value": knob, "rows": rows}
+    return {"knob": model.knob, "knob_value": knob, "kept_units": kept, "rows": rows}
 
 
 def per_sample(rows):
@@ -97,9 +99,13 @@ def markdown(result):
              f"Short training budget (not the papers'): {result['budget']}. Accuracy and ECE of each ONNX file run "
              f"by onnxruntime on the first {result['test_rows']:,} test images. Packed layout. Bytes per extra "
              f"sample: (bytes(M = {MS[-1]}) - bytes(M = 1)) / {MS[-1] - 1}. Machine {p['machine'].get('machine')}, "
-             f"{p['machine'].get('cpu_count')} CPU cores, commit {p['git_commit']}, {p['created_at']}.", ""]
+             f"{p['machine'].get('cpu_count')} CPU cores, commit {p['git_commit']}, {p['created_at']}.", "",
+             "What is shared between samples is stored once: the codebooks and (SQS, whose inclusion is "
+             "deterministic) the mask; the samples' kept structure is one network (surgery), so no mask is "
+             "stored for SS-GHS. At this budget SS-GHS has not pruned a unit yet (kept units below): every "
+             "sample is the whole network, and its bytes per sample are the dense weights' in each storage.", ""]
     for name, entry in result["models"].items():
-        lines += [f"## {name} (knob {entry['knob']} = {entry['knob_value']})", "",
+        lines += [f"## {name} (knob {entry['knob']} = {entry['knob_value']}; kept units {entry['kept_units']})", "",
                   "| Storage | M | File bytes | Bytes per extra sample | Accuracy | ECE | indices / mask / codebooks / "
                   "biases / fp32-fp16-int8 weights / graph |", "|---|---|---|---|---|---|---|"]
         for r in entry["rows"]:
