@@ -58,7 +58,7 @@ def export_for(runtime, mc_model, x, path, layout):
     return export_artifact(mc_model, fmt, Path(str(path) + FORMATS[fmt].suffix), x, opset=17, layout=layout), fmt
 
 
-def time_artifacts(artifacts, x1, warmup=50, calls=200, repeats=7):
+def time_artifacts(artifacts, x1, warmup=50, calls=200, repeats=7, threads=THREADS):
     """{name: (path, fmt)} -> {name: {"median_ms", "rounds_ms", "calls_per_round"}} at batch 1.
 
     A round's figure is the median latency (ms) of `calls` calls, the reported figure the median over
@@ -68,7 +68,7 @@ def time_artifacts(artifacts, x1, warmup=50, calls=200, repeats=7):
     """
     if QUICK:
         warmup, calls, repeats = 1, 3, 1
-    backends = {name: make_backend(FORMATS[fmt].runtime, str(path), THREADS) for name, (path, fmt) in artifacts.items()}
+    backends = {name: make_backend(FORMATS[fmt].runtime, str(path), threads) for name, (path, fmt) in artifacts.items()}
     for backend in backends.values():
         for _ in range(warmup):
             backend.run(x1)

@@ -6,7 +6,15 @@ For each config and seed the pipeline's own train stage runs: the deterministic 
 seed sets its initial weights and batch order; the data split stays the config's), then SQS fine-tuning.
 Test accuracy is the pipeline's: MC average of train.mc_samples_eval samples at the config's non-zero rate.
 The compressed file of one sample (train/model.sqs, as the pipeline writes it) gives the rate by bytes, and
-compressed/codebook.py's section_bytes where those bytes go. Results: <out>/<name>.json (with provenance:
+compressed/codebook.py's section_bytes where those bytes go.
+
+Deployed bytes (issue 21): the same sample (M = 1, the one model.sqs holds) exported as the fp32 ONNX and as
+"onnx-codebook" (export/lowbit.py: bit-packed level indices + codebooks, pruned inputs removed), each file's
+bytes, its test accuracy and its largest probability difference to model.sqs's network in PyTorch, batch-1
+latency of both in interleaved rounds (benchmarks/export_common.py time_artifacts, --threads threads), and
+the RSS that onnxruntime's session adds for each file (a fresh process per file: import, then session +
+one run), for the codebook file also with constant folding off (the weights then stay packed in memory
+and are decoded at every call). Results: <out>/<name>.json (with provenance:
 machine, commit, versions), <name>.md and <name>.png (drop against rate by bytes, one point per seed).
 Finished runs resume from their checkpoints in --work.
 
@@ -22,18 +30,88 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgebayes.compressed import codebook
+from edgebayes.compressed.samples import compress, predict
 from edgebayes.config import as_dict, load_pipeline_config
 from edgebayes.data import load_data
 from edgebayes.errors import InputError
-from edgebayes.compressed import codebook
+from edgebayes.export.formats import artifact_predict, export_artifact
+from edgebayes.export.lowbit import breakdown
 from edgebayes.provenance import atomic_path, provenance, write_json
-from edgebayes.train.sqs import stage_summary, train_sqs
+from edgebayes.train.sqs import load_compressed, stage_summary, train_sqs
 from edgebayes.train.trainer import evaluate
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from export_common import time_artifacts  # noqa: E402
+
 MAX_DROP, MIN_RATE = 0.01, 25.0  # issue 5
+MIN_DEPLOYED_RATE = {"per-input": 20.0, "per-weight": 12.0}  # issue 21: fp32 ONNX bytes / onnx-codebook bytes
+FIDELITY = 1e-4
+
+# Run in a fresh interpreter: the RSS that one onnxruntime session (created, run once) adds to the process.
+SESSION_RSS = """
+import sys, numpy as np, onnxruntime as ort
+from edgebayes.ondevice.machine import current_rss_mb
+path, fold, threads = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+x = np.load(sys.argv[4])
+before = current_rss_mb()
+opts = ort.SessionOptions()
+opts.intra_op_num_threads = threads
+s = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"],
+                         disabled_optimizers=[] if fold else ["ConstantFolding"])
+s.run(None, {"input": x})
+import time
+lat = []
+for _ in range(300):
+    t0 = time.perf_counter(); s.run(None, {"input": x}); lat.append(time.perf_counter() - t0)
+print(current_rss_mb() - before, 1e3 * float(np.median(lat)))
+"""
 
 
-def run_one(cfg, splits, work: Path, log) -> dict:
+def session_cost(path, x1, fold, threads):
+    """(MB of RSS a session of `path` adds, median ms of 300 batch-1 calls), in a fresh process."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".npy") as f:
+        np.save(f.name, x1)
+        out = subprocess.run([sys.executable, "-c", SESSION_RSS, str(path), "1" if fold else "0", str(threads), f.name],
+                             capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    mb, ms = map(float, out.stdout.split())
+    return {"session_rss_mb": mb, "median_ms_300_calls": ms}
+
+
+def deployed(model, cfg, splits, work: Path, threads: int) -> dict:
+    """model.sqs's sample as the fp32 ONNX and as onnx-codebook: bytes, accuracy, fidelity, latency, memory."""
+    rate, y = cfg.sqs.nonzero_rate, splits.test_y.numpy()
+    mc = compress(model, rate, 1, seed=0).mc_model()  # the sample model.sqs holds (layer_codes' seed 0)
+    sqs_net = load_compressed(work / "model.sqs", model.base)
+    reference = torch.softmax(predict(sqs_net, splits.test_x), -1).numpy()  # model.sqs's network in PyTorch
+    x = splits.test_x
+    out = {"reference_accuracy": float((reference.argmax(1) == y).mean()), "formats": {}}
+    paths = {}
+    for fmt in ("onnx", "onnx-codebook"):
+        details = {}
+        path = export_artifact(mc, fmt, work / f"deployed-{fmt}.onnx", x[:16], details=details)
+        probs = artifact_predict(path, fmt, x.numpy(), threads=threads)
+        paths[fmt] = (path, fmt)
+        out["formats"][fmt] = {"bytes": path.stat().st_size, "accuracy": float((probs.argmax(1) == y).mean()),
+                               "max_abs_prob_diff": float(np.abs(probs - reference).max()),
+                               "breakdown": details.get("bytes_breakdown") or breakdown(path),
+                               "inputs_removed": details.get("inputs_removed")}
+    x1 = np.ascontiguousarray(x[:1].numpy(), dtype=np.float32)
+    timing = time_artifacts(paths, x1, threads=threads)
+    for fmt, (path, _) in paths.items():
+        out["formats"][fmt]["latency"] = timing[fmt]
+        out["formats"][fmt]["session"] = session_cost(path, x1, True, threads)
+    out["codebook_unfolded_session"] = session_cost(paths["onnx-codebook"][0], x1, False, threads)
+    f = out["formats"]
+    out["deployed_rate"] = f["onnx"]["bytes"] / f["onnx-codebook"]["bytes"]
+    return out
+
+
+def run_one(cfg, splits, work: Path, log, threads=1) -> dict:
     """Pretrain + fine-tune one seed (resumable) and measure it."""
     t0 = time.perf_counter()
     model, history = train_sqs(cfg, splits, work / "checkpoint.pt", log=log)
@@ -43,7 +121,9 @@ def run_one(cfg, splits, work: Path, log) -> dict:
     parts = codebook.section_bytes(model.layer_codes(rate, m=1))
     first = model.keep_masks(rate)[model.wrapped[0]]
     drop = rates["accuracy_drop"]
-    return {"seed": cfg.seed, "full_precision_accuracy": rates["full_precision_test"]["accuracy"],
+    dep = deployed(model, cfg, splits, work, threads)
+    codebook_onnx = dep["formats"]["onnx-codebook"]
+    return {"deployed": dep,"seed": cfg.seed, "full_precision_accuracy": rates["full_precision_test"]["accuracy"],
             "val_accuracy": history[-1]["val_accuracy"],
             "test_accuracy": test["accuracy"], "test_nll": test["nll"], "test_ece": test["ece"], "drop": drop,
             "fine_tune_seconds": sum(h["seconds"] for h in history), "seconds": time.perf_counter() - t0,
@@ -52,7 +132,9 @@ def run_one(cfg, splits, work: Path, log) -> dict:
             **{k: rates[k] for k in ("weights", "kept_weights", "nonzero_rate", "rate_formula", "fp32_bytes",
                                      "file_bytes", "rate_bytes", "bits_per_weight_file")},
             **{f"{k}_bits_per_weight": 8 * v / rates["weights"] for k, v in parts.items()},
-            "meets": {"drop_at_most_1_point": drop <= MAX_DROP, "rate_bytes_at_least_25x": rates["rate_bytes"] >= MIN_RATE}}
+            "meets": {"drop_at_most_1_point": drop <= MAX_DROP, "rate_bytes_at_least_25x": rates["rate_bytes"] >= MIN_RATE,
+                      "deployed_rate": dep["deployed_rate"] >= MIN_DEPLOYED_RATE[cfg.sqs.first_layer_scores],
+                      "deployed_fidelity": codebook_onnx["max_abs_prob_diff"] <= FIDELITY}}
 
 
 def summary(runs) -> dict:
@@ -90,12 +172,40 @@ def markdown(result) -> str:
                          f"{r['mask_bits_per_weight']:.2f} | {r['indices_bits_per_weight']:.2f} | "
                          f"{r['first_layer_inputs_kept']} / {r['first_layer_inputs']} | "
                          f"{'yes' if all(r['meets'].values()) else 'no'} |")
+        lines += deployed_table(entry)
         m = entry["summary"]
         lines += [f"| mean | | | {m['test_accuracy_mean']:.4f} | {100 * m['drop_mean']:+.2f} (max "
                   f"{100 * m['drop_max']:+.2f}) | | | {m['rate_bytes_mean']:.1f}x (min {m['rate_bytes_min']:.1f}x) | | "
                   f"{m['mask_bits_per_weight_mean']:.2f} | {m['indices_bits_per_weight_mean']:.2f} | | "
                   f"{'yes' if m['all_meet'] else 'no'} |", ""]
     return "\n".join(lines)
+
+
+def deployed_table(entry) -> list:
+    """Issue 21: the deployed files of each seed's model.sqs sample (M = 1), fp32 ONNX beside onnx-codebook."""
+    need = MIN_DEPLOYED_RATE[entry["sqs"]["first_layer_scores"]]
+    lines = ["", f"Deployed bytes (M = 1, model.sqs's sample; issue 21 asks >= {need:g}x against the fp32 ONNX, "
+             f"max |p - p_torch| <= {FIDELITY:g}). Sections of the codebook file: indices / mask / codebooks / "
+             "biases / graph (bytes). Session RSS: what one onnxruntime session adds to a fresh process; 'unfolded': "
+             "the codebook file with constant folding off (weights kept packed, decoded every call).", "",
+             "| Seed | Format | Deployed bytes | Ratio to fp32 ONNX | Test accuracy | model.sqs net accuracy | "
+             "max abs p - p_torch | Latency p50 (interleaved) | Session RSS MB | Inputs removed | Sections |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in entry["runs"]:
+        d = r["deployed"]
+        fp32 = d["formats"]["onnx"]["bytes"]
+        for fmt, f in d["formats"].items():
+            sec = f["breakdown"]["sections"]
+            parts = ("fp32 weights {weights}, biases {biases}, graph {graph}" if fmt == "onnx" else
+                     "{indices} / {mask} / {codebooks} / {biases} / {graph}").format(**sec)
+            lines.append(f"| {r['seed']} | {fmt} | {f['bytes']:,} | {fp32 / f['bytes']:.1f}x | {f['accuracy']:.4f} | "
+                         f"{d['reference_accuracy']:.4f} | {f['max_abs_prob_diff']:.1e} | "
+                         f"{1e3 * f['latency']['median_ms']:.1f} us | {f['session']['session_rss_mb']:.2f} | "
+                         f"{f['inputs_removed'] if f['inputs_removed'] is not None else '-'} | {parts} |")
+        u = d["codebook_unfolded_session"]
+        lines.append(f"| {r['seed']} | onnx-codebook, unfolded | | | | | | {1e3 * u['median_ms_300_calls']:.1f} us "
+                     f"(300 calls, not interleaved) | {u['session_rss_mb']:.2f} | | |")
+    return lines + [""]
 
 
 def plot(result, path):
@@ -152,7 +262,8 @@ def main(argv=None):
             print(f"{path}: seed {seed}", flush=True)
             work = Path(args.work) / Path(path).stem / f"seed{seed}"
             work.mkdir(parents=True, exist_ok=True)
-            runs.append(run_one(cfg.model_copy(update={"seed": seed}), splits, work, log=lambda *a: None))
+            runs.append(run_one(cfg.model_copy(update={"seed": seed}), splits, work, log=lambda *a: None,
+                                threads=args.threads))
             r = runs[-1]
             print(f"  drop {100 * r['drop']:+.2f} points, {r['rate_bytes']:.1f}x by bytes "
                   f"({r['file_bytes']} B), {r['fine_tune_seconds']:.0f} s", flush=True)

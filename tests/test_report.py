@@ -288,16 +288,19 @@ def test_tail_cold_start_memory_and_uncertainty_in_the_summary(tmp_path):
     r["memory"] = {"runtime_baseline_mb": 50.0, "model_mb": 12.0, "deployed_mb": 62.0, "batch_size": 1}
     r["ood"] = {"auroc": 0.98, "aupr": 0.97, "score": "predictive entropy", "n_in": 360, "n_out": 360}
     r["selective"] = {"rejected": [0.0, 0.1, 0.2, 0.5], "accuracy": [0.96, 0.98, 0.99, 1.0], "kept": [360, 324, 288, 180]}
-    inputs["candidates"][2]["cost"].update(memory_estimate_mb=60.0, memory_estimate_lower_bound=False)
+    # memory_mb judges the model's own memory: the runner's 12 MB less the runtime's 9 MB set-up (issue 21).
+    inputs["candidates"][2]["cost"].update(memory_estimate_mb=2.9, memory_estimate_lower_bound=False,
+                                           memory_parts_mb={"runtime_baseline_mb": 50.0, "runtime_setup_mb": 9.0})
     rep = report_mod.write_report(inputs, tmp_path)
     s = rep["summary"]
-    assert s["budgets"]["memory_mb"]["measured"] == 62.0 and s["budgets"]["memory_mb"]["verdict"] == "pass"
-    assert s["memory"]["estimate_error"] == pytest.approx(60 / 62 - 1)
+    assert s["budgets"]["memory_mb"]["measured"] == 3.0 and s["budgets"]["memory_mb"]["verdict"] == "pass"
+    assert "subtracted: 9.00 MB of runtime set-up" in s["budgets"]["memory_mb"]["measured_as"]
+    assert s["memory"]["estimate_error"] == pytest.approx(2.9 / 3 - 1)
     assert s["ood"]["auroc"] == 0.98 and s["latency_max_ms"] == 0.2
     assert s["latency_ms_best_round"]["p90"] == 0.04
     html_text = (tmp_path / "report.html").read_text()
     for text in ("OOD AUROC", "best round (undisturbed device)", "cold start: session creation", "4 ms",
-                 "runtime baseline", "estimate error", "-3.2 %", "accuracy with the 20 % most uncertain rejected"):
+                 "runtime baseline", "estimate error", "-3.3 %", "runtime set-up subtracted", "accuracy with the 20 % most uncertain rejected"):
         assert text in html_text, text
     assert (tmp_path / "selective.png").read_bytes().startswith(PNG_MAGIC)
     t = report_mod.terminal_summary(rep, tmp_path / "report.html")

@@ -10,6 +10,7 @@ import torch
 import yaml
 from sklearn.cluster import KMeans
 
+from conftest import write_profile
 from edgebayes.cli import main
 from edgebayes.config import ConfigError, PipelineConfig, SQSConfig, load_pipeline_config
 from edgebayes.errors import InputError
@@ -289,23 +290,38 @@ def test_pipeline_with_family_sqs_on_digits(tmp_path):
     config = tmp_path / "sqs.yaml"
     config.write_text(yaml.safe_dump(cfg))
     runs = tmp_path / "runs"
-    assert main(["pipeline", "--config", str(config), "--runs-dir", str(runs)]) == 0
+    # model_mb between the low-bit and the fp32 ONNX (issue 21): judged on the shipped file, so the
+    # onnx-codebook artifact is chosen; the fp32 one is exported beside it and would not fit.
+    device = write_profile(tmp_path / "small-flash.yaml", base="local", budgets={"model_mb": 0.02})
+    assert main(["pipeline", "--config", str(config), "--device", str(device), "--runs-dir", str(runs)]) == 0
     run = runs / "digits-sqs"
+    choice = json.loads((run / "select/small-flash/choice.json").read_text())
+    assert choice["format"] == "onnx-codebook"
+    fp32_mb = [c["cost"]["model_mb"] for c in json.loads((run / "select/small-flash/candidates.json").read_text())[
+        "candidates"] if c["format"] == "onnx"]
+    assert min(fp32_mb) > 0.02 >= choice["candidate"]["cost"]["model_mb"]
     metrics = json.loads((run / "train/metrics.json").read_text())
     s = metrics["sqs"]
     assert metrics["family"] == "sqs" and metrics["test"]["knob"] == "nonzero_rate"
     assert s["nonzero_rate"] == pytest.approx(0.5, abs=1e-3) and s["rate_formula"] == pytest.approx(32, rel=1e-2)
     assert s["file_bytes"] == (run / "train/model.sqs").stat().st_size
     assert s["accuracy_drop"] == pytest.approx(s["full_precision_test"]["accuracy"] - metrics["test"]["accuracy"])
-    export = json.loads((run / "export/local/export.json").read_text())
+    export = json.loads((run / "export/small-flash/export.json").read_text())
+    assert export["format"] == "onnx-codebook" and export["model_bytes"] <= 0.02e6
+    assert export["artifacts"]["onnx-codebook"]["bytes_breakdown"]["compression_ratio"] > 4
     form = export["compressed_form"]
-    assert form["samples"] == export["mc_samples"] and form["file_bytes"] == (run / "export/local/model.sqs").stat().st_size
+    assert form["samples"] == export["mc_samples"] and form["file_bytes"] == (run / "export/small-flash/model.sqs").stat().st_size
     # The exporter stores identical initializers once (the biases, and a weight tensor that two samples
     # share when phi is one-hot), so the graph holds at most M x the weights of one sample.
     assert 0 < export["onnx_params"] <= export["kept_weights_total"]
-    results = json.loads((run / "deploy/local/results.json").read_text())
+    results = json.loads((run / "deploy/small-flash/results.json").read_text())
+    assert results["bundle"]["artifact"] == "onnx-codebook"
     assert results["metrics"]["accuracy"] >= 0.85 and results["max_abs_prob_diff"] < 1e-4
-    assert (run / "report/local/report.html").is_file()
+    report = json.loads((run / "report/small-flash/report.json").read_text())
+    assert report["summary"]["budgets"]["model_mb"]["verdict"] == "pass"
+    html_text = (run / "report/small-flash/report.html").read_text()
+    ratio = export["artifacts"]["onnx-codebook"]["bytes_breakdown"]["compression_ratio"]
+    assert "Where the shipped bytes go" in html_text and f"{ratio:.1f}x" in html_text
 
 
 def test_sqs_wraps_the_convolutions_of_lenet5_caffe(tmp_path):

@@ -313,7 +313,7 @@ class Budgets(Section):
     percentile: Literal[50, 90, 99] = 90
     batch_size: Annotated[int, Range(f"expected an integer in 1..{MAX_DEVICE_BATCH}", gt=0,
                                      le=MAX_DEVICE_BATCH)] = 1
-    memory_mb: OptionalPositive = None  # peak RSS of the runner on the device
+    memory_mb: OptionalPositive = None  # the model's own memory on the device (deploy/memory.py)
     model_mb: OptionalPositive = None   # size of the model file
     # the numbers of MC samples allowed; null: any
     mc_samples: Annotated[Optional[Items[int]], Check(lambda v: all(0 < m <= MAX_MC_SAMPLES for m in v),

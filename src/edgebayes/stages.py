@@ -380,7 +380,7 @@ def run_select(ctx):
             f"(val accuracy {c['val']['accuracy']:.4f}, latency {fmt_ms(c['cost']['latency_ms'], True)} "
             f"{c['cost']['latency_source']}" + (f", predicted {fmt_ms(predicted, True)}" if predicted is not None else "")
             + f", memory {'>= ' if c['cost']['memory_estimate_lower_bound'] else ''}"
-              f"{c['cost']['memory_estimate_mb']:.1f} MB estimated); {choice['reason']}")
+              f"{c['cost']['memory_estimate_mb']:.2f} MB of its own estimated); {choice['reason']}")
 
 
 def run_export(ctx):

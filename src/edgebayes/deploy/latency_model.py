@@ -45,6 +45,7 @@ from edgebayes.ondevice.backends import _tflite_interpreter
 from edgebayes.ondevice.bundle import RUNNER_FILE
 from edgebayes.ondevice.cli import command_line
 from edgebayes.ondevice.pack import write_runner
+from edgebayes.ondevice.tables import FORMATS
 from edgebayes.provenance import provenance, read_json, write_json
 
 BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "int8": 1}
@@ -58,12 +59,12 @@ class LatencyModelError(StageError):
     pass
 
 
-def formats_for(profile):
-    """The export formats this device's runtime loads, at the precisions its profile lists."""
-    from edgebayes.export.formats import FORMATS
-
+def formats_for(profile, family=None):
+    """The export formats this device's runtime loads, at the precisions its profile lists; a format made
+    for some model families only (onnx-codebook: SQS) when `family` is one of them."""
     fmts = [f for f in FORMATS.values()
-            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision]
+            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision
+            and (not f.families or family in f.families)]
     if not fmts:
         known = ", ".join(f"{f.name} ({f.runtime} {f.precision})" for f in FORMATS.values())
         raise StageError(f"device {profile.name}: no export format for runtime {profile.runtime.name} at "

@@ -32,15 +32,15 @@ from edgebayes.deploy import plots
 from edgebayes.deploy.plots import hist_window as _hist_window  # noqa: F401  (tests check the axis window)
 from edgebayes.deploy.summary import (BUDGETS, BYTES_PER_MB, METRIC_LABELS, METRICS, NA, dict_or_empty, diff,
                                       fidelity_rows, fmt, fmt_diff, fmt_ms, fmt_pct, fmt_unit, get,
-                                      jsonable as _jsonable, knob_label, num, same_point, summarize as _summarize,
-                                      summary_text, terminal_summary)
+                                      jsonable as _jsonable, knob_label, num, same_point, shipped_bytes_rows,
+                                      summarize as _summarize, summary_text, terminal_summary)
 from edgebayes.provenance import atomic_path
 
 __all__ = ["write_report", "write_comparison", "terminal_summary", "summary_text", "fmt_ms", "SECTIONS"]
 
 # The run page's sections, top to bottom: templates/sections/<name>.html.j2.
 SECTIONS = ["headline", "budgets", "tradeoff", "knob", "latency_model", "sparsity", "reference", "uncertainty",
-            "latency_memory", "training", "candidates", "fidelity", "provenance"]
+            "latency_memory", "training", "candidates", "fidelity", "shipped_bytes", "provenance"]
 
 
 def _escape(value) -> Markup:
@@ -101,6 +101,7 @@ def _render_html(d: dict, s: dict, pngs: dict[str, bytes | None]) -> str:
         sections=SECTIONS, title=title, d=d, s=s, predicted=predicted, results=results,
         train=dict_or_empty(d.get("train")), choice=dict_or_empty(d.get("choice")), lat=dict_or_empty(results.get("latency_ms")),
         here=dict_or_empty(get(d, "predicted", "here")), measured_on=_measured_on(results), fidelity=fidelity_rows(d),
+        shipped_bytes=shipped_bytes_rows(d),
         pngs={name: _data_uri(png) for name, png in pngs.items()}) + "\n"
 
 

@@ -8,11 +8,11 @@ accuracy, NLL, ECE of the exported file, run by the device's runtime where it is
 PyTorch fp32 graph, and the candidate says so) and costed:
   - latency at the budget's percentile and batch size, measured on the device or predicted by its latency
     model (deploy/latency_model.py); both figures are kept when both exist;
-  - model size: the bytes of the exported file;
-  - memory (`memory_estimate`): the runtime's baseline and one-off set-up as the runner measured them on
-    the device (at selection, or in its latency table), plus twice the model file and the activations,
-    so that `budgets.memory_mb` rules out candidates before anything is deployed. Without a measurement
-    of the runtime (an unreachable board without a table) the estimate is a lower bound and says so.
+  - model size: the bytes of the exported file, the one shipped (onnx-codebook's low-bit file for SQS);
+  - memory (`memory_estimate`): the model's own memory (the file, the runtime's copy of its weights, the
+    activations), so that `budgets.memory_mb` rules out candidates before anything is deployed; with the
+    runtime's baseline and one-off set-up as the runner measured them on the device (at selection, or in
+    its latency table) it also gives the whole deployed process's estimate.
 Constraints: the device budgets (latency, memory, model size, allowed M) and, for the
 ece-constrained-accuracy objective, select.max_ece. The best-scoring candidate that meets them wins (accuracy: ties broken by NLL,
 then latency; nll: lowest NLL, then latency). The Pareto front (accuracy up, latency and size down) is
@@ -31,6 +31,7 @@ from edgebayes.compressed.samples import EmptyLayerError, compress, predict
 from edgebayes.compressed.structure import count_weights, paper_flops
 from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, formats_for,
                                             measure_models, operator_count, predictor_for, profile_device)
+from edgebayes.deploy.memory import deployed_estimate, memory_estimate
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError
 from edgebayes.ondevice.backends import RuntimeProblem
@@ -59,7 +60,7 @@ def violations(candidate, budgets, max_ece=None):
     memory = cost.get("memory_estimate_mb")
     if budgets.memory_mb is not None and memory is not None and memory > budgets.memory_mb:
         at_least = "at least " if cost.get("memory_estimate_lower_bound") else ""
-        out.append(f"memory (estimated) {at_least}{memory:.1f} MB > budget {budgets.memory_mb} MB")
+        out.append(f"model's own memory (estimated) {at_least}{memory:.1f} MB > budget {budgets.memory_mb} MB")
     m = candidate["mc_samples"]
     if budgets.mc_samples is not None and m not in budgets.mc_samples:
         out.append(f"M={m} not in budget mc_samples {budgets.mc_samples}")
@@ -89,23 +90,6 @@ def activation_mb(sample, x):
         for h in handles:
             h.remove()
     return 4 * peak / 1e6
-
-
-def memory_estimate(model_mb, activations_mb, mc_samples, runtime_memory):
-    """(estimate in MB, lower bound?, parts) of a candidate's memory on the device.
-
-    runtime baseline + runtime set-up (runner.time_models measures both on the device) + 2 x the model
-    file (the file's bytes and the runtime's own copy of the weights are both alive while the session is
-    built: 45 MB at session creation for a 22 MB ONNX file with onnxruntime 1.31) + M x the activations of
-    one sample (the packed layout runs the M samples side by side). Without a measurement of the runtime
-    the estimate is the model's part alone, a lower bound.
-    """
-    runtime_memory = runtime_memory or {}
-    baseline, setup = runtime_memory.get("runtime_baseline_mb"), runtime_memory.get("runtime_setup_mb")
-    parts = {"runtime_baseline_mb": baseline, "runtime_setup_mb": setup, "weights_mb": 2 * model_mb,
-             "activations_mb": mc_samples * activations_mb}
-    total = sum(v for v in parts.values() if v is not None)
-    return total, baseline is None or setup is None, parts
 
 
 def _val_probs(fmt, path, mc_model, val_x):
@@ -152,7 +136,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     calib_x: training inputs that calibrate the int8 formats (as export calibrates the deployed one)."""
     from edgebayes.export.formats import export_artifact
 
-    fmts = formats_for(profile)
+    fmts = formats_for(profile, cfg.model.family)
     b = profile.budgets
     example = val_x[:1]
     batch = val_x[torch.arange(b.batch_size) % len(val_x)]
@@ -175,9 +159,10 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
             for fmt in fmts:
                 progress.update(1)
                 ident = f"k{knob_value}-m{m}-{fmt.name}"
+                details = {}
                 try:
                     path = export_artifact(mc_model, fmt.name, Path(tmp) / f"{ident}{fmt.suffix}", val_x[:16],
-                                           calib_x, cfg.export.opset, layout=layout)
+                                           calib_x, cfg.export.opset, layout=layout, details=details)
                 except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
                     raise SelectionError(f"device {profile.name}: cannot export format {fmt.name} here: {e}") from None
                 probs, scored_as = _val_probs(fmt, path, mc_model, val_x)
@@ -189,7 +174,9 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                     "cost": {"model_mb": path.stat().st_size / 1e6,
                              "flops": m * paper_flops(compressed.samples[0], val_x.shape[1:]),
                              "operators": operator_count(path), "kept_weights": kept_weights,
-                             "activations_mb_per_sample": activations},
+                             "activations_mb_per_sample": activations,
+                             "runtime_weights_mb": (details["runtime_weight_bytes"] / 1e6
+                                                    if "runtime_weight_bytes" in details else None)},
                 })
                 models.append((ident, path, fmt.runtime))
         progress.close()
@@ -215,8 +202,9 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
         cost["predicted_by"] = None if predictor is None else predictor.describe()
         cost["latency_model_has_table"] = None if predictor is None else predictor.has_table
         estimate, lower_bound, parts = memory_estimate(cost["model_mb"], cost["activations_mb_per_sample"],
-                                                       c["mc_samples"], runtime_memory)
-        cost.update(memory_estimate_mb=estimate, memory_estimate_lower_bound=lower_bound, memory_parts_mb=parts)
+                                                       c["mc_samples"], runtime_memory, cost["runtime_weights_mb"])
+        cost.update(memory_estimate_mb=estimate, memory_estimate_lower_bound=lower_bound, memory_parts_mb=parts,
+                    deployed_memory_estimate_mb=deployed_estimate(parts))
         cost["measured_latency_ms"] = measured[c["id"]]
         if measured[c["id"]] is not None:
             cost["latency_ms"], cost["latency_source"] = measured[c["id"]], "measured"

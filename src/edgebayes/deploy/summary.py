@@ -16,6 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from edgebayes.deploy.memory import own_memory
+
 NA = "n/a"
 # Model size in MB = 10^6 bytes, as the selection stage computes candidates' model_mb,
 # so "fits" in selection and the verdict here agree.
@@ -262,8 +264,9 @@ def summarize(d: dict) -> dict:
     if predicted_in is not None:
         memory = (estimate, "estimated at selection" + (" (a lower bound: no measurement of the runtime)"
                                                          if lower else "") if estimate is not None else "estimate")
-    elif num(mem.get("deployed_mb")) is not None:
-        memory = (num(mem["deployed_mb"]), "runtime baseline + the model's own peak")
+    elif own_memory(mem, cost.get("memory_parts_mb")) is not None:
+        own = own_memory(mem, cost.get("memory_parts_mb"))
+        memory = (num(own["own_mb"]), own["measured_as"])
     else:
         memory = (num(results.get("peak_rss_mb")), "peak RSS")
     measured = {"latency_ms": (lat_value, lat_src), "memory_mb": memory, "model_mb": (model_mb, model_src)}
@@ -328,12 +331,15 @@ def summarize(d: dict) -> dict:
                           "measurement_spread": spread, "has_table": has_table, "by_percentile": by_percentile}
 
     deployed_mb = num(mem.get("deployed_mb"))
+    own = own_memory(mem, cost.get("memory_parts_mb")) or {}
+    own_mb = num(own.get("own_mb"))
     memory_block = {
+        "own_mb": own_mb, "subtracted_setup_mb": num(own.get("setup_mb")),
         "runtime_baseline_mb": num(mem.get("runtime_baseline_mb")), "model_mb": num(mem.get("model_mb")),
         "deployed_mb": deployed_mb, "runner_peak_rss_mb": num(results.get("peak_rss_mb")),
         "estimate_mb": estimate, "estimate_lower_bound": lower if estimate is not None else None,
         "estimate_parts_mb": cost.get("memory_parts_mb"),
-        "estimate_error": None if estimate is None or not deployed_mb else (estimate - deployed_mb) / deployed_mb,
+        "estimate_error": None if estimate is None or not own_mb else (estimate - own_mb) / own_mb,
     }
     ood_train = dict_or_empty(train.get("ood"))
     ood = dict_or_empty(outputs.get("ood"))
@@ -421,6 +427,15 @@ def fidelity_rows(d: dict) -> list[dict]:
 # ----------------------------------------------------------------------------
 # what the terminal shows at the end of a run, and a page comparing devices
 # ----------------------------------------------------------------------------
+
+def shipped_bytes_rows(d: dict) -> list[dict]:
+    """Where the shipped bytes go, per ONNX artifact that export broke down (export/lowbit.py breakdown, in
+    export.json): bytes per section, the fp32 ONNX of the same network and the shipped file's compression."""
+    artifacts = get(d, "export", "artifacts")
+    return [{"artifact": name, **art["bytes_breakdown"]}
+            for name, art in (artifacts.items() if isinstance(artifacts, dict) else [])
+            if isinstance(art, dict) and isinstance(art.get("bytes_breakdown"), dict)]
+
 
 def terminal_summary(report: dict, report_path: Any = None) -> dict:
     """The figures a run ends with (`edgebayes pipeline` / `report`, `--json`): device, chosen point,

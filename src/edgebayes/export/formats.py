@@ -1,6 +1,9 @@
 """Every target format of the MC-averaged graph, and `export_artifact` that writes one.
 
     onnx           fp32 ONNX (torch.onnx, TorchScript exporter), run with onnxruntime
+    onnx-codebook  SQS models only: the fp32 ONNX with each codebook-quantized weight stored as bit-packed level
+                   indices + its codebook, pruned inputs removed from the first layer (export/lowbit.py);
+                   computed in fp32 (the dequantized weights are exact), run with onnxruntime
     onnx-int8      the fp32 ONNX quantized by NNCF post-training quantization (Q/DQ nodes, int8 weights and
                    activations, calibrated on training inputs), run with onnxruntime
     tflite-fp32    TFLite through litert-torch (no TensorFlow), run with ai-edge-litert
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from edgebayes.errors import StageError
+from edgebayes.export.lowbit import breakdown, lowbit_onnx
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.export.packed import mc_graph
 from edgebayes.ondevice.backends import native_noise_filtered
@@ -162,15 +166,20 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
     info = {"format": f.name, "precision": f.precision, "runtime": f.runtime, "layout": layout}
     with torch.no_grad():
         if f.suffix == ".onnx":
-            if f.precision == "int8":
+            if f.precision == "int8" or f.name == "onnx-codebook":
                 with tempfile.TemporaryDirectory() as tmp:
                     fp32 = Path(tmp) / "fp32.onnx"
                     export_onnx(module, example_x[:1], fp32, opset)
-                    info.update(quantize_onnx_int8(fp32, path, calib_x))
+                    if f.name == "onnx-codebook":
+                        info.update(lowbit_onnx(fp32, path), bytes_breakdown=breakdown(path, fp32))
+                    else:
+                        info.update(quantize_onnx_int8(fp32, path, calib_x), bytes_breakdown=breakdown(path, fp32))
             else:  # fp32 ONNX; for tensorrt-fp16 the engine is built from it in fp16 on the target
                 export_onnx(module, example_x[:1], path, opset)
         else:
             info.update(export_tflite(module, example_x, path, f.precision, calib_x))
+    if f.suffix == ".onnx" and "bytes_breakdown" not in info:
+        info["bytes_breakdown"] = breakdown(path, path if f.precision == "fp32" else None)
     if details is not None:
         details.update(info)
     return path

@@ -15,11 +15,14 @@ class Format:
     precision: str    # one of PRECISIONS
     suffix: str       # of the model file in the bundle
     bundle_format: str  # the manifest's "format": onnx | tflite | tensorrt
+    families: tuple = ()  # the model families it applies to; () = every family
 
 
 # Target formats of the exported MC-averaged model (export/formats.py says how each one is made).
 FORMATS = {f.name: f for f in (
     Format("onnx", "onnxruntime", "fp32", ".onnx", "onnx"),
+    # SQS only: codebook-quantized weights as bit-packed level indices + codebook (export/lowbit.py)
+    Format("onnx-codebook", "onnxruntime", "fp32", ".onnx", "onnx", families=("sqs",)),
     Format("onnx-int8", "onnxruntime", "int8", ".onnx", "onnx"),
     Format("tflite-fp32", "tflite", "fp32", ".tflite", "tflite"),
     Format("tflite-fp16", "tflite", "fp16", ".tflite", "tflite"),

@@ -1,0 +1,142 @@
+"""Low-bit ONNX of SQS networks (issue 21): integer weights in the file, pruned inputs gone, same function."""
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import helper, numpy_helper
+
+from edgebayes.config import PipelineConfig
+from edgebayes.export import lowbit
+from edgebayes.compressed.samples import compress, predict
+from edgebayes.export.formats import artifact_predict, export_artifact
+from edgebayes.train.models import build_model
+from edgebayes.train.sqs import SQSNet
+
+INPUTS, CLASSES = 40, 5
+
+
+def sqs_net(first_layer_scores="per-input", seed=0):
+    """A small SQS MLP with distinct keep scores (as after training)."""
+    torch.manual_seed(seed)
+    cfg = PipelineConfig()
+    cfg.model.family, cfg.model.hidden = "dnn", [16, 12]
+    base = build_model(cfg.model, cfg.prior, (INPUTS,), CLASSES, n_train=100)
+    # tau = 1: soft level probabilities phi, so that the M samples differ (a trained one is sharper)
+    net = SQSNet(base, components=4, windowing="single", first_layer_scores=first_layer_scores, tau=1.0)
+    net.initialise(keep_init=0.9, seed=seed)
+    with torch.no_grad():
+        for p in net.posteriors.values():
+            p.score.copy_(torch.randn(p.score.shape))
+    return net
+
+
+@pytest.mark.parametrize("layout", ["packed", "unrolled"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_codebook_onnx_has_integer_weights_no_pruned_inputs_and_the_torch_probabilities(tmp_path, layout, m):
+    torch.set_num_threads(1)
+    net = sqs_net()
+    mc = compress(net, 0.5, m, seed=0).mc_model()
+    x = torch.randn(64, INPUTS)
+    details = {}
+    path = export_artifact(mc, "onnx-codebook", tmp_path / "cb.onnx", x[:16], layout=layout, details=details)
+    fp32 = export_artifact(mc, "onnx", tmp_path / "fp32.onnx", x[:16], layout=layout)
+    graph = onnx.load(str(path)).graph
+    inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    # No fp32 weight matrix is left: float initializers are codebooks (<= 256 levels) and biases (1-D).
+    floats = {n: a for n, a in inits.items() if a.dtype == np.float32}
+    assert all(a.ndim <= 1 for a in floats.values())
+    assert any(a.dtype == np.uint8 for a in inits.values())
+    # The first layer reads only the kept inputs: its stored weight has fewer columns than the input.
+    first = net.keep_masks(0.5)[net.wrapped[0]]
+    kept_inputs = int(first.any(0).sum())
+    assert kept_inputs < INPUTS
+    first_tensor = next(t for t in details["tensors"].values() if t["shape"][-1] == INPUTS)
+    assert first_tensor["inputs_removed"] == INPUTS - kept_inputs
+    assert first_tensor["stored_shape"][-1] == kept_inputs
+    # The same function as PyTorch's SQS MC average.
+    probs = artifact_predict(path, "onnx-codebook", x.numpy())
+    assert np.abs(probs - predict(mc, x).numpy()).max() <= 1e-4
+    b = details["bytes_breakdown"]
+    assert b["bytes"] == path.stat().st_size and b["fp32_bytes"] == fp32.stat().st_size
+    assert sum(b["sections"].values()) == b["bytes"] and b["sections"]["weights"] == 0
+
+
+@pytest.mark.parametrize("kind", ["dense", "zero-level", "mask", "zero-list"])
+@pytest.mark.parametrize("levels", [2, 4, 16, 200])
+def test_every_encoding_decodes_the_exact_weights(kind, levels):
+    rng = np.random.default_rng(levels)
+    codebook = rng.normal(size=levels).astype(np.float32)
+    w = codebook[rng.integers(0, levels, size=(7, 9))]
+    if kind != "dense":
+        w[rng.random(w.shape) < 0.3] = 0
+    graph = helper.make_graph([], "t", [], [helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [7, 9])])
+    b = lowbit._Builder(graph)
+    out, used = lowbit._decode(b, w, kind)
+    assert used == kind
+    graph.node.extend(b.nodes + [helper.make_node("Identity", [out], ["w"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    import onnxruntime as ort
+
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
+    assert got.dtype == np.float32 and np.array_equal(got, w)
+
+
+def test_a_network_without_a_codebook_is_refused(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(INPUTS, 8), torch.nn.ReLU(), torch.nn.Linear(8, CLASSES))
+    with pytest.raises(ValueError, match="SQS"):
+        export_artifact(torch.nn.Sequential(net, torch.nn.Softmax(-1)), "onnx-codebook", tmp_path / "x.onnx",
+                        torch.randn(4, INPUTS), layout="unrolled")
+
+
+def test_onnxruntime_decodes_the_weights_once_at_load(tmp_path):
+    """Every decoding op is constant-folded when the session is created: no per-call decoding cost."""
+    import onnxruntime as ort
+
+    net = sqs_net(first_layer_scores="per-weight")
+    mc = compress(net, 0.5, 2, seed=0).mc_model()
+    path = export_artifact(mc, "onnx-codebook", tmp_path / "cb.onnx", torch.randn(16, INPUTS), layout="unrolled")
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node}
+    decoding = {"BitShift", "Mod", "CumSum", "Where", "ScatterND", "TopK", "Range", "Cast", "Slice"}
+    assert ops and not ops & decoding, ops & decoding
+
+
+def test_the_mask_of_stacked_samples_is_stored_once():
+    rng = np.random.default_rng(0)
+    block = rng.random((6, 50)) < 0.5
+    w = np.where(np.tile(block, (4, 1)), rng.choice(np.float32([-0.3, -0.1, 0.1, 0.3]), (24, 50)), 0).astype(np.float32)
+    assert lowbit._blocks(w != 0) == 4
+    size, kind, parts = next(e for e in lowbit._encodings(w) if e[1] == "mask")
+    assert parts["mask"].size == w.size // 4 and size == 300 // 8 + 1 + int((w != 0).sum()) * 2 // 8
+    graph = helper.make_graph([], "t", [], [helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, list(w.shape))])
+    b = lowbit._Builder(graph)
+    out, _ = lowbit._decode(b, w, "mask")
+    graph.node.extend(b.nodes + [helper.make_node("Identity", [out], ["w"])])
+    import onnxruntime as ort
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {})[0]
+    assert np.array_equal(got, w)
+
+
+@pytest.mark.parametrize("storage, tolerance", [("fp16", 1e-3), ("int8", 2e-2)])
+def test_fp16_and_int8_weight_storage_keep_the_function_and_store_no_fp32_weight(tmp_path, storage, tolerance):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 8),
+                              torch.nn.ReLU(), torch.nn.Linear(8, CLASSES), torch.nn.Softmax(-1)).eval()
+    x = torch.randn(32, 1, 8, 8)
+    fp32 = export_artifact(net, "onnx", tmp_path / "fp32.onnx", x[:4], layout="unrolled")
+    out = tmp_path / f"{storage}.onnx"
+    assert lowbit.weight_storage(fp32, out, storage)["tensors"] == 3
+    inits = [numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer]
+    assert not [a for a in inits if a.dtype == np.float32 and a.ndim >= 2]
+    assert any(a.dtype == (np.float16 if storage == "fp16" else np.int8) for a in inits)
+    ref = artifact_predict(fp32, "onnx", x.numpy())
+    assert np.abs(artifact_predict(out, "onnx", x.numpy()) - ref).max() <= tolerance
+    stored = lowbit.breakdown(out)["sections"]["weights"]
+    assert stored <= lowbit.breakdown(fp32)["sections"]["weights"] / (2 if storage == "fp16" else 3)
