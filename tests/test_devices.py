@@ -440,3 +440,20 @@ def test_table_fit_leaves_out_a_row_measured_in_a_slow_spell():
     for g, m in ((1, 1), (4, 2), (16, 8)):
         args = (10 + m, 1000 * g * m, 100 * g * m, "fp32")
         assert fit.predict(*args, 99, 1) == pytest.approx(truth.predict(*args, 99, 1), rel=0.01)
+
+
+def test_the_same_predictions_in_a_smaller_file_win_a_latency_tie():
+    """SQS's onnx-codebook file and the fp32 ONNX of the same sample predict the same: a latency difference
+    inside the measurement's noise must not ship the 20x bigger file; a real latency gain still wins."""
+    from edgebayes.config import Budgets
+    from edgebayes.deploy.selection import SAME_LATENCY, choose
+
+    fp32, small = _cand("fp32", 0.97, 0.10, 0.01, 1.00, 0.36), _cand("codebook", 0.97, 0.10, 0.01, 1.02, 0.017)
+    for c in (fp32, small):
+        c["fits"], c["violations"] = True, []
+    choice = choose([fp32, small], "accuracy", Budgets())
+    assert choice["candidate"]["id"] == "codebook" and "smaller file" in choice["reason"]
+    small["cost"]["latency_ms"] = (1 + 2 * SAME_LATENCY) * fp32["cost"]["latency_ms"]
+    assert choose([fp32, small], "accuracy", Budgets())["candidate"]["id"] == "fp32"
+    small["cost"]["latency_ms"], small["val"] = 1.0, {**small["val"], "nll": 0.11}   # other predictions
+    assert choose([fp32, small], "accuracy", Budgets())["candidate"]["id"] == "fp32"

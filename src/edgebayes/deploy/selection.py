@@ -15,7 +15,8 @@ PyTorch fp32 graph, and the candidate says so) and costed:
     its latency table) it also gives the whole deployed process's estimate.
 Constraints: the device budgets (latency, memory, model size, allowed M) and, for the
 ece-constrained-accuracy objective, select.max_ece. The best-scoring candidate that meets them wins (accuracy: ties broken by NLL,
-then latency; nll: lowest NLL, then latency). The Pareto front (accuracy up, latency and size down) is
+then latency; nll: lowest NLL, then latency); among candidates with the same validation figures and a latency
+within SAME_LATENCY of the winner's, the smallest file. The Pareto front (accuracy up, latency and size down) is
 marked on every candidate. The memory measured after deployment is set against the estimate in the
 report. If nothing fits, the error lists the closest candidates and what each exceeds.
 """
@@ -37,6 +38,11 @@ from edgebayes.errors import StageError
 from edgebayes.ondevice.backends import RuntimeProblem
 from edgebayes.ondevice.runtimes import make_backend, predict_all
 from edgebayes.train.metrics import classification_metrics
+
+
+# Latencies closer than this (relative) do not tell two candidates apart: a round-to-round spread of a few
+# per cent is usual on a shared CPU (the report shows each run's own spread).
+SAME_LATENCY = 0.05
 
 
 class SelectionError(StageError):
@@ -258,6 +264,15 @@ def choose(candidates, objective, budgets, max_ece=None):
         key = lambda c: (c["val"]["nll"], c["cost"]["latency_ms"])  # noqa: E731
         why = "lowest validation NLL; ties broken by latency"
     best = min(fitting, key=key)
+    # The same predictions in a smaller file (SQS's onnx-codebook beside the fp32 ONNX of the same sample):
+    # a latency difference inside the measurement's noise must not ship the bigger file.
+    same = [c for c in fitting if c["val"] == best["val"]
+            and c["cost"]["latency_ms"] <= (1 + SAME_LATENCY) * best["cost"]["latency_ms"]]
+    smallest = min(same, key=lambda c: c["cost"]["model_mb"])
+    if smallest["cost"]["model_mb"] < best["cost"]["model_mb"]:
+        best = smallest
+        why += (f", then the smaller file among the same predictions within {SAME_LATENCY:.0%} of the fastest's "
+                "latency")
     reason = f"{why}, among {len(fitting)} of {len(candidates)} candidates within the budgets"
     return {"knob": best["knob"], "knob_value": best["knob_value"], "mc_samples": best["mc_samples"],
             "format": best["format"], "precision": best["precision"], "reason": reason, "candidate": best}
