@@ -27,6 +27,11 @@ not: it is estimated with reparameterized samples (one per step in training), as
 Non-centered parameterization (section 5.3, used for ResNets): w_j = tau*_j w0_j with w0 ~ N(0, sigma0^2 I)
 and q(w0_j) = N(mu_j, diag sigma_j^2); the weight KL is then against the fixed N(0, sigma0^2), and tau*_j is
 sampled (reparameterized) in the forward pass. The KL of w0 is weighted by gamma_j as in the centered form.
+In a layer with a batch norm, tau*_j multiplies the batch-norm output, tau*_j BN(conv(x; w0)), not the
+convolution output: batch norm in training mode divides by the batch's own scale of each channel, so
+BN(tau* conv(x)) = BN(conv(x)) and tau* (hence the shrinkage prior) would get no likelihood gradient
+(issue 20: 1e-4 against about 140 for the weights); SS-GL / SS-GHS would be SS-IG. After the batch norm the
+scale acts on the channel as z does; without a batch norm both places are the same.
 
 Training forward: z from the relaxed Bernoulli with a hard forward pass (temperature 0.5), weights through
 local reparameterization. Evaluation forward: z = 1[gamma > inclusion threshold] (the median model at 0.5,
@@ -271,17 +276,23 @@ class SpikeSlabLayer(nn.Module):
         return torch.exp(0.5 * self.scale.log_sample(generator)).to(self.weight_mu.device)
 
     def sample_weights(self, generator=None):
-        """One draw of (weight, bias) from the slab (bias None without one); the caller applies z."""
+        """One draw (weight, bias, out_scale) from the slab; the caller applies z.
+
+        bias is None without one. out_scale is tau*_j of a non-centered layer with a batch norm: it multiplies
+        the batch-norm output (the caller folds it into the norm's weight and bias), see `forward`. Without
+        a batch norm tau* is folded into weight and bias here and out_scale is None.
+        """
         def draw(mu, rho):
             eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
             return mu + F.softplus(rho) * eps
         weight = draw(self.weight_mu, self.weight_rho)
         bias = None if self.bias_mu is None else draw(self.bias_mu, self.bias_rho)
         tau = self._scale_sample(generator)
-        if tau is not None:
+        if tau is not None and self.norm is None:
             weight = weight * self._per_group(tau)
             bias = None if bias is None else bias * tau
-        return weight, bias
+            tau = None
+        return weight, bias, tau
 
     # -- KL ------------------------------------------------------------------------------------
     def weight_kl_per_group(self, mc_samples=1, generator=None):
@@ -324,21 +335,21 @@ class SpikeSlabLayer(nn.Module):
             mean = self._affine(x, self.weight_mu, self.bias_mu)
             var = self._affine(x * x, F.softplus(self.weight_rho) ** 2, bias_var)
             out = mean + torch.sqrt(var + 1e-16) * torch.randn_like(mean)
-            tau = self._scale_sample()
-            if tau is not None:
-                out = out * self._unit_view(tau, out.dim())
             if self.norm is not None:
                 out = self.norm(out)
+            tau = self._scale_sample()
+            if tau is not None:  # after the batch norm, which would normalise it away (module docstring)
+                out = out * self._unit_view(tau, out.dim())
             if self.prunable:
                 z = relaxed_bernoulli_hard(self.gamma_logit, self.temperature)
                 out = out * self._unit_view(z, out.dim())
             return out
-        weight, bias = self.sample_weights()
+        weight, bias, tau = self.sample_weights()
         keep = (torch.bernoulli(self.inclusion_probability()) if self.sample_inclusion
                 else self.kept_units()).to(weight.dtype)
         out = self._affine(x, weight * self._per_group(keep), None if bias is None else bias * keep)
         if self.norm is not None:
-            out = self.norm(out) * self._unit_view(keep, out.dim())
+            out = self.norm(out) * self._unit_view(keep if tau is None else keep * tau, out.dim())
         return out
 
 
