@@ -48,6 +48,7 @@ The dense mean-field Gaussian BNN (the paper's dense baseline) is the SS-IG laye
 """
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,13 +56,16 @@ from torch import nn
 
 from edgebayes.train.kl import (
     kl_bernoulli,
-    kl_gaussian_gaussian,
+    kl_gaussian_groups,
     kl_lognormal_gamma,
     kl_lognormal_invgamma,
     relaxed_bernoulli_hard,
 )
 
 PRIORS = ("ss-ig", "ss-gl", "ss-ghs")
+
+# layer -> (weight_rho's version, softplus(weight_rho)) of its last training forward: SpikeSlabLayer._weight_sigma
+_SIGMA = weakref.WeakKeyDictionary()
 
 # sigma = softplus(rho) with rho = -6 at init keeps the initial weights at their Kaiming-uniform means
 # (paper 000, appendix A.2).
@@ -78,6 +82,30 @@ def _lognormal_sample(mu, rho, generator=None, n=None):
 def _inverse_mean(mu, rho):
     """E[1/x] for x ~ LN(mu, softplus(rho)^2)."""
     return torch.exp(-mu + 0.5 * F.softplus(rho) ** 2)
+
+
+class _LocalReparameterization(torch.autograd.Function):
+    """mean + sqrt(var + 1e-16) eps with eps ~ N(0, 1) (local reparameterization), in fewer memory passes.
+
+    The same value and gradients as the autograd graph of that expression (tests/test_spike_slab.py): the
+    forward keeps one tensor, eps / (2 sqrt(var + 1e-16)), instead of eps and the square root, and the
+    backward is one multiplication (d/d mean = the incoming gradient itself) instead of autograd's three
+    passes of mul, sqrt and add backward over the layer's whole output, which on a CPU cost as much as the
+    two convolutions of small layers (issue 20's profile).
+    """
+
+    @staticmethod
+    def forward(ctx, mean, var):
+        eps = torch.randn_like(mean)
+        std = (var + 1e-16).sqrt_()
+        out = torch.addcmul(mean, std, eps)
+        ctx.save_for_backward(eps.div_(std.mul_(2)))   # in place: std and eps are not needed any more
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (half_eps_over_std,) = ctx.saved_tensors
+        return grad, grad * half_eps_over_std
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +322,25 @@ class SpikeSlabLayer(nn.Module):
             tau = None
         return weight, bias, tau
 
+    def _weight_sigma(self, reuse=False):
+        """sigma = softplus(weight_rho), computed once per optimisation step: the training forward keeps it
+        (in `_SIGMA`, outside the module, so deepcopy and state dicts never see it) and the KL after it takes
+        it back (`reuse`), while weight_rho has not changed in place since (its version) and grad mode is the
+        same. softplus is a pass over every weight and on the CPU here about 20x slower than exp (log1p is
+        not vectorized), so computing it twice per step cost as much as a deterministic step of LeNet-5-Caffe
+        at batch 32. The graph is the same as with two softplus calls; only the work is shared."""
+        rho = self.weight_rho
+        if reuse:
+            cached = _SIGMA.pop(self, None)
+            if (cached is not None and cached[0] == rho._version
+                    and cached[1].requires_grad == (torch.is_grad_enabled() and rho.requires_grad)):
+                return cached[1]
+            return F.softplus(rho)
+        sigma = F.softplus(rho)
+        if not torch.compiler.is_compiling():
+            _SIGMA[self] = (rho._version, sigma)
+        return sigma
+
     # -- KL ------------------------------------------------------------------------------------
     def weight_kl_per_group(self, mc_samples=1, generator=None):
         """E_q(scale) KL(q(w_j | z_j = 1) || p(w_j | z_j = 1)) per group (of w0 in the non-centered form)."""
@@ -304,10 +351,9 @@ class SpikeSlabLayer(nn.Module):
         device = self.weight_mu.device
         log_v = (math.log(self.sigma0_sq) + log_t).to(device)
         inv_v = (inv_t / self.sigma0_sq).to(device)
-        kl = kl_gaussian_gaussian(self.weight_mu, F.softplus(self.weight_rho), self._per_group(log_v),
-                                  self._per_group(inv_v)).flatten(1).sum(1)
+        kl = kl_gaussian_groups(self.weight_mu, self._weight_sigma(reuse=True), log_v, inv_v)
         if self.bias_mu is not None:
-            kl = kl + kl_gaussian_gaussian(self.bias_mu, F.softplus(self.bias_rho), log_v, inv_v)
+            kl = kl + kl_gaussian_groups(self.bias_mu[:, None], F.softplus(self.bias_rho)[:, None], log_v, inv_v)
         return kl
 
     def kl(self, mc_samples=1):
@@ -333,17 +379,17 @@ class SpikeSlabLayer(nn.Module):
         if self.training:
             bias_var = None if self.bias_rho is None else F.softplus(self.bias_rho) ** 2
             mean = self._affine(x, self.weight_mu, self.bias_mu)
-            var = self._affine(x * x, F.softplus(self.weight_rho) ** 2, bias_var)
-            out = mean + torch.sqrt(var + 1e-16) * torch.randn_like(mean)
+            sigma = self._weight_sigma()
+            var = self._affine(x * x, sigma * sigma, bias_var)
+            out = _LocalReparameterization.apply(mean, var)
             if self.norm is not None:
                 out = self.norm(out)
+            # tau* (after the batch norm, which would normalise it away: module docstring) and z are per-unit
+            # factors: multiplied together first, so the output is scaled in one pass.
             tau = self._scale_sample()
-            if tau is not None:  # after the batch norm, which would normalise it away (module docstring)
-                out = out * self._unit_view(tau, out.dim())
-            if self.prunable:
-                z = relaxed_bernoulli_hard(self.gamma_logit, self.temperature)
-                out = out * self._unit_view(z, out.dim())
-            return out
+            z = relaxed_bernoulli_hard(self.gamma_logit, self.temperature) if self.prunable else None
+            unit = tau if z is None else (z if tau is None else z * tau)
+            return out if unit is None else out * self._unit_view(unit, out.dim())
         weight, bias, tau = self.sample_weights()
         keep = (torch.bernoulli(self.inclusion_probability()) if self.sample_inclusion
                 else self.kept_units()).to(weight.dtype)
