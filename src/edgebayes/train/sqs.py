@@ -312,9 +312,16 @@ class SQSNet(nn.Module):
         """
         scores = torch.cat([self.posterior(n).weight_scores().reshape(-1) for n in self.wrapped])
         n_keep = int(round(float(nonzero_rate) * scores.numel()))
-        order = torch.sort(scores, descending=True, stable=True).indices
-        flat = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
-        flat[order[:n_keep]] = True
+        if n_keep == 0:
+            flat = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+        else:
+            # The n_keep-th largest score by selection (linear time; this runs every training step, where a
+            # full sort of a million scores cost more than the step's matmuls), then the weights above it
+            # and, of those equal to it, the first ones: the same mask as a stable descending sort.
+            threshold = torch.kthvalue(scores, scores.numel() - n_keep + 1).values
+            flat = scores > threshold
+            ties = (scores == threshold).nonzero().squeeze(1)
+            flat[ties[: n_keep - int(flat.sum())]] = True
         masks, start = {}, 0
         for name in self.wrapped:
             shape = self.posterior(name).theta.shape
@@ -463,10 +470,13 @@ def pretrained_base(cfg, splits, train_dir, log=print):
     return base, test
 
 
-def train_sqs(cfg, splits, checkpoint_path, log=print):
+def train_sqs(cfg, splits, checkpoint_path, log=print, masked=True):
     """Pretrain (or load) the full-precision network, then SQS fine-tuning; returns (model, history).
 
     Resumable like the ELBO trainer: a checkpoint after every epoch with the optimizer and RNG states.
+    `masked=False` is the ablation of the module docstring's hard top-r_t mask (benchmarks/sqs_ablations.py):
+    eq. 8 as written, the mean weights unpruned in the likelihood term, lambda = r_t still in the
+    regularizer; pruning to r happens at inference only.
     """
     from edgebayes.train.trainer import evaluate, resolve_device
 
@@ -511,7 +521,7 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
             rate = pruning_schedule(step, total, s.keep_init, s.nonzero_rate, s.schedule_fraction)
             model.prior_inclusion.fill_(rate)
             model.tau_prime.fill_(s.tau_prime / 2 if step >= total / 2 else s.tau_prime)
-            weights, kl = model.weights_and_regularizer(rate)  # phi once per step for both terms; fp32
+            weights, kl = model.weights_and_regularizer(rate if masked else None)  # phi once per step; fp32
             with autocast(device, t.precision):  # bf16 matmuls / convolutions only (train/accel.py)
                 logits = functional_call(model.base, weights, (x,))
             nll = F.cross_entropy(logits.float(), y)
