@@ -102,8 +102,10 @@ def _layer(kind, prior, noncentered, seed=0):
         x = torch.randn(4, 6)
     else:
         layer = SpikeSlabConv2d(3, 5, 3, padding=1, bias=kind == "conv", **kw,
-                                norm=nn.BatchNorm2d(5) if kind == "conv+bn" else None)
+                                norm=nn.BatchNorm2d(5) if kind.startswith("conv+bn") else None)
         x = torch.randn(4, 3, 5, 5)
+        if kind.endswith("channels_last"):   # what train.channels_last does to the model and its inputs
+            layer, x = layer.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
     with torch.no_grad():   # spread posterior scales and inclusion so every term matters
         layer.weight_rho.uniform_(-3, 0)
         if layer.bias_rho is not None:
@@ -112,7 +114,7 @@ def _layer(kind, prior, noncentered, seed=0):
     return layer, x
 
 
-@pytest.mark.parametrize("kind", ["linear", "conv", "conv+bn"])
+@pytest.mark.parametrize("kind", ["linear", "conv", "conv+bn", "conv+bn channels_last"])
 @pytest.mark.parametrize("prior,noncentered", [("ss-ig", False), ("ss-gl", False), ("ss-ghs", False),
                                                ("ss-gl", True), ("ss-ghs", True)])
 def test_fused_training_step_equals_the_plain_computation(kind, prior, noncentered):

@@ -69,9 +69,9 @@ class _GroupGaussianKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mu, sigma, log_v, inv_v):
-        rows, n = mu.shape[0], mu[0].numel()
-        sum_log_var = 2 * torch.log(sigma).view(rows, -1).sum(1)
-        sum_sq = torch.addcmul(sigma * sigma, mu, mu).view(rows, -1).sum(1)
+        n, within_row = mu[0].numel(), tuple(range(1, mu.dim()))   # summed in place: any memory format
+        sum_log_var = 2 * torch.log(sigma).sum(within_row)
+        sum_sq = torch.addcmul(sigma * sigma, mu, mu).sum(within_row)
         ctx.save_for_backward(mu, sigma, inv_v, sum_sq)
         ctx.n = n
         return 0.5 * (n * log_v - sum_log_var + inv_v * sum_sq - n)
