@@ -110,6 +110,7 @@ class TrainConfig:
     channels_last: bool = False         # NHWC memory format for the convolutions (faster tensor cores on GPUs)
     compile: bool = False               # torch.compile the forward and the KL; falls back to eager, logging why
     processes: int = 1                  # > 1: `edgebayes train` relaunches itself under torchrun (DDP)
+    threads: int = 0                    # torch threads of train, select, export; 0: the free cores (train/accel.py)
 
 
 @dataclass
@@ -570,6 +571,7 @@ def _check_ranges(cfg, p):
     lo, hi = OPSETS
     _check(lo <= cfg.export.opset <= hi, f"{p}: export.opset", f"expected an ONNX opset in {lo}..{hi}")
     _check(cfg.benchmark.warmup >= 0, f"{p}: benchmark.warmup", "expected a non-negative integer")
+    _check(cfg.train.threads >= 0, f"{p}: train.threads", "expected a non-negative integer (0: the free cores)")
 
 
 def _check_knob_values(cfg, p):

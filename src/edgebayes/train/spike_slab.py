@@ -330,6 +330,8 @@ class SpikeSlabLayer(nn.Module):
         not vectorized), so computing it twice per step cost as much as a deterministic step of LeNet-5-Caffe
         at batch 32. The graph is the same as with two softplus calls; only the work is shared."""
         rho = self.weight_rho
+        if torch.compiler.is_compiling():   # the compiler fuses the two calls itself
+            return F.softplus(rho)
         if reuse:
             cached = _SIGMA.pop(self, None)
             if (cached is not None and cached[0] == rho._version
@@ -337,8 +339,7 @@ class SpikeSlabLayer(nn.Module):
                 return cached[1]
             return F.softplus(rho)
         sigma = F.softplus(rho)
-        if not torch.compiler.is_compiling():
-            _SIGMA[self] = (rho._version, sigma)
+        _SIGMA[self] = (rho._version, sigma)
         return sigma
 
     # -- KL ------------------------------------------------------------------------------------
