@@ -111,6 +111,7 @@ class TrainConfig:
     compile: bool = False               # torch.compile the forward and the KL; falls back to eager, logging why
     processes: int = 1                  # > 1: `edgebayes train` relaunches itself under torchrun (DDP)
     threads: int = 0                    # torch threads of train, select, export; 0: the free cores (train/accel.py)
+    kl_warmup_epochs: int = 0           # KL scaled by min(1, step / warm-up steps) over these epochs (trainer.py)
 
 
 @dataclass
@@ -572,6 +573,8 @@ def _check_ranges(cfg, p):
     _check(lo <= cfg.export.opset <= hi, f"{p}: export.opset", f"expected an ONNX opset in {lo}..{hi}")
     _check(cfg.benchmark.warmup >= 0, f"{p}: benchmark.warmup", "expected a non-negative integer")
     _check(cfg.train.threads >= 0, f"{p}: train.threads", "expected a non-negative integer (0: the free cores)")
+    _check(0 <= cfg.train.kl_warmup_epochs <= cfg.train.epochs, f"{p}: train.kl_warmup_epochs",
+           "expected an integer in 0..train.epochs (the exact ELBO must be the objective at the end)")
 
 
 def _check_knob_values(cfg, p):
