@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian, relaxed_bernoulli_hard
-from edgebayes.train.spike_slab import GlobalHorseshoeScale, GlobalScale, SpikeSlabConv2d, SpikeSlabLinear
+from edgebayes.train.spike_slab import (GlobalHorseshoeScale, GlobalScale, SpikeSlabConv2d, SpikeSlabLinear,
+                                        standard_normal_like)
 
 
 def _conv_bn(prior, seed=0):
@@ -70,7 +71,7 @@ def _reference_loss(layer, x, weights):
     bias_var = None if layer.bias_rho is None else sp(layer.bias_rho) ** 2
     mean = layer._affine(x, layer.weight_mu, layer.bias_mu)
     var = layer._affine(x * x, sp(layer.weight_rho) ** 2, bias_var)
-    out = mean + torch.sqrt(var + 1e-16) * torch.randn_like(mean)
+    out = mean + torch.sqrt(var + 1e-16) * standard_normal_like(mean)   # randn_like; drawn in memory order
     if layer.norm is not None:
         out = layer.norm(out)
     if layer.noncentered:
@@ -142,3 +143,17 @@ def test_fused_training_step_equals_the_plain_computation(kind, prior, noncenter
         if g is not None:
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
     assert any(g is not None and g.abs().sum() > 0 for g in grads[:2])
+
+
+def test_standard_normal_like_keeps_the_layout_and_is_randn_like_for_contiguous_tensors():
+    t = torch.empty(4, 3, 5, 5)
+    torch.manual_seed(0)
+    a = standard_normal_like(t)
+    torch.manual_seed(0)
+    assert torch.equal(a, torch.randn_like(t))
+    cl = t.contiguous(memory_format=torch.channels_last)
+    torch.manual_seed(0)
+    b = standard_normal_like(cl)
+    assert b.is_contiguous(memory_format=torch.channels_last) and b.shape == t.shape
+    torch.manual_seed(0)
+    assert torch.equal(b.permute(0, 2, 3, 1).reshape(-1), torch.randn(t.numel()))   # iid draws in memory order
