@@ -34,6 +34,22 @@ gamma = 0.07 (step 9,000 here) and the nodes only then start to separate, so jud
 and train for many more Adam steps (the paper: 1200 epochs x 59 steps at batch 1024, about 70,000) before reading
 the median model. SS-GHS learns its slab scale and its slab KL per node falls to about 10 nats within 2,000 steps,
 so its gammas barely move early; it prunes much later.
+
+Why they fall together (issue 20, benchmarks/inclusion_collapse.py, SS-GL / SS-IG, batch 32): at init the
+slab KL is 5.5 nats per weight (sigma = softplus(-6) against sigma0 = 1), about 4,400 nats per fc1 node, and
+its gradient on a node's inclusion logit, 8e-4 per step in loss units, is the same for every node of a layer
+(within 6%) and 30x the largest and 3,000x the mean likelihood gradient on a logit (the straight-through
+gradient is small while z_soft saturates at gamma = 0.99). The prior inclusion lambda_l (1/800) adds only
+log(gamma / lambda) ~ 11 nats per node: not the cause. Adam then moves every logit of the layer by about lr
+per step, in lockstep: from logit(0.99) = 4.6 they cross 0 after about 4,600 steps, whatever the size of the
+KL. The posterior scales rho move at the same rate (-6 towards about -1.5, where the slab KL per weight is ~1
+nat), so the race between "gamma crosses 0.5" and "the slab KL has fallen enough for the likelihood to tell
+nodes apart" is decided by the initial values (logit 4.6, rho -6) and is lost. A KL warm-up
+(train.kl_warmup_epochs) does not change this: Adam normalises each parameter's step, so once the scaled KL
+gradient exceeds the likelihood's (at 3% of the warm-up) the logits fall at lr per step anyway (measured:
+the median model empty at epoch 3 with a 2-epoch warm-up as without). What does change the race is the
+relative speed of the logits and the scales: a lower learning rate for the logits, or a larger initial
+posterior scale (measured with a logit learning rate of lr / 10 in benchmarks/results/inclusion_collapse_*).
 """
 
 import contextlib
