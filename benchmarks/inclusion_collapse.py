@@ -10,7 +10,8 @@ Two measurements on MNIST LeNet-5-Caffe (the paper config, batch 32, Adam 1e-3, 
                 baseline      the config as it is;
                 warmupE       train.kl_warmup_epochs = E (the KL scaled up linearly over E epochs);
                 logitlrK      the inclusion logits at Adam learning rate lr / K, everything else at lr
-                              (an optimizer setting: the objective is the exact ELBO throughout).
+                              (an optimizer setting: the objective is the exact ELBO throughout);
+                rhoR          the slab's posterior scales initialised at softplus(R) instead of softplus(-6).
 
 Results: <out>.json (histories, gradients, provenance) and <out>.md. Checkpoints under --work (resumable).
 
@@ -79,8 +80,20 @@ def train_variant(cfg, splits, variant, work):
                     layer.gamma_logit._is_gamma_logit = True
             return model
         trainer.model_for, torch.optim.Adam = model_for, grouped_adam
+    elif variant.startswith("rho"):
+        rho = float(variant[len("rho"):])
+
+        def model_for(c, s):   # the slab's posterior scales start at softplus(rho) instead of softplus(-6)
+            model = real_model_for(c, s)
+            with torch.no_grad():
+                for _, layer in model.bayesian_layers():
+                    layer.weight_rho.fill_(rho)
+                    if layer.bias_rho is not None:
+                        layer.bias_rho.fill_(rho)
+            return model
+        trainer.model_for = model_for
     elif variant != "baseline":
-        raise SystemExit(f"unknown variant {variant!r} (baseline, warmupE, logitlrK)")
+        raise SystemExit(f"unknown variant {variant!r} (baseline, warmupE, logitlrK, rhoR)")
     try:
         _, history = trainer.train(cfg, splits, work / f"{cfg.name}_{variant}.pt", log=print)
     finally:
