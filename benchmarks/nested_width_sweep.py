@@ -7,6 +7,9 @@ groups, rescale by the keep probability, recollect batch-norm statistics, physic
 channels) and measures on the test split: accuracy, NLL, ECE (15 bins), and OOD detection by predictive
 entropy (AUROC, AUPR; the OOD set is the config's data.ood, uniform noise images for MNIST here).
 BN3 averages M posterior samples (6, as the paper); FN3 and the dnn are deterministic (one sample).
+FN3 is also evaluated without the rescaling by the keep probability (column "FN3 unscaled", family key
+"fn3_unscaled": the same trained network): FN3 trains with hard masks, so the rescaling that paper 002
+applies to both (train/nested.py) could make "BN3 >= FN3" an artefact of scaling FN3's outputs.
 
 Results: <out>/<name>.json (with provenance: machine, commit, versions), .md and .png.
 Checkpoints go to --work, so an interrupted run resumes. The paper-002 reproduction command on MNIST:
@@ -87,6 +90,14 @@ def run(args):
             entry["keep_probability"] = {name: [round(float(p), 4) for p in layer.ordering.keep_probability().detach()]
                                          for name, layer in model.nested_layers() if layer.nested}
         results["families"][family] = entry
+        if family == "fn3":   # the same FN3 network evaluated without the test-time rescaling
+            model.set_rescale(False)
+            rows = [{"knob": k, **evaluate_point(model, splits, k, 1, cfg.seed)} for k in widths]
+            model.set_rescale(True)
+            for row in rows:
+                print(f"fn3 unscaled {model.knob} {row['knob']}: "
+                      + ", ".join(f"{key} {row[key]:.4f}" for key, _, _ in METRICS if key in row))
+            results["families"]["fn3_unscaled"] = {**entry, "points": rows}
     results["checks"] = checks(results, args.noise)
     results["provenance"] = provenance(f"nested_width_sweep {args.config}")
     out = Path(args.out)
@@ -106,6 +117,9 @@ def checks(r, noise):
         "noise_tolerance": noise,
         "bn3_at_least_fn3_every_width": bool(all(a >= b for a, b in zip(bn3, fn3))),
         "bn3_minus_fn3_accuracy": [a - b for a, b in zip(bn3, fn3)],
+        **({"bn3_at_least_fn3_unscaled_every_width": bool(all(a >= b for a, b in zip(bn3, unscaled))),
+            "bn3_minus_fn3_unscaled_accuracy": [a - b for a, b in zip(bn3, unscaled)]}
+           if (unscaled := [p["accuracy"] for p in r["families"].get("fn3_unscaled", {}).get("points", [])]) else {}),
         "bn3_full_width_ece_below_dnn": bool(r["families"]["bn3"]["points"][-1]["ece"]
                                              < r["families"]["dnn"]["points"][0]["ece"]),
     }
@@ -118,19 +132,23 @@ def largest_drop(accuracy_by_width):
 
 def markdown(r, args):
     fams = r["families"]
+    shown = [f for f in ("bn3", "fn3", "fn3_unscaled") if f in fams]
     lines = [f"# Width sweep, paper 002: BN3 vs FN3 ({r['arch']}, {r['dataset']})", "",
              f"`{' '.join(sys.argv)}` (commit {provenance('')['git_commit']}).",
              f"{r['train_images']} training images, seed {r['seed']}, {r['epochs']} epochs "
              f"(batch {r['batch_size']}, lr {r['lr']}, kappa {r['kappa']:g}), D = {r['groups']} groups "
              f"({r['fixed_groups']} fixed); test {r['test_images']} images; OOD: {r['ood']}. "
              f"BN3: M = {r['mc_samples']} posterior samples; FN3 and dnn deterministic.",
-             "Training time (CPU): " + ", ".join(f"{f} {fams[f]['train_seconds']:.0f} s" for f in fams) + ".", "",
-             "| width | " + " | ".join(f"{f.upper()} {label}" for _, label, _ in METRICS for f in ("bn3", "fn3")) + " |",
-             "|---" * (1 + 2 * len(METRICS)) + "|"]
+             "Training time (CPU): " + ", ".join(f"{f} {fams[f]['train_seconds']:.0f} s" for f in fams
+                                                 if f != "fn3_unscaled") + ".",
+             "FN3 unscaled: the same FN3 network without the test-time rescaling by the keep probability.", "",
+             "| width | " + " | ".join(f"{f.upper().replace('_UNSCALED', ' unscaled')} {label}"
+                                     for _, label, _ in METRICS for f in shown) + " |",
+             "|---" * (1 + len(shown) * len(METRICS)) + "|"]
     for i, k in enumerate(r["widths"]):
         cells = [f"{k}/{r['groups']}"]
         for key, _, _ in METRICS:
-            for f in ("bn3", "fn3"):
+            for f in shown:
                 value = fams[f]["points"][i].get(key)
                 cells.append("" if value is None else f"{value:.4f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -141,6 +159,8 @@ def markdown(r, args):
     lines += [f"- BN3 accuracy does not drop as width grows (tolerance {c['noise_tolerance']}): "
               f"{c['bn3_accuracy_not_dropping_with_width']} (largest drop {c['largest_drop']:.4f})",
               f"- BN3 >= FN3 accuracy at every width: {c['bn3_at_least_fn3_every_width']}",
+              *([f"- BN3 >= FN3 unscaled accuracy at every width: {c['bn3_at_least_fn3_unscaled_every_width']}"]
+                if "bn3_at_least_fn3_unscaled_every_width" in c else []),
               f"- BN3 ECE at full width below the dnn's: {c['bn3_full_width_ece_below_dnn']}", ""]
     return "\n".join(lines)
 
@@ -154,8 +174,10 @@ def plot(r, path):
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4))
     x = np.array(r["widths"]) / r["groups"]
     for ax, (key, label, _) in zip(np.atleast_1d(axes), keys):
-        for f, style in (("bn3", "o-"), ("fn3", "s--")):
-            ax.plot(x, [p[key] for p in r["families"][f]["points"]], style, label=f.upper(), markersize=4)
+        for f, style in (("bn3", "o-"), ("fn3", "s--"), ("fn3_unscaled", "^:")):
+            if f not in r["families"]:
+                continue
+            ax.plot(x, [p[key] for p in r["families"][f]["points"]], style, label=f.upper().replace("_UNSCALED", " unscaled"), markersize=4)
         ax.axhline(r["families"]["dnn"]["points"][0][key], color="grey", linestyle=":", label="dnn (full)")
         ax.set_xlabel("width (fraction of groups kept)")
         ax.set_title(label)

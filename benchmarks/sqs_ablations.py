@@ -6,7 +6,9 @@
   windows    outlier-aware vs equal windows (appendix C / D.2; paper: Figure 2), plus one window per layer:
              accuracy, file bytes and how well the quantized weights match the full-precision distribution;
   scores     the first layer's keep scores per weight (the paper) vs per input pixel (sqs.first_layer_scores,
-             not in the paper) across non-zero rates: accuracy and where the file's bytes go.
+             not in the paper) across non-zero rates: accuracy and where the file's bytes go;
+  mask       training under the hard top-r_t mask (train/sqs.py's documented deviation, the default) vs eq. 8
+             without it (train_sqs(masked=False)), across non-zero rates.
 
 Every variant fine-tunes the same full-precision network (pretrained once, cached in --work) with the
 config's SQS settings, changing only what the ablation varies. Accuracy drops are against that network on
@@ -56,16 +58,18 @@ class Runner:
         self.base, self.base_test = pretrained_base(cfg, splits, work, log)
         self.cache = {}
 
-    def fine_tune(self, **sqs):
-        """Fine-tune one variant (memoised by its settings); returns (model, seconds)."""
-        key = json.dumps(sqs, sort_keys=True)
+    def fine_tune(self, masked=True, **sqs):
+        """Fine-tune one variant (memoised by its settings); returns (model, seconds). `masked=False`: eq. 8
+        without the training forward's hard top-r_t mask (train_sqs)."""
+        key = json.dumps({**sqs, "masked": masked}, sort_keys=True)
         if key not in self.cache:
-            name = "_".join(f"{k}-{v}" for k, v in sorted(sqs.items()))
+            name = "_".join(f"{k}-{v}" for k, v in sorted(sqs.items())) + ("" if masked else "_unmasked")
             cfg = self.cfg.model_copy(update={
                 "train": self.cfg.train.model_copy(update={"epochs": self.epochs}),
                 "sqs": self.cfg.sqs.model_copy(update={"checkpoint": str(self.work / "pretrained.pt"), **sqs})})
             t0 = time.perf_counter()
-            model, history = train_sqs(cfg, self.splits, self.work / name / "checkpoint.pt", log=lambda *a: None)
+            model, history = train_sqs(cfg, self.splits, self.work / name / "checkpoint.pt", log=lambda *a: None,
+                                       masked=masked)
             seconds = sum(h["seconds"] for h in history)
             self.log(f"  {name}: {seconds:.0f} s of fine-tuning ({time.perf_counter() - t0:.0f} s here)")
             self.cache[key] = (model, seconds)
@@ -89,6 +93,25 @@ def prior_ablation(r: Runner):
         rows.append(row)
         r.log(f"prior: non-zero {rate}: drop gaussian {row['gaussian']['drop']:+.4f}, "
               f"spike-slab {row['spike-slab']['drop']:+.4f}")
+    return rows
+
+
+def mask_ablation(r: Runner):
+    """The training forward's hard top-r_t mask (a documented deviation, train/sqs.py) vs eq. 8 unmasked."""
+    rows = []
+    for rate in RATES:
+        row = {"nonzero_rate": rate}
+        for masked in (True, False):
+            model, seconds = r.fine_tune(masked=masked, nonzero_rate=rate)
+            acc = accuracy(model, r.splits, rate, m=4)
+            with torch.no_grad():
+                keep = torch.cat([model.posterior(n).keep_probability(model.tau_prime).expand(
+                    model.posterior(n).theta.shape).reshape(-1) for n in model.wrapped])
+            row["masked" if masked else "unmasked"] = {"accuracy": acc, "drop": r.drop(acc), "seconds": seconds,
+                                                       "train_keep_fraction": float((keep > 0.5).float().mean())}
+        rows.append(row)
+        r.log(f"mask: non-zero {rate}: drop masked {row['masked']['drop']:+.4f}, "
+              f"unmasked {row['unmasked']['drop']:+.4f}")
     return rows
 
 
@@ -200,6 +223,16 @@ def markdown(result) -> str:
                          f"{row['wasserstein1_mean']:.2e} | {row['abs_error_mean']:.2e} | {row['outliers']} | "
                          f"{'n/a' if tail is None else f'{tail:.2e}'} |")
         lines.append("")
+    if "mask" in result:
+        lines += ["## Training with the hard top-r_t mask (the default, a deviation) vs eq. 8 unmasked (MC average, "
+                  "M = 4)", "", "Keep fraction: share of weights with lambda~ > 0.5 at the end of training; both "
+                  "are pruned to the non-zero rate at inference.", "",
+                  "| Non-zero | Drop, masked | Drop, unmasked | Keep fraction masked / unmasked |", "|---|---|---|---|"]
+        for row in result["mask"]:
+            a, b = row["masked"], row["unmasked"]
+            lines.append(f"| {row['nonzero_rate']:.0%} | {a['drop']:+.2%} | {b['drop']:+.2%} | "
+                         f"{a['train_keep_fraction']:.2f} / {b['train_keep_fraction']:.2f} |")
+        lines.append("")
     if "scores" in result:
         lines += ["## First layer's keep scores: per weight (paper 001) vs per input pixel (MC average, M = 4)", "",
                   "Mask and indices: bits per weight of each stream entropy-coded alone (compressed/codebook.py "
@@ -220,8 +253,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/mnist-mlp-sqs.yaml")
     parser.add_argument("--epochs", type=int, default=2, help="SQS fine-tuning epochs per variant")
-    parser.add_argument("--only", nargs="*", choices=("prior", "inference", "windows", "scores"),
-                        default=["inference", "windows", "prior", "scores"])
+    parser.add_argument("--only", nargs="*", choices=("prior", "inference", "windows", "scores", "mask"),
+                        default=["inference", "windows", "prior", "scores", "mask"])
     parser.add_argument("--work", default="runs/sqs-ablations", help="checkpoints (resumable)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--threads", type=int, default=1)
@@ -245,7 +278,7 @@ def main(argv=None):
               "sqs": as_dict(cfg.sqs), "kl_weight": cfg.train.kl_weight, "batch_size": cfg.train.batch_size}
     for name in args.only:  # results are written after each ablation, so a cut-short run keeps what finished
         result[name] = {"prior": prior_ablation, "inference": inference_ablation, "windows": windows_ablation,
-                        "scores": scores_ablation}[name](runner)
+                        "scores": scores_ablation, "mask": mask_ablation}[name](runner)
         result["seconds"] = time.perf_counter() - t0
         result["provenance"] = provenance("sqs-ablations")
         write_json(out / "sqs_ablations.json", result)

@@ -23,6 +23,13 @@ The CPU figures committed here (small training sets, so the epoch time is of tha
 
     python benchmarks/train_throughput.py --device cpu --train-size 1024 128 --epochs 4 \\
         --out benchmarks/results/train_throughput_cpu
+
+`--cpu-clock` times epochs by the process's CPU time instead of wall time: with one thread on a machine other
+processes load, what the work costs without the time they held the core (caches and memory bandwidth are
+still shared). `--threads N` sets torch's intra-op threads (the CPU figures: 1 and 2); `--profile` adds, per family, the
+operators that took the most CPU time in one more (profiled, untimed) epoch, from torch.profiler: where a
+Bayesian step spends its time beyond the two convolutions / matmuls of local reparameterization. `--label`
+names the code measured (e.g. a checkout of an older commit put first on PYTHONPATH, for a before/after).
 """
 
 import argparse
@@ -31,6 +38,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -68,11 +76,30 @@ def time_family(base_cfg, family, splits, args, precision):
     with tempfile.TemporaryDirectory() as tmp:
         _, history = fit(cfg, splits, Path(tmp) / "checkpoint.pt", log=lambda *_: None)
     epoch_seconds = min(h["train_seconds"] for h in history[1:])  # the first epoch is warm-up
+    profile = top_operators(cfg, splits) if args.profile else None
     return {"family": family, "precision": precision, "batch_size": t.batch_size, "epochs": t.epochs,
             "train_images": len(splits.train_x), "epoch_seconds": epoch_seconds,
             "images_per_second": len(splits.train_x) / epoch_seconds,
             "all_epoch_seconds": [h["train_seconds"] for h in history], "augment": t.augment,
-            "channels_last": t.channels_last, "compile": t.compile, "optimizer": t.optimizer}
+            "channels_last": t.channels_last, "compile": t.compile, "optimizer": t.optimizer,
+            "profile": profile}
+
+
+def top_operators(cfg, splits, rows=10):
+    """The operators with the most self CPU time in one epoch (training and a validation pass) under
+    torch.profiler: [{name, self_cpu_ms, calls, share of the total}], largest first, plus the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = copy.deepcopy(cfg)
+    cfg.train.epochs = 1
+    with tempfile.TemporaryDirectory() as tmp, profile(activities=[ProfilerActivity.CPU]) as prof:
+        train(cfg, splits, Path(tmp) / "checkpoint.pt", log=lambda *_: None)
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in ops)
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"total_self_cpu_ms": total / 1e3,
+            "top": [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count,
+                     "share": e.self_cpu_time_total / total} for e in ops[:rows]]}
 
 
 def device_name(device):
@@ -82,9 +109,9 @@ def device_name(device):
 
 
 def markdown(result):
-    lines = [f"# Training throughput ({result['device_name']})", "",
+    lines = [f"# Training throughput ({result['device_name']}){' - ' + result['label'] if result.get('label') else ''}", "",
              f"Device `{result['device']}` ({result['device_name']}); commit {result['provenance']['git_commit']}; "
-             f"torch {torch.__version__}; {result['epochs']} epochs per run, epoch time = the shortest after the "
+             f"torch {torch.__version__}; clock: {result.get('clock', 'wall')}; {result['epochs']} epochs per run, epoch time = the shortest after the "
              "first (training steps only, no validation); random tensors of the data set's shape; the paper configs' settings. "
              f"'x dnn' is the family's epoch time over the deterministic network's (same architecture, "
              f"precision and run); issue 6 asks for at most {WITHIN}x.", ""]
@@ -106,6 +133,14 @@ def markdown(result):
                          f"{'' if ratio is None else ('yes' if ratio <= WITHIN else 'no')} | "
                          f"{r['full_train_images'] / r['images_per_second']:.1f} |")
         lines.append("")
+    profiled = [r for r in result["rows"] if r.get("profile")]
+    if profiled:
+        lines += ["## Where the time goes (torch.profiler, one epoch, self CPU time)", ""]
+        for r in profiled:
+            p = r["profile"]
+            top = "; ".join(f"{o['name']} {o['share']:.0%} ({o['calls']} calls)" for o in p["top"][:8])
+            lines.append(f"- {r['arch']} {r['family']}: {p['total_self_cpu_ms']:.0f} ms in all; {top}")
+        lines.append("")
     lines.append(f"Machine: {result['provenance']['machine']}; load average (1, 5, 15 min) before "
                  f"{result['load_average_before']}, after {result['load_average_after']} (a shared machine loads "
                  f"every figure).")
@@ -125,11 +160,23 @@ def main(argv=None):
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--compile", action="store_true", help="torch.compile the forward (train.compile)")
     ap.add_argument("--out", required=True, help="results path without suffix (.json and .md are written)")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--profile", action="store_true", help="top operators of one more epoch per family")
+    ap.add_argument("--label", default="", help="what code was measured (written into the results)")
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="epoch time = this process's CPU time, not wall time (a shared machine, 1 thread)")
     args = ap.parse_args(argv)
     if args.epochs < 2:
         ap.error("--epochs must be at least 2 (the first epoch is warm-up)")
     if args.train_size and len(args.train_size) != len(args.archs):
         ap.error("--train-size takes one number per --archs entry")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_clock:   # the trainer's train_seconds from the process's CPU time (module docstring)
+        import types
+        import edgebayes.train.sqs as sqs_module
+        import edgebayes.train.trainer as trainer_module
+        trainer_module.time = sqs_module.time = types.SimpleNamespace(perf_counter=time.process_time)
     device = resolve_device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -151,7 +198,9 @@ def main(argv=None):
                 if dnn is not None:
                     r["ratio_to_dnn"] = r["epoch_seconds"] / dnn["epoch_seconds"]
             rows += timed
-    result = {"device": str(device), "device_name": device_name(device), "archs": args.archs,
+    result = {"device": str(device), "device_name": device_name(device), "archs": args.archs, "label": args.label,
+              "clock": "process CPU time" if args.cpu_clock else "wall",
+              "threads": torch.get_num_threads(), "code": str(Path(train.__code__.co_filename).parents[2]),
               "epochs": args.epochs, "argv": sys.argv[1:] if argv is None else argv, "rows": rows,
               "cuda": torch.version.cuda, "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "provenance": provenance(None)}

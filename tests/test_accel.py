@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from edgebayes.train.families import fit
 from edgebayes.config import PipelineConfig
 from edgebayes.data import load_data
+from edgebayes.train import accel
 from edgebayes.train.accel import DeviceData, augment, autocast
 from edgebayes.train.models import build_model
 from edgebayes.train.sqs import build_sqs
@@ -182,3 +183,27 @@ def test_cuda_fast_path_learns_digits(digits, tmp_path):
     x = torch.rand(16, 3, 6, 6, device="cuda")
     out = augment(x, 2)
     assert out.device.type == "cuda" and all(len(_matches(out[i].cpu(), x[i].cpu(), 2)) == 1 for i in range(16))
+
+
+@pytest.mark.parametrize("load,expected", [(0.0, 4), (0.4, 4), (1.2, 3), (3.6, 1), (9.0, 1)])
+def test_free_cores_are_the_affinity_set_minus_the_load(monkeypatch, load, expected):
+    monkeypatch.setattr(accel.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(accel.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    assert accel.free_cores() == expected
+
+
+def test_set_threads_never_exceeds_the_cores_and_defaults_to_the_free_ones(monkeypatch):
+    """train.threads (issue 20): torch's default, every core, made two threads wait for each other when
+    another process held one of two cores."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(accel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(accel.os, "getloadavg", lambda: (1.1, 0.0, 0.0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert accel.set_threads(8) == 2 == torch.get_num_threads()      # capped at the cores
+        assert accel.set_threads(0) == 1 == torch.get_num_threads()      # one core is busy elsewhere
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        assert accel.set_threads(0) == 1                                 # the environment chose already
+    finally:
+        torch.set_num_threads(before)

@@ -65,6 +65,7 @@ BAD_CONFIGS = {
     "section not a mapping": (_set("train", [1, 2]), r"train: expected a mapping"),
     "empty knob values": (_set("select.knob_values", []), r"select\.knob_values: expected a list"),
     "out of range (epochs)": (_set("train.epochs", 0), r"train\.epochs: expected a positive integer"),
+    "negative threads": (_set("train.threads", -1), r"train\.threads: expected a non-negative integer"),
     "bad literal": (_set("model.family", "ss-xx"), r"model\.family: expected one of .*'ss-gl'.*got 'ss-xx'"),
     "bad literal (dataset)": (_set("data.dataset", "imagenet"), r"data\.dataset: expected one of"),
     "unknown export format": (_set("export.formats", ["onnx", "coreml"]),

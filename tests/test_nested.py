@@ -267,6 +267,27 @@ def test_plain_sample_is_the_models_own_masked_and_rescaled_network(arch):
         assert (dense(x) - net(x)).abs().max() > 1e-3   # the width matters
 
 
+def test_fn3_without_rescaling_keeps_channels_unscaled_in_the_eval_forward_and_the_plain_sample():
+    """Issue 20: FN3 trains with hard masks; NestedNet.set_rescale(False) evaluates it without appendix 8.2's
+    scaling by P(z_j = 1) (the width sweep's "FN3 unscaled"): kept channels scale 1, dropped ones 0, and the
+    plain sample is still the model's own eval forward."""
+    net, shape = _trained_looking("mlp", family="fn3", calibration=False)
+    width = net.operating_points()[2]
+    layer = next(m for _, m in net.nested_layers() if m.nested)
+    scaled = layer.channel_scale(width)
+    assert scaled[layer.kept_channels(width)].min() < 1          # rescaled by default (the paper's reading)
+    net.set_rescale(False)
+    assert torch.equal(layer.channel_scale(width), layer.kept_channels(width).float())
+    net.set_width(width)
+    dense, _ = net.posterior_sample(width)
+    x = torch.randn((8,) + shape, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(dense(x), net(x), rtol=0, atol=1e-5)
+        unscaled = net(x)
+        net.set_rescale(True)
+        assert (net(x) - unscaled).abs().max() > 1e-3
+
+
 def test_batch_norm_statistics_are_recollected_at_the_width():
     net, shape = _trained_looking("resnet20")
     dense, _ = net.posterior_sample(3, torch.Generator().manual_seed(10))

@@ -383,3 +383,36 @@ def test_sqs_fine_tuning_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
     assert history[-1]["val_accuracy"] == full_history[-1]["val_accuracy"] > 0.5  # trained, not at chance
     for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3, 0.37, 0.5, 1.0])
+def test_keep_masks_by_selection_equal_the_stable_sort_with_ties(rate):
+    """keep_masks finds the threshold by selection (issue 20: a full sort every step was slow); the mask is
+    the one a stable descending sort gives, ties included (the first of equal scores win)."""
+    net = small_net()
+    with torch.no_grad():   # many ties: scores on a coarse grid
+        for p in net.posteriors.values():
+            p.score.copy_(torch.randint(0, 4, p.score.shape).float())
+    masks = net.keep_masks(rate)
+    scores = torch.cat([net.posterior(n).weight_scores().reshape(-1) for n in net.wrapped])
+    expected = torch.zeros(scores.numel(), dtype=torch.bool)
+    expected[torch.sort(scores, descending=True, stable=True).indices[: round(rate * scores.numel())]] = True
+    assert torch.equal(torch.cat([masks[n].reshape(-1) for n in net.wrapped]), expected)
+
+
+def test_unmasked_objective_gives_pruned_weights_a_likelihood_gradient():
+    """The ablation of the hard top-r_t mask: with it, weights outside the mask get no likelihood gradient
+    (their theta gradient is zero); without it (eq. 8 as written) they do."""
+    net = small_net()
+    x, y = torch.randn(8, 20), torch.randint(0, 3, (8,))
+    grads = {}
+    for masked in (True, False):
+        net.zero_grad(set_to_none=True)
+        weights, _ = net.weights_and_regularizer(0.3 if masked else None)
+        nll = torch.nn.functional.cross_entropy(torch.func.functional_call(net.base, weights, (x,)), y)
+        nll.backward()
+        grads[masked] = net.posterior("net.hidden1").theta.grad.clone()
+    pruned = ~net.keep_masks(0.3)["net.hidden1"]
+    assert pruned.any()
+    assert torch.all(grads[True][pruned] == 0)
+    assert grads[False][pruned].abs().sum() > 0

@@ -107,3 +107,18 @@ def test_posterior_mean_samples_inclusion_where_the_median_model_is_empty(setup,
     on = torch.stack([(o != 0).any(0).float() for o in outputs])  # which nodes were on in each call
     assert abs(on.mean().item() - 0.3) < 0.03
     assert not layer.sample_inclusion  # the block restores the threshold
+
+
+def test_kl_warmup_scales_the_kl_early_and_leaves_the_exact_elbo_after(setup, tmp_path):
+    """train.kl_warmup_epochs: the KL term is scaled by min(1, step / warm-up steps) during the
+    warm-up epochs and is the exact ELBO's afterwards; 0 changes nothing."""
+    cfg, splits = setup
+    cfg = copy.deepcopy(cfg)
+    cfg.model.family, cfg.train.epochs, cfg.train.kl_warmup_epochs = "ss-ig", 3, 2
+    _, history = fit(cfg, splits, tmp_path / "w.pt", log=lambda *_: None)
+    steps = -(-len(splits.train_x) // cfg.train.batch_size)
+    assert [h["kl_warmup"] for h in history] == [pytest.approx(steps / (2 * steps)), 1.0, 1.0]
+    cfg.train.kl_warmup_epochs = 0
+    _, plain = fit(cfg, splits, tmp_path / "p.pt", log=lambda *_: None)
+    assert all(h["kl_warmup"] == 1.0 for h in plain)
+    assert plain[0]["kl"] != history[0]["kl"]   # the early objective differs, so does the trajectory

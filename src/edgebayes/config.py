@@ -191,6 +191,9 @@ class TrainConfig(Section):
     channels_last: bool = False         # NHWC memory format for the convolutions (faster tensor cores on GPUs)
     compile: bool = False               # torch.compile the forward and the KL; falls back to eager, logging why
     processes: PositiveInt = 1          # > 1: `edgebayes train` relaunches itself under torchrun (DDP)
+    # torch threads of train, select and export; 0: the cores no other process keeps busy (train/accel.py)
+    threads: Annotated[int, Range("expected a non-negative integer (0: the free cores)", ge=0)] = 0
+    kl_warmup_epochs: NonNegativeInt = 0  # KL scaled by min(1, step / warm-up steps) over these epochs (trainer.py)
 
 
 class SQSConfig(Section):
@@ -531,6 +534,8 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check_data(cfg.data, p)
     _check(all(0 < e <= cfg.train.epochs for e in cfg.train.lr_milestones), f"{p}: train.lr_milestones",
            "expected epochs between 1 and train.epochs")
+    _check(cfg.train.kl_warmup_epochs <= cfg.train.epochs, f"{p}: train.kl_warmup_epochs",
+           "expected an integer in 0..train.epochs (the exact ELBO must be the objective at the end)")
     _check(cfg.train.batch_size >= cfg.train.processes, f"{p}: train.batch_size",
            f"expected at least train.processes ({cfg.train.processes}): the batch is split over the processes")
     _check(cfg.select.objective != "ece-constrained-accuracy" or cfg.select.max_ece is not None,

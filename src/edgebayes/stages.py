@@ -44,6 +44,7 @@ from edgebayes.ondevice.cli import command_line
 from edgebayes.provenance import (atomic_path, code_version, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
+from edgebayes.train.accel import set_threads
 from edgebayes.train.distributed import is_main_process
 
 MARKER = "stage.json"
@@ -574,6 +575,8 @@ def run_stage(ctx, stage):
         ctx.log(f"{stage}: up to date (config, code, outputs and inputs unchanged), skipped")
         return
     ctx.log(f"{stage}: running ({why})")
+    if stage in ("train", "select", "export"):   # deploy's runner keeps the device profile's runtime.threads
+        ctx.log(f"{stage}: {set_threads(ctx.cfg.train.threads)} torch threads (train.threads)")
     if is_main_process():
         ctx.begin(stage)
     try:

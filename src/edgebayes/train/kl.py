@@ -58,6 +58,45 @@ def kl_gaussian_gaussian(mu, sigma, prior_log_var_mean, prior_inv_var_mean):
     return 0.5 * (prior_log_var_mean - torch.log(sigma**2) + (sigma**2 + mu**2) * prior_inv_var_mean - 1)
 
 
+class _GroupGaussianKL(torch.autograd.Function):
+    """sum over each row of kl_gaussian_gaussian(mu, sigma, log_v, inv_v), with the prior moments per row:
+    the value and gradients of that expression (tests/test_spike_slab.py) in about a third of its passes over
+    the weights. Per row j of n_j coordinates,
+        KL_j = 1/2 [n_j E log v_j - sum_i log sigma_i^2 + E[1/v_j] sum_i (sigma_i^2 + mu_i^2) - n_j],
+    so only two sums touch the weights, and the backward is written out:
+        d/d mu_i = g_j E[1/v_j] mu_i,  d/d sigma_i = g_j (E[1/v_j] sigma_i - 1/sigma_i).
+    """
+
+    @staticmethod
+    def forward(ctx, mu, sigma, log_v, inv_v):
+        n, within_row = mu[0].numel(), tuple(range(1, mu.dim()))   # summed in place: any memory format
+        sum_log_var = 2 * torch.log(sigma).sum(within_row)
+        sum_sq = torch.addcmul(sigma * sigma, mu, mu).sum(within_row)
+        ctx.save_for_backward(mu, sigma, inv_v, sum_sq)
+        ctx.n = n
+        return 0.5 * (n * log_v - sum_log_var + inv_v * sum_sq - n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mu, sigma, inv_v, sum_sq = ctx.saved_tensors
+        view = (-1,) + (1,) * (mu.dim() - 1)
+        g_inv = (grad * inv_v).view(view)
+        grad_mu = g_inv * mu if ctx.needs_input_grad[0] else None
+        grad_sigma = torch.addcmul(-grad.view(view) / sigma, g_inv, sigma) if ctx.needs_input_grad[1] else None
+        grad_log_v = 0.5 * ctx.n * grad if ctx.needs_input_grad[2] else None
+        grad_inv_v = 0.5 * grad * sum_sq if ctx.needs_input_grad[3] else None
+        return grad_mu, grad_sigma, grad_log_v, grad_inv_v
+
+
+def kl_gaussian_groups(mu, sigma, prior_log_var_mean, prior_inv_var_mean):
+    """Per row (dim 0) of mu: the sum of KL(N(mu_i, sigma_i^2) || N(0, v_j)) over the row, with the row's
+    prior moments E[log v_j], E[1/v_j] (vectors, or scalars for one prior); returns a vector."""
+    rows = mu.shape[0]
+    log_v = torch.as_tensor(prior_log_var_mean, dtype=mu.dtype, device=mu.device).expand(rows)
+    inv_v = torch.as_tensor(prior_inv_var_mean, dtype=mu.dtype, device=mu.device).expand(rows)
+    return _GroupGaussianKL.apply(mu, sigma, log_v, inv_v)
+
+
 def kl_bernoulli(gamma, lam):
     """KL(Ber(gamma) || Ber(lam)), gamma and lam clamped away from 0 and 1."""
     gamma = gamma.clamp(_PROB_EPS, 1 - _PROB_EPS)

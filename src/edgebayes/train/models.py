@@ -108,7 +108,7 @@ class BayesianNet(nn.Module):
         kept = {n: torch.ones(m.weight.shape[0], dtype=torch.bool)
                 for n, m in plain.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
         for name, layer in self.bayesian_layers():
-            weight, bias = layer.sample_weights(generator)
+            weight, bias, out_scale = layer.sample_weights(generator)
             keep = layer.kept_units(threshold)
             affine = plain.get_submodule(self._plain_name(name, layer))
             affine.weight.copy_(weight * layer._per_group(keep.to(weight.dtype)))
@@ -116,8 +116,9 @@ class BayesianNet(nn.Module):
                 affine.bias.copy_(bias * keep)
             if layer.norm is not None:
                 norm = plain.get_submodule(f"{name}.norm")
-                norm.weight.mul_(keep)
-                norm.bias.mul_(keep)
+                scale = keep if out_scale is None else keep * out_scale   # tau* after the batch norm
+                norm.weight.mul_(scale)
+                norm.bias.mul_(scale)
             kept[self._plain_name(name, layer)] = keep.cpu()
         return plain.cpu().eval(), kept
 
@@ -162,6 +163,11 @@ class NestedNet(nn.Module):
         return [(n, m) for n, m in self.net.named_modules() if isinstance(m, NestedLayer)]
 
     bayesian_layers = nested_layers   # the name the trainer's per-epoch record reads
+
+    def set_rescale(self, rescale):
+        """Test-time rescaling of kept channels by P(z_j = 1) (appendix 8.2) on or off (train/nested.py)."""
+        for _, layer in self.nested_layers():
+            layer.rescale = bool(rescale)
 
     def kl(self):
         return sum((layer.kl() for _, layer in self.nested_layers()), torch.zeros((), device=self._device()))

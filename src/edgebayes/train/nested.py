@@ -57,6 +57,11 @@ Where this completes or deviates from the paper, and why:
 FN3 (Cui et al. 2020, the paper's baseline) is the same network with a fixed nested-dropout distribution
 and deterministic weights: beta is uniform over the K tail indices (mubar_j = log(K - j + 1), not trained),
 masks are hard samples (the tau -> 0 limit, Property 2: z = v_b, b ~ Categorical(beta)), and there is no KL.
+FN3 is rescaled at test time like BN3 by default: paper 002 (section 5, "we generate fixed width masks for
+BN3 and FN3 as in [6] ... We re-scale the node output by the probability that a node is kept") states the
+rescaling in the paragraph that treats both, and does not exempt FN3, though its appendix 8.2 motivates it by
+the variational nested dropout. Setting a layer's `rescale` to False (NestedNet.set_rescale) evaluates
+without it; benchmarks/nested_width_sweep.py reports FN3 both ways.
 
 Test time at width k (appendix 8.2, 9.2): keep the first k groups, scale group j's output by its keep
 probability P(z_j = 1) (1 for the fixed groups), draw the weights (one draw per posterior sample), and
@@ -202,6 +207,7 @@ class NestedLayer(nn.Module):
             self.ordering = OrderingUnit(groups - fixed_groups, mubar_init, prior_keep_logit, learned_order)
         self.temperature = 1.0
         self.width = groups                     # evaluation width (groups kept)
+        self.rescale = True                     # test time: kept channels scaled by P(z_j = 1) (appendix 8.2)
         self.__dict__["truncates"] = truncates  # a layer whose output channels this one's mask also drops
 
     # -- posterior quantities ---------------------------------------------------------------------
@@ -221,8 +227,10 @@ class NestedLayer(nn.Module):
         return self.group < width
 
     def channel_scale(self, width):
-        """Appendix 8.2: P(z_j = 1) on the kept channels, exactly 0 on the others."""
-        return self.inclusion_probability() * self.kept_channels(width)
+        """Appendix 8.2: P(z_j = 1) on the kept channels, exactly 0 on the others (1 on the kept channels
+        with `rescale` off: benchmarks/nested_width_sweep.py reports FN3 both ways)."""
+        kept = self.kept_channels(width)
+        return self.inclusion_probability() * kept if self.rescale else kept.to(self.theta.dtype)
 
     def sample_weight(self, generator=None):
         """One draw w = theta (1 + sqrt(alpha) eps) (eq. 17); theta itself for deterministic weights."""

@@ -27,6 +27,11 @@ not: it is estimated with reparameterized samples (one per step in training), un
 Non-centered parameterization (section 5.3, used for ResNets): w_j = tau*_j w0_j with w0 ~ N(0, sigma0^2 I)
 and q(w0_j) = N(mu_j, diag sigma_j^2); the weight KL is then against the fixed N(0, sigma0^2), and tau*_j is
 sampled (reparameterized) in the forward pass. The KL of w0 is weighted by gamma_j as in the centered form.
+In a layer with a batch norm, tau*_j multiplies the batch-norm output, tau*_j BN(conv(x; w0)), not the
+convolution output: batch norm in training mode divides by the batch's own scale of each channel, so
+BN(tau* conv(x)) = BN(conv(x)) and tau* (hence the shrinkage prior) would get no likelihood gradient
+(issue 20: 1e-4 against about 140 for the weights); SS-GL / SS-GHS would be SS-IG. After the batch norm the
+scale acts on the channel as z does; without a batch norm both places are the same.
 
 Training forward: z from the relaxed Bernoulli with a hard forward pass (temperature 0.5), weights through
 local reparameterization. Evaluation forward: z = 1[gamma > inclusion threshold] (the median model at 0.5,
@@ -43,6 +48,7 @@ The dense mean-field Gaussian BNN (the paper's dense baseline) is the SS-IG laye
 """
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -50,13 +56,16 @@ from torch import nn
 
 from edgebayes.train.kl import (
     kl_bernoulli,
-    kl_gaussian_gaussian,
+    kl_gaussian_groups,
     kl_lognormal_gamma,
     kl_lognormal_invgamma,
     relaxed_bernoulli_hard,
 )
 
 PRIORS = ("ss-ig", "ss-gl", "ss-ghs")
+
+# layer -> (weight_rho's version, softplus(weight_rho)) of its last training forward: SpikeSlabLayer._weight_sigma
+_SIGMA = weakref.WeakKeyDictionary()
 
 # sigma = softplus(rho) with rho = -6 at init keeps the initial weights at their Kaiming-uniform means
 # (paper 000, appendix A.2).
@@ -73,6 +82,40 @@ def _lognormal_sample(mu, rho, generator=None, n=None):
 def _inverse_mean(mu, rho):
     """E[1/x] for x ~ LN(mu, softplus(rho)^2)."""
     return torch.exp(-mu + 0.5 * F.softplus(rho) ** 2)
+
+
+def standard_normal_like(t):
+    """torch.randn_like(t), but a channels_last t gets one contiguous block of draws laid out with its strides:
+    torch's CPU normal_ is vectorized only for contiguous tensors, and on a channels_last convolution output
+    it was 5-8x slower (most of a ResNet-20 step, issue 20). The same law: every element an independent
+    N(0, 1) draw, in memory order."""
+    if t.is_contiguous() or not t.is_contiguous(memory_format=torch.channels_last):
+        return torch.randn_like(t)
+    return torch.randn(t.numel(), dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+
+
+class _LocalReparameterization(torch.autograd.Function):
+    """mean + sqrt(var + 1e-16) eps with eps ~ N(0, 1) (local reparameterization), in fewer memory passes.
+
+    The same value and gradients as the autograd graph of that expression (tests/test_spike_slab.py): the
+    forward keeps one tensor, eps / (2 sqrt(var + 1e-16)), instead of eps and the square root, and the
+    backward is one multiplication (d/d mean = the incoming gradient itself) instead of autograd's three
+    passes of mul, sqrt and add backward over the layer's whole output, which on a CPU cost as much as the
+    two convolutions of small layers (issue 20's profile).
+    """
+
+    @staticmethod
+    def forward(ctx, mean, var):
+        eps = standard_normal_like(mean)
+        std = (var + 1e-16).sqrt_()
+        out = torch.addcmul(mean, std, eps)
+        ctx.save_for_backward(eps.div_(std.mul_(2)))   # in place: std and eps are not needed any more
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (half_eps_over_std,) = ctx.saved_tensors
+        return grad, grad * half_eps_over_std
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,17 +314,43 @@ class SpikeSlabLayer(nn.Module):
         return torch.exp(0.5 * self.scale.log_sample(generator)).to(self.weight_mu.device)
 
     def sample_weights(self, generator=None):
-        """One draw of (weight, bias) from the slab (bias None without one); the caller applies z."""
+        """One draw (weight, bias, out_scale) from the slab; the caller applies z.
+
+        bias is None without one. out_scale is tau*_j of a non-centered layer with a batch norm: it multiplies
+        the batch-norm output (the caller folds it into the norm's weight and bias), see `forward`. Without
+        a batch norm tau* is folded into weight and bias here and out_scale is None.
+        """
         def draw(mu, rho):
             eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
             return mu + F.softplus(rho) * eps
         weight = draw(self.weight_mu, self.weight_rho)
         bias = None if self.bias_mu is None else draw(self.bias_mu, self.bias_rho)
         tau = self._scale_sample(generator)
-        if tau is not None:
+        if tau is not None and self.norm is None:
             weight = weight * self._per_group(tau)
             bias = None if bias is None else bias * tau
-        return weight, bias
+            tau = None
+        return weight, bias, tau
+
+    def _weight_sigma(self, reuse=False):
+        """sigma = softplus(weight_rho), computed once per optimisation step: the training forward keeps it
+        (in `_SIGMA`, outside the module, so deepcopy and state dicts never see it) and the KL after it takes
+        it back (`reuse`), while weight_rho has not changed in place since (its version) and grad mode is the
+        same. softplus is a pass over every weight and on the CPU here about 20x slower than exp (log1p is
+        not vectorized), so computing it twice per step cost as much as a deterministic step of LeNet-5-Caffe
+        at batch 32. The graph is the same as with two softplus calls; only the work is shared."""
+        rho = self.weight_rho
+        if torch.compiler.is_compiling():   # the compiler fuses the two calls itself
+            return F.softplus(rho)
+        if reuse:
+            cached = _SIGMA.pop(self, None)
+            if (cached is not None and cached[0] == rho._version
+                    and cached[1].requires_grad == (torch.is_grad_enabled() and rho.requires_grad)):
+                return cached[1]
+            return F.softplus(rho)
+        sigma = F.softplus(rho)
+        _SIGMA[self] = (rho._version, sigma)
+        return sigma
 
     # -- KL ------------------------------------------------------------------------------------
     def weight_kl_per_group(self, mc_samples=1, generator=None):
@@ -293,10 +362,9 @@ class SpikeSlabLayer(nn.Module):
         device = self.weight_mu.device
         log_v = (math.log(self.sigma0_sq) + log_t).to(device)
         inv_v = (inv_t / self.sigma0_sq).to(device)
-        kl = kl_gaussian_gaussian(self.weight_mu, F.softplus(self.weight_rho), self._per_group(log_v),
-                                  self._per_group(inv_v)).flatten(1).sum(1)
+        kl = kl_gaussian_groups(self.weight_mu, self._weight_sigma(reuse=True), log_v, inv_v)
         if self.bias_mu is not None:
-            kl = kl + kl_gaussian_gaussian(self.bias_mu, F.softplus(self.bias_rho), log_v, inv_v)
+            kl = kl + kl_gaussian_groups(self.bias_mu[:, None], F.softplus(self.bias_rho)[:, None], log_v, inv_v)
         return kl
 
     def kl(self, mc_samples=1):
@@ -322,23 +390,23 @@ class SpikeSlabLayer(nn.Module):
         if self.training:
             bias_var = None if self.bias_rho is None else F.softplus(self.bias_rho) ** 2
             mean = self._affine(x, self.weight_mu, self.bias_mu)
-            var = self._affine(x * x, F.softplus(self.weight_rho) ** 2, bias_var)
-            out = mean + torch.sqrt(var + 1e-16) * torch.randn_like(mean)
-            tau = self._scale_sample()
-            if tau is not None:
-                out = out * self._unit_view(tau, out.dim())
+            sigma = self._weight_sigma()
+            var = self._affine(x * x, sigma * sigma, bias_var)
+            out = _LocalReparameterization.apply(mean, var)
             if self.norm is not None:
                 out = self.norm(out)
-            if self.prunable:
-                z = relaxed_bernoulli_hard(self.gamma_logit, self.temperature)
-                out = out * self._unit_view(z, out.dim())
-            return out
-        weight, bias = self.sample_weights()
+            # tau* (after the batch norm, which would normalise it away: module docstring) and z are per-unit
+            # factors: multiplied together first, so the output is scaled in one pass.
+            tau = self._scale_sample()
+            z = relaxed_bernoulli_hard(self.gamma_logit, self.temperature) if self.prunable else None
+            unit = tau if z is None else (z if tau is None else z * tau)
+            return out if unit is None else out * self._unit_view(unit, out.dim())
+        weight, bias, tau = self.sample_weights()
         keep = (torch.bernoulli(self.inclusion_probability()) if self.sample_inclusion
                 else self.kept_units()).to(weight.dtype)
         out = self._affine(x, weight * self._per_group(keep), None if bias is None else bias * keep)
         if self.norm is not None:
-            out = self.norm(out) * self._unit_view(keep, out.dim())
+            out = self.norm(out) * self._unit_view(keep if tau is None else keep * tau, out.dim())
         return out
 
 

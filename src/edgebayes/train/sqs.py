@@ -311,9 +311,16 @@ class SQSNet(nn.Module):
         """
         scores = torch.cat([self.posterior(n).weight_scores().reshape(-1) for n in self.wrapped])
         n_keep = int(round(float(nonzero_rate) * scores.numel()))
-        order = torch.sort(scores, descending=True, stable=True).indices
-        flat = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
-        flat[order[:n_keep]] = True
+        if n_keep == 0:
+            flat = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+        else:
+            # The n_keep-th largest score by selection (linear time; this runs every training step, where a
+            # full sort of a million scores cost more than the step's matmuls), then the weights above it
+            # and, of those equal to it, the first ones: the same mask as a stable descending sort.
+            threshold = torch.kthvalue(scores, scores.numel() - n_keep + 1).values
+            flat = scores > threshold
+            ties = (scores == threshold).nonzero().squeeze(1)
+            flat[ties[: n_keep - int(flat.sum())]] = True
         masks, start = {}, 0
         for name in self.wrapped:
             shape = self.posterior(name).theta.shape
@@ -470,13 +477,16 @@ class SQSObjective:
     sets the pruning schedule's rate (the prior inclusion lambda and the training mask) and halves tau'
     after half of the steps; the mean weights and the regularizer come from one evaluation of phi.
     Validation is the deployed form: compress at the default non-zero rate (trainer.evaluate).
+    `masked=False` is the ablation of the module docstring's hard top-r_t mask (benchmarks/sqs_ablations.py):
+    eq. 8 as written, the mean weights unpruned in the likelihood term, lambda = r_t still in the
+    regularizer; pruning to r happens at inference only.
     """
 
     name = "sqs"
     shown = ("train_keep_fraction",)
 
-    def __init__(self, s):
-        self.s = s
+    def __init__(self, s, masked=True):
+        self.s, self.masked = s, masked
 
     def optimizer(self, model, t):
         quantization, pruning = model.parameter_groups()
@@ -498,7 +508,7 @@ class SQSObjective:
         rate = pruning_schedule(step, total_steps, s.keep_init, s.nonzero_rate, s.schedule_fraction)
         model.prior_inclusion.fill_(rate)
         model.tau_prime.fill_(s.tau_prime / 2 if step >= total_steps / 2 else s.tau_prime)
-        weights, kl = model.weights_and_regularizer(rate)  # phi once per step for both terms; fp32
+        weights, kl = model.weights_and_regularizer(rate if self.masked else None)  # phi once per step; fp32
         with autocast(device, precision):  # bf16 matmuls / convolutions only (train/accel.py)
             logits = functional_call(model.base, weights, (x,))
         return logits, kl
@@ -514,12 +524,12 @@ class SQSObjective:
                 "prior_inclusion": float(model.prior_inclusion), "tau_prime": float(model.tau_prime)}
 
 
-def train_sqs(cfg, splits, checkpoint_path, log=print):
+def train_sqs(cfg, splits, checkpoint_path, log=print, masked=True):
     """Pretrain (or load) the full-precision network, then SQS fine-tuning; returns (model, history).
 
     Two calls of the one training loop (train/trainer.py): the dnn under the ELBO (pretrained_base), then
-    the SQS net under eq. 8. Both are resumable: a checkpoint after every epoch with the optimizer and RNG
-    states.
+    the SQS net under eq. 8 (`masked`: SQSObjective). Both are resumable: a checkpoint after every epoch
+    with the optimizer and RNG states.
     """
     s = cfg.sqs
     base, base_test = pretrained_base(cfg, splits, checkpoint_path.parent, log)
@@ -531,7 +541,7 @@ def train_sqs(cfg, splits, checkpoint_path, log=print):
         model.base.load_state_dict(base.state_dict())
         return model.initialise(s.keep_init, cfg.seed)
 
-    return train(cfg, splits, checkpoint_path, build, SQSObjective(s), log)
+    return train(cfg, splits, checkpoint_path, build, SQSObjective(s, masked), log)
 
 
 def stage_summary(model, splits, train_dir, knob_value, test_metrics):

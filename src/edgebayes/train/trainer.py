@@ -12,6 +12,11 @@ channels_last convolutions, optional torch.compile: train/accel.py. Several proc
 DDP): each adds its shard's share of the batch's NLL and the whole KL / N; why that is the ELBO of the
 single-process run is written out in train/distributed.py.
 
+`train.kl_warmup_epochs` (default 0: none) scales the KL term by min(1, step / warm-up steps) during its
+first epochs, then leaves the exact ELBO (times kl_weight). A documented deviation of the early objective
+only (standard practice in variational deep learning: Bowman et al. 2016, Sonderby et al. 2016); for the
+spike-and-slab families see the dynamics paragraph below.
+
 `train.kl_weight` (default 1, the exact ELBO) multiplies the KL term: a tempered posterior. This deviates
 from the paper and exists for small data sets: on the 1,078 training images of the digits default, the KL
 of the slab (about 5 nats per weight at the paper's initial sigma = softplus(-6)) outweighs the summed
@@ -28,6 +33,14 @@ of nodes. The nodes separate only later, so judge pruning by `mean_inclusion` an
 Adam steps (the paper: about 70,000) before reading the median model. SS-GHS learns its slab scale, its
 slab KL per node falls early, and it prunes much later. Measured on LeNet-5-Caffe / MNIST:
 benchmarks/results/lenet5_mnist_ss*_cpu_*ep.md (empty median models at 8 epochs, z ~ q(z) above 98%).
+
+Why the logits fall together, and what changes it (benchmarks/inclusion_collapse.py, its results in
+benchmarks/results/inclusion_collapse_lenet5_ssgl.md): the slab KL's gradient on an inclusion logit is the
+same for every node of a layer and far above the likelihood's, and Adam normalises each parameter's step,
+so the logits fall at about lr per step whatever the KL's size; a KL warm-up therefore does not prevent
+it. Slower logits, or slab scales that start larger, change the race between "gamma crosses 0.5" and "the
+slab KL has fallen enough for the likelihood to tell nodes apart". No default is changed on 3-epoch
+evidence; the KL warm-up stays an option.
 
 The loop is one for every family: a family brings its objective (`ELBO` here; SQS's eq. 8 in
 train/sqs.py), which says how to build the optimizer, the loss terms of a step and the per-epoch record.
@@ -199,6 +212,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
     n = len(data)
     steps_per_epoch = math.ceil(n / t.batch_size)
     forward, kl_term = objective.prepare(model, forward, data.x[: t.batch_size], t, log)
+    warmup_steps = t.kl_warmup_epochs * steps_per_epoch   # KL warm-up (module docstring); 0: none
     bar = tqdm(range(start_epoch, t.epochs), desc=objective.name, unit="epoch", initial=start_epoch,
                total=t.epochs, disable=not world.main)
     for epoch in bar:
@@ -207,11 +221,13 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
         t0 = time.perf_counter()
         sums = torch.zeros(2, device=device)  # epoch means of the NLL and the KL, summed on the device
         for b, (x, y, batch) in enumerate(data.batches(epoch)):
-            logits, kl = objective.terms(model, forward, kl_term, x, epoch * steps_per_epoch + b,
-                                         t.epochs * steps_per_epoch, device, t.precision)
+            step = epoch * steps_per_epoch + b
+            logits, kl = objective.terms(model, forward, kl_term, x, step, t.epochs * steps_per_epoch, device,
+                                         t.precision)
             # The shard's NLL sum / (B / W): once DDP averages the W gradients, the batch's mean NLL.
             nll = F.cross_entropy(logits.float(), y, reduction="sum") * world.size / batch
-            loss = nll + t.kl_weight * kl / n
+            warm = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+            loss = nll + warm * t.kl_weight * kl / n
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -223,7 +239,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
         if world.main:  # validation: process 0 only
             model.eval()
             history.append({"epoch": epoch + 1, "loss": nll_mean + t.kl_weight * kl_mean / n, "nll": nll_mean,
-                            "kl": kl_mean, **objective.validate(model, splits, cfg, device),
+                            "kl": kl_mean, "kl_warmup": warm, **objective.validate(model, splits, cfg, device),
                             "train_seconds": train_seconds, "seconds": time.perf_counter() - t0})
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{history[-1]['val_accuracy']:.3f}",
                             **{k: history[-1][k] for k in objective.shown})
