@@ -484,8 +484,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              + (f"; best round p90 {ms(best.get('p90'))}" if best.get("p90") is not None else ""),
              f"  size          {fmt(t.get('model_mb'), 'MB')}",
              f"  memory        {fmt(t.get('memory_mb'), 'MB')} ({t.get('memory_basis')})"
-             + (f": runtime {fmt(t['memory_runtime_baseline_mb'], 'MB')} + model {fmt(t['memory_model_mb'], 'MB')}"
-                if t.get("memory_model_mb") is not None else "")]
+             + (f"; the whole process: runtime {fmt(t['memory_runtime_baseline_mb'], 'MB')} + model with the "
+                f"runtime's set-up {fmt(t['memory_model_mb'], 'MB')}" if t.get("memory_model_mb") is not None else "")]
     for key, b in dict_or_empty(t.get("budgets")).items():
         label, unit = BUDGETS.get(key, (key, ""))
         limit = "not set" if b.get("limit") is None else f"<= {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
