@@ -22,6 +22,8 @@ from torch import nn
 from edgebayes.export.formats import FORMATS, export_artifact
 from edgebayes.ondevice.runtimes import make_backend
 from edgebayes.provenance import atomic_path, provenance
+from edgebayes.train.layers import LayerFactory
+from edgebayes.train.zoo.mlp import mlp as zoo_mlp
 
 RESULTS = Path(__file__).resolve().parent / "results"
 THREADS = 2
@@ -36,11 +38,8 @@ def lenet5_caffe(c1=20, c2=50, hidden=500, classes=10):
 
 
 def mlp(widths=(784, 300, 100), classes=10):
-    """LeNet-300-100 shaped MLP on flattened 28x28 inputs."""
-    layers = [nn.Flatten()]
-    for a, b in zip(widths[:-1], widths[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(widths[-1], classes)).eval()
+    """LeNet-300-100 shaped MLP on flattened 28x28 inputs (the zoo's MLP, deterministic, ReLU)."""
+    return zoo_mlp(LayerFactory("dnn", activation="relu"), (widths[0],), classes, hidden=widths[1:]).eval()
 
 
 def versions():

@@ -457,3 +457,15 @@ def test_the_same_predictions_in_a_smaller_file_win_a_latency_tie():
     assert choose([fp32, small], "accuracy", Budgets())["candidate"]["id"] == "fp32"
     small["cost"]["latency_ms"], small["val"] = 1.0, {**small["val"], "nll": 0.11}   # other predictions
     assert choose([fp32, small], "accuracy", Budgets())["candidate"]["id"] == "fp32"
+
+
+def test_an_sshd_pidfile_read_before_sshd_wrote_it_is_no_pid(tmp_path):
+    """sshd creates its PidFile before it writes the number: a read in between must wait, not crash."""
+    from edgebayes.deploy.localsshd import _pid
+
+    pidfile = tmp_path / "sshd.pid"
+    assert _pid(pidfile) is None
+    pidfile.write_text("")
+    assert _pid(pidfile) is None
+    pidfile.write_text("4242\n")
+    assert _pid(pidfile) == 4242

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from edgebayes.config import devices_dirs
 from edgebayes.deploy.transport import TransportError, runner_failure
@@ -47,6 +46,8 @@ from edgebayes.ondevice.cli import command_line
 from edgebayes.ondevice.pack import write_runner
 from edgebayes.ondevice.tables import FORMATS
 from edgebayes.provenance import provenance, read_json, write_json
+from edgebayes.train.layers import LayerFactory
+from edgebayes.train.zoo.mlp import mlp
 
 BYTES_PER_VALUE = {"fp32": 4, "fp16": 2, "int8": 1}
 PERCENTILES = ("p50", "p90", "p99")
@@ -230,12 +231,8 @@ def measure_models(transport, profile, models, example, bench, log=print):
 # `edgebayes devices profile`
 # ---------------------------------------------------------------------------------------------
 def _mlp(widths, activation):
-    layers = [nn.Flatten()]
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(widths) - 2:
-            layers.append(nn.SiLU() if activation == "silu" else nn.ReLU() if activation == "relu" else nn.Tanh())
-    return nn.Sequential(*layers).eval()
+    """A plain MLP of these widths (inputs, hidden..., classes): the zoo's, built deterministic."""
+    return mlp(LayerFactory("dnn", activation=activation), (widths[0],), widths[-1], hidden=widths[1:-1]).eval()
 
 
 def profile_device(profile, cfg, transport, runs_dir, bench, log=print):

@@ -83,6 +83,15 @@ def _keygen(path):
                        check=True, capture_output=True)
 
 
+def _pid(pidfile):
+    """The pid in sshd's PidFile, or None while there is none: sshd creates the file before it writes the
+    number, so a read in between finds it empty."""
+    try:
+        return int(pidfile.read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def start(directory=None, port=None, timeout_s=10.0) -> LocalSSHD:
     """Start (or reuse, if it already runs from `directory`) sshd on 127.0.0.1:port."""
     directory = Path(directory or default_dir()).resolve()
@@ -91,8 +100,8 @@ def start(directory=None, port=None, timeout_s=10.0) -> LocalSSHD:
         raise SSHDUnavailable("sshd is not installed (apt-get install openssh-server)")
     directory.mkdir(parents=True, exist_ok=True)
     pidfile, portfile = directory / "sshd.pid", directory / "port"
-    if pidfile.is_file() and portfile.is_file():
-        pid, old_port = int(pidfile.read_text().split()[0]), int(portfile.read_text())
+    if _pid(pidfile) is not None and portfile.is_file():
+        pid, old_port = _pid(pidfile), int(portfile.read_text())
         if _alive(pid) and port in (None, old_port):
             return LocalSSHD(directory, old_port, pid)
     port = port or free_port()
@@ -126,9 +135,9 @@ def start(directory=None, port=None, timeout_s=10.0) -> LocalSSHD:
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            if pidfile.is_file():
+            if _pid(pidfile) is not None:
                 portfile.write_text(str(port))
-                return LocalSSHD(directory, port, int(pidfile.read_text().split()[0]))
+                return LocalSSHD(directory, port, _pid(pidfile))
         except OSError:
             pass
         time.sleep(0.1)
@@ -140,9 +149,10 @@ def running(directory, port=None):
     """The LocalSSHD that runs from `directory` (on `port`, if given), or None."""
     directory = Path(directory).resolve()
     pidfile, portfile = directory / "sshd.pid", directory / "port"
-    if not (pidfile.is_file() and portfile.is_file()):
+    pid = _pid(pidfile)
+    if pid is None or not portfile.is_file():
         return None
-    pid, old_port = int(pidfile.read_text().split()[0]), int(portfile.read_text())
+    old_port = int(portfile.read_text())
     return LocalSSHD(directory, old_port, pid) if _alive(pid) and port in (None, old_port) else None
 
 
@@ -171,8 +181,8 @@ def stop_started():
 def stop(directory=None):
     """Stop the sshd started from `directory` (by the pid in its own PidFile)."""
     pidfile = Path(directory or default_dir()) / "sshd.pid"
-    if pidfile.is_file():
-        pid = int(pidfile.read_text().split()[0])
+    pid = _pid(pidfile)
+    if pid is not None:
         if _alive(pid):
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + 5.0   # gone before we return: the port is free again
