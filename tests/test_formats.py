@@ -34,7 +34,7 @@ def test_format_table_matches_the_config_schema():
         assert f.runtime in ("onnxruntime", "tflite", "tensorrt") and f.precision in ("fp32", "fp16", "int8")
 
 
-ALL = ["onnx", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflite-int8"]
+ALL = ["onnx", "onnx-fp16w", "onnx-int8", "tflite-fp32", "tflite-fp16", "tflite-int8"]
 CASES = ([("mlp", "packed", f) for f in ALL] + [("lenet", "packed", f) for f in ALL]
          + [("mlp", "unrolled", f) for f in ("onnx", "onnx-int8", "tflite-int8")])
 
@@ -69,6 +69,35 @@ def test_int8_onnx_keeps_probabilities_in_float(tmp_path):
     softmax = next(n for n in graph.node if n.op_type == "Softmax")
     assert not any(n.op_type == "QuantizeLinear" and softmax.output[0] in n.input for n in graph.node)
     assert facts["calibration_rows"] == 32
+
+
+def test_fp16_weight_onnx_halves_the_file_keeps_fp32_compute_and_is_offered_where_fp16_is(tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    from edgebayes.config import DeviceProfile
+    from edgebayes.deploy.latency_model import formats_for
+
+    mc, x, _, _ = _case("mlp")
+    fp32 = export_artifact(mc, "onnx", tmp_path / "fp32.onnx", x[:8])
+    facts = {}
+    path = export_artifact(mc, "onnx-fp16w", tmp_path / "fp16w.onnx", x[:8], details=facts)
+    model = onnx.load(str(path))
+    weights = [numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) >= 2]
+    assert weights and all(w.dtype == np.float16 for w in weights)  # stored fp16, no fp32 weight left
+    for v in (*model.graph.input, *model.graph.output):  # fp32 in and out: the runner feeds it as any onnx
+        assert v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    ratio = facts["bytes_breakdown"]["compression_ratio"]
+    assert facts["bytes_breakdown"]["fp32_bytes"] == fp32.stat().st_size and 1.8 <= ratio < 2
+    assert facts["runtime_weight_bytes"] == fp32.stat().st_size  # onnxruntime's copy: the Casts folded to fp32
+    diff = np.abs(artifact_predict(path, "onnx-fp16w", x.numpy()) - artifact_predict(fp32, "onnx", x.numpy())).max()
+    assert 0 < diff <= 1e-3  # rounded weights, same function (3e-6 measured on this net)
+
+    def offered(precision):
+        profile = DeviceProfile.model_validate({"name": "edge", "runtime": {"precision": precision}})
+        return [f.name for f in formats_for(profile)]
+
+    assert "onnx-fp16w" in offered(["fp32", "fp16"]) and "onnx-fp16w" not in offered(["fp32"])
 
 
 def test_export_is_deterministic(tmp_path):

@@ -4,6 +4,8 @@
     onnx-codebook  SQS models only: the fp32 ONNX with each codebook-quantized weight stored as bit-packed level
                    indices + its codebook, pruned inputs removed from the first layer (export/lowbit.py);
                    computed in fp32 (the dequantized weights are exact), run with onnxruntime
+    onnx-fp16w     any family: the fp32 ONNX with its weights stored as fp16 and Cast back to fp32 at load
+                   (export/lowbit.py weight_storage); half the bytes, fp32 compute, runs wherever `onnx` runs
     onnx-int8      the fp32 ONNX quantized by NNCF post-training quantization (Q/DQ nodes, int8 weights and
                    activations, calibrated on training inputs), run with onnxruntime
     tflite-fp32    TFLite through litert-torch (no TensorFlow), run with ai-edge-litert
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from edgebayes.errors import StageError
-from edgebayes.export.lowbit import breakdown, lowbit_onnx
+from edgebayes.export.lowbit import breakdown, lowbit_onnx, weight_storage
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.export.packed import mc_graph
 from edgebayes.ondevice.backends import native_noise_filtered
@@ -166,14 +168,18 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
     info = {"format": f.name, "precision": f.precision, "runtime": f.runtime, "layout": layout}
     with torch.no_grad():
         if f.suffix == ".onnx":
-            if f.precision == "int8" or f.name == "onnx-codebook":
+            if f.precision == "int8" or f.name in ("onnx-codebook", "onnx-fp16w"):
                 with tempfile.TemporaryDirectory() as tmp:
                     fp32 = Path(tmp) / "fp32.onnx"
                     export_onnx(module, example_x[:1], fp32, opset)
                     if f.name == "onnx-codebook":
-                        info.update(lowbit_onnx(fp32, path), bytes_breakdown=breakdown(path, fp32))
+                        info.update(lowbit_onnx(fp32, path))
+                    elif f.name == "onnx-fp16w":
+                        # onnxruntime folds the Casts at load: its copy of the weights is the fp32 file's
+                        info.update(weight_storage(fp32, path, "fp16"), runtime_weight_bytes=fp32.stat().st_size)
                     else:
-                        info.update(quantize_onnx_int8(fp32, path, calib_x), bytes_breakdown=breakdown(path, fp32))
+                        info.update(quantize_onnx_int8(fp32, path, calib_x))
+                    info["bytes_breakdown"] = breakdown(path, fp32)
             else:  # fp32 ONNX; for tensorrt-fp16 the engine is built from it in fp16 on the target
                 export_onnx(module, example_x[:1], path, opset)
         else:

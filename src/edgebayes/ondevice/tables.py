@@ -23,6 +23,8 @@ FORMATS = {f.name: f for f in (
     Format("onnx", "onnxruntime", "fp32", ".onnx", "onnx"),
     # SQS only: codebook-quantized weights as bit-packed level indices + codebook (export/lowbit.py)
     Format("onnx-codebook", "onnxruntime", "fp32", ".onnx", "onnx", families=("sqs",)),
+    # any family: the fp32 graph with fp16-stored weights, Cast to fp32 at load (export/lowbit.py weight_storage)
+    Format("onnx-fp16w", "onnxruntime", "fp16", ".onnx", "onnx"),
     Format("onnx-int8", "onnxruntime", "int8", ".onnx", "onnx"),
     Format("tflite-fp32", "tflite", "fp32", ".tflite", "tflite"),
     Format("tflite-fp16", "tflite", "fp16", ".tflite", "tflite"),
