@@ -125,14 +125,23 @@ class FeatureHead(nn.Module):
         return self.out(torch.cat([self.fc3(h), flat.sigmoid(), n], 1))
 
 
-def test_packed_linear_features_stay_feature_maps_and_convert_where_needed():
+def _seeded_samples(make, count):
+    """`count` fresh modules from `make`, seed 0, 1, ...: each with its own weights and batch-norm statistics
+    (the "posterior samples" of a test)."""
     samples = []
-    for seed in range(3):
+    for seed in range(count):
         torch.manual_seed(seed)
-        net = FeatureHead()
-        net.norm.running_mean.normal_()
-        net.norm.running_var.uniform_(0.5, 1.5)
+        net = make()
+        for norm in net.modules():
+            if isinstance(norm, nn.modules.batchnorm._BatchNorm):
+                norm.running_mean.normal_()
+                norm.running_var.uniform_(0.5, 1.5)
         samples.append(net.eval())
+    return samples
+
+
+def test_packed_linear_features_stay_feature_maps_and_convert_where_needed():
+    samples = _seeded_samples(FeatureHead, 3)
     mc, x = MCAverage(samples).eval(), torch.randn(6, 1, 8, 8)
     packed = mc_graph(mc, "packed", x)
     with torch.no_grad():
@@ -225,14 +234,7 @@ def test_batch_norm_after_a_layer_called_twice_stays_and_says_why():
         def forward(self, x):
             return self.fc(self.conv(self.bn(self.conv(x))).mean((2, 3)))
 
-    samples = []
-    for seed in range(2):
-        torch.manual_seed(seed)
-        net = Shared()
-        net.bn.running_mean.normal_()
-        net.bn.running_var.uniform_(0.5, 1.5)
-        samples.append(net.eval())
-    packed = pack_samples(samples, torch.randn(4, 3, 6, 6))
+    packed = pack_samples(_seeded_samples(Shared, 2), torch.randn(4, 3, 6, 6))
     assert packed.folded_batch_norms == []
     assert packed.unfolded_batch_norms == [{"node": "bn", "reason": "conv is called 2 times (shared weights)"}]
     assert sum(n.target is F.batch_norm for n in packed.net.graph.nodes) == 1
