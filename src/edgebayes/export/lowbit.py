@@ -31,11 +31,10 @@ function (max |p - p_fp32| at float rounding, from the removed zero columns only
 
 In memory: onnxruntime (1.31, default graph optimizations) constant-folds the decoding subgraph when the
 session is created, so the weights are expanded to dense float32 at load (the pruned input columns stay
-removed): the file is small, the session's weights are fp32, and the latency is the fp32 graph's (MNIST MLP
-2x100, benchmarks/results/sqs_mnist_mlp100_deployed.md: 17,123 B against 360,130 B, 7.9 us against 8.2 us at
-batch 1; a session adds 8.97 MB RSS against 8.25 MB for the fp32 file: the runtime's own set-up dominates
-both). Turning constant folding off keeps the packed bytes in memory and decodes the weights at every call
-(357 us). No runtime here keeps 2-bit weights packed and computes on them.
+removed): the file is small, the session's weights are fp32, and the latency is the fp32 graph's. Turning
+constant folding off keeps the packed bytes in memory and decodes the weights at every call, many times
+slower. No runtime here keeps 2-bit weights packed and computes on them. Bytes, latency and session memory
+of both forms: benchmarks/results/sqs_mnist_mlp100_deployed.md.
 
 TFLite: not written. Its quantized weight formats are affine int8 / int4 (a scale and zero point per tensor
 or channel), which cannot hold a non-uniform codebook exactly (the 1e-4 fidelity would fail); a TFLite
@@ -53,6 +52,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from edgebayes.compressed.codebook import index_bits, pack_indices
 from edgebayes.provenance import atomic_path
 
 MAX_LEVELS = 255          # non-zero levels of a codebook weight (the zero level makes 256: uint8 indices)
@@ -68,13 +68,8 @@ def pack_bits(bits: int) -> int:
 
 
 def _pack(values: np.ndarray, bits: int) -> np.ndarray:
-    """Pack non-negative ints < 2**bits (bits in 1, 2, 4, 8) into uint8, most significant first."""
-    per = 8 // bits
-    v = np.zeros(math.ceil(values.size / per) * per, dtype=np.uint8)
-    v[: values.size] = values.ravel()
-    v = v.reshape(-1, per).astype(np.uint16)
-    shifts = (8 - bits * np.arange(1, per + 1)).astype(np.uint16)
-    return (v << shifts).sum(1).astype(np.uint8)
+    """Indices bit-packed as model.sqs packs them (most significant bit first), as a uint8 array."""
+    return np.frombuffer(pack_indices(values, bits), dtype=np.uint8)
 
 
 class _Builder:
@@ -117,7 +112,6 @@ class _Builder:
             data = self.init(prefix, packed)
         return self.node("Cast", [data], to=onnx.TensorProto.INT64)
 
-
     def kept_positions(self, keep: np.ndarray) -> str:
         """Graph giving the positions of the True entries of the bool vector `keep` (stored as one bit each),
         ascending: the k largest of keep[i] * (n - i). Not NonZero: onnxruntime does not constant-fold it,
@@ -150,13 +144,13 @@ def _encodings(w: np.ndarray):
     nonzero = flat != 0
     levels, idx = np.unique(flat[nonzero], return_inverse=True)
     zeros, n = int((~nonzero).sum()), flat.size
-    bits = pack_bits(max(1, math.ceil(math.log2(max(len(levels), 2)))))
+    bits = pack_bits(index_bits(len(levels)))
     out = []
     if zeros == 0:
         return [(math.ceil(n * bits / 8), "dense", {"levels": levels, "idx": idx, "bits": bits})]
     dense = np.zeros(n, np.int64)
     dense[nonzero] = idx + 1
-    zbits = pack_bits(math.ceil(math.log2(len(levels) + 1)))
+    zbits = pack_bits(index_bits(len(levels) + 1))
     out.append((math.ceil(n * zbits / 8), "zero-level",
                 {"levels": np.concatenate([[0.0], levels]).astype(np.float32), "idx": dense, "bits": zbits}))
     blocks = _blocks(nonzero.reshape(w.shape[0], -1))
