@@ -66,6 +66,8 @@ BAD_CONFIGS = {
     "empty knob values": (_set("select.knob_values", []), r"select\.knob_values: expected a list"),
     "out of range (epochs)": (_set("train.epochs", 0), r"train\.epochs: expected a positive integer"),
     "negative threads": (_set("train.threads", -1), r"train\.threads: expected a non-negative integer"),
+    "SQS-only format for ss-gl": (_set("export.formats", ["onnx", "onnx-codebook"]),
+                                  r"export\.formats: onnx-codebook is made for model\.family sqs only, not ss-gl"),
     "bad literal": (_set("model.family", "ss-xx"), r"model\.family: expected one of .*'ss-gl'.*got 'ss-xx'"),
     "bad literal (dataset)": (_set("data.dataset", "imagenet"), r"data\.dataset: expected one of"),
     "unknown export format": (_set("export.formats", ["onnx", "coreml"]),

@@ -574,6 +574,10 @@ def _check_family(cfg: PipelineConfig, p):
            f"expected an integer in 0..groups - 1 = {n.groups - 1}, got {n.fixed_groups}")
     _check(0 < n.temperature_min <= n.temperature, f"{p}: nested.temperature_min",
            "expected a positive number no larger than nested.temperature")
+    only = [f for f in cfg.export.formats if FORMATS[f].families and family not in FORMATS[f].families]
+    _check(not only, f"{p}: export.formats",
+           ", ".join(f"{f} is made for model.family {' / '.join(FORMATS[f].families)} only" for f in only)
+           + f", not {family}")
     # select.knob_values in the family's range, as the model's operating_points checks them after training
     where = f"{p}: select.knob_values"
     if values is None:
