@@ -261,11 +261,11 @@ def summarize(d: dict) -> dict:
     mem = dict_or_empty(results.get("memory"))
     estimate = num(cost.get("memory_estimate_mb"))
     lower = bool(cost.get("memory_estimate_lower_bound"))
+    own = own_memory(mem, cost.get("memory_parts_mb")) or {}
     if predicted_in is not None:
         memory = (estimate, "estimated at selection" + (" (a lower bound: no measurement of the runtime)"
                                                          if lower else "") if estimate is not None else "estimate")
-    elif own_memory(mem, cost.get("memory_parts_mb")) is not None:
-        own = own_memory(mem, cost.get("memory_parts_mb"))
+    elif own:
         memory = (num(own["own_mb"]), own["measured_as"])
     else:
         memory = (num(results.get("peak_rss_mb")), "peak RSS")
@@ -331,7 +331,6 @@ def summarize(d: dict) -> dict:
                           "measurement_spread": spread, "has_table": has_table, "by_percentile": by_percentile}
 
     deployed_mb = num(mem.get("deployed_mb"))
-    own = own_memory(mem, cost.get("memory_parts_mb")) or {}
     own_mb = num(own.get("own_mb"))
     memory_block = {
         "own_mb": own_mb, "subtracted_setup_mb": num(own.get("setup_mb")),
