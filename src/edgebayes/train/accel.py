@@ -119,11 +119,16 @@ def compile_step(forward, model, example, log):
     return torch.compile(forward), torch.compile(model.kl)
 
 
+def _cores():
+    """The cores this process may run on (its CPU affinity set where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def free_cores():
     """Cores this process may run on that no other process keeps busy: the CPU affinity set minus the
     1-minute load average (rounded), between 1 and the size of the set. The load average counts this
     process too when it is already busy, so it is read at the start of a stage, before the work."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     return max(1, min(cores, math.floor(cores - os.getloadavg()[0] + 0.5)))
 
 
@@ -131,7 +136,7 @@ def set_threads(requested=0):
     """torch.set_num_threads for a stage (train, select, export): `requested` (train.threads) when > 0,
     else free_cores(), unless OMP_NUM_THREADS in the environment chose already (then torch's default, which
     follows it). Never more threads than cores. Returns the number set."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     if requested > 0:
         threads = min(requested, cores)
     elif os.environ.get("OMP_NUM_THREADS"):
