@@ -79,13 +79,14 @@ def train_variant(cfg, splits, variant, work):
     elif variant.startswith("rho"):
         rho = float(variant[len("rho"):])
 
-        def modify(model):   # the slab's posterior scales start at softplus(rho) instead of softplus(-6)
+        def scales_at_rho(model):   # the slab's posterior scales start at softplus(rho) instead of softplus(-6)
             with torch.no_grad():
                 for _, layer in model.bayesian_layers():
                     layer.weight_rho.fill_(rho)
                     if layer.bias_rho is not None:
                         layer.bias_rho.fill_(rho)
             return model
+        modify = scales_at_rho
     elif variant != "baseline":
         raise SystemExit(f"unknown variant {variant!r} (baseline, warmupE, logitlrK, rhoR)")
     _, history = trainer.train(cfg, splits, work / f"{cfg.name}_{variant}.pt",

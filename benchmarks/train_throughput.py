@@ -93,7 +93,7 @@ def top_operators(cfg, splits, rows=10):
     cfg = copy.deepcopy(cfg)
     cfg.train.epochs = 1
     with tempfile.TemporaryDirectory() as tmp, profile(activities=[ProfilerActivity.CPU]) as prof:
-        train(cfg, splits, Path(tmp) / "checkpoint.pt", log=lambda *_: None)
+        fit(cfg, splits, Path(tmp) / "checkpoint.pt", log=lambda *_: None)
     ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in ops)
     ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -200,7 +200,7 @@ def main(argv=None):
             rows += timed
     result = {"device": str(device), "device_name": device_name(device), "archs": args.archs, "label": args.label,
               "clock": "process CPU time" if args.cpu_clock else "wall",
-              "threads": torch.get_num_threads(), "code": str(Path(train.__code__.co_filename).parents[2]),
+              "threads": torch.get_num_threads(), "code": str(Path(fit.__code__.co_filename).parents[2]),
               "epochs": args.epochs, "argv": sys.argv[1:] if argv is None else argv, "rows": rows,
               "cuda": torch.version.cuda, "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "provenance": provenance(None)}

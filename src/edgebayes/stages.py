@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from edgebayes import STAGES
 from edgebayes.config import ConfigError, as_dict, fingerprint
@@ -41,7 +40,7 @@ from edgebayes.data import data_fingerprint, load_data
 from edgebayes.errors import StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
-from edgebayes.provenance import (atomic_path, code_version, load_checkpoint, provenance, read_json,
+from edgebayes.provenance import (code_version, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
 from edgebayes.train.accel import set_threads

@@ -35,7 +35,7 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool):
 
     def hook(m, inputs, output):
         nonlocal flops, weights
-        w, x = m.weight, inputs[0]
+        w = m.weight
         groups = m.groups if isinstance(m, nn.Conv2d) else 1
         if effective:
             rows = w.flatten(1).abs().sum(1) > 0

@@ -42,7 +42,6 @@ unrolled MC average.
 import builtins
 import collections
 import copy
-import math
 import operator
 
 import torch
