@@ -46,7 +46,7 @@ def masked_and_pruned(dense, kept, shape):
 def mlp_variants():
     torch.manual_seed(0)
     dense = mlp()
-    kept = {"1": keep_first(300, 60), "3": keep_first(100, 30)}  # Sequential names of the hidden Linears
+    kept = {"hidden1": keep_first(300, 60), "hidden2": keep_first(100, 30)}  # the zoo MLP's hidden Linears
     masked, pruned = masked_and_pruned(dense, kept, (1, 28, 28))
     return {"dense": dense, "masked": masked, "pruned": pruned, "direct": mlp((784, 60, 30))}, (1, 28, 28)
 
