@@ -11,7 +11,9 @@ Two measurements on MNIST LeNet-5-Caffe (the paper config, batch 32, Adam 1e-3, 
                 warmupE       train.kl_warmup_epochs = E (the KL scaled up linearly over E epochs);
                 logitlrK      the inclusion logits at Adam learning rate lr / K, everything else at lr
                               (an optimizer setting: the objective is the exact ELBO throughout);
-                rhoR          the slab's posterior scales initialised at softplus(R) instead of softplus(-6).
+                rhoR          the slab's posterior scales initialised at softplus(R) instead of softplus(-6);
+                gammaG        the inclusion probabilities initialised at G instead of prior.gamma_init;
+              parts joined by '+' combine (logitlr3+rho-3).
 
 Results: <out>.json (histories, gradients, provenance) and <out>.md. Checkpoints under --work (resumable).
 
@@ -58,37 +60,47 @@ def gradients_at_init(cfg, splits, seed=0):
             for (name, layer), a, b in zip(layers, g_nll, g_kl)}
 
 
+def _logit_lr(factor):
+    """The ELBO's Adam with the inclusion logits in their own parameter group at lr / factor."""
+    class LogitLR(trainer.ELBO):
+        def optimizer(self, model, t):
+            logits = {id(layer.gamma_logit) for _, layer in model.bayesian_layers() if layer.prunable}
+            rest = [p for p in model.parameters() if id(p) not in logits]
+            mine = [p for p in model.parameters() if id(p) in logits]
+            optimizer = torch.optim.Adam([{"params": rest}, {"params": mine, "lr": t.lr / factor}], lr=t.lr)
+            return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones,
+                                                                    gamma=t.lr_gamma)
+    return LogitLR()
+
+
+def _scales_at(rho):
+    """The slab's posterior scales start at softplus(rho) instead of softplus(-6)."""
+    def modify(model):
+        with torch.no_grad():
+            for _, layer in model.bayesian_layers():
+                layer.weight_rho.fill_(rho)
+                if layer.bias_rho is not None:
+                    layer.bias_rho.fill_(rho)
+        return model
+    return modify
+
+
 def train_variant(cfg, splits, variant, work):
     """The trainer's history of one variant (module docstring): the one training loop with the family's
-    net, a modified build or an optimizer with the logits in their own parameter group."""
+    net, a modified build or an optimizer with the logits in their own parameter group. Parts joined by
+    '+' combine (logitlr3+rho-3)."""
     modify, objective = (lambda model: model), trainer.ELBO()
-    if variant.startswith("warmup"):
-        cfg.train.kl_warmup_epochs = int(variant[len("warmup"):])
-    elif variant.startswith("logitlr"):
-        factor = float(variant[len("logitlr"):])
-
-        class LogitLR(trainer.ELBO):
-            def optimizer(self, model, t):   # Adam as the ELBO's, the inclusion logits at lr / factor
-                logits = {id(layer.gamma_logit) for _, layer in model.bayesian_layers() if layer.prunable}
-                rest = [p for p in model.parameters() if id(p) not in logits]
-                mine = [p for p in model.parameters() if id(p) in logits]
-                optimizer = torch.optim.Adam([{"params": rest}, {"params": mine, "lr": t.lr / factor}], lr=t.lr)
-                return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones,
-                                                                        gamma=t.lr_gamma)
-        objective = LogitLR()
-    elif variant.startswith("rho"):
-        rho = float(variant[len("rho"):])
-
-        def scales_at_rho(model):   # the slab's posterior scales start at softplus(rho) instead of softplus(-6)
-            with torch.no_grad():
-                for _, layer in model.bayesian_layers():
-                    layer.weight_rho.fill_(rho)
-                    if layer.bias_rho is not None:
-                        layer.bias_rho.fill_(rho)
-            return model
-        modify = scales_at_rho
-    elif variant != "baseline":
-        raise SystemExit(f"unknown variant {variant!r} (baseline, warmupE, logitlrK, rhoR)")
+    for part in variant.split("+"):
+        if part.startswith("warmup"):
+            cfg.train.kl_warmup_epochs = int(part[len("warmup"):])
+        elif part.startswith("logitlr"):
+            objective = _logit_lr(float(part[len("logitlr"):]))
+        elif part.startswith("rho"):
+            modify = _scales_at(float(part[len("rho"):]))
+        elif part.startswith("gamma"):
+            cfg.prior.gamma_init = float(part[len("gamma"):])
+        elif part != "baseline":
+            raise SystemExit(f"unknown variant {part!r} (baseline, warmupE, logitlrK, rhoR, gammaG, joined by +)")
     _, history = trainer.train(cfg, splits, work / f"{cfg.name}_{variant}.pt",
                                lambda: modify(families.build(cfg, splits)), objective, log=print)
     return history
