@@ -22,6 +22,7 @@ Results: <out>.json (histories, gradients, provenance) and <out>.md. Checkpoints
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -85,18 +86,34 @@ def _scales_at(rho):
     return modify
 
 
+def _spread_logits(then, gamma_init):
+    """Inclusion logits drawn uniformly between logit 0.5 and logit gamma_init (per unit) instead of all at
+    logit gamma_init: units of a layer no longer start equal."""
+    def modify(model):
+        model = then(model)
+        top = math.log(gamma_init / (1 - gamma_init))
+        with torch.no_grad():
+            for _, layer in model.bayesian_layers():
+                if layer.prunable:
+                    layer.gamma_logit.uniform_(0.0, top)
+        return model
+    return modify
+
+
 def train_variant(cfg, splits, variant, work):
     """The trainer's history of one variant (module docstring): the one training loop with the family's
     net, a modified build or an optimizer with the logits in their own parameter group. Parts joined by
     '+' combine (logitlr3+rho-3)."""
     modify, objective = (lambda model: model), trainer.ELBO()
-    for part in variant.split("+"):
+    for part in sorted(variant.split("+"), key=lambda p: p == "spread"):   # spread wraps the other builds
         if part.startswith("warmup"):
             cfg.train.kl_warmup_epochs = int(part[len("warmup"):])
         elif part.startswith("logitlr"):
             objective = _logit_lr(float(part[len("logitlr"):]))
         elif part.startswith("rho"):
             modify = _scales_at(float(part[len("rho"):]))
+        elif part == "spread":
+            modify = _spread_logits(modify, cfg.prior.gamma_init)
         elif part.startswith("gamma"):
             cfg.prior.gamma_init = float(part[len("gamma"):])
         elif part != "baseline":
