@@ -121,13 +121,13 @@ def compile_step(forward, model, example, log):
     return torch.compile(forward), torch.compile(model.kl)
 
 
-def _cpu_set():
+def cpu_set():
     """The cores this process may run on (its CPU affinity set where the OS has one)."""
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def _cores():
-    return len(_cpu_set())
+    return len(cpu_set())
 
 
 PROC_STAT = "/proc/stat"
@@ -164,7 +164,7 @@ def busy_elsewhere(sample_seconds=0.5):
     `sample_seconds`, so that a process started a few seconds ago counts (the 1-minute load average grows by
     only about 8 % of a core in its first 5 s). Without /proc/stat (macOS), the 1-minute load average, which
     counts this process too when it is busy; without either (Windows), 0."""
-    cpus = _cpu_set()
+    cpus = cpu_set()
     try:
         before, own, start = proc_stat_ticks(Path(PROC_STAT).read_text(), cpus), time.process_time(), time.perf_counter()
         time.sleep(sample_seconds)
