@@ -185,9 +185,44 @@ def test_cuda_fast_path_learns_digits(digits, tmp_path):
     assert out.device.type == "cuda" and all(len(_matches(out[i].cpu(), x[i].cpu(), 2)) == 1 for i in range(16))
 
 
-@pytest.mark.parametrize("load,expected", [(0.0, 4), (0.4, 4), (1.2, 3), (3.6, 1), (9.0, 1)])
-def test_free_cores_are_the_affinity_set_minus_the_load(monkeypatch, load, expected):
+@pytest.mark.parametrize("busy,expected", [(0.0, 4), (0.4, 4), (1.2, 3), (3.6, 1), (9.0, 1)])
+def test_free_cores_are_the_affinity_set_minus_the_busy_ones(monkeypatch, busy, expected):
     monkeypatch.setattr(accel.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert accel.free_cores(busy) == expected
+
+
+# /proc/stat of a 4-core machine (the aggregate line first, then one line per core, then other counters)
+PROC_STAT = """cpu  400 0 0 400 0 0 0 0 0 0
+cpu0 100 0 0 0 0 0 0 0 0 0
+cpu1 50 0 10 30 10 0 5 0 0 0
+cpu2 0 0 0 100 0 0 0 0 0 0
+cpu3 0 0 0 100 0 0 0 0 0 0
+intr 12345 0 0
+ctxt 999
+"""
+
+
+def test_proc_stat_ticks_count_idle_and_iowait_as_free_and_only_the_cores_asked():
+    assert accel.proc_stat_ticks(PROC_STAT, {0, 1}) == (100 + 65, 100 + 105)
+    assert accel.proc_stat_ticks(PROC_STAT, {2, 3}) == (0, 200)
+    assert accel.proc_stat_ticks(PROC_STAT, {7}) == (0, 0)      # a core not listed counts nothing
+
+
+def test_cores_busy_elsewhere_subtract_this_process_own_cpu_time():
+    """Issue 20: a process started a second before must count, which the 1-minute load average misses."""
+    # 2 cores over 1 s (100 ticks each): one busy all the time, the other idle
+    assert accel.cores_busy_elsewhere((0, 0), (100, 200), 2, own_cpu_seconds=0.0, wall_seconds=1.0) == 1.0
+    # both busy, this process's spinning threads held one of them: one core busy elsewhere
+    assert accel.cores_busy_elsewhere((0, 0), (200, 200), 2, own_cpu_seconds=1.0, wall_seconds=1.0) == 1.0
+    # this process alone: nothing elsewhere (never negative); no ticks elapsed: nothing known to be busy
+    assert accel.cores_busy_elsewhere((0, 0), (50, 200), 2, own_cpu_seconds=0.6, wall_seconds=1.0) == 0.0
+    assert accel.cores_busy_elsewhere((10, 20), (10, 20), 2, own_cpu_seconds=0.0, wall_seconds=1.0) == 0.0
+
+
+@pytest.mark.parametrize("load,expected", [(0.0, 2), (1.2, 1)])
+def test_free_cores_fall_back_on_the_load_average_without_proc_stat(monkeypatch, tmp_path, load, expected):
+    monkeypatch.setattr(accel, "PROC_STAT", str(tmp_path / "no-proc-stat"))   # macOS has none
+    monkeypatch.setattr(accel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(accel.os, "getloadavg", lambda: (load, 0.0, 0.0))
     assert accel.free_cores() == expected
 
@@ -197,7 +232,7 @@ def test_set_threads_never_exceeds_the_cores_and_defaults_to_the_free_ones(monke
     another process held one of two cores."""
     before = torch.get_num_threads()
     monkeypatch.setattr(accel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(accel.os, "getloadavg", lambda: (1.1, 0.0, 0.0))
+    monkeypatch.setattr(accel, "busy_elsewhere", lambda: 1.1)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         assert accel.set_threads(8) == 2 == torch.get_num_threads()      # capped at the cores

@@ -13,7 +13,7 @@
   they would in fp16, and no gradient scaler is needed.
 - `channels_last`: NHWC memory format for the model and its inputs (tensor-core convolutions on GPUs).
 - `set_threads`: torch's intra-op threads for a stage (train.threads; by default the cores no other process
-  is busy on). torch's default is every core: with another process busy on one of two cores, the two
+  is busy on, from /proc/stat sampled for half a second: `free_cores`). torch's default is every core: with another process busy on one of two cores, the two
   threads wait for each other at every operator (issue 20: the embedded default pipeline took 10 min 39 s
   instead of 36 s).
 - `compile_step`: optional torch.compile of the forward and of the KL, tried once on a copy of the model;
@@ -23,6 +23,8 @@
 import copy
 import math
 import os
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -119,17 +121,65 @@ def compile_step(forward, model, example, log):
     return torch.compile(forward), torch.compile(model.kl)
 
 
-def _cores():
+def cpu_set():
     """The cores this process may run on (its CPU affinity set where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
-def free_cores():
-    """Cores this process may run on that no other process keeps busy: the CPU affinity set minus the
-    1-minute load average (rounded), between 1 and the size of the set. The load average counts this
-    process too when it is already busy, so it is read at the start of a stage, before the work."""
+def _cores():
+    return len(cpu_set())
+
+
+PROC_STAT = "/proc/stat"
+
+
+def proc_stat_ticks(text, cpus):
+    """(busy, all) clock ticks of the cores `cpus`, summed, from the text of /proc/stat (Linux).
+
+    A core's line is `cpuN user nice system idle iowait irq softirq steal guest guest_nice`; idle and iowait
+    are the time it was free, the rest busy (steal too: a hypervisor gave the core to someone else; guest is
+    already inside user)."""
+    busy = total = 0
+    for line in text.splitlines():
+        name, *fields = line.split() or [""]
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(f) for f in fields[:8]]
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+def cores_busy_elsewhere(before, after, cores, own_cpu_seconds, wall_seconds):
+    """Cores kept busy by other processes between two proc_stat_ticks readings of `cores` cores: the busy
+    share of their ticks times `cores`, minus what this process itself used in the window (its CPU time over
+    the window's wall time: torch's threads may still be spinning after the last stage)."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    if total <= 0:
+        return 0.0
+    return max(0.0, cores * busy / total - own_cpu_seconds / wall_seconds)
+
+
+def busy_elsewhere(sample_seconds=0.5):
+    """Cores of this process's CPU set that other processes keep busy now: /proc/stat sampled over
+    `sample_seconds`, so that a process started a few seconds ago counts (the 1-minute load average grows by
+    only about 8 % of a core in its first 5 s). Without /proc/stat (macOS), the 1-minute load average, which
+    counts this process too when it is busy; without either (Windows), 0."""
+    cpus = cpu_set()
+    try:
+        before, own, start = proc_stat_ticks(Path(PROC_STAT).read_text(), cpus), time.process_time(), time.perf_counter()
+        time.sleep(sample_seconds)
+        after = proc_stat_ticks(Path(PROC_STAT).read_text(), cpus)
+        return cores_busy_elsewhere(before, after, len(cpus), time.process_time() - own, time.perf_counter() - start)
+    except OSError:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def free_cores(busy=None):
+    """Cores this process may run on that no other process keeps busy: the CPU affinity set minus `busy`
+    (default: busy_elsewhere(), a half-second sample), rounded, between 1 and the size of the set."""
     cores = _cores()
-    return max(1, min(cores, math.floor(cores - os.getloadavg()[0] + 0.5)))
+    busy = busy_elsewhere() if busy is None else busy
+    return max(1, min(cores, math.floor(cores - busy + 0.5)))
 
 
 def set_threads(requested=0):
