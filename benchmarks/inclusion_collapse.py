@@ -13,6 +13,9 @@ Two measurements on MNIST LeNet-5-Caffe (the paper config, batch 32, Adam 1e-3, 
                               (an optimizer setting: the objective is the exact ELBO throughout);
                 rhoR          the slab's posterior scales initialised at softplus(R) instead of softplus(-6);
                 gammaG        the inclusion probabilities initialised at G instead of prior.gamma_init;
+                spreadL       each unit's inclusion logit drawn uniformly in [L, logit gamma_init] (L = 0 if
+                              left out) instead of all at logit gamma_init;
+                sigma0sqS     the slab variance sigma0^2 = S instead of the config's;
               parts joined by '+' combine (logitlr3+rho-3).
 
 Results: <out>.json (histories, gradients, provenance) and <out>.md. Checkpoints under --work (resumable).
@@ -86,16 +89,16 @@ def _scales_at(rho):
     return modify
 
 
-def _spread_logits(then, gamma_init):
-    """Inclusion logits drawn uniformly between logit 0.5 and logit gamma_init (per unit) instead of all at
-    logit gamma_init: units of a layer no longer start equal."""
+def _spread_logits(then, gamma_init, low=0.0):
+    """Inclusion logits drawn uniformly between `low` (0: gamma 0.5) and logit gamma_init (per unit) instead
+    of all at logit gamma_init: units of a layer no longer start equal."""
     def modify(model):
         model = then(model)
         top = math.log(gamma_init / (1 - gamma_init))
         with torch.no_grad():
             for _, layer in model.bayesian_layers():
                 if layer.prunable:
-                    layer.gamma_logit.uniform_(0.0, top)
+                    layer.gamma_logit.uniform_(low, top)
         return model
     return modify
 
@@ -105,15 +108,17 @@ def train_variant(cfg, splits, variant, work):
     net, a modified build or an optimizer with the logits in their own parameter group. Parts joined by
     '+' combine (logitlr3+rho-3)."""
     modify, objective = (lambda model: model), trainer.ELBO()
-    for part in sorted(variant.split("+"), key=lambda p: p == "spread"):   # spread wraps the other builds
+    for part in sorted(variant.split("+"), key=lambda p: p.startswith("spread")):   # spread wraps the other builds
         if part.startswith("warmup"):
             cfg.train.kl_warmup_epochs = int(part[len("warmup"):])
         elif part.startswith("logitlr"):
             objective = _logit_lr(float(part[len("logitlr"):]))
         elif part.startswith("rho"):
             modify = _scales_at(float(part[len("rho"):]))
-        elif part == "spread":
-            modify = _spread_logits(modify, cfg.prior.gamma_init)
+        elif part.startswith("spread"):
+            modify = _spread_logits(modify, cfg.prior.gamma_init, float(part[len("spread"):] or 0))
+        elif part.startswith("sigma0sq"):
+            cfg.prior.sigma0_sq = float(part[len("sigma0sq"):])
         elif part.startswith("gamma"):
             cfg.prior.gamma_init = float(part[len("gamma"):])
         elif part != "baseline":

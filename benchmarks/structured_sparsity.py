@@ -27,7 +27,7 @@ import torch
 
 from edgebayes.config import load_device_profile, load_pipeline_config
 from edgebayes.export.onnx_export import export_onnx
-from edgebayes.provenance import provenance, write_json
+from edgebayes.provenance import provenance, read_json, write_json
 from edgebayes.stages import Context, load_trained_model, run_stage, splits_for
 from edgebayes.compressed.structure import structure_report
 from edgebayes.compressed.samples import EmptyLayerError
@@ -67,11 +67,18 @@ def onnx_latencies_ms(modules, example):
     return {name: t["median_ms"] for name, t in timed.items()}
 
 
+def empty_epochs(history):
+    """Epochs at whose end the median model had a layer with no unit kept (from the trainer's history)."""
+    return [h["epoch"] for h in history if h.get("kept_nodes") and min(h["kept_nodes"]) == 0]
+
+
 def measure(ctx, log, latency=True):
     """Test figures of a trained run (module docstring); latency=False leaves the ONNX timing out."""
     model, splits = load_trained_model(ctx), splits_for(ctx)
+    history = read_json(ctx.stage_dir("train") / "metrics.json").get("history", [])
     row = {"family": ctx.cfg.model.family, "seed": ctx.cfg.seed, "epochs": ctx.cfg.train.epochs,
            "batch_size": ctx.cfg.train.batch_size, "lr": ctx.cfg.train.lr,
+           "kept_per_epoch": [h.get("kept_nodes") for h in history], "empty_epochs": empty_epochs(history),
            "posterior_mean_accuracy": posterior_mean_metrics(model, splits.test_x, splits.test_y, 10,
                                                              ctx.cfg.seed)["accuracy"]}
     try:
@@ -124,6 +131,15 @@ def markdown(rows, title, facts):
                      f"{col('compression', 100)} | {col('flops_ratio', 100)} | {col('physical_flops_ratio', 100)} | "
                      f"{col('latency_pruned_ms', 1, 3)} / {col('latency_dense_ms', 1, 3)} | "
                      f"{col('latency_ratio', 1, 3)} | {col('ece', 1, 4)} |")
+    lines += ["", "Median model per epoch: epochs at whose end a layer of the median model was empty "
+              "(every unit below inclusion 0.5)", ""]
+    for x in rows:
+        if x.get("kept_per_epoch") and x["kept_per_epoch"][0] is not None:
+            late = [e for e in x["empty_epochs"] if e > 3]
+            lines.append(f"- {PAPER_LABEL[x['family']]} seed {x['seed']}: "
+                         f"{'none' if not x['empty_epochs'] else x['empty_epochs']}"
+                         f"{' (after epoch 3: ' + str(late) + ')' if late else ''}; kept units at the end "
+                         f"{x['kept_per_epoch'][-1]}")
     empty = [f"{PAPER_LABEL[x['family']]} seed {x['seed']}: {x['median_model_empty']}" for x in rows
              if "median_model_empty" in x]
     if empty:
