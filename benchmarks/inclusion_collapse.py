@@ -16,6 +16,8 @@ Two measurements on MNIST LeNet-5-Caffe (the paper config, batch 32, Adam 1e-3, 
                 spreadL       each unit's inclusion logit drawn uniformly in [L, logit gamma_init] (L = 0 if
                               left out) instead of all at logit gamma_init;
                 sigma0sqS     the slab variance sigma0^2 = S instead of the config's;
+                noncentered   the non-centered family (w = z tau* w0), whose exact KL does not weight w0's
+                              KL by gamma (train/spike_slab.py);
               parts joined by '+' combine (logitlr3+rho-3).
 
 Results: <out>.json (histories, gradients, provenance) and <out>.md. Checkpoints under --work (resumable).
@@ -119,10 +121,12 @@ def train_variant(cfg, splits, variant, work):
             modify = _spread_logits(modify, cfg.prior.gamma_init, float(part[len("spread"):] or 0))
         elif part.startswith("sigma0sq"):
             cfg.prior.sigma0_sq = float(part[len("sigma0sq"):])
+        elif part == "noncentered":
+            cfg.prior.parameterization = "non-centered"
         elif part.startswith("gamma"):
             cfg.prior.gamma_init = float(part[len("gamma"):])
         elif part != "baseline":
-            raise SystemExit(f"unknown variant {part!r} (baseline, warmupE, logitlrK, rhoR, gammaG, joined by +)")
+            raise SystemExit(f"unknown variant {part!r} (module docstring; joined by +)")
     _, history = trainer.train(cfg, splits, work / f"{cfg.name}_{variant}.pt",
                                lambda: modify(families.build(cfg, splits)), objective, log=print)
     return history

@@ -238,7 +238,10 @@ def _mc_layer_kl(layer, gs, n=400_000, seed=7):
     if layer.noncentered:  # the KL is of w0 against the fixed N(0, sigma0^2); the scale enters the forward pass
         var = torch.full((n, units), layer.sigma0_sq, dtype=DT)
     log_p_w = Normal(torch.zeros((), dtype=DT), var.sqrt()[..., None]).log_prob(w).sum(-1)
-    per_sample = (z * (log_q_w - log_p_w)).sum(-1) + tau_term
+    # centered: the slab counts where z = 1 (q = p = delta_0 otherwise); non-centered: w0 is a latent variable
+    # whatever z, with q(w0) and pi(w0) free of z, so its log-ratio counts for every unit
+    on = torch.ones_like(z) if layer.noncentered else z
+    per_sample = (on * (log_q_w - log_p_w)).sum(-1) + tau_term
     return bern, per_sample
 
 

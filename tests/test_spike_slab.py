@@ -74,7 +74,7 @@ def _reference_loss(layer, x, weights):
     out = mean + torch.sqrt(var + 1e-16) * standard_normal_like(mean)   # randn_like; drawn in memory order
     if layer.norm is not None:
         out = layer.norm(out)
-    if layer.noncentered:
+    if layer.noncentered and layer.prior != "ss-ig":
         out = out * layer._unit_view(torch.exp(0.5 * layer.scale.log_sample()), out.dim())
     if layer.prunable:
         out = out * layer._unit_view(relaxed_bernoulli_hard(layer.gamma_logit, layer.temperature), out.dim())
@@ -87,7 +87,8 @@ def _reference_loss(layer, x, weights):
                                      layer._per_group(inv_v)).flatten(1).sum(1)
     if layer.bias_mu is not None:
         per_group = per_group + kl_gaussian_gaussian(layer.bias_mu, sp(layer.bias_rho), log_v, inv_v)
-    kl = (layer.inclusion_probability() * per_group).sum() + layer.scale.kl()
+    on = 1.0 if layer.noncentered else layer.inclusion_probability()   # w0's KL whatever z (non-centered)
+    kl = (on * per_group).sum() + layer.scale.kl()
     if layer.prunable:
         kl = kl + kl_bernoulli(layer.inclusion_probability(), layer.prior_inclusion).sum()
     return (out * weights).sum() + kl
@@ -117,7 +118,7 @@ def _layer(kind, prior, noncentered, seed=0):
 
 @pytest.mark.parametrize("kind", ["linear", "conv", "conv+bn", "conv+bn channels_last"])
 @pytest.mark.parametrize("prior,noncentered", [("ss-ig", False), ("ss-gl", False), ("ss-ghs", False),
-                                               ("ss-gl", True), ("ss-ghs", True)])
+                                               ("ss-ig", True), ("ss-gl", True), ("ss-ghs", True)])
 def test_fused_training_step_equals_the_plain_computation(kind, prior, noncentered):
     """Issue 20's speed work (fused local reparameterization, per-group KL with a written-out backward, one
     softplus per step) changes neither the loss nor any gradient beyond float error."""
@@ -157,3 +158,19 @@ def test_standard_normal_like_keeps_the_layout_and_is_randn_like_for_contiguous_
     assert b.is_contiguous(memory_format=torch.channels_last) and b.shape == t.shape
     torch.manual_seed(0)
     assert torch.equal(b.permute(0, 2, 3, 1).reshape(-1), torch.randn(t.numel()))   # iid draws in memory order
+
+
+@pytest.mark.parametrize("prior", ["ss-ig", "ss-gl"])
+def test_slab_kl_pushes_inclusion_down_only_in_the_centered_family(prior):
+    """Issue 20's collapse: in the centered family d KL / d logit gamma_j carries the unit's whole slab KL
+    (switching the unit off removes its weights from the posterior); in the non-centered family w0 is a
+    latent variable whether the unit is on or off, so only the Bernoulli term depends on gamma."""
+    grads = {}
+    for noncentered in (False, True):
+        layer, _ = _layer("linear", prior, noncentered)
+        (grad,) = torch.autograd.grad(layer.kl(), layer.gamma_logit)
+        gamma = layer.inclusion_probability().detach()
+        bernoulli = gamma * (1 - gamma) * (torch.logit(gamma) - math.log(0.3 / 0.7))   # d KL(Ber) / d logit
+        grads[noncentered] = grad - bernoulli
+    assert torch.allclose(grads[True], torch.zeros(5), atol=1e-6)
+    assert (grads[False] > 1e-3).all()   # the slab KL is positive, so it always pulls gamma down

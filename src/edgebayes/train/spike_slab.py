@@ -24,9 +24,15 @@ The expectation needs E[log tau*^2] and E[1/tau*^2]. Both are closed form for SS
 E[1/tau*^2] = E[1/(beta alpha zeta_a zeta_b)] + 1/c^2 is closed form and E[log(c^2 + beta alpha varsigma^2)] is
 not: it is estimated with reparameterized samples (one per step in training), unbiased and differentiable.
 
-Non-centered parameterization (section 5.3, used for ResNets): w_j = tau*_j w0_j with w0 ~ N(0, sigma0^2 I)
-and q(w0_j) = N(mu_j, diag sigma_j^2); the weight KL is then against the fixed N(0, sigma0^2), and tau*_j is
-sampled (reparameterized) in the forward pass. The KL of w0 is weighted by gamma_j as in the centered form.
+Non-centered parameterization (section 5.3, used for ResNets): w_j = z_j tau*_j w0_j with pi(w0_j) = N(0, sigma0^2 I)
+and q(w0_j) = N(mu_j, diag sigma_j^2), neither conditioned on z_j; tau*_j is sampled (reparameterized) in the
+forward pass. The exact KL of this family is KL(q(z)) + KL(q(w0)) + KL(q(scale)) with the KL of w0 NOT
+weighted by gamma_j: w0 is a latent variable whether the unit is on or off, and pi(w0) and q(w0) do not depend
+on z. (In the centered form q(w_j | z_j = 0) = pi(w_j | z_j = 0) = delta_0, hence the weight gamma_j there.)
+The authors' released non-centered layers compute it the same way. Consequence that matters in training
+(issue 20): in the centered form a unit's slab KL, about log(sigma0 / sigma) nats per weight (5.5 at
+initialisation, times the fan-in), pushes its gamma down at every step; in the non-centered form switching a
+unit off saves only its Bernoulli KL, so the inclusion probabilities are not driven below 0.5 together.
 In a layer with a batch norm, tau*_j multiplies the batch-norm output, tau*_j BN(conv(x; w0)), not the
 convolution output: batch norm in training mode divides by the batch's own scale of each channel, so
 BN(tau* conv(x)) = BN(conv(x)) and tau* (hence the shrinkage prior) would get no likelihood gradient
@@ -269,7 +275,7 @@ class SpikeSlabLayer(nn.Module):
         out_units = weight_shape[0]
         self.prior, self.prunable, self.fan_in = prior, prunable, fan_in
         self.sigma0_sq, self.temperature = float(sigma0_sq), float(temperature)
-        self.noncentered = bool(noncentered) and prior != "ss-ig"  # tau* = 1: both forms are the same
+        self.noncentered = bool(noncentered)   # the variational family (module docstring), SS-IG included
         self.prior_inclusion = float(prior_inclusion) if prunable else 1.0
         self.inclusion_threshold = 0.5
         self.sample_inclusion = False  # eval forward: z ~ Ber(gamma) instead of the threshold
@@ -309,7 +315,7 @@ class SpikeSlabLayer(nn.Module):
 
     def _scale_sample(self, generator=None):
         """tau*_j, one reparameterized draw per group (non-centered form), else None."""
-        if not self.noncentered:
+        if not self.noncentered or self.prior == "ss-ig":   # SS-IG: tau* = 1
             return None
         return torch.exp(0.5 * self.scale.log_sample(generator)).to(self.weight_mu.device)
 
@@ -369,7 +375,10 @@ class SpikeSlabLayer(nn.Module):
 
     def kl(self, mc_samples=1):
         """This layer's KL terms; `mc_samples` draws estimate SS-GHS's E[log(c^2 + tau^2 varsigma^2)]."""
-        total = (self.inclusion_probability() * self.weight_kl_per_group(mc_samples)).sum() + self.scale.kl()
+        weight_kl = self.weight_kl_per_group(mc_samples)
+        if not self.noncentered:   # centered: the slab's KL counts only when the unit is on (module docstring)
+            weight_kl = self.inclusion_probability() * weight_kl
+        total = weight_kl.sum() + self.scale.kl()
         if self.prunable:
             total = total + kl_bernoulli(self.inclusion_probability(), self.prior_inclusion).sum()
         return total
