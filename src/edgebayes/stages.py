@@ -310,16 +310,17 @@ def run_train(ctx):
     except EmptyLayerError as e:
         if posterior_mean is None:
             raise StageError(f"train: {e}") from None
-        # Early in training the inclusion probabilities of a layer fall together and may all sit below 0.5
-        # before they split (trainer docstring); the training is kept, the median model is just empty yet.
+        # The inclusion probabilities of a layer fall together and may all sit below 0.5 (trainer docstring,
+        # issue 20); the training is kept and reported, there is just no median model to deploy.
         write_json(out / "metrics.json", {
             "family": cfg.model.family, "epochs": cfg.train.epochs, "median_model_empty": str(e),
             "test_posterior_mean": {**posterior_mean, "mc_samples": m}, "history": history,
             "provenance": ctx.provenance("train")})
         inclusion = history[-1].get("mean_inclusion") if history else None
         ctx.log(f"train: WARNING {e}: the median model is empty (mean inclusion per layer {inclusion}); "
-                f"with z ~ q(z) the net has test accuracy {posterior_mean['accuracy']:.4f}. Train longer (the "
-                f"paper trains {cfg.model.arch} for hundreds of epochs) or deploy at a lower select.knob_values")
+                f"with z ~ q(z) the net has test accuracy {posterior_mean['accuracy']:.4f}. Training longer did not "
+                f"split the layer in the runs measured so far; see the README's known limitation of the "
+                f"spike-and-slab families (issue 20), or try prior.parameterization: non-centered")
         return
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
