@@ -16,13 +16,20 @@
   is busy on, from /proc/stat sampled for half a second: `free_cores`). torch's default is every core: with another process busy on one of two cores, the two
   threads wait for each other at every operator (issue 20: the embedded default pipeline took 10 min 39 s
   instead of 36 s).
+- `in_layout`: a tensor in another's memory format (contiguous or channels_last), so that elementwise and
+  reduction passes over the two run in one memory order, and mkldnn does not reorder a weight at every call.
+- `hold_freed_memory`: glibc's malloc keeps freed large blocks instead of giving them back to the OS, so a
+  training step does not fault the same pages in again at every step (CPU).
 - `compile_step`: optional torch.compile of the forward and of the KL, tried once on a copy of the model;
   if compiling fails (no compiler, an unsupported op, an old GPU), training runs eager and the log says why.
 """
 
 import copy
+import ctypes
+import ctypes.util
 import math
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -95,6 +102,47 @@ def autocast(device, precision):
 
 def to_channels_last(model, enabled):
     return model.to(memory_format=torch.channels_last) if enabled else model
+
+
+def memory_format_of(t):
+    """torch.channels_last for a 4-D tensor laid out NHWC (and not also plainly contiguous), else
+    torch.contiguous_format."""
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def in_layout(t, like):
+    """`t` in the memory format of `like` (a no-op when it is already)."""
+    return t.contiguous(memory_format=memory_format_of(like))
+
+
+# mallopt parameters of glibc's malloc.h
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20   # the largest glibc accepts on 64-bit (half its HEAP_MAX_SIZE)
+
+
+def hold_freed_memory():
+    """Keep freed large blocks in this process's heap instead of returning them to the OS (glibc on Linux;
+    elsewhere a no-op). Returns whether it applied.
+
+    By default glibc serves a large allocation (from 128 KiB, growing to at most 32 MiB as it sees such
+    blocks freed) with its own mmap and gives it back at free, and trims the heap's free top. A CPU training
+    step allocates and frees the same activations and gradients, tens of MiB each, at every step: the pages
+    were faulted in (and zeroed by the kernel) again every time (issue 20). With the mmap threshold at its
+    maximum, 32 MiB, blocks up to that size come from the heap, and with trimming off (threshold 2 GiB, mallopt's int) freed
+    heap memory stays there for the next step. The cost: the process keeps the memory of its largest step
+    until it exits, which a training process does anyway. Called once when a trainer starts; calling it again changes nothing.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+        trim = libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+        return bool(trim) and bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
+    except (OSError, AttributeError):
+        return False
 
 
 def compile_step(forward, model, example, log):
