@@ -16,8 +16,8 @@
   is busy on, from /proc/stat sampled for half a second: `free_cores`). torch's default is every core: with another process busy on one of two cores, the two
   threads wait for each other at every operator (issue 20: the embedded default pipeline took 10 min 39 s
   instead of 36 s).
-- `in_layout`: a tensor in another's memory format (contiguous or channels_last), so that elementwise and
-  reduction passes over the two run in one memory order, and mkldnn does not reorder a weight at every call.
+- `in_layout`: a tensor with another's strides (e.g. a weight computed each step in its parameter's layout),
+  so that passes over the two run in one memory order and a convolution keeps the network's layout.
 - `hold_freed_memory`: glibc's malloc keeps freed large blocks instead of giving them back to the OS, so a
   training step does not fault the same pages in again at every step (CPU).
 - `compile_step`: optional torch.compile of the forward and of the KL, tried once on a copy of the model;
@@ -113,34 +113,41 @@ def memory_format_of(t):
 
 
 def in_layout(t, like):
-    """`t` in the memory format of `like` (a no-op when it is already)."""
-    return t.contiguous(memory_format=memory_format_of(like))
+    """`t` (the same shape as the dense tensor `like`) with exactly `like`'s strides: `t` itself when they match,
+    else a copy. A memory format is not enough: a (20, 1, 5, 5) weight is both contiguous and channels_last,
+    yet a convolution reads its strides to choose its output's layout (an SQS mean weight with NCHW strides
+    made LeNet-5-Caffe's first convolution write NCHW in a channels_last network, and the max-pool backward
+    after it copied its whole gradient at every step: issue 20)."""
+    if t.stride() == like.stride():
+        return t
+    return torch.empty_strided(like.shape, like.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 # mallopt parameters of glibc's malloc.h
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 << 20   # the largest glibc accepts on 64-bit (half its HEAP_MAX_SIZE)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
 
 def hold_freed_memory():
-    """Keep freed large blocks in this process's heap instead of returning them to the OS (glibc on Linux;
-    elsewhere a no-op). Returns whether it applied.
+    """Keep freed memory in this process's heap instead of returning it to the OS (glibc on Linux; elsewhere a
+    no-op). Returns whether it applied.
 
-    By default glibc serves a large allocation (from 128 KiB, growing to at most 32 MiB as it sees such
-    blocks freed) with its own mmap and gives it back at free, and trims the heap's free top. A CPU training
-    step allocates and frees the same activations and gradients, tens of MiB each, at every step: the pages
-    were faulted in (and zeroed by the kernel) again every time (issue 20). With the mmap threshold at its
-    maximum, 32 MiB, blocks up to that size come from the heap, and with trimming off (threshold 2 GiB, mallopt's int) freed
-    heap memory stays there for the next step. The cost: the process keeps the memory of its largest step
-    until it exits, which a training process does anyway. Called once when a trainer starts; calling it again changes nothing.
+    By default glibc serves a large allocation (from 128 KiB, the threshold growing to at most 32 MiB as such
+    blocks are freed) with its own mmap, unmaps it at free, and trims the heap's free top. A CPU training step
+    allocates and frees the same activations and gradients, tens of MiB each, at every step, so their pages
+    were faulted in and zeroed by the kernel again every time. mallopt(M_MMAP_MAX, 0) serves every allocation
+    from the heap and M_TRIM_THRESHOLD = 2 GiB (mallopt takes an int) keeps its free memory there for the
+    next step. Measured (issue 20, one thread, LeNet-5-Caffe at batch 1024): a dnn step 280 -> 250 ms, a bnn
+    step 633 -> 573 ms; with the mmap threshold at its 32 MiB maximum instead, about half of that, because the
+    47 MB activations of the first convolution stay above it. The cost: the process keeps the memory of its
+    largest step until it exits (for the pipeline's later stages too). Called when a trainer starts; calling
+    it again changes nothing.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-        trim = libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-        return bool(trim) and bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
+        return bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)) and bool(libc.mallopt(_M_MMAP_MAX, 0))
     except (OSError, AttributeError):
         return False
 
