@@ -242,3 +242,16 @@ def test_set_threads_never_exceeds_the_cores_and_defaults_to_the_free_ones(monke
         assert accel.set_threads(0) == 1                                 # the environment chose already
     finally:
         torch.set_num_threads(before)
+
+
+def test_hold_freed_memory_applies_on_glibc_linux_only(monkeypatch):
+    """glibc's mallopt where there is one (this process keeps freed memory from then on, which a test run
+    does not mind); a no-op elsewhere."""
+    import platform
+
+    from edgebayes.train import accel
+
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert accel.hold_freed_memory() is glibc
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    assert accel.hold_freed_memory() is False

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian, relaxed_bernoulli_hard
+from edgebayes.train import spike_slab
 from edgebayes.train.spike_slab import (GlobalHorseshoeScale, GlobalScale, SpikeSlabConv2d, SpikeSlabLinear,
-                                        standard_normal_like)
+                                        batch_blocks, standard_normal_like)
 
 
 def _conv_bn(prior, seed=0):
@@ -66,18 +67,23 @@ def test_noncentered_eval_forward_folds_the_scale_into_the_batch_norm():
 
 
 def _reference_loss(layer, x, weights):
-    """The training forward and the layer KL written out plainly (no fused functions, no shared softplus)."""
+    """The training forward and the layer KL written out plainly (no fused functions, no shared softplus, no
+    blocks), with the layer's random draws in its order: tau*, z, then the noise of each block of the batch
+    (batch_blocks), in memory order."""
     sp = F.softplus
+    tau = z = torch.ones(layer.out_units)
+    if layer.noncentered and layer.prior != "ss-ig":
+        tau = torch.exp(0.5 * layer.scale.log_sample())
+    if layer.prunable:
+        z = relaxed_bernoulli_hard(layer.gamma_logit, layer.temperature)
     bias_var = None if layer.bias_rho is None else sp(layer.bias_rho) ** 2
     mean = layer._affine(x, layer.weight_mu, layer.bias_mu)
     var = layer._affine(x * x, sp(layer.weight_rho) ** 2, bias_var)
-    out = mean + torch.sqrt(var + 1e-16) * standard_normal_like(mean)   # randn_like; drawn in memory order
+    eps = torch.cat([standard_normal_like(mean[a:b]) for a, b in batch_blocks(len(x), mean[0].numel(), x.device)])
+    out = mean + torch.sqrt(var + 1e-16) * eps
     if layer.norm is not None:
         out = layer.norm(out)
-    if layer.noncentered and layer.prior != "ss-ig":
-        out = out * layer._unit_view(torch.exp(0.5 * layer.scale.log_sample()), out.dim())
-    if layer.prunable:
-        out = out * layer._unit_view(relaxed_bernoulli_hard(layer.gamma_logit, layer.temperature), out.dim())
+    out = out * layer._unit_view(tau, out.dim()) * layer._unit_view(z, out.dim())
     if layer.noncentered:
         log_t, inv_t = torch.zeros(layer.out_units), torch.ones(layer.out_units)
     else:
@@ -101,11 +107,11 @@ def _layer(kind, prior, noncentered, seed=0):
               global_scale=gs, c_reg=1.5, noncentered=noncentered)
     if kind == "linear":
         layer = SpikeSlabLinear(6, 5, **kw)
-        x = torch.randn(4, 6)
+        x = torch.randn(5, 6)
     else:
         layer = SpikeSlabConv2d(3, 5, 3, padding=1, bias=kind == "conv", **kw,
                                 norm=nn.BatchNorm2d(5) if kind.startswith("conv+bn") else None)
-        x = torch.randn(4, 3, 5, 5)
+        x = torch.randn(5, 3, 5, 5)
         if kind.endswith("channels_last"):   # what train.channels_last does to the model and its inputs
             layer, x = layer.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
     with torch.no_grad():   # spread posterior scales and inclusion so every term matters
@@ -116,18 +122,28 @@ def _layer(kind, prior, noncentered, seed=0):
     return layer, x
 
 
-@pytest.mark.parametrize("kind", ["linear", "conv", "conv+bn", "conv+bn channels_last"])
+@pytest.mark.parametrize("blocks", ["one", "several"])
+@pytest.mark.parametrize("kind", ["linear", "conv", "conv+bn", "conv+bn channels_last", "conv channels_last"])
 @pytest.mark.parametrize("prior,noncentered", [("ss-ig", False), ("ss-gl", False), ("ss-ghs", False),
                                                ("ss-ig", True), ("ss-gl", True), ("ss-ghs", True)])
-def test_fused_training_step_equals_the_plain_computation(kind, prior, noncentered):
-    """Issue 20's speed work (fused local reparameterization, per-group KL with a written-out backward, one
-    softplus per step) changes neither the loss nor any gradient beyond float error."""
+def test_fused_training_step_equals_the_plain_computation(kind, prior, noncentered, blocks, monkeypatch):
+    """Issue 20's speed work (local reparameterization in blocks of the batch with a written-out backward,
+    the unit factor inside the blocks or folded into the batch norm, per-group KL with a written-out backward,
+    one softplus per step) changes neither the loss, nor any gradient, nor the batch norm's running
+    statistics beyond float error. "several": blocks of 2 samples of the batch of 5 (2, 2 and a remainder)."""
     layer, x = _layer(kind, prior, noncentered)
+    if blocks == "several":
+        monkeypatch.setattr(spike_slab, "BLOCK_ELEMENTS", 2 * layer._outputs_per_sample(x) + 1)
+        assert len(batch_blocks(len(x), layer._outputs_per_sample(x), x.device)) == 3
     layer.train()
-    params = [p for p in layer.parameters()] + list(getattr(layer.scale, "global_scale", nn.Module()).parameters())
+    x.requires_grad_(True)
+    params = ([x] + list(layer.parameters())
+              + list(getattr(layer.scale, "global_scale", nn.Module()).parameters()))
+    initial_stats = {k: v.clone() for k, v in layer.state_dict().items() if "running" in k or "batches" in k}
     weights = None
-    results = []
+    results, stats = [], []
     for compute in ("fused", "reference"):
+        layer.load_state_dict(initial_stats, strict=False)
         torch.manual_seed(11)
         if compute == "fused":
             out = layer(x)
@@ -137,13 +153,16 @@ def test_fused_training_step_equals_the_plain_computation(kind, prior, noncenter
             loss = _reference_loss(layer, x, weights)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         results.append((loss.detach(), grads))
+        stats.append({k: v.clone() for k, v in layer.state_dict().items() if k in initial_stats})
     (loss, grads), (ref_loss, ref_grads) = results
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     for p, g, r in zip(params, grads, ref_grads):
         assert (g is None) == (r is None)
         if g is not None:
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
-    assert any(g is not None and g.abs().sum() > 0 for g in grads[:2])
+    assert any(g is not None and g.abs().sum() > 0 for g in grads[1:3])
+    for k in initial_stats:
+        torch.testing.assert_close(stats[0][k], stats[1][k])
 
 
 def test_standard_normal_like_keeps_the_layout_and_is_randn_like_for_contiguous_tensors():

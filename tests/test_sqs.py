@@ -18,6 +18,8 @@ from edgebayes.compressed import codebook
 from edgebayes.compressed.samples import compress
 from edgebayes.train.models import build_model
 from edgebayes.train.sqs import (
+    WINDOWS,
+    SpikeGMMWeight,
     SQSNet,
     assign_windows,
     kmeans_gmm,
@@ -25,7 +27,7 @@ from edgebayes.train.sqs import (
     pretrained_base,
     pruning_schedule,
 )
-from edgebayes.train.kl import kl_bernoulli
+from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,7 +148,7 @@ def test_per_input_scores_count_the_bernoulli_kl_once_per_input():
                  for n in spike.wrapped[1:])
     weights, reg = spike.weights_and_regularizer()
     assert float((reg - gauss.kl()).detach()) == pytest.approx(float((first + others).detach()), rel=1e-4)
-    expected = keep * (p.phi(spike.tau) * p.mu[p.window]).sum(-1)  # lambda~ of the input, per weight
+    expected = keep * (p.phi(spike.tau) * p.mu[p.window].movedim(-1, 0)).sum(0)  # lambda~ of the input, per weight
     assert torch.allclose(weights["net.hidden1.weight"], expected)
 
 
@@ -167,7 +169,7 @@ def test_objective_terms_of_eq8_and_the_gaussian_prior_ablation():
                     for n in spike.wrapped)
     assert float(reg - gauss.kl().detach()) == pytest.approx(float(bernoulli), rel=1e-4)
     p = spike.posterior("net.hidden2")  # the mean weight is lambda~ sum_k mu_k phi_k, the same for both priors
-    expected = p.keep_probability(spike.tau_prime) * (p.phi(spike.tau) * p.mu[p.window]).sum(-1)
+    expected = p.keep_probability(spike.tau_prime) * (p.phi(spike.tau) * p.mu[p.window].movedim(-1, 0)).sum(0)
     assert torch.allclose(weights["net.hidden2.weight"], expected)
     assert torch.allclose(gauss.weights_and_regularizer()[0]["net.hidden2.weight"], expected)
 
@@ -416,3 +418,47 @@ def test_unmasked_objective_gives_pruned_weights_a_likelihood_gradient():
     assert pruned.any()
     assert torch.all(grads[True][pruned] == 0)
     assert grads[False][pruned].abs().sum() > 0
+
+
+def _reference_terms(p, tau, tau_prime, sigma0_sq, spike, mask):
+    """Eq. 8's terms of one tensor written plainly, components on the last dim and the (W, K) tables indexed by
+    window (the computation before issue 20's layout change)."""
+    table = (lambda t: t[0]) if p.windows == 1 else (lambda t: t[p.window])
+    mu, sigma = table(p.mu), table(p.log_sigma.exp())
+    density = torch.exp(-0.5 * ((p.theta.unsqueeze(-1) - mu) / sigma) ** 2) / (math.sqrt(2 * math.pi) * sigma)
+    phi = torch.softmax(torch.softmax(table(p.pi.clamp(min=0)) * density, dim=-1) / tau, dim=-1)
+    keep = p.keep_probability(tau_prime)
+    mean = keep * (phi * mu).sum(-1) * mask
+    best = phi.argmax(-1, keepdim=True)
+    mu_best = mu.expand(phi.shape).gather(-1, best).squeeze(-1)
+    sigma_best = sigma.expand(phi.shape).gather(-1, best).squeeze(-1)
+    reg = (keep * kl_gaussian_gaussian(mu_best, sigma_best, math.log(sigma0_sq), 1 / sigma0_sq)).sum()
+    return mean, reg + kl_bernoulli(keep, spike).sum()
+
+
+@pytest.mark.parametrize("shape,channels_last", [((12, 20), False), ((6, 3, 3, 3), False), ((6, 3, 3, 3), True)])
+@pytest.mark.parametrize("windowing", ["outlier", "single"])
+def test_spike_gmm_terms_with_components_first_equal_the_plain_computation(shape, channels_last, windowing):
+    """Issue 20's layout of phi (components on dim 0, tables by index_select) changes neither the mean weight,
+    nor the regularizer, nor a gradient beyond float error, nor the mean weight's memory layout."""
+    torch.manual_seed(0)
+    weight = torch.randn(shape)
+    weight.view(-1)[:3] = torch.tensor([2.0, -3.0, 2.5])   # outliers, so that the outer windows are used
+    p = SpikeGMMWeight(shape, 4, WINDOWS[windowing]).double()
+    p.initialise(weight.double(), windowing, 5.0, 0.0, 0.0125, 0)
+    with torch.no_grad():
+        p.score.copy_(0.0125 * torch.randn(shape, dtype=torch.float64))
+    if channels_last:
+        p = p.to(memory_format=torch.channels_last)
+    mask = torch.rand(shape) < 0.7
+    out = torch.randn(shape, dtype=torch.float64)
+    results = []
+    for terms in (p.terms, lambda *a: _reference_terms(p, *a)):
+        mean, reg = terms(5e-2, 0.0125, 1.0, 0.3, mask)
+        results.append((mean, reg, torch.autograd.grad((mean * out).sum() + reg, list(p.parameters()))))
+    (mean, reg, grads), (ref_mean, ref_reg, ref_grads) = results
+    torch.testing.assert_close(mean, ref_mean)
+    torch.testing.assert_close(reg, ref_reg)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    assert mean.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)

@@ -59,6 +59,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
+from torch.nn.modules.utils import _pair
+
+from edgebayes.train.accel import in_layout, memory_format_of
 
 from edgebayes.train.kl import (
     kl_bernoulli,
@@ -91,37 +95,141 @@ def _inverse_mean(mu, rho):
 
 
 def standard_normal_like(t):
-    """torch.randn_like(t), but a channels_last t gets one contiguous block of draws laid out with its strides:
-    torch's CPU normal_ is vectorized only for contiguous tensors, and on a channels_last convolution output
-    it was 5-8x slower (most of a ResNet-20 step, issue 20). The same law: every element an independent
-    N(0, 1) draw, in memory order."""
-    if t.is_contiguous() or not t.is_contiguous(memory_format=torch.channels_last):
-        return torch.randn_like(t)
-    return torch.randn(t.numel(), dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+    """torch.randn_like(t), but a channels_last t gets its draws in memory order: torch's CPU normal_ is
+    vectorized only for contiguous tensors, and on a channels_last convolution output it was 5-8x slower (most
+    of a ResNet-20 step, issue 20). The same law: every element an independent N(0, 1) draw."""
+    return normal_in_memory_order_(torch.empty_like(t))
+
+
+def normal_in_memory_order_(t):
+    """Fill a dense tensor (contiguous or channels_last) with N(0, 1) draws in memory order, in place."""
+    (t.permute(0, 2, 3, 1) if memory_format_of(t) is torch.channels_last else t).normal_()
+    return t
+
+
+# The CPU training forward works on blocks of the batch of about this many output elements: a block's mean,
+# variance, noise and output (2 MiB each in fp32) stay in cache (L2 / L3) from the affine op that writes them to
+# the last elementwise step that reads them (_LocalReparameterization). Measured on LeNet-5-Caffe at batch
+# 1024 (one thread, issue 20): 2^15 made the step slower than no blocks (each block's convolution has a fixed
+# cost), 2^17 was 7 % faster than no blocks, 2^19 and 2^21 about 12 %. On a GPU the batch is one block.
+BLOCK_ELEMENTS = 2**19
+
+
+def batch_blocks(samples, outputs_per_sample, device):
+    """[(start, stop)] of the blocks of a batch: whole samples, about BLOCK_ELEMENTS outputs each (at least one
+    sample), the last block the remainder."""
+    if device.type != "cpu":
+        return [(0, samples)]
+    size = max(1, BLOCK_ELEMENTS // max(1, outputs_per_sample))
+    return [(i, min(i + size, samples)) for i in range(0, samples, size)]
 
 
 class _LocalReparameterization(torch.autograd.Function):
-    """mean + sqrt(var + 1e-16) eps with eps ~ N(0, 1) (local reparameterization), in fewer memory passes.
+    """unit * (mean + sqrt(var + 1e-16) eps), eps ~ N(0, 1): local reparameterization, with
+    mean = affine(x; weight_mu, bias_mu), var = affine(x^2; weight_var, bias_var) and a per-unit factor `unit`
+    (z tau*, or None), computed one block of the batch at a time (batch_blocks).
 
-    The same value and gradients as the autograd graph of that expression (tests/test_spike_slab.py): the
-    forward keeps one tensor, eps / (2 sqrt(var + 1e-16)), instead of eps and the square root, and the
-    backward is one multiplication (d/d mean = the incoming gradient itself) instead of autograd's three
-    passes of mul, sqrt and add backward over the layer's whole output, which on a CPU cost as much as the
-    two convolutions of small layers (issue 20's profile).
+    Why blocks: as separate autograd ops every step (the two affine outputs, the noise, the square root, the
+    sum, the unit factor; as many again backward) is a pass over the layer's whole output, which on a CPU
+    comes from memory each time (47 MB for LeNet-5-Caffe's first convolution at batch 1024). Per block
+    everything after the affine ops stays in cache, and the backward runs the same way: the block's
+    gradients of mean and var, then each affine op's backward (`_affine_backward`). x^2 is not kept: it is
+    recomputed per block, and its gradient 2 x g joins x's in the same pass.
+
+    The same value and gradients as the autograd graph of the plain expression with the same noise
+    (tests/test_spike_slab.py); the noise is drawn block after block, each in memory order. Kept for the
+    backward: eps / (2 sqrt(var + 1e-16)) and, when the unit factor needs a gradient, the output before it.
     """
 
     @staticmethod
-    def forward(ctx, mean, var):
-        eps = standard_normal_like(mean)
-        std = (var + 1e-16).sqrt_()
-        out = torch.addcmul(mean, std, eps)
-        ctx.save_for_backward(eps.div_(std.mul_(2)))   # in place: std and eps are not needed any more
+    def forward(ctx, layer, x, weight_mu, bias_mu, weight_var, bias_var, unit):
+        n = x.shape[0]
+        blocks = batch_blocks(n, layer._outputs_per_sample(x), x.device)
+        keep_pre_unit = unit is not None and ctx.needs_input_grad[6]
+        unit_view = None if unit is None else layer._unit_view(unit, x.dim())
+        out = pre_unit = half_eps_over_std = None
+        for start, stop in blocks:
+            xb = x[start:stop]
+            mean = layer._affine(xb, weight_mu, bias_mu)
+            std = layer._affine(xb * xb, weight_var, bias_var).add_(1e-16).sqrt_()
+            if out is None:   # the whole output's buffers, in the layout and dtype of the affine op's output
+                like = dict(dtype=mean.dtype, device=mean.device, memory_format=memory_format_of(mean))
+                full = (n,) + mean.shape[1:]
+                half_eps_over_std = torch.empty(full, **like)
+                pre_unit = torch.empty(full, **like) if keep_pre_unit else None
+                dtype = mean.dtype if unit is None else torch.promote_types(mean.dtype, unit.dtype)
+                out = torch.empty(full, **{**like, "dtype": dtype})
+            eps = normal_in_memory_order_(half_eps_over_std[start:stop])
+            if unit is None:
+                torch.addcmul(mean, std, eps, out=out[start:stop])
+            else:
+                pre = torch.addcmul(mean, std, eps, out=pre_unit[start:stop]) if keep_pre_unit else mean.addcmul_(std, eps)
+                torch.mul(pre, unit_view, out=out[start:stop])
+            eps.div_(std.mul_(2))   # in place: eps and std are not needed any more
+        ctx.layer, ctx.blocks = layer, blocks
+        ctx.save_for_backward(x, weight_mu, weight_var, unit, half_eps_over_std, pre_unit)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        (half_eps_over_std,) = ctx.saved_tensors
-        return grad, grad * half_eps_over_std
+        x, weight_mu, weight_var, unit, half_eps_over_std, pre_unit = ctx.saved_tensors
+        _, need_x, need_mu, need_bias_mu, need_var, need_bias_var, need_unit = ctx.needs_input_grad
+        layer, dtype = ctx.layer, half_eps_over_std.dtype   # dtype: the affine ops' (bf16 under autocast)
+        unit_view = None if unit is None else layer._unit_view(unit, grad.dim())
+        within_unit = tuple(d for d in range(grad.dim()) if d != 1)
+        grad_x = torch.empty_like(x) if need_x else None
+        sums = [None] * 5   # gradients of weight_mu, bias_mu, weight_var, bias_var, unit: summed over blocks
+        with torch.autocast(grad.device.type, enabled=False):
+            for start, stop in ctx.blocks:
+                g = grad[start:stop]
+                xb = x[start:stop]
+                g_mean = (g if unit is None else g * unit_view).to(dtype)
+                g_var = g_mean * half_eps_over_std[start:stop]
+                gx_mean, g_mu, g_bias_mu = layer._affine_backward(
+                    xb.to(dtype), weight_mu.to(dtype), g_mean, (need_x, need_mu, need_bias_mu))
+                gx_sq, g_var_w, g_bias_var = layer._affine_backward(
+                    (xb * xb).to(dtype), weight_var.to(dtype), g_var, (need_x, need_var, need_bias_var))
+                g_unit = (g * pre_unit[start:stop]).sum(within_unit) if need_unit else None
+                if need_x:   # d/dx of mean and of var (through x^2) in one pass
+                    torch.addcmul(gx_mean.to(x.dtype), xb, gx_sq.to(x.dtype), value=2, out=grad_x[start:stop])
+                for i, part in enumerate((g_mu, g_bias_mu, g_var_w, g_bias_var, g_unit)):
+                    if part is not None:
+                        sums[i] = part if sums[i] is None else sums[i].add_(part)
+        params = (weight_mu, None, weight_var, None, unit)
+        g_mu, g_bias_mu, g_var_w, g_bias_var, g_unit = (
+            None if s is None else s.to(weight_mu.dtype if p is None else p.dtype) for s, p in zip(sums, params))
+        if g_mu is not None:
+            g_mu = in_layout(g_mu, weight_mu)
+        if g_var_w is not None:
+            g_var_w = in_layout(g_var_w, weight_var)
+        return None, grad_x, g_mu, g_bias_mu, g_var_w, g_bias_var, g_unit
+
+
+def local_reparameterization(layer, x, weight_mu, bias_mu, weight_var, bias_var, unit=None):
+    """unit * (mean + sqrt(var + 1e-16) eps) of _LocalReparameterization; under torch.compile the plain
+    expression, which the compiler fuses itself."""
+    if not torch.compiler.is_compiling():
+        return _LocalReparameterization.apply(layer, x, weight_mu, bias_mu, weight_var, bias_var, unit)
+    mean = layer._affine(x, weight_mu, bias_mu)
+    out = mean + torch.sqrt(layer._affine(x * x, weight_var, bias_var) + 1e-16) * standard_normal_like(mean)
+    return out if unit is None else out * layer._unit_view(unit, out.dim())
+
+
+def scaled_batch_norm(norm, x, unit):
+    """unit * norm(x), with a per-channel factor `unit` (or None), in one pass where that is exact.
+
+    A batch norm's training output is gamma x^ + beta with x^ normalised by the batch's own statistics, which
+    the factor does not change: so unit * BN(x) = (unit gamma) x^ + unit beta, the factor folded into the
+    affine parameters (the module's own forward, which also updates its running statistics, with those
+    parameters). Without an affine map, or another kind of norm, the product is taken after it.
+    """
+    if unit is None:
+        return norm(x)
+    if (isinstance(norm, (nn.BatchNorm1d, nn.BatchNorm2d)) and norm.affine
+            and not torch.compiler.is_compiling()):
+        return functional_call(norm, {"weight": norm.weight * unit, "bias": norm.bias * unit}, (x,))
+    out = norm(x)
+    return out * unit.view((1, -1) + (1,) * (out.dim() - 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +372,8 @@ SCALES = {"ss-ig": FixedScale, "ss-gl": GroupLassoScale, "ss-ghs": GroupHorsesho
 # The layers
 # ---------------------------------------------------------------------------------------------
 class SpikeSlabLayer(nn.Module):
-    """Shared machinery; subclasses define the affine op (`_affine`) and the weight shape (groups on dim 0)."""
+    """Shared machinery; subclasses define the affine op (`_affine`, its backward `_affine_backward`, its
+    `_outputs_per_sample`) and the weight shape (groups on dim 0)."""
 
     def __init__(self, weight_shape, fan_in, *, prior, prior_inclusion, prunable, sigma0_sq,
                  temperature, gamma_init, global_scale=None, c_reg=1.0, noncentered=False, bias=True,
@@ -397,19 +506,18 @@ class SpikeSlabLayer(nn.Module):
 
     def forward(self, x):
         if self.training:
-            bias_var = None if self.bias_rho is None else F.softplus(self.bias_rho) ** 2
-            mean = self._affine(x, self.weight_mu, self.bias_mu)
-            sigma = self._weight_sigma()
-            var = self._affine(x * x, sigma * sigma, bias_var)
-            out = _LocalReparameterization.apply(mean, var)
-            if self.norm is not None:
-                out = self.norm(out)
-            # tau* (after the batch norm, which would normalise it away: module docstring) and z are per-unit
-            # factors: multiplied together first, so the output is scaled in one pass.
+            # tau* and z are per-unit factors, multiplied together first and drawn before the weights' noise:
+            # without a batch norm they scale each block of the output as it is made (_LocalReparameterization);
+            # with one they act after it (module docstring), folded into its affine map.
             tau = self._scale_sample()
             z = relaxed_bernoulli_hard(self.gamma_logit, self.temperature) if self.prunable else None
             unit = tau if z is None else (z if tau is None else z * tau)
-            return out if unit is None else out * self._unit_view(unit, out.dim())
+            sigma = self._weight_sigma()
+            weight_var = in_layout(sigma * sigma, self.weight_mu)   # mkldnn reorders a weight in another layout
+            bias_var = None if self.bias_rho is None else F.softplus(self.bias_rho) ** 2
+            out = local_reparameterization(self, x, self.weight_mu, self.bias_mu, weight_var, bias_var,
+                                           unit if self.norm is None else None)
+            return out if self.norm is None else scaled_batch_norm(self.norm, out, unit)
         weight, bias, tau = self.sample_weights()
         keep = (torch.bernoulli(self.inclusion_probability()) if self.sample_inclusion
                 else self.kept_units()).to(weight.dtype)
@@ -429,6 +537,16 @@ class SpikeSlabLinear(SpikeSlabLayer):
     def _affine(self, x, weight, bias):
         return F.linear(x, weight, bias)
 
+    def _outputs_per_sample(self, x):
+        return x[0].numel() // self.in_features * self.out_features
+
+    def _affine_backward(self, x, weight, grad, needs):
+        """(d/dx, d/dweight, d/dbias) of F.linear(x, weight, bias) for the output gradient `grad`; None where
+        `needs` says not needed."""
+        g2, x2 = grad.reshape(-1, self.out_features), x.reshape(-1, self.in_features)
+        return ((grad @ weight) if needs[0] else None, (g2.t() @ x2) if needs[1] else None,
+                g2.sum(0) if needs[2] else None)
+
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, prior={self.prior}, prunable={self.prunable}"
 
@@ -444,6 +562,17 @@ class SpikeSlabConv2d(SpikeSlabLayer):
 
     def _affine(self, x, weight, bias):
         return F.conv2d(x, weight, bias, self.stride, self.padding, 1, self.groups)
+
+    def _outputs_per_sample(self, x):
+        (sh, sw), (ph, pw), (kh, kw) = _pair(self.stride), _pair(self.padding), self.kernel_size
+        return self.out_channels * ((x.shape[-2] + 2 * ph - kh) // sh + 1) * ((x.shape[-1] + 2 * pw - kw) // sw + 1)
+
+    def _affine_backward(self, x, weight, grad, needs):
+        """(d/dx, d/dweight, d/dbias) of F.conv2d(x, weight, bias) for the output gradient `grad`; None where
+        `needs` says not needed."""
+        return torch.ops.aten.convolution_backward(
+            grad, x, weight, [self.out_channels], list(_pair(self.stride)), list(_pair(self.padding)), [1, 1],
+            False, [0, 0], self.groups, list(needs))
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

@@ -69,7 +69,7 @@ from edgebayes.compressed.samples import sample_generator
 from edgebayes.config import fingerprint
 from edgebayes.errors import InputError
 from edgebayes.provenance import code_version, read_json, write_json
-from edgebayes.train.accel import autocast
+from edgebayes.train.accel import autocast, in_layout
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 from edgebayes.train.models import build_model
 from edgebayes.train.trainer import ELBO, evaluate, train
@@ -132,6 +132,17 @@ def kmeans_gmm(values: np.ndarray, components: int, seed: int = 0):
     return mu, sigma, pi, labels
 
 
+def _first_argmax(t):
+    """t.argmax(0) (the first of equal maxima), as K - 1 elementwise passes over contiguous planes: torch's
+    CPU argmax over a leading dimension of size K is not vectorized, and it took 11 % of an SQS step on
+    LeNet-5-Caffe (issue 20)."""
+    best, best_value = torch.zeros(t.shape[1:], dtype=torch.long, device=t.device), t[0]
+    for k in range(1, len(t)):
+        better = t[k] > best_value
+        best, best_value = best.masked_fill_(better, k), torch.where(better, t[k], best_value)
+    return best
+
+
 # ---------------------------------------------------------------------------------------------
 # The variational family over one weight tensor
 # ---------------------------------------------------------------------------------------------
@@ -172,15 +183,26 @@ class SpikeGMMWeight(nn.Module):
         self.score.copy_(keep_logit + 0.1 * tie_scale * magnitude / scale)
 
     def _per_weight(self, table):
-        """A (W, K) table broadcast to every weight: (K,) for one window, else gathered by window."""
-        return table[0] if self.windows == 1 else table[self.window]
+        """A (W, K) table as (K, *weight shape): each weight's window's row, components on dim 0, so that the
+        softmaxes and sums over k run over contiguous planes (with k last they were reductions of stride K,
+        most of an SQS step on a CPU: issue 20). (K, 1, ..., 1) for one window."""
+        by_component = table.t()
+        if self.windows == 1:
+            return by_component.reshape((self.components,) + (1,) * self.theta.dim())
+        return by_component.index_select(1, self.window.reshape(-1)).view((self.components,) + self.theta.shape)
 
     def phi(self, tau):
-        """phi_k(theta_i) of eq. 2, shape (*weight shape, K)."""
+        """phi_k(theta_i) of eq. 2, shape (K, *weight shape)."""
+        theta = self.theta.contiguous()   # the tables' layout (a channels_last model makes conv weights NHWC)
         mu, sigma = self._per_weight(self.mu), self._per_weight(self.log_sigma.exp())
-        density = torch.exp(-0.5 * ((self.theta.unsqueeze(-1) - mu) / sigma) ** 2) / (math.sqrt(2 * math.pi) * sigma)
-        varphi = torch.softmax(self._per_weight(self.pi.clamp(min=0)) * density, dim=-1)
-        return torch.softmax(varphi / tau, dim=-1)
+        density = torch.exp(-0.5 * ((theta - mu) / sigma) ** 2) / (math.sqrt(2 * math.pi) * sigma)
+        varphi = torch.softmax(self._per_weight(self.pi.clamp(min=0)) * density, dim=0)
+        return torch.softmax(varphi / tau, dim=0)
+
+    def _of_best(self, table, best):
+        """table[window_i, k*_i] for every weight, k* of shape (*weight shape): one index_select of the flat table."""
+        index = best if self.windows == 1 else self.window * self.components + best
+        return table.reshape(-1).index_select(0, index.reshape(-1)).view(best.shape)
 
     def terms(self, tau, tau_prime, sigma0_sq, spike, mask=None):
         """(mean weight, regularizer) of eq. 8 for this tensor, from one evaluation of phi.
@@ -188,17 +210,15 @@ class SpikeGMMWeight(nn.Module):
         `mask` (training only): the pruning schedule's current keep mask, applied to the mean weight.
         """
         phi, keep = self.phi(tau), self.keep_probability(tau_prime)
-        mu = self._per_weight(self.mu).expand(phi.shape)
-        mean = keep * (phi * mu).sum(-1)
+        mean = keep * (phi * self._per_weight(self.mu)).sum(0)
         if mask is not None:
             mean = mean * mask
-        best = phi.argmax(-1, keepdim=True)
-        mu_best = mu.gather(-1, best).squeeze(-1)
-        sigma_best = self._per_weight(self.log_sigma.exp()).expand(phi.shape).gather(-1, best).squeeze(-1)
+        best = _first_argmax(phi)
+        mu_best, sigma_best = self._of_best(self.mu, best), self._of_best(self.log_sigma.exp(), best)
         reg = (keep * kl_gaussian_gaussian(mu_best, sigma_best, math.log(sigma0_sq), 1 / sigma0_sq)).sum()
         if spike is not None:
             reg = reg + kl_bernoulli(keep, spike).sum()
-        return mean, reg
+        return in_layout(mean, self.theta), reg
 
     def keep_probability(self, tau_prime):
         """lambda~ of eq. 33: per weight, or per input (broadcasts against the weight)."""
@@ -336,10 +356,10 @@ class SQSNet(nn.Module):
             p = self.posterior(name)
             phi = p.phi(self.tau).cpu()
             if greedy:
-                k = phi.argmax(-1)
+                k = _first_argmax(phi)
             else:
-                u = torch.rand(phi.shape[:-1] + (1,), generator=generator, dtype=phi.dtype)
-                k = (phi.cumsum(-1) < u).sum(-1).clamp(max=self.components - 1)
+                u = torch.rand((1,) + phi.shape[1:], generator=generator, dtype=phi.dtype)
+                k = (phi.cumsum(0) < u).sum(0).clamp(max=self.components - 1)
             out[name] = p.window.cpu() * self.components + k
         return out
 

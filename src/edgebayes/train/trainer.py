@@ -63,7 +63,7 @@ from edgebayes.compressed.samples import compress, predict
 from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
-from edgebayes.train.accel import DeviceData, autocast, compile_step, to_channels_last
+from edgebayes.train.accel import DeviceData, autocast, compile_step, hold_freed_memory, to_channels_last
 from edgebayes.train.metrics import classification_metrics
 
 
@@ -188,6 +188,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
     """
     objective = objective or ELBO()
     t = cfg.train
+    hold_freed_memory()   # every step frees and reallocates the same large blocks (train/accel.py)
     world, device = distributed.setup(resolve_device(t.device))
     torch.manual_seed(cfg.seed)  # the same initial weights in every process
     model = to_channels_last(build().to(device), t.channels_last)
