@@ -181,7 +181,9 @@ def test_ctrl_c_while_training_an_edited_config_then_revert(base, runs, capsys):
     """Another lr, Ctrl-C during its training (exit 130, one line), back to the original config: the
     original is trained again, not taken for up to date. Meanwhile a second pipeline on the same run
     folder fails at once, naming the first one's pid."""
-    edited = write_config(runs.parent / "edited.yaml", train={"lr": 1e-2})
+    # 10x the epochs: the edited run is still training when the Ctrl-C comes, however fast the machine
+    # (at 40 epochs a fast or unloaded run could finish the whole pipeline in the window, and exit 0)
+    edited = write_config(runs.parent / "edited.yaml", train={"lr": 1e-2, "epochs": 10 * EPOCHS})
     proc = start(base, runs, "pipeline", "--config", str(edited))
     wait_for_epoch(proc, runs / "faults/train/checkpoint.pt", 3)
 
