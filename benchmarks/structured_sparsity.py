@@ -144,7 +144,7 @@ def markdown(rows, title, facts):
              if "median_model_empty" in x]
     if empty:
         lines += ["", "Empty median model (every unit of a layer below inclusion 0.5 when training stopped; the "
-                  "probabilities fall together before they split, see train/trainer.py): " + "; ".join(empty) + "."]
+                  "probabilities of a layer fall together, see train/trainer.py and issue 20): " + "; ".join(empty) + "."]
     return "\n".join(lines) + "\n"
 
 
