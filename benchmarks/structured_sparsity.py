@@ -48,8 +48,11 @@ def variant(cfg, family, seed, epochs, batch_size):
         v.train.lr_milestones = [m for m in v.train.lr_milestones if m <= epochs]
     if batch_size:
         v.train.batch_size = batch_size
-    if family in ("dnn", "bnn") and v.train.optimizer == "adam":
-        v.train.lr = 1e-4
+    if family in ("dnn", "bnn"):   # no inclusion logits to schedule
+        v.train.inclusion_lr, v.train.kl_warmup_ordered = None, False
+        if v.train.optimizer == "adam":
+            v.train.lr = 1e-4
+    v.train.kl_warmup_epochs = min(v.train.kl_warmup_epochs, v.train.epochs)
     return v
 
 

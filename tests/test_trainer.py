@@ -122,3 +122,85 @@ def test_kl_warmup_scales_the_kl_early_and_leaves_the_exact_elbo_after(setup, tm
     _, plain = fit(cfg, splits, tmp_path / "p.pt", log=lambda *_: None)
     assert all(h["kl_warmup"] == 1.0 for h in plain)
     assert plain[0]["kl"] != history[0]["kl"]   # the early objective differs, so does the trajectory
+
+
+def test_geometric_kl_warmup_spends_equal_steps_per_decade_and_ends_at_one():
+    """train.kl_warmup_from: from that factor up to 1, geometrically (a linear warm-up leaves the KL below
+    1e-3 of its weight for only the first 0.1% of its steps), then exactly 1; 0 keeps the linear ramp."""
+    factor = trainer.kl_warmup_factor
+    steps = 1000
+    geometric = [factor(s, steps, 1e-4) for s in range(steps + 5)]
+    assert geometric[0] == pytest.approx(1e-4 ** (1 - 1 / steps))
+    assert all(b > a for a, b in zip(geometric[:steps - 1], geometric[1:steps]))
+    assert geometric[steps - 1:] == [1.0] * 6
+    below = [sum(f < 10.0**-d for f in geometric) for d in (1, 2, 3)]
+    assert below == pytest.approx([750, 500, 250], abs=2)   # a quarter of the steps per decade
+    assert [factor(s, steps) for s in (0, 499, 999, 2000)] == [pytest.approx(0.001), 0.5, 1.0, 1.0]
+    assert factor(7, 0, 1e-4) == 1.0   # no warm-up: the exact ELBO
+
+
+def test_ordered_kl_warmup_prices_the_units_one_after_another_then_gives_the_exact_elbo():
+    """train.kl_warmup_ordered: at progress p, unit j of J feels the KL's whole gradient on its inclusion logit
+    once p > (J - 1 - j) / J and `start` times it before (the last unit first). The KL's value and its gradient
+    on every other parameter (the slab, the scales) are the exact ones throughout, and from p = 1 the factors
+    are gone."""
+    from edgebayes.train.spike_slab import GlobalScale, SpikeSlabLinear
+
+    torch.manual_seed(0)
+    layer = SpikeSlabLinear(3, 4, prior="ss-gl", prior_inclusion=0.1, prunable=True, sigma0_sq=1.0,
+                            temperature=0.5, gamma_init=0.9, global_scale=GlobalScale())
+    output = SpikeSlabLinear(4, 2, prior="ss-gl", prior_inclusion=1.0, prunable=False, sigma0_sq=1.0,
+                             temperature=0.5, gamma_init=0.9, global_scale=layer.scale.global_scale)
+    model = torch.nn.Sequential(layer, output)
+
+    def kl_and_gradients():
+        kl = layer.kl()
+        grads = torch.autograd.grad(kl, [layer.gamma_logit, layer.weight_rho, layer.weight_mu, layer.scale.mu])
+        return kl.item(), grads
+
+    exact, (g_logit, *g_rest) = kl_and_gradients()
+    for progress, start, factors in ((0.5, 0.01, [0.01, 0.01, 1, 1]), (0.7, 0.0, [0, 1, 1, 1])):
+        trainer.ordered_kl_warmup(model, progress, start)
+        assert layer.unit_kl_factor.tolist() == pytest.approx(factors)
+        assert output.unit_kl_factor is None   # the output layer has no units to switch off
+        value, (logit, *rest) = kl_and_gradients()
+        assert value == pytest.approx(exact, rel=1e-6)
+        assert torch.allclose(logit, g_logit * torch.tensor(factors), rtol=1e-5, atol=1e-12)
+        assert all(torch.allclose(a, b, rtol=1e-5) for a, b in zip(rest, g_rest))
+    trainer.ordered_kl_warmup(model, 1.0)
+    assert layer.unit_kl_factor is None
+    assert torch.equal(kl_and_gradients()[1][0], g_logit)
+
+
+def test_ordered_kl_warmup_is_refused_where_it_has_nothing_to_order(tmp_path):
+    """kl_warmup_ordered needs a warm-up and a spike-and-slab family; the message names the field."""
+    from edgebayes.config import ConfigError, load_pipeline_config
+
+    for family, epochs in (("ss-gl", 0), ("bn3", 2), ("bnn", 2)):
+        path = tmp_path / f"{family}.yaml"
+        path.write_text(f"model: {{family: {family}}}\ntrain: {{epochs: 3, kl_warmup_epochs: {epochs}, "
+                        "kl_warmup_ordered: true}\n")
+        with pytest.raises(ConfigError, match="train.kl_warmup_ordered"):
+            load_pipeline_config(path)
+
+
+def test_inclusion_lr_puts_the_inclusion_logits_in_their_own_group(setup, tmp_path):
+    """train.inclusion_lr: Adam steps the inclusion logits at that rate and every other parameter at lr;
+    refused (naming the field) for a family without inclusion logits."""
+    from edgebayes.config import ConfigError, load_pipeline_config
+    from edgebayes.train import families
+
+    cfg, splits = setup
+    cfg = copy.deepcopy(cfg)
+    cfg.model.family, cfg.train.inclusion_lr = "ss-gl", 0.05
+    model = families.build(cfg, splits)
+    optimizer, _ = trainer.ELBO().optimizer(model, cfg.train)
+    logits = {id(layer.gamma_logit) for _, layer in model.bayesian_layers() if layer.prunable}
+    by_lr = {g["lr"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
+    assert by_lr == {cfg.train.lr: {id(p) for p in model.parameters()} - logits, 0.05: logits}
+    assert logits
+    for family in ("bnn", "bn3"):
+        path = tmp_path / f"{family}.yaml"
+        path.write_text(f"model: {{family: {family}}}\ntrain: {{inclusion_lr: 0.01}}\n")
+        with pytest.raises(ConfigError, match="train.inclusion_lr"):
+            load_pipeline_config(path)

@@ -175,6 +175,7 @@ class TrainConfig(Section):
     epochs: PositiveInt = 100
     batch_size: PositiveInt = 1024
     lr: Positive = 1e-3
+    inclusion_lr: Optional[Positive] = None   # spike-and-slab inclusion logits' lr; null: lr (trainer.py)
     optimizer: Literal["adam", "sgd"] = "adam"  # paper 000: Adam for MLP / LeNet, SGD + momentum for ResNets
     momentum: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = 0.9   # sgd only
     lr_milestones: Items[int] = []      # epochs where the lr is multiplied by lr_gamma
@@ -194,6 +195,9 @@ class TrainConfig(Section):
     # torch threads of train, select and export; 0: the cores no other process keeps busy (train/accel.py)
     threads: Annotated[int, Range("expected a non-negative integer (0: the free cores)", ge=0)] = 0
     kl_warmup_epochs: NonNegativeInt = 0  # KL scaled by min(1, step / warm-up steps) over these epochs (trainer.py)
+    # > 0: the warm-up is geometric, from this factor up to 1 (equal steps per decade; trainer.py), else linear
+    kl_warmup_from: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = 0.0
+    kl_warmup_ordered: bool = False     # spike-and-slab: the KL reaches the units' inclusion logits in turn (trainer.py)
 
 
 class SQSConfig(Section):
@@ -527,6 +531,9 @@ def _check_data(d: DataConfig, p):
     _check(d.label_column is None or d.dataset == "csv", f"{p}: data.label_column", "only read for data.dataset csv")
 
 
+_SPIKE_SLAB = ("ss-ig", "ss-gl", "ss-ghs")   # the families with prunable units (train/spike_slab.py PRIORS)
+
+
 def load_pipeline_config(path) -> PipelineConfig:
     path = Path(path)
     cfg = _validate(PipelineConfig, _load_yaml(path), path)
@@ -536,6 +543,11 @@ def load_pipeline_config(path) -> PipelineConfig:
            "expected epochs between 1 and train.epochs")
     _check(cfg.train.kl_warmup_epochs <= cfg.train.epochs, f"{p}: train.kl_warmup_epochs",
            "expected an integer in 0..train.epochs (the exact ELBO must be the objective at the end)")
+    _check(cfg.train.inclusion_lr is None or cfg.model.family in _SPIKE_SLAB, f"{p}: train.inclusion_lr",
+           f"only a spike-and-slab family ({', '.join(_SPIKE_SLAB)}) has inclusion logits; leave it out (null)")
+    _check(not cfg.train.kl_warmup_ordered or (cfg.train.kl_warmup_epochs > 0 and cfg.model.family in _SPIKE_SLAB),
+           f"{p}: train.kl_warmup_ordered", "needs train.kl_warmup_epochs > 0 and a spike-and-slab family "
+           f"({', '.join(_SPIKE_SLAB)}): it orders the units of prunable layers")
     _check(cfg.train.batch_size >= cfg.train.processes, f"{p}: train.batch_size",
            f"expected at least train.processes ({cfg.train.processes}): the batch is split over the processes")
     _check(cfg.select.objective != "ece-constrained-accuracy" or cfg.select.max_ece is not None,

@@ -389,6 +389,7 @@ class SpikeSlabLayer(nn.Module):
         self.prior_inclusion = float(prior_inclusion) if prunable else 1.0
         self.inclusion_threshold = 0.5
         self.sample_inclusion = False  # eval forward: z ~ Ber(gamma) instead of the threshold
+        self.unit_kl_factor = None     # per-unit factors of the units' KL during an ordered KL warm-up (trainer)
 
         self.weight_mu = nn.Parameter(torch.empty(weight_shape))
         self.weight_rho = nn.Parameter(torch.full(weight_shape, RHO_INIT))
@@ -486,11 +487,15 @@ class SpikeSlabLayer(nn.Module):
     def kl(self, mc_samples=1):
         """This layer's KL terms; `mc_samples` draws estimate SS-GHS's E[log(c^2 + tau^2 varsigma^2)]."""
         weight_kl = self.weight_kl_per_group(mc_samples)
+        gamma = self.inclusion_probability()
+        if self.unit_kl_factor is not None:   # ordered KL warm-up (trainer.ordered_kl_warmup): the same value,
+            f = self.unit_kl_factor.to(gamma.device)   # only f of the KL's gradient reaches each inclusion logit
+            gamma = f * gamma + (1 - f) * gamma.detach()
         if not self.noncentered:   # centered: the slab's KL counts only when the unit is on (module docstring)
-            weight_kl = self.inclusion_probability() * weight_kl
+            weight_kl = gamma * weight_kl
         total = weight_kl.sum() + self.scale.kl()
         if self.prunable:
-            total = total + kl_bernoulli(self.inclusion_probability(), self.prior_inclusion).sum()
+            total = total + kl_bernoulli(gamma, self.prior_inclusion).sum()
         return total
 
     # -- forward -------------------------------------------------------------------------------

@@ -148,10 +148,16 @@ class ELBO:
     shown = ("kept_nodes",)
 
     def optimizer(self, model, t):
+        params = [p for _, p in model.named_parameters()]
+        logits = [p for name, p in model.named_parameters() if name.endswith("gamma_logit")]
+        if t.inclusion_lr is not None and logits:   # the inclusion logits in their own group
+            chosen = {id(p) for p in logits}
+            params = [{"params": [p for p in params if id(p) not in chosen]},
+                      {"params": logits, "lr": t.inclusion_lr}]
         if t.optimizer == "adam":
-            optimizer = torch.optim.Adam(model.parameters(), lr=t.lr)
+            optimizer = torch.optim.Adam(params, lr=t.lr)
         else:
-            optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum)
+            optimizer = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum)
         return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones,
                                                                gamma=t.lr_gamma)
 
@@ -176,6 +182,35 @@ class ELBO:
         kept = [int(k.sum()) for k in model.kept_units(model.default_knob).values()][:-1]  # hidden layers
         return {"val_accuracy": val["accuracy"], "val_nll": val["nll"], "kept_nodes": kept,
                 "mean_inclusion": mean_inclusion(model)}
+
+
+def kl_warmup_factor(step, warmup_steps, start=0.0):
+    """The KL term's factor at `step` (module docstring): 1 after the warm-up; during it linear from 0, or, with
+    0 < start < 1, geometric from `start` (start ** (1 - progress))."""
+    if not warmup_steps or step + 1 >= warmup_steps:
+        return 1.0
+    progress = (step + 1) / warmup_steps
+    return start ** (1 - progress) if start > 0 else progress
+
+
+def ordered_kl_warmup(model, progress, start=0.0):
+    """Per-unit factors of an ordered warm-up at `progress` (0..1) in every prunable spike-and-slab layer
+    (module docstring): the inclusion logit of unit j of a layer of J units gets the KL's whole gradient once
+    progress > (J - 1 - j) / J and `start` times it before, so the last unit first and unit 0 last. The KL's
+    value and its gradient on every other parameter stay exact (SpikeSlabLayer.kl). progress >= 1 removes
+    the factors. They are updated in place (one tensor per layer, so a compiled KL is not retraced)."""
+    for layer in model.modules():
+        if getattr(layer, "prunable", False) and hasattr(layer, "unit_kl_factor"):
+            if progress >= 1:
+                layer.unit_kl_factor = None
+                continue
+            units = layer.out_units
+            priced = progress > torch.arange(units - 1, -1, -1, dtype=torch.float32) / units
+            factor = torch.where(priced, 1.0, float(start))
+            if layer.unit_kl_factor is None:
+                layer.unit_kl_factor = factor.to(layer.weight_mu.device)
+            else:
+                layer.unit_kl_factor.copy_(factor)
 
 
 def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
@@ -227,12 +262,14 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
         sums = torch.zeros(2, device=device)  # epoch means of the NLL and the KL, summed on the device
         for b, (x, y, batch) in enumerate(data.batches(epoch)):
             step = epoch * steps_per_epoch + b
+            if t.kl_warmup_ordered:   # per-unit factors in the KL instead of one factor on it
+                ordered_kl_warmup(model, min(1.0, (step + 1) / warmup_steps), t.kl_warmup_from)
             logits, kl = objective.terms(model, forward, kl_term, x, step, t.epochs * steps_per_epoch, device,
                                          t.precision)
             # The shard's NLL sum / (B / W): once DDP averages the W gradients, the batch's mean NLL.
             nll = F.cross_entropy(logits.float(), y, reduction="sum") * world.size / batch
-            warm = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
-            loss = nll + warm * t.kl_weight * kl / n
+            warm = kl_warmup_factor(step, warmup_steps, t.kl_warmup_from)
+            loss = nll + (1.0 if t.kl_warmup_ordered else warm) * t.kl_weight * kl / n
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
