@@ -8,12 +8,14 @@ Two measurements on MNIST LeNet-5-Caffe (the paper config, batch 32, Adam 1e-3, 
               record: kept units of the median model, mean inclusion per layer, validation accuracy of the
               median model, NLL and KL:
                 baseline      the config as it is;
+                paper         without the schedule of issue 20 (inclusion_lr, ordered KL warm-up): the paper's
+                              optimizer;
                 warmupE       train.kl_warmup_epochs = E (the KL scaled up linearly over E epochs);
                 fromF         train.kl_warmup_from = F: the warm-up is geometric, from F up to 1 (with warmupE);
-                ordered       train.kl_warmup_ordered: units start paying their KL one after another (with warmupE);
-                logitlrK      the inclusion logits at Adam learning rate lr / K, everything else at lr
-                              (an optimizer setting: the objective is the exact ELBO throughout);
-                rholrK        the slab's posterior scales (every *rho parameter) at lr / K;
+                ordered       train.kl_warmup_ordered: the KL's gradient reaches the inclusion logits unit after
+                              unit (with warmupE);
+                logitlrK      train.inclusion_lr = lr / K: the inclusion logits at Adam learning rate lr / K,
+                              everything else at lr (an optimizer setting, not the objective);
                 rhoR          the slab's posterior scales initialised at softplus(R) instead of softplus(-6);
                 gammaG        the inclusion probabilities initialised at G instead of prior.gamma_init;
                 spreadL       each unit's inclusion logit drawn uniformly in [L, logit gamma_init] (L = 0 if
@@ -69,22 +71,6 @@ def gradients_at_init(cfg, splits, seed=0):
             for (name, layer), a, b in zip(layers, g_nll, g_kl)}
 
 
-def _group_lr(logit_factor=1.0, rho_factor=1.0):
-    """The ELBO's Adam with the inclusion logits at lr / logit_factor and the slab's posterior scales (every
-    `*rho` parameter) at lr / rho_factor, everything else at lr."""
-    class GroupLR(trainer.ELBO):
-        def optimizer(self, model, t):
-            logits = {id(layer.gamma_logit) for _, layer in model.bayesian_layers() if layer.prunable}
-            rhos = {id(p) for name, p in model.named_parameters() if name.endswith("rho")}
-            groups = [{"params": [p for p in model.parameters() if id(p) not in logits | rhos]},
-                      {"params": [p for p in model.parameters() if id(p) in logits], "lr": t.lr / logit_factor},
-                      {"params": [p for p in model.parameters() if id(p) in rhos], "lr": t.lr / rho_factor}]
-            optimizer = torch.optim.Adam(groups, lr=t.lr)
-            return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones,
-                                                                    gamma=t.lr_gamma)
-    return GroupLR()
-
-
 def _scales_at(rho):
     """The slab's posterior scales start at softplus(rho) instead of softplus(-6)."""
     def modify(model):
@@ -113,10 +99,10 @@ def _spread_logits(then, gamma_init, low=0.0):
 
 def train_variant(cfg, splits, variant, work):
     """The trainer's history of one variant (module docstring): the one training loop with the family's
-    net, a modified build or an optimizer with the logits in their own parameter group. Parts joined by
-    '+' combine (logitlr3+rho-3)."""
-    modify, objective, lr_factors = (lambda model: model), trainer.ELBO(), {}
-    for part in sorted(variant.split("+"), key=lambda p: p.startswith("spread")):   # spread wraps the other builds
+    net, a modified config or build. Parts joined by '+' combine (logitlr3+rho-3)."""
+    modify = lambda model: model   # noqa: E731
+    # paper first (the others change it), spread last (it wraps the other builds)
+    for part in sorted(variant.split("+"), key=lambda p: (p != "paper", p.startswith("spread"))):
         if part.startswith("warmup"):
             cfg.train.kl_warmup_epochs = int(part[len("warmup"):])
         elif part == "ordered":
@@ -124,11 +110,9 @@ def train_variant(cfg, splits, variant, work):
         elif part.startswith("from"):
             cfg.train.kl_warmup_from = float(part[len("from"):])
         elif part.startswith("logitlr"):
-            lr_factors["logit_factor"] = float(part[len("logitlr"):])
-            objective = _group_lr(**lr_factors)
-        elif part.startswith("rholr"):
-            lr_factors["rho_factor"] = float(part[len("rholr"):])
-            objective = _group_lr(**lr_factors)
+            cfg.train.inclusion_lr = cfg.train.lr / float(part[len("logitlr"):])
+        elif part == "paper":
+            cfg.train.inclusion_lr, cfg.train.kl_warmup_epochs, cfg.train.kl_warmup_ordered = None, 0, False
         elif part.startswith("rho"):
             modify = _scales_at(float(part[len("rho"):]))
         elif part.startswith("spread"):
@@ -142,7 +126,7 @@ def train_variant(cfg, splits, variant, work):
         elif part != "baseline":
             raise SystemExit(f"unknown variant {part!r} (module docstring; joined by +)")
     _, history = trainer.train(cfg, splits, work / f"{cfg.name}_{variant}.pt",
-                               lambda: modify(families.build(cfg, splits)), objective, log=print)
+                               lambda: modify(families.build(cfg, splits)), log=print)
     return history
 
 

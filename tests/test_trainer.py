@@ -204,3 +204,21 @@ def test_inclusion_lr_puts_the_inclusion_logits_in_their_own_group(setup, tmp_pa
         path.write_text(f"model: {{family: {family}}}\ntrain: {{inclusion_lr: 0.01}}\n")
         with pytest.raises(ConfigError, match="train.inclusion_lr"):
             load_pipeline_config(path)
+
+
+def test_a_run_with_an_ordered_warmup_ends_on_the_exact_elbo(setup, tmp_path, monkeypatch):
+    """The trainer sets the ordered warm-up's factors every step and removes them when it ends, so the model
+    it returns (and the KL of its last epochs) carries none."""
+    cfg, splits = setup
+    cfg = copy.deepcopy(cfg)
+    cfg.model.family, cfg.train.epochs = "ss-gl", 2
+    cfg.train.kl_warmup_epochs, cfg.train.kl_warmup_ordered, cfg.train.inclusion_lr = 1, True, 1e-2
+    seen = []
+    real = trainer.ordered_kl_warmup
+    monkeypatch.setattr(trainer, "ordered_kl_warmup",
+                        lambda model, progress, start=0.0: (seen.append(progress), real(model, progress, start)))
+    model, history = fit(cfg, splits, tmp_path / "o.pt", log=lambda *_: None)
+    steps = -(-len(splits.train_x) // cfg.train.batch_size)
+    assert seen == [min(1.0, (s + 1) / steps) for s in range(2 * steps)]
+    assert all(layer.unit_kl_factor is None for _, layer in model.bayesian_layers())
+    assert len(history) == 2

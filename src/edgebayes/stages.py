@@ -319,8 +319,9 @@ def run_train(ctx):
         inclusion = history[-1].get("mean_inclusion") if history else None
         ctx.log(f"train: WARNING {e}: the median model is empty (mean inclusion per layer {inclusion}); "
                 f"with z ~ q(z) the net has test accuracy {posterior_mean['accuracy']:.4f}. Training longer did not "
-                f"split the layer in the runs measured so far; see the README's known limitation of the "
-                f"spike-and-slab families (issue 20), or try prior.parameterization: non-centered")
+                f"split the layer in the runs measured so far; set train.kl_warmup_ordered: true with "
+                f"train.kl_warmup_epochs and train.inclusion_lr (as configs/mnist-lenet5-ss*.yaml do; README, "
+                f"issue 20)")
         return
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)

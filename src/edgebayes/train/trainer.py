@@ -13,9 +13,9 @@ DDP): each adds its shard's share of the batch's NLL and the whole KL / N; why t
 single-process run is written out in train/distributed.py.
 
 `train.kl_warmup_epochs` (default 0: none) scales the KL term by min(1, step / warm-up steps) during its
-first epochs, then leaves the exact ELBO (times kl_weight). A documented deviation of the early objective
-only (standard practice in variational deep learning: Bowman et al. 2016, Sonderby et al. 2016); for the
-spike-and-slab families see the dynamics paragraph below.
+first epochs, then leaves the exact ELBO (times kl_weight); with `train.kl_warmup_from` = f in (0, 1) the
+factor rises geometrically from f instead (equal steps per decade). A documented deviation of the early
+objective only (standard practice in variational deep learning: Bowman et al. 2016, Sonderby et al. 2016).
 
 `train.kl_weight` (default 1, the exact ELBO) multiplies the KL term: a tempered posterior. This deviates
 from the paper and exists for small data sets: on the 1,078 training images of the digits default, the KL
@@ -23,28 +23,34 @@ of the slab (about 5 nats per weight at the paper's initial sigma = softplus(-6)
 likelihood and the exact ELBO switches every node off before the posterior variances have grown. The
 paper's MNIST setups (N = 60,000) keep kl_weight = 1.
 
-Spike-and-slab dynamics (why `kept_nodes` alone misleads early in training): at init the slab KL of a
-node (about 5.5 nats per weight at sigma = softplus(-6)) outweighs that node's share of the NLL, and the
-same for every node of a layer, so Adam lowers all inclusion logits of a layer together by about lr per
-step. They cross 0.5 together: `kept_nodes` then drops to 0 and the median model (z = 1[gamma > 0.5])
-predicts at chance, while the network with z ~ q(z) (the paper's MC estimator) still predicts well. This
-is the method, not a bug: the paper's own training logs show the same smooth fall of the sampled fraction
-of nodes. The nodes separate only later, so judge pruning by `mean_inclusion` and train for many more
-Adam steps (the paper: about 70,000) before reading the median model. SS-GHS learns its slab scale, its
-slab KL per node falls early, and it prunes much later. Measured on LeNet-5-Caffe / MNIST:
-benchmarks/results/lenet5_mnist_ss*_cpu_*ep.md (empty median models at 8 epochs, z ~ q(z) above 98%).
+Spike-and-slab dynamics (issue 20; measured in benchmarks/results/inclusion_collapse_*.md). In the centered
+family a unit's inclusion logit pays the unit's slab KL, about 5.5 nats per weight at the initial
+sigma = softplus(-6) (4,400 nats for a unit of LeNet-5-Caffe's fc1), against a likelihood value that is 1e3-1e4
+times smaller for each of hundreds of interchangeable units. The KL's gradient is the same for every unit of a
+layer and Adam normalises each parameter's step, so all logits of a layer fall at about lr per step, whatever
+the KL's size (a KL warm-up, linear or geometric, changes little: the geometric one let the slab scales grow
+so far that the median model fell to 0.96 with almost nothing pruned), and cross 0.5 together: the median
+model (z = 1[gamma > 0.5], what export deploys) is empty from epoch 8 at batch 128, while z ~ q(z) is a
+dropout-like network that still predicts well. The units never separate within tens of epochs.
 
-Why the logits fall together, and what changes it (benchmarks/inclusion_collapse.py, its results in
-benchmarks/results/inclusion_collapse_lenet5_ssgl.md): the slab KL's gradient on an inclusion logit is the
-same for every node of a layer and far above the likelihood's, and Adam normalises each parameter's step,
-so the logits fall at about lr per step whatever the KL's size; a KL warm-up therefore does not prevent
-it. Slower logits, or slab scales that start larger, change the race between "gamma crosses 0.5" and "the
-slab KL has fallen enough for the likelihood to tell nodes apart", but in none of the measured variants at
-batch 128 (inclusion_collapse_lenet5_b128.md) did the nodes separate: the logits end in a dropout-like state,
-all equal and below 0.5, with the median model empty by epoch 8-9. The non-centered family
+Two settings (the LeNet-5-Caffe configs use both) let the units separate without changing the final
+objective:
+  - `train.inclusion_lr` (default: lr): the inclusion logits' own Adam learning rate. A logit must travel
+    from about +4.6 (gamma 0.99) to below -4 for a unit to be really off; at lr 1e-3 and batch 128 that is
+    20 epochs. An optimizer setting, not the objective.
+  - `train.kl_warmup_ordered` (with kl_warmup_epochs): during the warm-up the KL's gradient reaches the
+    inclusion logits of a layer unit after unit, the last unit first (ordered_kl_warmup); its value and its
+    gradient on every other parameter (slab means and scales, scale variables) are exact all along. Units are
+    exchangeable at initialisation, so the order is an arbitrary tie-break: the priced units fall while the
+    others carry the function, so the last ones become worth their KL and stay. After the warm-up the
+    objective is the exact ELBO and decides how many stay. A documented deviation of the early gradient.
+With both (inclusion_lr 1e-2, 6 warm-up epochs) on LeNet-5-Caffe the median model is never empty; without the
+ordering, 1e-2 alone empties every layer within two epochs for good (a layer can only come back through a
+path of units that are on). The ELBO then keeps few units (conv2 6-8 of 50, fc 7-13 of 800 / 500) at about
+97% validation accuracy: at the slab scales reached in 10 epochs each unit's KL is still large, and the paper
+trains 1,200 epochs (benchmarks/results/lenet5_mnist_structured_sparsity_*). The non-centered family
 (prior.parameterization: non-centered), whose exact KL does not weight w0's KL by gamma (train/spike_slab.py),
-never empties a layer but prunes nothing in 10 epochs either (mean inclusion 0.99 -> 0.98). No default is
-changed; the KL warm-up stays an option.
+never empties a layer but prunes almost nothing in 10 epochs (mean inclusion 0.99 -> 0.98).
 
 The loop is one for every family: a family brings its objective (`ELBO` here; SQS's eq. 8 in
 train/sqs.py), which says how to build the optimizer, the loss terms of a step and the per-epoch record.
