@@ -80,7 +80,8 @@ def measure(ctx, log, latency=True):
     model, splits = load_trained_model(ctx), splits_for(ctx)
     history = read_json(ctx.stage_dir("train") / "metrics.json").get("history", [])
     row = {"family": ctx.cfg.model.family, "seed": ctx.cfg.seed, "epochs": ctx.cfg.train.epochs,
-           "batch_size": ctx.cfg.train.batch_size, "lr": ctx.cfg.train.lr,
+           "batch_size": ctx.cfg.train.batch_size, "lr": ctx.cfg.train.lr, "inclusion_lr": ctx.cfg.train.inclusion_lr,
+           "kl_warmup_epochs": ctx.cfg.train.kl_warmup_epochs, "kl_warmup_ordered": ctx.cfg.train.kl_warmup_ordered,
            "kept_per_epoch": [h.get("kept_nodes") for h in history], "empty_epochs": empty_epochs(history),
            "posterior_mean_accuracy": posterior_mean_metrics(model, splits.test_x, splits.test_y, 10,
                                                              ctx.cfg.seed)["accuracy"]}
@@ -183,7 +184,10 @@ def main(argv=None):
              "test split, 10 MC samples: accuracy with z ~ q(z) (the paper's estimator) and of the median "
              "model (inclusion threshold 0.5, what export deploys). Compression and pruned FLOPs by paper 000 "
              "(appendix A.1, by the masks); physical FLOPs of the network after surgery; latency of one "
-             "posterior sample at batch 1, onnxruntime CPU, 2 threads, median of 7 interleaved rounds of 200 calls."]
+             "posterior sample at batch 1, onnxruntime CPU, 2 threads, median of 7 interleaved rounds of 200 calls.",
+             "", f"Optimizer: DNN and BNN Adam 1e-4 (appendix A.4); spike-and-slab rows Adam {cfg.train.lr}, inclusion "
+             f"logits at {cfg.train.inclusion_lr or cfg.train.lr}, KL warm-up {cfg.train.kl_warmup_epochs} epochs"
+             f"{' (ordered: train/trainer.py)' if cfg.train.kl_warmup_ordered else ''}, the exact ELBO after it."]
     result = {"config": args.config, "epochs": epochs, "seeds": args.seeds, "rows": rows,
               "provenance": provenance(None)}
     write_json(Path(args.out + ".json"), result)
