@@ -207,8 +207,8 @@ def test_inclusion_lr_puts_the_inclusion_logits_in_their_own_group(setup, tmp_pa
 
 
 def test_a_run_with_an_ordered_warmup_ends_on_the_exact_elbo(setup, tmp_path, monkeypatch):
-    """The trainer sets the ordered warm-up's factors every step and removes them when it ends, so the model
-    it returns (and the KL of its last epochs) carries none."""
+    """The trainer sets the ordered warm-up's factors every warm-up step and removes them at its last, so the
+    model it returns (and the KL of its last epochs) carries none; the KL term has no factor on it."""
     cfg, splits = setup
     cfg = copy.deepcopy(cfg)
     cfg.model.family, cfg.train.epochs = "ss-gl", 2
@@ -219,6 +219,6 @@ def test_a_run_with_an_ordered_warmup_ends_on_the_exact_elbo(setup, tmp_path, mo
                         lambda model, progress, start=0.0: (seen.append(progress), real(model, progress, start)))
     model, history = fit(cfg, splits, tmp_path / "o.pt", log=lambda *_: None)
     steps = -(-len(splits.train_x) // cfg.train.batch_size)
-    assert seen == [min(1.0, (s + 1) / steps) for s in range(2 * steps)]
+    assert seen == [(s + 1) / steps for s in range(steps)]   # the warm-up's steps, the last one at 1
     assert all(layer.unit_kl_factor is None for _, layer in model.bayesian_layers())
-    assert len(history) == 2
+    assert len(history) == 2 and all(h["kl_warmup"] == 1.0 for h in history)

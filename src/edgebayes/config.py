@@ -195,7 +195,8 @@ class TrainConfig(Section):
     # torch threads of train, select and export; 0: the cores no other process keeps busy (train/accel.py)
     threads: Annotated[int, Range("expected a non-negative integer (0: the free cores)", ge=0)] = 0
     kl_warmup_epochs: NonNegativeInt = 0  # KL scaled by min(1, step / warm-up steps) over these epochs (trainer.py)
-    # > 0: the warm-up is geometric, from this factor up to 1 (equal steps per decade; trainer.py), else linear
+    # > 0: the warm-up is geometric, from this factor up to 1 (equal steps per decade; trainer.py), else linear;
+    # with kl_warmup_ordered: the share of the KL's gradient on a unit's inclusion logit before its turn
     kl_warmup_from: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = 0.0
     kl_warmup_ordered: bool = False     # spike-and-slab: the KL reaches the units' inclusion logits in turn (trainer.py)
 

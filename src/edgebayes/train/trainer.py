@@ -154,7 +154,7 @@ class ELBO:
     shown = ("kept_nodes",)
 
     def optimizer(self, model, t):
-        params = [p for _, p in model.named_parameters()]
+        params = list(model.parameters())
         logits = [p for name, p in model.named_parameters() if name.endswith("gamma_logit")]
         if t.inclusion_lr is not None and logits:   # the inclusion logits in their own group
             chosen = {id(p) for p in logits}
@@ -268,14 +268,15 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
         sums = torch.zeros(2, device=device)  # epoch means of the NLL and the KL, summed on the device
         for b, (x, y, batch) in enumerate(data.batches(epoch)):
             step = epoch * steps_per_epoch + b
-            if t.kl_warmup_ordered:   # per-unit factors in the KL instead of one factor on it
-                ordered_kl_warmup(model, min(1.0, (step + 1) / warmup_steps), t.kl_warmup_from)
+            if t.kl_warmup_ordered and step < warmup_steps:   # per-unit factors inside the KL; its last
+                ordered_kl_warmup(model, (step + 1) / warmup_steps, t.kl_warmup_from)   # step removes them
             logits, kl = objective.terms(model, forward, kl_term, x, step, t.epochs * steps_per_epoch, device,
                                          t.precision)
             # The shard's NLL sum / (B / W): once DDP averages the W gradients, the batch's mean NLL.
             nll = F.cross_entropy(logits.float(), y, reduction="sum") * world.size / batch
-            warm = kl_warmup_factor(step, warmup_steps, t.kl_warmup_from)
-            loss = nll + (1.0 if t.kl_warmup_ordered else warm) * t.kl_weight * kl / n
+            # the ordered warm-up keeps the KL's value exact: no factor on the term
+            warm = 1.0 if t.kl_warmup_ordered else kl_warmup_factor(step, warmup_steps, t.kl_warmup_from)
+            loss = nll + warm * t.kl_weight * kl / n
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
