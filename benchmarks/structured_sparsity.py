@@ -49,7 +49,7 @@ def variant(cfg, family, seed, epochs, batch_size):
     if batch_size:
         v.train.batch_size = batch_size
     if family in ("dnn", "bnn"):   # no inclusion logits to schedule
-        v.train.inclusion_lr, v.train.kl_warmup_ordered = None, False
+        v.train.inclusion_lr, v.train.rho_lr, v.train.kl_warmup_ordered = None, None, False
         if v.train.optimizer == "adam":
             v.train.lr = 1e-4
     v.train.kl_warmup_epochs = min(v.train.kl_warmup_epochs, v.train.epochs)
@@ -81,7 +81,8 @@ def measure(ctx, log, latency=True):
     history = read_json(ctx.stage_dir("train") / "metrics.json").get("history", [])
     row = {"family": ctx.cfg.model.family, "seed": ctx.cfg.seed, "epochs": ctx.cfg.train.epochs,
            "batch_size": ctx.cfg.train.batch_size, "lr": ctx.cfg.train.lr, "inclusion_lr": ctx.cfg.train.inclusion_lr,
-           "kl_warmup_epochs": ctx.cfg.train.kl_warmup_epochs, "kl_warmup_ordered": ctx.cfg.train.kl_warmup_ordered,
+           "rho_lr": ctx.cfg.train.rho_lr, "kl_warmup_epochs": ctx.cfg.train.kl_warmup_epochs,
+           "kl_warmup_ordered": ctx.cfg.train.kl_warmup_ordered,
            "kept_per_epoch": [h.get("kept_nodes") for h in history], "empty_epochs": empty_epochs(history),
            "posterior_mean_accuracy": posterior_mean_metrics(model, splits.test_x, splits.test_y, 10,
                                                              ctx.cfg.seed)["accuracy"]}
@@ -186,7 +187,8 @@ def main(argv=None):
              "(appendix A.1, by the masks); physical FLOPs of the network after surgery; latency of one "
              "posterior sample at batch 1, onnxruntime CPU, 2 threads, median of 7 interleaved rounds of 200 calls.",
              "", f"Optimizer: DNN and BNN Adam 1e-4 (appendix A.4); spike-and-slab rows Adam {cfg.train.lr}, inclusion "
-             f"logits at {cfg.train.inclusion_lr or cfg.train.lr}, KL warm-up {cfg.train.kl_warmup_epochs} epochs"
+             f"logits at {cfg.train.inclusion_lr or cfg.train.lr}, the slab's rho at {cfg.train.rho_lr or cfg.train.lr}, "
+             f"KL warm-up {cfg.train.kl_warmup_epochs} epochs"
              f"{' (ordered: train/trainer.py)' if cfg.train.kl_warmup_ordered else ''}, the exact ELBO after it."]
     result = {"config": args.config, "epochs": epochs, "seeds": args.seeds, "rows": rows,
               "provenance": provenance(None)}

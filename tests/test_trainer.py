@@ -206,6 +206,31 @@ def test_inclusion_lr_puts_the_inclusion_logits_in_their_own_group(setup, tmp_pa
             load_pipeline_config(path)
 
 
+def test_rho_lr_puts_the_slab_rho_in_its_own_group(setup, tmp_path):
+    """train.rho_lr: the weights' and biases' rho (sigma = softplus(rho)) step at that rate, beside the inclusion
+    logits' own rate, everything else at lr; refused (naming the field) for families without a Gaussian slab."""
+    from edgebayes.config import ConfigError, load_pipeline_config
+    from edgebayes.train import families
+
+    cfg, splits = setup
+    cfg = copy.deepcopy(cfg)
+    cfg.model.family, cfg.train.inclusion_lr, cfg.train.rho_lr = "ss-ig", 0.05, 0.02
+    model = families.build(cfg, splits)
+    optimizer, _ = trainer.ELBO().optimizer(model, cfg.train)
+    layers = [layer for _, layer in model.bayesian_layers()]
+    logits = {id(layer.gamma_logit) for layer in layers if layer.prunable}
+    rhos = {id(layer.weight_rho) for layer in layers} | {id(layer.bias_rho) for layer in layers
+                                                           if layer.bias_rho is not None}
+    by_lr = {g["lr"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
+    assert by_lr == {cfg.train.lr: {id(p) for p in model.parameters()} - logits - rhos, 0.05: logits, 0.02: rhos}
+    assert len(rhos) > len(layers)   # weights and biases
+    for family in ("dnn", "bn3", "sqs"):
+        path = tmp_path / f"{family}.yaml"
+        path.write_text(f"model: {{family: {family}}}\ntrain: {{rho_lr: 0.01}}\n")
+        with pytest.raises(ConfigError, match="train.rho_lr"):
+            load_pipeline_config(path)
+
+
 def test_a_run_with_an_ordered_warmup_ends_on_the_exact_elbo(setup, tmp_path, monkeypatch):
     """The trainer sets the ordered warm-up's factors every warm-up step and removes them at its last, so the
     model it returns (and the KL of its last epochs) carries none; the KL term has no factor on it."""
