@@ -34,6 +34,7 @@ names the code measured (e.g. a checkout of an older commit put first on PYTHONP
 
 import argparse
 import copy
+import math
 import os
 import platform
 import sys
@@ -46,7 +47,8 @@ import torch
 from edgebayes.config import load_pipeline_config
 from edgebayes.data import Splits
 from edgebayes.provenance import provenance, write_json
-from edgebayes.train.families import fit
+from edgebayes.train.families import build, fit
+from edgebayes.train.spike_slab import BLOCK_ELEMENTS, SpikeSlabLayer
 from edgebayes.train.trainer import resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +56,7 @@ FAMILIES = ("dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs")
 # (paper config, input shape, training images of the real data set)
 SETUPS = {"lenet5-caffe": ("configs/mnist-lenet5-ssgl.yaml", (1, 28, 28), 60000),
           "resnet20": ("configs/cifar10-resnet20-ssgl.yaml", (3, 32, 32), 50000)}
-WITHIN = 2.5  # issue 6: a Bayesian epoch within 2.5x of the deterministic one
+WITHIN = 2.0  # issue 20: a Bayesian epoch within 2.0x of the deterministic one (issue 6 asked for 2.5x)
 
 
 def random_splits(shape, n_train, n_eval=64, seed=0):
@@ -77,12 +79,46 @@ def time_family(base_cfg, family, splits, args, precision):
         _, history = fit(cfg, splits, Path(tmp) / "checkpoint.pt", log=lambda *_: None)
     epoch_seconds = min(h["train_seconds"] for h in history[1:])  # the first epoch is warm-up
     profile = top_operators(cfg, splits) if args.profile else None
+    draws = noise_draws_per_batch(cfg, splits)
     return {"family": family, "precision": precision, "batch_size": t.batch_size, "epochs": t.epochs,
             "train_images": len(splits.train_x), "epoch_seconds": epoch_seconds,
+            "noise_draws_per_batch": draws,
+            "noise_seconds": math.ceil(len(splits.train_x) / t.batch_size) * normal_seconds(draws, args.clock),
             "images_per_second": len(splits.train_x) / epoch_seconds,
             "all_epoch_seconds": [h["train_seconds"] for h in history], "augment": t.augment,
             "channels_last": t.channels_last, "compile": t.compile, "optimizer": t.optimizer,
             "profile": profile}
+
+
+def noise_draws_per_batch(cfg, splits):
+    """N(0, 1) draws of one training batch: local reparameterization draws one per output element of every
+    spike-and-slab layer (train/spike_slab.py); counted by forward hooks on one training-mode forward."""
+    if cfg.model.family not in ("bnn", "ss-ig", "ss-gl", "ss-ghs"):
+        return 0
+    net, count = build(cfg, splits).train(), [0]
+    hooks = [m.register_forward_hook(lambda _m, _i, out: count.__setitem__(0, count[0] + out.numel()))
+             for m in net.modules() if isinstance(m, SpikeSlabLayer)]
+    with torch.no_grad():
+        net(splits.train_x[: cfg.train.batch_size])
+    for h in hooks:
+        h.remove()
+    return count[0]
+
+
+def normal_seconds(draws, clock, repeats=5):
+    """Time (by `clock`, the epochs' clock) of `draws` N(0, 1) draws by torch's normal_, in the blocks the
+    training forward draws them in (spike_slab.BLOCK_ELEMENTS): what the noise of local reparameterization
+    costs a step on its own. torch's CPU generator fills a tensor on one thread, whatever the thread count."""
+    if not draws:
+        return 0.0
+    block = torch.empty(min(draws, BLOCK_ELEMENTS))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = clock()
+        for start in range(0, draws, BLOCK_ELEMENTS):
+            block[: min(BLOCK_ELEMENTS, draws - start)].normal_()
+        best = min(best, clock() - t0)
+    return best
 
 
 def top_operators(cfg, splits, rows=10):
@@ -114,23 +150,28 @@ def markdown(result):
              f"torch {torch.__version__}; clock: {result.get('clock', 'wall')}; {result['epochs']} epochs per run, epoch time = the shortest after the "
              "first (training steps only, no validation); random tensors of the data set's shape; the paper configs' settings. "
              f"'x dnn' is the family's epoch time over the deterministic network's (same architecture, "
-             f"precision and run); issue 6 asks for at most {WITHIN}x.", ""]
+             f"precision and run); issue 20 asks for at most {WITHIN}x. 'noise draws' is the time torch's normal_ "
+             "takes for the N(0, 1) draws of local reparameterization in an epoch (one per output element of every "
+             "Bayesian layer, timed alone with the same clock), and 'x dnn without them' the ratio once that time "
+             "is taken off: what the rest of a Bayesian step costs against the deterministic one.", ""]
     if not result["device"].startswith("cuda"):
         lines += ["**CPU figures** (small training sets, few steps): they show the benchmark runs and how the "
-                  "families compare on this CPU; issue 6's criterion is about a GPU, whose figures come from the "
+                  "families compare on this CPU; issue 6's 2.5x was about a GPU, whose figures come from the "
                   "GPU command in benchmarks/train_throughput.py.", ""]
     for arch in result["archs"]:
         rows = [r for r in result["rows"] if r["arch"] == arch]
         r0 = rows[0]
         lines += [f"## {arch}, input {tuple(r0['input_shape'])}, batch {r0['batch_size']}, {r0['train_images']} "
                   f"training images per epoch (the real set has {r0['full_train_images']})", "",
-                  "| family | precision | epoch time (s) | images/s | x dnn | within 2.5x | "
-                  "epoch time at the full set (s, extrapolated) |", "|---|---|---|---|---|---|---|"]
+                  f"| family | precision | epoch time (s) | images/s | x dnn | within {WITHIN}x | noise draws (s) | "
+                  "x dnn without them | epoch time at the full set (s, extrapolated) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            ratio = r.get("ratio_to_dnn")
+            ratio, rest = r.get("ratio_to_dnn"), r.get("ratio_to_dnn_without_noise")
             lines.append(f"| {r['family']} | {r['precision']} | {r['epoch_seconds']:.3f} | "
                          f"{r['images_per_second']:.1f} | {'' if ratio is None else f'{ratio:.2f}'} | "
                          f"{'' if ratio is None else ('yes' if ratio <= WITHIN else 'no')} | "
+                         f"{r.get('noise_seconds', 0):.3f} | {'' if rest is None else f'{rest:.2f}'} | "
                          f"{r['full_train_images'] / r['images_per_second']:.1f} |")
         lines.append("")
     profiled = [r for r in result["rows"] if r.get("profile")]
@@ -177,6 +218,7 @@ def main(argv=None):
         import edgebayes.train.sqs as sqs_module
         import edgebayes.train.trainer as trainer_module
         trainer_module.time = sqs_module.time = types.SimpleNamespace(perf_counter=time.process_time)
+    args.clock = time.process_time if args.cpu_clock else time.perf_counter
     device = resolve_device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -197,6 +239,7 @@ def main(argv=None):
             for r in timed:
                 if dnn is not None:
                     r["ratio_to_dnn"] = r["epoch_seconds"] / dnn["epoch_seconds"]
+                    r["ratio_to_dnn_without_noise"] = (r["epoch_seconds"] - r["noise_seconds"]) / dnn["epoch_seconds"]
             rows += timed
     result = {"device": str(device), "device_name": device_name(device), "archs": args.archs, "label": args.label,
               "clock": "process CPU time" if args.cpu_clock else "wall",
