@@ -20,6 +20,7 @@ from edgebayes.train.models import build_model
 from edgebayes.train.sqs import (
     WINDOWS,
     SpikeGMMWeight,
+    _first_argmax,
     SQSNet,
     assign_windows,
     kmeans_gmm,
@@ -150,6 +151,55 @@ def test_per_input_scores_count_the_bernoulli_kl_once_per_input():
     assert float((reg - gauss.kl()).detach()) == pytest.approx(float((first + others).detach()), rel=1e-4)
     expected = keep * (p.phi(spike.tau) * p.mu[p.window].movedim(-1, 0)).sum(0)  # lambda~ of the input, per weight
     assert torch.allclose(weights["net.hidden1.weight"], expected)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8, 9, 300])
+def test_first_argmax_is_torch_argmax_with_ties_to_the_first(k):
+    """The knockout argmax over dim 0 gives torch.argmax's index (the first of equal maxima), odd K and
+    more components than one byte counts included."""
+    generator = torch.Generator().manual_seed(k)
+    t = torch.randint(0, 3, (k, 7, 50), generator=generator).float()   # many exact ties
+    best = _first_argmax(t)
+    assert best.dtype == torch.long and torch.equal(best, t.argmax(0))
+
+
+def _reference_terms(p, tau, tau_prime, sigma0_sq, spike, mask):
+    """SpikeGMMWeight.terms as the plain autograd expression of eq. 8: each weight's k*, its level's KL."""
+    phi, keep = p.phi(tau), p.keep_probability(tau_prime)
+    mean = keep * (phi * p.mu[p.window].movedim(-1, 0)).sum(0) * mask
+    level = (p.window * p.components + phi.argmax(0)).reshape(-1)
+    mu_best, sigma_best = p.mu.reshape(-1)[level], p.log_sigma.exp().reshape(-1)[level]
+    kl = kl_gaussian_gaussian(mu_best, sigma_best, math.log(sigma0_sq), 1 / sigma0_sq).view(phi.shape[1:])
+    return mean, (keep * kl).sum() + kl_bernoulli(keep, spike).sum()
+
+
+@pytest.mark.parametrize("windowing,scores", [("outlier", "per-weight"), ("single", "per-weight"),
+                                              ("outlier", "per-input")])
+def test_written_out_backward_of_the_mean_weight_and_regularizer_matches_autograd(windowing, scores):
+    """_MixtureMean's backward and the regularizer summed per level: the values and gradients of the plain
+    expression, in float64, at a temperature where both softmaxes of phi carry gradient."""
+    net = small_net(windowing=windowing, first_layer_scores=scores).double()
+    with torch.no_grad():   # distinct, spread mixtures so that every component and window is reached
+        for p in net.posteriors.values():
+            p.pi.copy_(torch.rand(p.pi.shape, dtype=torch.float64) + 0.1)
+            p.log_sigma.add_(torch.randn(p.log_sigma.shape, dtype=torch.float64) * 0.3)
+    tau, tau_prime, spike = 0.3, 0.5, torch.tensor(0.4, dtype=torch.float64)
+    for name in net.wrapped:
+        p = net.posterior(name)
+        mask = (torch.rand(p.theta.shape) < 0.8).double()
+        upstream = torch.randn(p.theta.shape, dtype=torch.float64)
+        results = []
+        for terms in (p.terms, lambda *a: _reference_terms(p, *a)):
+            p.zero_grad()
+            mean, reg = terms(tau, tau_prime, 1.0, spike, mask)
+            ((mean * upstream).sum() + reg).backward()
+            results.append((mean.detach(), reg.detach(), [q.grad.clone() for q in p.parameters()]))
+        (mean, reg, grads), (ref_mean, ref_reg, ref_grads) = results
+        assert torch.allclose(mean, ref_mean, rtol=1e-10, atol=1e-12)
+        assert float(reg) == pytest.approx(float(ref_reg), rel=1e-10)
+        for (q, _), g, ref in zip(p.named_parameters(), grads, ref_grads):
+            assert torch.allclose(g, ref, rtol=1e-8, atol=1e-10), q
+        assert any(float(g.abs().max()) > 1e-3 for g in grads[:1])   # theta's gradient is not trivially 0
 
 
 def test_operating_points_are_checked():
