@@ -92,9 +92,8 @@ def time_family(base_cfg, family, splits, args, precision):
 
 def noise_draws_per_batch(cfg, splits):
     """N(0, 1) draws of one training batch: local reparameterization draws one per output element of every
-    spike-and-slab layer (train/spike_slab.py); counted by forward hooks on one training-mode forward."""
-    if cfg.model.family not in ("bnn", "ss-ig", "ss-gl", "ss-ghs"):
-        return 0
+    spike-and-slab layer (train/spike_slab.py); counted by forward hooks on one training-mode forward (0 for
+    a family without such layers)."""
     net, count = build(cfg, splits).train(), [0]
     hooks = [m.register_forward_hook(lambda _m, _i, out: count.__setitem__(0, count[0] + out.numel()))
              for m in net.modules() if isinstance(m, SpikeSlabLayer)]

@@ -159,6 +159,16 @@ def _first_argmax(t):
     return torch.full(t.shape[1:], best, dtype=torch.long, device=t.device) if isinstance(best, int) else best.long()
 
 
+def _mixture(theta, mu, sigma, pi, tau):
+    """(z, density, varphi, phi) of eq. 2 for every weight and component k, from theta (*shape) and the per-weight
+    tables mu, sigma, pi+ (K, *shape) or (K, 1, ..., 1): z_k = (theta - mu_k) / sigma_k, density_k =
+    N(theta | mu_k, sigma_k^2), varphi = softmax_k(pi_k density_k), phi = softmax_k(varphi / tau)."""
+    z = (theta - mu) / sigma
+    density = torch.exp(-0.5 * z * z) / (math.sqrt(2 * math.pi) * sigma)
+    varphi = torch.softmax(pi * density, dim=0)
+    return z, density, varphi, torch.softmax(varphi / tau, dim=0)
+
+
 def _sum_to(grad, shape):
     """`grad` summed over the dimensions where `shape` has 1 (the backward of a broadcast)."""
     dims = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
@@ -181,10 +191,7 @@ class _MixtureMean(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, theta, mu, sigma, pi, tau):
-        z = (theta - mu).div_(sigma)
-        density = (z * z).mul_(-0.5).exp_().div_(sigma * math.sqrt(2 * math.pi))
-        varphi = torch.softmax(pi * density, dim=0)
-        phi = torch.softmax(varphi / tau, dim=0)
+        z, density, varphi, phi = _mixture(theta, mu, sigma, pi, tau)
         best = _first_argmax(phi)
         ctx.mark_non_differentiable(best)
         ctx.tau = tau
@@ -256,11 +263,13 @@ class SpikeGMMWeight(nn.Module):
 
     def phi(self, tau):
         """phi_k(theta_i) of eq. 2, shape (K, *weight shape)."""
-        theta = self.theta.contiguous()   # the tables' layout (a channels_last model makes conv weights NHWC)
-        mu, sigma = self._per_weight(self.mu), self._per_weight(self.log_sigma.exp())
-        density = torch.exp(-0.5 * ((theta - mu) / sigma) ** 2) / (math.sqrt(2 * math.pi) * sigma)
-        varphi = torch.softmax(self._per_weight(self.pi.clamp(min=0)) * density, dim=0)
-        return torch.softmax(varphi / tau, dim=0)
+        return _mixture(*self._mixture_inputs(), tau)[3]
+
+    def _mixture_inputs(self):
+        """(theta, mu, sigma, pi+) as _mixture takes them: theta in the tables' layout (a channels_last model
+        makes conv weights NHWC), the tables per weight."""
+        return (self.theta.contiguous(), self._per_weight(self.mu), self._per_weight(self.log_sigma.exp()),
+                self._per_weight(self.pi.clamp(min=0)))
 
     def mixture_mean(self, tau):
         """(sum_k phi_k(theta_i) mu_k, k*_i = argmax_k phi_k) for every weight, from one evaluation of phi
@@ -268,8 +277,7 @@ class SpikeGMMWeight(nn.Module):
         if torch.compiler.is_compiling():
             phi = self.phi(tau)
             return (phi * self._per_weight(self.mu)).sum(0), _first_argmax(phi)
-        return _MixtureMean.apply(self.theta.contiguous(), self._per_weight(self.mu),
-                                  self._per_weight(self.log_sigma.exp()), self._per_weight(self.pi.clamp(min=0)), tau)
+        return _MixtureMean.apply(*self._mixture_inputs(), tau)
 
     def terms(self, tau, tau_prime, sigma0_sq, spike, mask=None):
         """(mean weight, regularizer) of eq. 8 for this tensor, from one evaluation of phi.
