@@ -13,6 +13,11 @@ seeds). Timing takes /tmp/edgebayes-bench.lock so timing runs of parallel sessio
 
     python benchmarks/structured_sparsity.py --config configs/mnist-lenet5-ssghs.yaml --seeds 0 \
         --epochs 12 --batch-size 128 --out benchmarks/results/lenet5-mnist-cpu
+
+Training settings to compare: `--set train.lr_milestones=[15]` (repeatable; YAML values, validated like the
+config file) changes the config before the families are derived, and the results name the changes. Runs of
+several settings or seeds can train in parallel processes (`--train-only`, one `--runs-dir` per setting),
+then `--measure-only` measures what finished and lists what did not.
 """
 
 import argparse
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from edgebayes.config import load_device_profile, load_pipeline_config
 from edgebayes.export.onnx_export import export_onnx
@@ -54,6 +60,27 @@ def variant(cfg, family, seed, epochs, batch_size):
             v.train.lr = 1e-4
     v.train.kl_warmup_epochs = min(v.train.kl_warmup_epochs, v.train.epochs)
     return v
+
+
+def with_settings(config_path, settings):
+    """The config at `config_path` with `settings` ("section.key=YAML value") applied, validated as a config
+    file is (so a bad key or value is one message naming it); the config itself when there are none."""
+    if not settings:
+        return load_pipeline_config(config_path)
+    data = yaml.safe_load(Path(config_path).read_text())
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        *sections, field = key.split(".")
+        if not sep or not sections:
+            raise SystemExit(f"--set {setting}: expected section.key=value, e.g. train.lr_milestones=[15]")
+        node = data
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[field] = yaml.safe_load(value)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / Path(config_path).name
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return load_pipeline_config(path)
 
 
 def onnx_latencies_ms(modules, example):
@@ -131,7 +158,9 @@ def markdown(rows, title, facts):
             continue
         ok = [x for x in r if "median_model_empty" not in x]
         def col(k, scale=1.0, d=2, of=ok):
-            return _mean_spread([x[k] for x in of], scale, d) if of else "empty"
+            if not of:
+                return "empty"
+            return _mean_spread([x[k] for x in of], scale, d) if all(k in x for x in of) else "not measured"
         lines.append(f"| {PAPER_LABEL[family]} | {col('posterior_mean_accuracy', 100, of=r)} | {col('accuracy', 100)} | "
                      f"{col('compression', 100)} | {col('flops_ratio', 100)} | {col('physical_flops_ratio', 100)} | "
                      f"{col('latency_pruned_ms', 1, 3)} / {col('latency_dense_ms', 1, 3)} | "
@@ -161,22 +190,33 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, help="override train.epochs (say so in the results)")
     ap.add_argument("--batch-size", type=int, help="override train.batch_size")
     ap.add_argument("--runs-dir", default="runs/bench")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="change the config before the families are derived (repeatable; named in the results)")
     ap.add_argument("--train-only", action="store_true", help="train (or resume) and stop")
+    ap.add_argument("--measure-only", action="store_true",
+                    help="measure the runs that finished training, list the others; train nothing")
+    ap.add_argument("--no-latency", action="store_true", help="leave the ONNX latency out")
     ap.add_argument("--out", help="results path without suffix (.json and .md are written)")
     args = ap.parse_args(argv)
     if not args.train_only and not args.out:
         ap.error("--out is required unless --train-only")
 
-    cfg = load_pipeline_config(args.config)
+    if args.train_only and args.measure_only:
+        ap.error("--train-only and --measure-only exclude each other")
+
+    cfg = with_settings(args.config, args.set)
     profile = load_device_profile("local")
-    rows = []
+    rows, untrained = [], []
     for seed in args.seeds:
         for family in args.families:
             v = variant(cfg, family, seed, args.epochs, args.batch_size)
             ctx = Context(v, profile, runs_dir=Path(args.runs_dir), config_path=args.config)
+            if args.measure_only and not ctx.is_fresh("train"):
+                untrained.append(f"{PAPER_LABEL[family]} seed {seed}")
+                continue
             run_stage(ctx, "train")
             if not args.train_only:
-                rows.append(measure(ctx, print))
+                rows.append(measure(ctx, print, latency=not args.no_latency))
     if args.train_only:
         return 0
     epochs = args.epochs or cfg.train.epochs
@@ -189,9 +229,14 @@ def main(argv=None):
              "", f"Optimizer: DNN and BNN Adam 1e-4 (appendix A.4); spike-and-slab rows Adam {cfg.train.lr}, inclusion "
              f"logits at {cfg.train.inclusion_lr or cfg.train.lr}, the slab's rho at {cfg.train.rho_lr or cfg.train.lr}, "
              f"KL warm-up {cfg.train.kl_warmup_epochs} epochs"
-             f"{' (ordered: train/trainer.py)' if cfg.train.kl_warmup_ordered else ''}, the exact ELBO after it."]
-    result = {"config": args.config, "epochs": epochs, "seeds": args.seeds, "rows": rows,
-              "provenance": provenance(None)}
+             f"{' (ordered: train/trainer.py)' if cfg.train.kl_warmup_ordered else ''}, the exact ELBO after it"
+             f"{'; learning rate times ' + str(cfg.train.lr_gamma) + ' after epochs ' + str(cfg.train.lr_milestones) if cfg.train.lr_milestones else ''}."]
+    if args.set:
+        facts += ["", "Changed from the config file: " + ", ".join(f"`{s}`" for s in args.set) + "."]
+    if untrained:
+        facts += ["", "Not trained when measured (left out of the table): " + ", ".join(untrained) + "."]
+    result = {"config": args.config, "settings": args.set, "epochs": epochs, "seeds": args.seeds, "rows": rows,
+              "untrained": untrained, "provenance": provenance(None)}
     write_json(Path(args.out + ".json"), result)
     md = markdown(rows, f"Structured sparsity: {cfg.model.arch} on {cfg.data.dataset}", facts)
     machine = result["provenance"]["machine"]
