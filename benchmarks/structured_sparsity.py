@@ -33,6 +33,7 @@ import yaml
 
 from edgebayes.config import load_device_profile, load_pipeline_config
 from edgebayes.export.onnx_export import export_onnx
+from edgebayes.ondevice.atomic import atomic_path
 from edgebayes.provenance import provenance, read_json, write_json
 from edgebayes.stages import Context, load_trained_model, run_stage, splits_for
 from edgebayes.compressed.structure import structure_report
@@ -182,6 +183,36 @@ def markdown(rows, title, facts):
     return "\n".join(lines) + "\n"
 
 
+def write_results(args, cfg, rows, untrained, pending):
+    """<out>.json and <out>.md of the rows measured so far (atomically); returns the md."""
+    epochs = args.epochs or cfg.train.epochs
+    t = cfg.train
+    facts = [f"Config `{args.config}` ({cfg.model.arch} on {cfg.data.dataset}), {epochs} epochs "
+             f"(paper: {t.epochs}), batch {args.batch_size or t.batch_size}, seeds {args.seeds}; "
+             "test split, 10 MC samples: accuracy with z ~ q(z) (the paper's estimator) and of the median "
+             "model (inclusion threshold 0.5, what export deploys). Compression and pruned FLOPs by paper 000 "
+             "(appendix A.1, by the masks); physical FLOPs of the network after surgery; latency of one "
+             "posterior sample at batch 1, onnxruntime CPU, 2 threads, median of 7 interleaved rounds of 200 calls.",
+             "", f"Optimizer: DNN and BNN Adam 1e-4 (appendix A.4); spike-and-slab rows Adam {t.lr}, inclusion "
+             f"logits at {t.inclusion_lr or t.lr}, the slab's rho at {t.rho_lr or t.lr}, KL warm-up "
+             f"{t.kl_warmup_epochs} epochs{' (ordered: train/trainer.py)' if t.kl_warmup_ordered else ''}, the exact "
+             f"ELBO after it{f'; learning rate times {t.lr_gamma} after epochs {t.lr_milestones}' if t.lr_milestones else ''}."]
+    if args.set:
+        facts += ["", "Changed from the config file: " + ", ".join(f"`{s}`" for s in args.set) + "."]
+    if untrained:
+        facts += ["", "Not trained when measured (left out of the table): " + ", ".join(untrained) + "."]
+    if pending:
+        facts += ["", "Not measured yet (the measurement was interrupted): " + ", ".join(pending) + "."]
+    result = {"config": args.config, "settings": args.set, "epochs": epochs, "seeds": args.seeds, "rows": rows,
+              "untrained": untrained, "not_measured": pending, "provenance": provenance(None)}
+    write_json(Path(args.out + ".json"), result)
+    md = markdown(rows, f"Structured sparsity: {cfg.model.arch} on {cfg.data.dataset}", facts)
+    md += f"\nMachine: {result['provenance']['machine']}; commit {result['provenance']['git_commit']}.\n"
+    with atomic_path(Path(args.out + ".md")) as tmp:
+        tmp.write_text(md)
+    return md
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
@@ -206,43 +237,26 @@ def main(argv=None):
 
     cfg = with_settings(args.config, args.set)
     profile = load_device_profile("local")
-    rows, untrained = [], []
+    runs, untrained = [], []
     for seed in args.seeds:
         for family in args.families:
             v = variant(cfg, family, seed, args.epochs, args.batch_size)
             ctx = Context(v, profile, runs_dir=Path(args.runs_dir), config_path=args.config)
             if args.measure_only and not ctx.is_fresh("train"):
                 untrained.append(f"{PAPER_LABEL[family]} seed {seed}")
-                continue
-            run_stage(ctx, "train")
-            if not args.train_only:
-                rows.append(measure(ctx, print, latency=not args.no_latency))
-    if args.train_only:
-        return 0
-    epochs = args.epochs or cfg.train.epochs
-    facts = [f"Config `{args.config}` ({cfg.model.arch} on {cfg.data.dataset}), {epochs} epochs "
-             f"(paper: {cfg.train.epochs}), batch {args.batch_size or cfg.train.batch_size}, seeds {args.seeds}; "
-             "test split, 10 MC samples: accuracy with z ~ q(z) (the paper's estimator) and of the median "
-             "model (inclusion threshold 0.5, what export deploys). Compression and pruned FLOPs by paper 000 "
-             "(appendix A.1, by the masks); physical FLOPs of the network after surgery; latency of one "
-             "posterior sample at batch 1, onnxruntime CPU, 2 threads, median of 7 interleaved rounds of 200 calls.",
-             "", f"Optimizer: DNN and BNN Adam 1e-4 (appendix A.4); spike-and-slab rows Adam {cfg.train.lr}, inclusion "
-             f"logits at {cfg.train.inclusion_lr or cfg.train.lr}, the slab's rho at {cfg.train.rho_lr or cfg.train.lr}, "
-             f"KL warm-up {cfg.train.kl_warmup_epochs} epochs"
-             f"{' (ordered: train/trainer.py)' if cfg.train.kl_warmup_ordered else ''}, the exact ELBO after it"
-             f"{'; learning rate times ' + str(cfg.train.lr_gamma) + ' after epochs ' + str(cfg.train.lr_milestones) if cfg.train.lr_milestones else ''}."]
-    if args.set:
-        facts += ["", "Changed from the config file: " + ", ".join(f"`{s}`" for s in args.set) + "."]
-    if untrained:
-        facts += ["", "Not trained when measured (left out of the table): " + ", ".join(untrained) + "."]
-    result = {"config": args.config, "settings": args.set, "epochs": epochs, "seeds": args.seeds, "rows": rows,
-              "untrained": untrained, "provenance": provenance(None)}
-    write_json(Path(args.out + ".json"), result)
-    md = markdown(rows, f"Structured sparsity: {cfg.model.arch} on {cfg.data.dataset}", facts)
-    machine = result["provenance"]["machine"]
-    md += f"\nMachine: {machine}; commit {result['provenance']['git_commit']}.\n"
-    Path(args.out + ".md").write_text(md)
-    print(md)
+            else:
+                runs.append(ctx)
+    rows = []
+    label = [f"{PAPER_LABEL[c.cfg.model.family]} seed {c.cfg.seed}" for c in runs]
+    if not args.train_only:
+        md = write_results(args, cfg, rows, untrained, label)
+    for i, ctx in enumerate(runs):
+        run_stage(ctx, "train")
+        if not args.train_only:   # written after every run, so an interrupted measurement keeps what it has
+            rows.append(measure(ctx, print, latency=not args.no_latency))
+            md = write_results(args, cfg, rows, untrained, label[i + 1:])
+    if not args.train_only:
+        print(md)
     return 0
 
 
