@@ -20,6 +20,7 @@ EPOCHS=${EPOCHS:-20}
 SEEDS=${SEEDS:-"0 1 2"}
 PYTHON=${PYTHON:-python3}
 MEASURE_S=${MEASURE_S:-150}
+LATENCY=${LATENCY:-1}   # 0: leave the ONNX latency out of the measurement
 CONFIG=configs/mnist-lenet5-ssgl.yaml   # structured_sparsity.py sets the family of each row
 declare -A ARGS=(
     [base]="--batch-size 128"
@@ -46,14 +47,15 @@ done
 
 train_one() {   # setting family seed: train until the deadline
     set +e
-    local left=$(( start + TRAIN_S - $(date +%s) ))
+    local began=$(date +%s) left=$(( start + TRAIN_S - $(date +%s) ))
     [ "$left" -gt 10 ] || { echo "$1 $2 $3: no time left, not started"; return 0; }
     # shellcheck disable=SC2086
     timeout -s INT -k 20 "$left" "$PYTHON" benchmarks/structured_sparsity.py --config "$CONFIG" --families "$2" \
         --seeds "$3" --epochs "$EPOCHS" ${ARGS[$1]} --runs-dir "runs/grid/$1" --train-only \
         > "$OUT/logs/$1-$2-s$3.log" 2>&1
     local rc=$?
-    [ "$rc" = 0 ] && echo "$1 $2 $3: trained" || echo "$1 $2 $3: stopped (exit $rc)"
+    local took=$(( $(date +%s) - began ))
+    [ "$rc" = 0 ] && echo "$1 $2 $3: trained in $took s" || echo "$1 $2 $3: stopped after $took s (exit $rc)"
 }
 export -f train_one
 export start TRAIN_S EPOCHS PYTHON CONFIG OUT
@@ -69,6 +71,7 @@ for setting in $SETTINGS; do
     timeout -s INT -k 20 "$MEASURE_S" "$PYTHON" benchmarks/structured_sparsity.py --config "$CONFIG" \
         --families $families --seeds $SEEDS \
         --epochs "$EPOCHS" ${ARGS[$setting]} --runs-dir "runs/grid/$setting" --measure-only \
+        $([ "$LATENCY" = 0 ] && echo --no-latency) \
         --out "$OUT/$setting" > "$OUT/logs/measure-$setting.log" 2>&1 &
 done
 wait || true
