@@ -56,7 +56,7 @@ def variant(cfg, family, seed, epochs, batch_size):
     if batch_size:
         v.train.batch_size = batch_size
     if family in ("dnn", "bnn"):   # no inclusion logits to schedule
-        v.train.inclusion_lr, v.train.rho_lr, v.train.kl_warmup_ordered = None, None, False
+        v.train.inclusion_lr, v.train.rho_lr, v.train.scale_lr, v.train.kl_warmup_ordered = None, None, None, False
         if v.train.optimizer == "adam":
             v.train.lr = 1e-4
     v.train.kl_warmup_epochs = min(v.train.kl_warmup_epochs, v.train.epochs)

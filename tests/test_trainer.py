@@ -231,6 +231,34 @@ def test_rho_lr_puts_the_slab_rho_in_its_own_group(setup, tmp_path):
             load_pipeline_config(path)
 
 
+def test_scale_lr_puts_the_scale_variables_in_their_own_group(setup, tmp_path):
+    """train.scale_lr: the LogNormal posteriors of SS-GL's and SS-GHS's scale variables (tau per group, the global
+    varsigma) step at that rate, everything else as before; refused (naming the field) for families without them."""
+    from edgebayes.config import ConfigError, load_pipeline_config
+    from edgebayes.train import families
+    from edgebayes.train.spike_slab import GlobalHorseshoeScale, GlobalScale
+
+    cfg, splits = setup
+    for family, global_type in (("ss-gl", GlobalScale), ("ss-ghs", GlobalHorseshoeScale)):
+        c = copy.deepcopy(cfg)
+        c.model.family, c.train.inclusion_lr, c.train.scale_lr = family, 0.05, 0.03
+        model = families.build(c, splits)
+        optimizer, _ = trainer.ELBO().optimizer(model, c.train)
+        layers = [layer for _, layer in model.bayesian_layers()]
+        logits = {id(layer.gamma_logit) for layer in layers if layer.prunable}
+        scales = {id(p) for layer in layers for p in layer.scale.parameters()}
+        assert isinstance(model.global_scale, global_type)
+        scales |= {id(p) for p in model.global_scale.parameters()}
+        by_lr = {g["lr"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
+        assert by_lr == {c.train.lr: {id(p) for p in model.parameters()} - logits - scales, 0.05: logits, 0.03: scales}
+        assert len(scales) > 2 * len(layers)   # each layer's mu and rho, and the global scale's
+    for family in ("ss-ig", "bnn", "dnn"):
+        path = tmp_path / f"{family}.yaml"
+        path.write_text(f"model: {{family: {family}}}\ntrain: {{scale_lr: 0.01}}\n")
+        with pytest.raises(ConfigError, match="train.scale_lr"):
+            load_pipeline_config(path)
+
+
 def test_a_run_with_an_ordered_warmup_ends_on_the_exact_elbo(setup, tmp_path, monkeypatch):
     """The trainer sets the ordered warm-up's factors every warm-up step and removes them at its last, so the
     model it returns (and the KL of its last epochs) carries none; the KL term has no factor on it."""

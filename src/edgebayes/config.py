@@ -177,6 +177,7 @@ class TrainConfig(Section):
     lr: Positive = 1e-3
     inclusion_lr: Optional[Positive] = None   # spike-and-slab inclusion logits' lr; null: lr (trainer.py)
     rho_lr: Optional[Positive] = None   # lr of the slab's rho (sigma = softplus(rho)), bnn / ss-*; null: lr
+    scale_lr: Optional[Positive] = None   # lr of the slab-scale variables (tau, varsigma), ss-gl / ss-ghs; null: lr
     optimizer: Literal["adam", "sgd"] = "adam"  # paper 000: Adam for MLP / LeNet, SGD + momentum for ResNets
     momentum: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = 0.9   # sgd only
     lr_milestones: Items[int] = []      # epochs where the lr is multiplied by lr_gamma
@@ -549,6 +550,8 @@ def load_pipeline_config(path) -> PipelineConfig:
            f"only a spike-and-slab family ({', '.join(_SPIKE_SLAB)}) has inclusion logits; leave it out (null)")
     _check(cfg.train.rho_lr is None or cfg.model.family in ("bnn",) + _SPIKE_SLAB, f"{p}: train.rho_lr",
            f"only the Gaussian slab of bnn and {', '.join(_SPIKE_SLAB)} has a rho; leave it out (null)")
+    _check(cfg.train.scale_lr is None or cfg.model.family in ("ss-gl", "ss-ghs"), f"{p}: train.scale_lr",
+           "only ss-gl and ss-ghs have slab-scale variables (tau, varsigma); leave it out (null)")
     _check(not cfg.train.kl_warmup_ordered or (cfg.train.kl_warmup_epochs > 0 and cfg.model.family in _SPIKE_SLAB),
            f"{p}: train.kl_warmup_ordered", "needs train.kl_warmup_epochs > 0 and a spike-and-slab family "
            f"({', '.join(_SPIKE_SLAB)}): it orders the units of prunable layers")

@@ -367,6 +367,8 @@ class GroupHorseshoeScale(nn.Module):
 
 
 SCALES = {"ss-ig": FixedScale, "ss-gl": GroupLassoScale, "ss-ghs": GroupHorseshoeScale}
+# the modules whose parameters are the LogNormal posteriors of scale variables (trainer: train.scale_lr)
+SCALE_VARIABLES = (GlobalScale, GlobalHorseshoeScale, GroupLassoScale, GroupHorseshoeScale)
 
 
 # ---------------------------------------------------------------------------------------------

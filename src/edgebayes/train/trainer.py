@@ -83,6 +83,7 @@ from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
 from edgebayes.train.accel import DeviceData, autocast, compile_step, hold_freed_memory, to_channels_last
 from edgebayes.train.metrics import classification_metrics
+from edgebayes.train.spike_slab import SCALE_VARIABLES
 
 
 def resolve_device(name: str) -> torch.device:
@@ -166,11 +167,15 @@ class ELBO:
     shown = ("kept_nodes",)
 
     def optimizer(self, model, t):
-        # parameters with their own learning rate (module docstring): the inclusion logits, the slab's rho
+        # parameters with their own learning rate (module docstring): the inclusion logits, the slab's rho, the
+        # slab-scale variables
         own = {"gamma_logit": t.inclusion_lr, "weight_rho": t.rho_lr, "bias_rho": t.rho_lr}
+        scales = {id(p) for module in model.modules() if isinstance(module, SCALE_VARIABLES)
+                  for p in module.parameters()} if t.scale_lr else set()
         groups = {}   # lr (None: t.lr) -> parameters
         for name, p in model.named_parameters():
-            lr = next((lr for suffix, lr in own.items() if name.endswith(suffix)), None)
+            lr = t.scale_lr if id(p) in scales else next((lr for suffix, lr in own.items() if name.endswith(suffix)),
+                                                         None)
             groups.setdefault(lr, []).append(p)
         params = [{"params": ps} if lr is None else {"params": ps, "lr": lr} for lr, ps in groups.items()]
         if t.optimizer == "adam":
