@@ -46,3 +46,40 @@ def test_measure_only_trains_nothing_and_measures_what_finished(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "`train.lr_milestones=[1]`" in md and "Not trained when measured" in md and "| DNN |" in md
     assert "not measured" in md   # the latency columns of a --no-latency run
+
+    # the merged table reads the benchmark's own results file
+    import structured_sparsity_table
+    assert structured_sparsity_table.main([str(tmp_path / "t"), str(out.with_suffix(".json"))]) == 0
+    table = json.loads((tmp_path / "t.json").read_text())
+    assert [(s["family"], s["setting"], s["seeds"]) for s in table["summary"]] == [("dnn", "train.lr_milestones=[1]", [0])]
+
+
+def _train_log(path, kept, test=True):
+    lines = ["train: 1 torch threads (train.threads)"]
+    lines += [f"train: epoch {e}/{len(kept)}: loss=1.0, val_acc=0.9, kept_nodes={units}" for e, units in enumerate(kept, 1)]
+    if test:
+        lines.append(f"train: test accuracy 0.9850, NLL 0.0500, ECE 0.0100; kept nodes {kept[-1] + [10]}; "
+                     "compression 0.010, FLOPs ratio 0.120 (after surgery 0.120)")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_table_merges_logs_by_family_and_setting_and_flags_empty_median_models(tmp_path):
+    import structured_sparsity_table as table
+    _train_log(tmp_path / "base-ss-gl-s0.log", [[5, 5], [3, 3]])
+    _train_log(tmp_path / "base-ss-gl-s1.log", [[5, 5], [3, 3], [2, 2], [0, 4], [2, 2]])   # epoch 4 empty
+    _train_log(tmp_path / "train.scale_lr=1e-2-ss-gl-s0.log", [[5, 5]])
+    _train_log(tmp_path / "base-ss-ghs-s2.log", [[5, 5]], test=False)                    # still training
+    out = tmp_path / "t"
+    assert table.main([str(out), *map(str, sorted(tmp_path.glob("*.log")))]) == 0
+    summary = {(s["family"], s["setting"]): s for s in json.loads(out.with_suffix(".json").read_text())["summary"]}
+    assert set(summary) == {("ss-gl", "as committed"), ("ss-gl", "train.scale_lr=1e-2")}
+    committed = summary[("ss-gl", "as committed")]
+    assert committed["seeds"] == [0, 1] and committed["accuracy"] == "98.50 ± 0.00" and committed["flops"] == "12.00 ± 0.00"
+    assert committed["late_empty"] == {"1": [4]} and committed["met"] == "FLOPs only"   # 98.5 < 98.8, 12 <= 15
+    md = out.with_suffix(".md").read_text()
+    assert "seed 1: epochs [4]" in md and "SS-GHS as committed seed 2 after 1 epochs" in md
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+    (tmp_path / "ss-gl-s0.log").write_text("")   # no setting in the name
+    assert table.main([str(tmp_path / "u"), str(tmp_path / "ss-gl-s0.log")]) == 2
+    assert not (tmp_path / "u.md").exists()
