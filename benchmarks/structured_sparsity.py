@@ -112,6 +112,7 @@ def measure(ctx, log, latency=True):
            "rho_lr": ctx.cfg.train.rho_lr, "kl_warmup_epochs": ctx.cfg.train.kl_warmup_epochs,
            "kl_warmup_ordered": ctx.cfg.train.kl_warmup_ordered,
            "kept_per_epoch": [h.get("kept_nodes") for h in history], "empty_epochs": empty_epochs(history),
+           "val_accuracy_per_epoch": [h.get("val_accuracy") for h in history],   # what settings are chosen by
            "posterior_mean_accuracy": posterior_mean_metrics(model, splits.test_x, splits.test_y, 10,
                                                              ctx.cfg.seed)["accuracy"]}
     try:

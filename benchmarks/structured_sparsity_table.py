@@ -2,14 +2,15 @@
 benchmarks/structured_sparsity.py and the logs of its --train-only runs (as the grid script writes them), so
 that seeds trained on different machines or days land in one place, each row citing where its figures come from.
 
-    python benchmarks/structured_sparsity_table.py OUT SOURCE [SOURCE ...] [--title TEXT]
+    python benchmarks/structured_sparsity_table.py OUT SOURCE [SOURCE ...] [--title TEXT] [--notes MARKDOWN]
 
 A SOURCE is either a results .json (every row in it) or a train log named `<setting>-<family>-s<seed>.log`
 (its train stage's own test evaluation: the same `evaluate` call, split, seed and 10 MC samples as the
 benchmark's, printed to 3 decimals, so compression and FLOPs are to 0.1 point). A run found in both keeps the
 JSON's figures. The setting of a JSON row is its `--set` list; of a log, the name before the family, where
 `base` is the configs as committed. Rows are grouped by (family, setting), mean and sample standard deviation
-over seeds, beside issue 20's targets and the paper's 1,200-epoch figures. The median model of a run is empty
+over seeds, beside issue 20's targets, the paper's 1,200-epoch figures and the validation accuracy at the last
+epoch (the trainer's record, from the JSON or else the run's log), by which settings are chosen. The median model of a run is empty
 at the end of an epoch when a layer's kept units are 0; the table lists such epochs after the first 3.
 
 Writes OUT.md, OUT.json and OUT.png (accuracy against pruned FLOPs, one point per run), each atomically.
@@ -35,7 +36,7 @@ TARGET = {"ss-ig": (98.6, 15.0), "ss-gl": (98.8, 15.0), "ss-ghs": (98.9, 12.5)}
 PAPER = {label: (acc[0], flops[0]) for label, _, acc, _, flops in PAPER_ROWS}   # SS-IG: (98.68, 15.05), ...
 AS_COMMITTED = "as committed"
 LOG_NAME = re.compile(rf"^(?P<setting>.+)-(?P<family>{'|'.join(map(re.escape, FAMILIES))})-s(?P<seed>\d+)\.log$")
-EPOCH_LINE = re.compile(r"epoch (\d+)/\d+: .*kept_nodes=\[([\d, ]*)\]")
+EPOCH_LINE = re.compile(r"epoch (\d+)/\d+: .*val_acc=([\d.]+), kept_nodes=\[([\d, ]*)\]")
 TEST_LINE = re.compile(r"test accuracy ([\d.]+), NLL [\d.naif]+, ECE [\d.naif]+; kept nodes \[[\d, ]*\]; "
                        r"compression ([\d.]+), FLOPs ratio ([\d.]+)")
 
@@ -52,6 +53,7 @@ def rows_of_json(path):
     return [{"family": r["family"], "seed": r["seed"], "setting": setting, "accuracy": r["accuracy"],
              "flops_ratio": r["flops_ratio"], "compression": r["compression"],
              "kept_per_epoch": r.get("kept_per_epoch") or [], "latency_ratio": r.get("latency_ratio"),
+             "val_accuracy": (r.get("val_accuracy_per_epoch") or [None])[-1],
              "source": path.name} for r in d["rows"] if "median_model_empty" not in r]
 
 
@@ -61,9 +63,10 @@ def row_of_log(path):
         raise SourceError(f"{path}: a log's name must be <setting>-<family>-s<seed>.log, families {FAMILIES}")
     text = path.read_text(errors="replace")
     test = TEST_LINE.findall(text)
-    kept = {}
-    for epoch, units in EPOCH_LINE.findall(text):   # a resumed run logs its epochs again: the last one counts
+    kept, val = {}, {}
+    for epoch, acc, units in EPOCH_LINE.findall(text):   # a resumed run logs its epochs again: the last counts
         kept[int(epoch)] = [int(u) for u in units.split(",") if u.strip()]
+        val[int(epoch)] = float(acc)
     setting = m["setting"] if m["setting"] != "base" else AS_COMMITTED
     if not test:   # stopped before the end of training: listed, not counted
         return {"family": m["family"], "seed": int(m["seed"]), "setting": setting, "unfinished": len(kept),
@@ -71,7 +74,8 @@ def row_of_log(path):
     acc, compression, flops = map(float, test[-1])
     return {"family": m["family"], "seed": int(m["seed"]), "setting": setting, "accuracy": acc,
             "flops_ratio": flops, "compression": compression,
-            "kept_per_epoch": [kept[e] for e in sorted(kept)], "latency_ratio": None, "source": path.name}
+            "kept_per_epoch": [kept[e] for e in sorted(kept)], "latency_ratio": None, "source": path.name,
+            "val_accuracy": val[max(val)] if val else None}
 
 
 def collect(paths):
@@ -84,8 +88,10 @@ def collect(paths):
         for r in rows_of_json(p) if p.suffix == ".json" else [row_of_log(p)]:
             if "unfinished" in r:
                 unfinished.append(r)
-            else:
-                rows.setdefault((r["family"], r["setting"], r["seed"]), r)
+                continue
+            kept = rows.setdefault((r["family"], r["setting"], r["seed"]), r)
+            if kept["val_accuracy"] is None:   # results written before they kept it: from the run's log
+                kept["val_accuracy"] = r["val_accuracy"]
     return rows, [r for r in unfinished if (r["family"], r["setting"], r["seed"]) not in rows]
 
 
@@ -116,6 +122,8 @@ def summarise(rows):
         entry = {"family": family, "setting": setting, "seeds": [r["seed"] for r in runs],
                  "accuracy": _mean_sd(acc), "flops": _mean_sd(flops),
                  "compression": _mean_sd([100 * r["compression"] for r in runs]),
+                 "val_accuracy": _mean_sd([100 * r["val_accuracy"] for r in runs])
+                 if all(r["val_accuracy"] is not None for r in runs) else "-",
                  "late_empty": {r["seed"]: late_empty_epochs(r) for r in runs if late_empty_epochs(r)}}
         if family in TARGET:
             ta, tf = TARGET[family]
@@ -126,25 +134,28 @@ def summarise(rows):
     return out
 
 
-def markdown(title, summary, rows, unfinished):
-    lines = [f"# {title}", "",
+def markdown(title, summary, rows, unfinished, notes=""):
+    lines = [f"# {title}", "", *([notes, ""] if notes else []),
              "| model | setting | seeds | accuracy, median model (%) | pruned FLOPs (%) | compression (%) | "
-             "issue 20's target | paper (1,200 epochs) | met | empty median model after epoch 3 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "issue 20's target | paper (1,200 epochs) | met | empty median model after epoch 3 | "
+             "validation accuracy, last epoch (%) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         label = PAPER_LABEL[s["family"]]
         target = ">= {} at <= {}".format(*TARGET[s["family"]]) if s["family"] in TARGET else ""
         paper = "{} / {}".format(*PAPER[label]) if label in PAPER else ""
         empty = "; ".join(f"seed {k}: epochs {v}" for k, v in s["late_empty"].items()) or "none"
         lines.append(f"| {label} | {s['setting']} | {', '.join(map(str, s['seeds']))} | {s['accuracy']} | "
-                     f"{s['flops']} | {s['compression']} | {target} | {paper} | {s.get('met', '')} | {empty} |")
+                     f"{s['flops']} | {s['compression']} | {target} | {paper} | {s.get('met', '')} | {empty} | {s['val_accuracy']} |")
     lines += ["", "| model | setting | seed | accuracy, median model (%) | pruned FLOPs (%) | compression (%) | "
-              "kept units at the end | latency ratio | source |", "|---|---|---|---|---|---|---|---|---|"]
+              "kept units at the end | validation accuracy, last epoch (%) | latency ratio | source |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for (family, setting, seed), r in sorted(rows.items(), key=_order):
         lat = "not measured" if r["latency_ratio"] is None else f"{r['latency_ratio']:.3f}"
         kept = r["kept_per_epoch"][-1] if r["kept_per_epoch"] else "-"
+        val = "-" if r["val_accuracy"] is None else f"{100 * r['val_accuracy']:.1f}"
         lines.append(f"| {PAPER_LABEL[family]} | {setting} | {seed} | {100 * r['accuracy']:.2f} | "
-                     f"{100 * r['flops_ratio']:.2f} | {100 * r['compression']:.2f} | {kept} | {lat} | {r['source']} |")
+                     f"{100 * r['flops_ratio']:.2f} | {100 * r['compression']:.2f} | {kept} | {val} | {lat} | {r['source']} |")
     if unfinished:
         lines += ["", "Stopped before the end of training (left out): " + "; ".join(
             f"{PAPER_LABEL[r['family']]} {r['setting']} seed {r['seed']} after {r['unfinished']} epochs ({r['source']})"
@@ -195,6 +206,7 @@ def main(argv=None):
     ap.add_argument("out", help="path without suffix: .md, .json and .png are written")
     ap.add_argument("sources", nargs="+", type=Path, help="structured_sparsity.py .json results or train logs")
     ap.add_argument("--title", default="Paper 000's comparison (structured_sparsity.py runs)")
+    ap.add_argument("--notes", default="", help="markdown put under the title: how and where the runs were made")
     args = ap.parse_args(argv)
     try:
         rows, unfinished = collect(args.sources)
@@ -203,7 +215,7 @@ def main(argv=None):
         return 2
     summary = summarise(rows)
     out = Path(args.out)
-    md = markdown(args.title, summary, rows, unfinished)
+    md = markdown(args.title, summary, rows, unfinished, args.notes)
     write_json(out.with_suffix(".json"), {"summary": summary, "rows": list(rows.values()), "unfinished": unfinished,
                                           "sources": [str(p) for p in args.sources], "provenance": provenance(None)})
     with atomic_path(out.with_suffix(".md")) as tmp:

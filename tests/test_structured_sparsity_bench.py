@@ -76,6 +76,7 @@ def test_table_merges_logs_by_family_and_setting_and_flags_empty_median_models(t
     committed = summary[("ss-gl", "as committed")]
     assert committed["seeds"] == [0, 1] and committed["accuracy"] == "98.50 ± 0.00" and committed["flops"] == "12.00 ± 0.00"
     assert committed["late_empty"] == {"1": [4]} and committed["met"] == "FLOPs only"   # 98.5 < 98.8, 12 <= 15
+    assert committed["val_accuracy"] == "90.00 ± 0.00"   # the last epoch's, from the logs
     md = out.with_suffix(".md").read_text()
     assert "seed 1: epochs [4]" in md and "SS-GHS as committed seed 2 after 1 epochs" in md
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
