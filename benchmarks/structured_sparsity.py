@@ -45,8 +45,10 @@ FAMILIES = ("dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs")
 PAPER_LABEL = {"dnn": "DNN", "bnn": "BNN", "ss-ig": "SS-IG", "ss-gl": "SS-GL", "ss-ghs": "SS-GHS"}
 
 
-def variant(cfg, family, seed, epochs, batch_size):
-    """The config for one run. DNN and BNN take appendix A.4's baseline learning rate (1e-4) with Adam."""
+def variant(cfg, family, seed, epochs, batch_size, scale_lr_families=("ss-gl", "ss-ghs")):
+    """The config for one run. DNN and BNN take appendix A.4's baseline learning rate (1e-4) with Adam.
+    train.scale_lr stays only for the families in `scale_lr_families` (main: the config file's own family, the
+    one it was chosen for, or SS-GL and SS-GHS when --set gives it); the other rows run without it."""
     v = copy.deepcopy(cfg)
     v.model.family, v.seed = family, seed
     v.name = f"{cfg.name}-{family}-s{seed}"
@@ -55,8 +57,10 @@ def variant(cfg, family, seed, epochs, batch_size):
         v.train.lr_milestones = [m for m in v.train.lr_milestones if m <= epochs]
     if batch_size:
         v.train.batch_size = batch_size
+    if family not in scale_lr_families:
+        v.train.scale_lr = None
     if family in ("dnn", "bnn"):   # no inclusion logits to schedule
-        v.train.inclusion_lr, v.train.rho_lr, v.train.scale_lr, v.train.kl_warmup_ordered = None, None, None, False
+        v.train.inclusion_lr, v.train.rho_lr, v.train.kl_warmup_ordered = None, None, False
         if v.train.optimizer == "adam":
             v.train.lr = 1e-4
     v.train.kl_warmup_epochs = min(v.train.kl_warmup_epochs, v.train.epochs)
@@ -237,11 +241,13 @@ def main(argv=None):
         ap.error("--train-only and --measure-only exclude each other")
 
     cfg = with_settings(args.config, args.set)
+    scale_lr_families = (("ss-gl", "ss-ghs") if any(s.startswith("train.scale_lr=") for s in args.set)
+                         else (cfg.model.family,))
     profile = load_device_profile("local")
     runs, untrained = [], []
     for seed in args.seeds:
         for family in args.families:
-            v = variant(cfg, family, seed, args.epochs, args.batch_size)
+            v = variant(cfg, family, seed, args.epochs, args.batch_size, scale_lr_families)
             ctx = Context(v, profile, runs_dir=Path(args.runs_dir), config_path=args.config)
             if args.measure_only and not ctx.is_fresh("train"):
                 untrained.append(f"{PAPER_LABEL[family]} seed {seed}")

@@ -84,3 +84,15 @@ def test_table_merges_logs_by_family_and_setting_and_flags_empty_median_models(t
     (tmp_path / "ss-gl-s0.log").write_text("")   # no setting in the name
     assert table.main([str(tmp_path / "u"), str(tmp_path / "ss-gl-s0.log")]) == 2
     assert not (tmp_path / "u.md").exists()
+
+
+def test_scale_lr_of_the_config_stays_with_its_family():
+    """configs/mnist-lenet5-ssgl.yaml sets train.scale_lr for SS-GL; the benchmark's other rows derived from it
+    must run as their own configs do (SS-IG and the baselines would refuse it, SS-GHS's config has none)."""
+    cfg = structured_sparsity.with_settings(str(ROOT / "configs/mnist-lenet5-ssgl.yaml"), [])
+    assert cfg.train.scale_lr == 0.01
+    own = (cfg.model.family,)
+    assert structured_sparsity.variant(cfg, "ss-gl", 0, 2, None, own).train.scale_lr == 0.01
+    for family in ("dnn", "bnn", "ss-ig", "ss-ghs"):
+        assert structured_sparsity.variant(cfg, family, 0, 2, None, own).train.scale_lr is None
+    assert structured_sparsity.variant(cfg, "ss-ghs", 0, 2, None, ("ss-gl", "ss-ghs")).train.scale_lr == 0.01
