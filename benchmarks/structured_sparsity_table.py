@@ -8,7 +8,7 @@ A SOURCE is either a results .json (every row in it) or a train log named `<sett
 (its train stage's own test evaluation: the same `evaluate` call, split, seed and 10 MC samples as the
 benchmark's, printed to 3 decimals, so compression and FLOPs are to 0.1 point). A run found in both keeps the
 JSON's figures. The setting of a JSON row is its `--set` list; of a log, the name before the family, where
-`base` is the configs as committed. Rows are grouped by (family, setting), mean and sample standard deviation
+`base` (shown as "config file") is the config as given. Rows are grouped by (family, setting), mean and sample standard deviation
 over seeds, beside issue 20's targets, the paper's 1,200-epoch figures and the validation accuracy at the last
 epoch (the trainer's record, from the JSON or else the run's log), by which settings are chosen. The median model of a run is empty
 at the end of an epoch when a layer's kept units are 0; the table lists such epochs after the first 3.
@@ -34,7 +34,7 @@ from edgebayes.provenance import provenance, read_json, write_json  # noqa: E402
 # Issue 20's done-when: median-model accuracy at least (%) with pruned FLOPs at most (%), at <= 20 epochs
 TARGET = {"ss-ig": (98.6, 15.0), "ss-gl": (98.8, 15.0), "ss-ghs": (98.9, 12.5)}
 PAPER = {label: (acc[0], flops[0]) for label, _, acc, _, flops in PAPER_ROWS}   # SS-IG: (98.68, 15.05), ...
-AS_COMMITTED = "as committed"
+AS_COMMITTED = "config file"
 LOG_NAME = re.compile(rf"^(?P<setting>.+)-(?P<family>{'|'.join(map(re.escape, FAMILIES))})-s(?P<seed>\d+)\.log$")
 EPOCH_LINE = re.compile(r"epoch (\d+)/\d+: .*val_acc=([\d.]+), kept_nodes=\[([\d, ]*)\]")
 TEST_LINE = re.compile(r"test accuracy ([\d.]+), NLL [\d.naif]+, ECE [\d.naif]+; kept nodes \[[\d, ]*\]; "

@@ -72,13 +72,13 @@ def test_table_merges_logs_by_family_and_setting_and_flags_empty_median_models(t
     out = tmp_path / "t"
     assert table.main([str(out), *map(str, sorted(tmp_path.glob("*.log")))]) == 0
     summary = {(s["family"], s["setting"]): s for s in json.loads(out.with_suffix(".json").read_text())["summary"]}
-    assert set(summary) == {("ss-gl", "as committed"), ("ss-gl", "train.scale_lr=1e-2")}
-    committed = summary[("ss-gl", "as committed")]
+    assert set(summary) == {("ss-gl", "config file"), ("ss-gl", "train.scale_lr=1e-2")}
+    committed = summary[("ss-gl", "config file")]
     assert committed["seeds"] == [0, 1] and committed["accuracy"] == "98.50 ± 0.00" and committed["flops"] == "12.00 ± 0.00"
     assert committed["late_empty"] == {"1": [4]} and committed["met"] == "FLOPs only"   # 98.5 < 98.8, 12 <= 15
     assert committed["val_accuracy"] == "90.00 ± 0.00"   # the last epoch's, from the logs
     md = out.with_suffix(".md").read_text()
-    assert "seed 1: epochs [4]" in md and "SS-GHS as committed seed 2 after 1 epochs" in md
+    assert "seed 1: epochs [4]" in md and "SS-GHS config file seed 2 after 1 epochs" in md
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
     (tmp_path / "ss-gl-s0.log").write_text("")   # no setting in the name
