@@ -45,7 +45,7 @@ FAMILIES = ("dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs")
 PAPER_LABEL = {"dnn": "DNN", "bnn": "BNN", "ss-ig": "SS-IG", "ss-gl": "SS-GL", "ss-ghs": "SS-GHS"}
 
 
-def variant(cfg, family, seed, epochs, batch_size, scale_lr_families=("ss-gl", "ss-ghs")):
+def variant(cfg, family, seed, epochs, batch_size, scale_lr_families):
     """The config for one run. DNN and BNN take appendix A.4's baseline learning rate (1e-4) with Adam.
     train.scale_lr stays only for the families in `scale_lr_families` (main: the config file's own family, the
     one it was chosen for, or SS-GL and SS-GHS when --set gives it); the other rows run without it."""

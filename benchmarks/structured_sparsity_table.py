@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "reproduce"))
 from paper000_table1 import ROWS as PAPER_ROWS  # noqa: E402
-from structured_sparsity import FAMILIES, PAPER_LABEL  # noqa: E402
+from structured_sparsity import FAMILIES, PAPER_LABEL, _mean_spread, empty_epochs  # noqa: E402
 
 from edgebayes.ondevice.atomic import atomic_path  # noqa: E402
 from edgebayes.provenance import provenance, read_json, write_json  # noqa: E402
@@ -97,17 +97,14 @@ def collect(paths):
 
 def late_empty_epochs(r):
     """Epochs after the first 3 at whose end a layer of the median model kept no unit."""
-    return [e for e, units in enumerate(r["kept_per_epoch"], 1) if e > 3 and units and min(units) == 0]
+    history = [{"epoch": e, "kept_nodes": units} for e, units in enumerate(r["kept_per_epoch"], 1)]
+    return [e for e in empty_epochs(history) if e > 3]
 
 
 def _order(item):
     """Rows in the paper's order of families, the committed configs first, then by setting and seed."""
     (family, setting, seed), _ = item
     return FAMILIES.index(family), setting != AS_COMMITTED, setting, seed
-
-
-def _mean_sd(values):
-    return f"{statistics.mean(values):.2f}" + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else "")
 
 
 def summarise(rows):
@@ -120,11 +117,11 @@ def summarise(rows):
         acc = [100 * r["accuracy"] for r in runs]
         flops = [100 * r["flops_ratio"] for r in runs]
         entry = {"family": family, "setting": setting, "seeds": [r["seed"] for r in runs],
-                 "accuracy": _mean_sd(acc), "flops": _mean_sd(flops),
-                 "compression": _mean_sd([100 * r["compression"] for r in runs]),
-                 "val_accuracy": _mean_sd([100 * r["val_accuracy"] for r in runs])
+                 "accuracy": _mean_spread(acc), "flops": _mean_spread(flops),
+                 "compression": _mean_spread([100 * r["compression"] for r in runs]),
+                 "val_accuracy": _mean_spread([100 * r["val_accuracy"] for r in runs])
                  if all(r["val_accuracy"] is not None for r in runs) else "-",
-                 "late_empty": {r["seed"]: late_empty_epochs(r) for r in runs if late_empty_epochs(r)}}
+                 "late_empty": {r["seed"]: late for r in runs if (late := late_empty_epochs(r))}}
         if family in TARGET:
             ta, tf = TARGET[family]
             a_ok, f_ok = statistics.mean(acc) >= ta, statistics.mean(flops) <= tf
