@@ -29,12 +29,14 @@ from paper000_table1 import ROWS as PAPER_ROWS  # noqa: E402
 from structured_sparsity import FAMILIES, PAPER_LABEL, _mean_spread, empty_epochs  # noqa: E402
 
 from edgebayes.ondevice.atomic import atomic_path  # noqa: E402
+from edgebayes.errors import CorruptFileError  # noqa: E402
 from edgebayes.provenance import provenance, read_json, write_json  # noqa: E402
 
 # Issue 20's done-when: median-model accuracy at least (%) with pruned FLOPs at most (%), at <= 20 epochs
 TARGET = {"ss-ig": (98.6, 15.0), "ss-gl": (98.8, 15.0), "ss-ghs": (98.9, 12.5)}
 PAPER = {label: (acc[0], flops[0]) for label, _, acc, _, flops in PAPER_ROWS}   # SS-IG: (98.68, 15.05), ...
 AS_COMMITTED = "config file"
+ROW_FIELDS = ("family", "seed", "accuracy", "flops_ratio", "compression")   # what is read of a results row
 LOG_NAME = re.compile(rf"^(?P<setting>.+)-(?P<family>{'|'.join(map(re.escape, FAMILIES))})-s(?P<seed>\d+)\.log$")
 EPOCH_LINE = re.compile(r"epoch (\d+)/\d+: .*val_acc=([\d.]+), kept_nodes=\[([\d, ]*)\]")
 TEST_LINE = re.compile(r"test accuracy ([\d.]+), NLL [\d.naif]+, ECE [\d.naif]+; kept nodes \[[\d, ]*\]; "
@@ -46,9 +48,17 @@ class SourceError(ValueError):
 
 
 def rows_of_json(path):
-    d = read_json(path)
+    try:
+        d = read_json(path)
+    except CorruptFileError as e:
+        raise SourceError(str(e)) from None
     if not isinstance(d, dict) or not isinstance(d.get("rows"), list):
         raise SourceError(f"{path}: no 'rows' list (not a structured_sparsity.py result)")
+    for i, r in enumerate(d["rows"]):
+        needed = ROW_FIELDS[:2] if "median_model_empty" in r else ROW_FIELDS   # an empty model has no figures
+        missing = [k for k in needed if k not in r]
+        if missing:
+            raise SourceError(f"{path}: rows[{i}] lacks {', '.join(missing)} (not a structured_sparsity.py result)")
     setting = ", ".join(d.get("settings") or []) or AS_COMMITTED
     return [{"family": r["family"], "seed": r["seed"], "setting": setting, "accuracy": r["accuracy"],
              "flops_ratio": r["flops_ratio"], "compression": r["compression"],

@@ -63,7 +63,7 @@ def _train_log(path, kept, test=True):
     path.write_text("\n".join(lines) + "\n")
 
 
-def test_table_merges_logs_by_family_and_setting_and_flags_empty_median_models(tmp_path):
+def test_table_merges_logs_by_family_and_setting_and_flags_empty_median_models(tmp_path, capsys):
     import structured_sparsity_table as table
     _train_log(tmp_path / "base-ss-gl-s0.log", [[5, 5], [3, 3]])
     _train_log(tmp_path / "base-ss-gl-s1.log", [[5, 5], [3, 3], [2, 2], [0, 4], [2, 2]])   # epoch 4 empty
@@ -82,7 +82,12 @@ def test_table_merges_logs_by_family_and_setting_and_flags_empty_median_models(t
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
     (tmp_path / "ss-gl-s0.log").write_text("")   # no setting in the name
-    assert table.main([str(tmp_path / "u"), str(tmp_path / "ss-gl-s0.log")]) == 2
+    (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "other.json").write_text('{"rows": [{"family": "ss-gl", "seed": 0}]}')
+    for bad, says in (("ss-gl-s0.log", "<setting>-<family>-s<seed>.log"), ("broken.json", "not valid JSON"),
+                      ("other.json", "rows[0] lacks accuracy, flops_ratio, compression")):
+        assert table.main([str(tmp_path / "u"), str(tmp_path / bad)]) == 2
+        assert says in capsys.readouterr().err
     assert not (tmp_path / "u.md").exists()
 
 
