@@ -8,7 +8,8 @@ A SOURCE is either a results .json (every row in it) or a train log named `<sett
 (its train stage's own test evaluation: the same `evaluate` call, split, seed and 10 MC samples as the
 benchmark's, printed to 3 decimals, so compression and FLOPs are to 0.1 point). A run found in both keeps the
 JSON's figures. The setting of a JSON row is its `--set` list; of a log, the name before the family, where
-`base` (shown as "config file") is the config as given. Rows are grouped by (family, setting), mean and sample standard deviation
+`base` (shown as "config file") is the config as given and several settings are joined by commas
+(`train.a=1,train.b=2`, a file name without spaces). Rows are grouped by (family, setting), mean and sample standard deviation
 over seeds, beside issue 20's targets, the paper's 1,200-epoch figures and the validation accuracy at the last
 epoch (the trainer's record, from the JSON or else the run's log), by which settings are chosen. The median model of a run is empty
 at the end of an epoch when a layer's kept units are 0; the table lists such epochs after the first 3.
@@ -77,7 +78,8 @@ def row_of_log(path):
     for epoch, acc, units in EPOCH_LINE.findall(text):   # a resumed run logs its epochs again: the last counts
         kept[int(epoch)] = [int(u) for u in units.split(",") if u.strip()]
         val[int(epoch)] = float(acc)
-    setting = m["setting"] if m["setting"] != "base" else AS_COMMITTED
+    # the same label as a JSON row of the same --set list
+    setting = ", ".join(m["setting"].split(",")) if m["setting"] != "base" else AS_COMMITTED
     if not test:   # stopped before the end of training: listed, not counted
         return {"family": m["family"], "seed": int(m["seed"]), "setting": setting, "unfinished": len(kept),
                 "source": path.name}

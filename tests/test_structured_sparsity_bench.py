@@ -68,11 +68,13 @@ def test_table_merges_logs_by_family_and_setting_and_flags_empty_median_models(t
     _train_log(tmp_path / "base-ss-gl-s0.log", [[5, 5], [3, 3]])
     _train_log(tmp_path / "base-ss-gl-s1.log", [[5, 5], [3, 3], [2, 2], [0, 4], [2, 2]])   # epoch 4 empty
     _train_log(tmp_path / "train.scale_lr=1e-2-ss-gl-s0.log", [[5, 5]])
+    _train_log(tmp_path / "train.a=1,train.b=2-ss-gl-s0.log", [[5, 5]])   # two --set: a JSON row's label
     _train_log(tmp_path / "base-ss-ghs-s2.log", [[5, 5]], test=False)                    # still training
     out = tmp_path / "t"
     assert table.main([str(out), *map(str, sorted(tmp_path.glob("*.log")))]) == 0
     summary = {(s["family"], s["setting"]): s for s in json.loads(out.with_suffix(".json").read_text())["summary"]}
-    assert set(summary) == {("ss-gl", "config file"), ("ss-gl", "train.scale_lr=1e-2")}
+    assert set(summary) == {("ss-gl", "config file"), ("ss-gl", "train.scale_lr=1e-2"),
+                            ("ss-gl", "train.a=1, train.b=2")}
     committed = summary[("ss-gl", "config file")]
     assert committed["seeds"] == [0, 1] and committed["accuracy"] == "98.50 ± 0.00" and committed["flops"] == "12.00 ± 0.00"
     assert committed["late_empty"] == {"1": [4]} and committed["met"] == "FLOPs only"   # 98.5 < 98.8, 12 <= 15
