@@ -14,6 +14,13 @@ seeds). Timing takes /tmp/edgebayes-bench.lock so timing runs of parallel sessio
     python benchmarks/structured_sparsity.py --config configs/mnist-lenet5-ssghs.yaml --seeds 0 \
         --epochs 12 --batch-size 128 --out benchmarks/results/lenet5-mnist-cpu
 
+Several configs (`--config A.yaml B.yaml ...`): each family's rows are trained from the config whose
+model.family it is, so that every spike-and-slab row runs exactly its own config file; a family without one
+(DNN, BNN) is derived from the first. Paper 000's comparison as committed:
+
+    python benchmarks/structured_sparsity.py --config configs/mnist-lenet5-ss{gl,ig,ghs}.yaml --seeds 0 1 2 \
+        --epochs 20 --batch-size 128 --out benchmarks/results/lenet5-mnist-20ep
+
 Training settings to compare: `--set train.lr_milestones=[15]` (repeatable; YAML values, validated like the
 config file) changes the config before the families are derived, and the results name the changes. Runs of
 several settings or seeds can train in parallel processes (`--train-only`, one `--runs-dir` per setting),
@@ -65,6 +72,20 @@ def variant(cfg, family, seed, epochs, batch_size, scale_lr_families):
             v.train.lr = 1e-4
     v.train.kl_warmup_epochs = min(v.train.kl_warmup_epochs, v.train.epochs)
     return v
+
+
+def configs_by_family(paths, settings):
+    """{family: (path, config with `settings`)} for each config's model.family, and None: the first config, from
+    which the families without a config of their own are derived. Two configs of one family are an error."""
+    configs = {}
+    for path in paths:
+        cfg = with_settings(path, settings)
+        family = cfg.model.family
+        if family in configs:
+            raise SystemExit(f"--config: {configs[family][0]} and {path} are both {family} configs; give one per family")
+        configs[family] = (path, cfg)
+        configs.setdefault(None, (path, cfg))
+    return configs
 
 
 def with_settings(config_path, settings):
@@ -188,20 +209,29 @@ def markdown(rows, title, facts):
     return "\n".join(lines) + "\n"
 
 
-def write_results(args, cfg, rows, untrained, pending):
-    """<out>.json and <out>.md of the rows measured so far (atomically); returns the md."""
+def spike_slab_optimizer(t):
+    """The spike-and-slab optimizer settings of a config's train section, in words."""
+    return (f"Adam {t.lr}, inclusion logits at {t.inclusion_lr or t.lr}, the slab's rho at {t.rho_lr or t.lr}"
+            f"{f', the scale variables at {t.scale_lr}' if t.scale_lr else ''}, KL warm-up {t.kl_warmup_epochs} "
+            f"epochs{' (ordered: train/trainer.py)' if t.kl_warmup_ordered else ''}, the exact ELBO after it"
+            f"{f'; learning rate times {t.lr_gamma} after epochs {t.lr_milestones}' if t.lr_milestones else ''}")
+
+
+def write_results(args, cfg, family_configs, rows, untrained, pending):
+    """<out>.json and <out>.md of the rows measured so far (atomically); returns the md. `cfg`: the first
+    config as given; `family_configs`: {family: (config path, the config its runs train)}."""
     epochs = args.epochs or cfg.train.epochs
     t = cfg.train
-    facts = [f"Config `{args.config}` ({cfg.model.arch} on {cfg.data.dataset}), {epochs} epochs "
+    optimizer = "; ".join(f"{PAPER_LABEL[f]} (`{p}`) {spike_slab_optimizer(c.train)}"
+                          for f, (p, c) in family_configs.items() if f not in ("dnn", "bnn"))
+    facts = [f"Config{'s' if len(args.config) > 1 else ''} {', '.join(f'`{p}`' for p in args.config)} "
+             f"({cfg.model.arch} on {cfg.data.dataset}), {epochs} epochs "
              f"(paper: {t.epochs}), batch {args.batch_size or t.batch_size}, seeds {args.seeds}; "
              "test split, 10 MC samples: accuracy with z ~ q(z) (the paper's estimator) and of the median "
              "model (inclusion threshold 0.5, what export deploys). Compression and pruned FLOPs by paper 000 "
              "(appendix A.1, by the masks); physical FLOPs of the network after surgery; latency of one "
              "posterior sample at batch 1, onnxruntime CPU, 2 threads, median of 7 interleaved rounds of 200 calls.",
-             "", f"Optimizer: DNN and BNN Adam 1e-4 (appendix A.4); spike-and-slab rows Adam {t.lr}, inclusion "
-             f"logits at {t.inclusion_lr or t.lr}, the slab's rho at {t.rho_lr or t.lr}, KL warm-up "
-             f"{t.kl_warmup_epochs} epochs{' (ordered: train/trainer.py)' if t.kl_warmup_ordered else ''}, the exact "
-             f"ELBO after it{f'; learning rate times {t.lr_gamma} after epochs {t.lr_milestones}' if t.lr_milestones else ''}."]
+             "", f"Optimizer: DNN and BNN Adam 1e-4 (appendix A.4){'; ' + optimizer if optimizer else ''}."]
     if args.set:
         facts += ["", "Changed from the config file: " + ", ".join(f"`{s}`" for s in args.set) + "."]
     if untrained:
@@ -220,7 +250,8 @@ def write_results(args, cfg, rows, untrained, pending):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", required=True, nargs="+",
+                    help="one config, or one per family (each family's rows from its own; DNN/BNN from the first)")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--epochs", type=int, help="override train.epochs (say so in the results)")
@@ -240,15 +271,18 @@ def main(argv=None):
     if args.train_only and args.measure_only:
         ap.error("--train-only and --measure-only exclude each other")
 
-    cfg = with_settings(args.config, args.set)
-    scale_lr_families = (("ss-gl", "ss-ghs") if any(s.startswith("train.scale_lr=") for s in args.set)
-                         else (cfg.model.family,))
+    configs = configs_by_family(args.config, args.set)
+    set_scale_lr = any(s.startswith("train.scale_lr=") for s in args.set)
     profile = load_device_profile("local")
+    family_configs = {}   # family -> (config path, the config of its first seed): what the results describe
     runs, untrained = [], []
     for seed in args.seeds:
         for family in args.families:
-            v = variant(cfg, family, seed, args.epochs, args.batch_size, scale_lr_families)
-            ctx = Context(v, profile, runs_dir=Path(args.runs_dir), config_path=args.config)
+            path, source = configs.get(family, configs[None])
+            scale_lr_families = ("ss-gl", "ss-ghs") if set_scale_lr else (source.model.family,)
+            v = variant(source, family, seed, args.epochs, args.batch_size, scale_lr_families)
+            family_configs.setdefault(family, (path, v))
+            ctx = Context(v, profile, runs_dir=Path(args.runs_dir), config_path=path)
             if args.measure_only and not ctx.is_fresh("train"):
                 untrained.append(f"{PAPER_LABEL[family]} seed {seed}")
             else:
@@ -256,12 +290,12 @@ def main(argv=None):
     rows = []
     label = [f"{PAPER_LABEL[c.cfg.model.family]} seed {c.cfg.seed}" for c in runs]
     if not args.train_only:
-        md = write_results(args, cfg, rows, untrained, label)
+        md = write_results(args, configs[None][1], family_configs, rows, untrained, label)
     for i, ctx in enumerate(runs):
         run_stage(ctx, "train")
         if not args.train_only:   # written after every run, so an interrupted measurement keeps what it has
             rows.append(measure(ctx, print, latency=not args.no_latency))
-            md = write_results(args, cfg, rows, untrained, label[i + 1:])
+            md = write_results(args, configs[None][1], family_configs, rows, untrained, label[i + 1:])
     if not args.train_only:
         print(md)
     return 0

@@ -103,3 +103,23 @@ def test_scale_lr_of_the_config_stays_with_its_family():
     for family in ("dnn", "bnn", "ss-ig", "ss-ghs"):
         assert structured_sparsity.variant(cfg, family, 0, 2, None, own).train.scale_lr is None
     assert structured_sparsity.variant(cfg, "ss-ghs", 0, 2, None, ("ss-gl", "ss-ghs")).train.scale_lr == 0.01
+
+
+def test_each_family_trains_from_its_own_config(tmp_path):
+    """With one config per family, every spike-and-slab row runs exactly its own config file (its optimizer
+    settings included); DNN / BNN come from the first; two configs of one family are refused."""
+    gl, ghs = (str(ROOT / f"configs/mnist-lenet5-{n}.yaml") for n in ("ssgl", "ssghs"))
+    configs = structured_sparsity.configs_by_family([gl, ghs], ["train.rho_lr=1e-2"])
+    assert configs[None][0] == gl and configs["ss-ghs"][0] == ghs and "ss-ig" not in configs
+    assert configs["ss-ghs"][1].name == "mnist-lenet5-ssghs" and configs["ss-ghs"][1].train.rho_lr == 0.01
+    with pytest.raises(SystemExit, match="both ss-gl configs"):
+        structured_sparsity.configs_by_family([gl, gl], [])
+
+    out = tmp_path / "r"
+    assert structured_sparsity.main(["--config", gl, ghs, "--families", "dnn", "ss-gl", "ss-ghs", "--epochs", "2",
+                                     "--runs-dir", str(tmp_path / "runs"), "--measure-only", "--out", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    # SS-GL's own scale_lr is named for SS-GL and for no other row; SS-GHS's settings come from its own file
+    assert f"SS-GL (`{gl}`) Adam 0.001, inclusion logits at 0.01, the slab's rho at 0.003, the scale variables at 0.01" in md
+    assert f"SS-GHS (`{ghs}`) Adam 0.001, inclusion logits at" in md and md.count("the scale variables") == 1
+    assert json.loads(out.with_suffix(".json").read_text())["untrained"] == ["DNN seed 0", "SS-GL seed 0", "SS-GHS seed 0"]
