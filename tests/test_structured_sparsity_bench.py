@@ -120,6 +120,7 @@ def test_each_family_trains_from_its_own_config(tmp_path):
                                      "--runs-dir", str(tmp_path / "runs"), "--measure-only", "--out", str(out)]) == 0
     md = out.with_suffix(".md").read_text()
     # SS-GL's own scale_lr is named for SS-GL and for no other row; SS-GHS's settings come from its own file
-    assert f"SS-GL (`{gl}`) Adam 0.001, inclusion logits at 0.01, the slab's rho at 0.003, the scale variables at 0.01" in md
+    logits = structured_sparsity.with_settings(gl, []).train.inclusion_lr
+    assert f"SS-GL (`{gl}`) Adam 0.001, inclusion logits at {logits}, the slab's rho at 0.003, the scale variables at 0.01" in md
     assert f"SS-GHS (`{ghs}`) Adam 0.001, inclusion logits at" in md and md.count("the scale variables") == 1
     assert json.loads(out.with_suffix(".json").read_text())["untrained"] == ["DNN seed 0", "SS-GL seed 0", "SS-GHS seed 0"]
