@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import yaml
 
-from edgebayes.config import load_device_profile, load_pipeline_config
+from edgebayes.config import ConfigError, load_device_profile, load_pipeline_config
 from edgebayes.export.onnx_export import export_onnx
 from edgebayes.ondevice.atomic import atomic_path
 from edgebayes.provenance import provenance, read_json, write_json
@@ -54,8 +54,8 @@ PAPER_LABEL = {"dnn": "DNN", "bnn": "BNN", "ss-ig": "SS-IG", "ss-gl": "SS-GL", "
 
 def variant(cfg, family, seed, epochs, batch_size, scale_lr_families):
     """The config for one run. DNN and BNN take appendix A.4's baseline learning rate (1e-4) with Adam.
-    train.scale_lr stays only for the families in `scale_lr_families` (main: the config file's own family, the
-    one it was chosen for, or SS-GL and SS-GHS when --set gives it); the other rows run without it."""
+    train.scale_lr stays only for the families in `scale_lr_families` (main: the family of the config `cfg` was
+    read from, the one it was chosen for, or SS-GL and SS-GHS when --set gives it); the other rows run without it."""
     v = copy.deepcopy(cfg)
     v.model.family, v.seed = family, seed
     v.name = f"{cfg.name}-{family}-s{seed}"
@@ -91,8 +91,9 @@ def configs_by_family(paths, settings):
 def with_settings(config_path, settings):
     """The config at `config_path` with `settings` ("section.key=YAML value") applied, validated as a config
     file is (so a bad key or value is one message naming it); the config itself when there are none."""
+    cfg = load_pipeline_config(config_path)   # a missing or broken file is one message naming it
     if not settings:
-        return load_pipeline_config(config_path)
+        return cfg
     data = yaml.safe_load(Path(config_path).read_text())
     for setting in settings:
         key, sep, value = setting.partition("=")
@@ -271,7 +272,10 @@ def main(argv=None):
     if args.train_only and args.measure_only:
         ap.error("--train-only and --measure-only exclude each other")
 
-    configs = configs_by_family(args.config, args.set)
+    try:
+        configs = configs_by_family(args.config, args.set)
+    except ConfigError as e:
+        ap.error(str(e))
     set_scale_lr = any(s.startswith("train.scale_lr=") for s in args.set)
     profile = load_device_profile("local")
     family_configs = {}   # family -> (config path, the config of its first seed): what the results describe

@@ -124,3 +124,14 @@ def test_each_family_trains_from_its_own_config(tmp_path):
     assert f"SS-GL (`{gl}`) Adam 0.001, inclusion logits at {logits}, the slab's rho at 0.003, the scale variables at 0.01" in md
     assert f"SS-GHS (`{ghs}`) Adam 0.001, inclusion logits at" in md and md.count("the scale variables") == 1
     assert json.loads(out.with_suffix(".json").read_text())["untrained"] == ["DNN seed 0", "SS-GL seed 0", "SS-GHS seed 0"]
+
+
+def test_a_missing_or_broken_config_is_one_message_naming_it(tmp_path, capsys):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [\n")
+    for path, settings in ((tmp_path / "nosuch.yaml", []), (tmp_path / "nosuch.yaml", ["--set", "train.lr=1"]),
+                           (broken, ["--set", "train.lr=1"])):
+        with pytest.raises(SystemExit) as e:
+            structured_sparsity.main(["--config", CONFIG, str(path), *settings, "--measure-only", "--out", str(tmp_path / "r")])
+        assert e.value.code == 2 and str(path) in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
