@@ -68,6 +68,7 @@ def variant(cfg, family, seed, epochs, batch_size, scale_lr_families):
         v.train.scale_lr = None
     if family in ("dnn", "bnn"):   # no inclusion logits to schedule
         v.train.inclusion_lr, v.train.rho_lr, v.train.kl_warmup_ordered = None, None, False
+        v.train.flops_target = None
         if v.train.optimizer == "adam":
             v.train.lr = 1e-4
     v.train.kl_warmup_epochs = min(v.train.kl_warmup_epochs, v.train.epochs)

@@ -335,6 +335,7 @@ def test_pipeline_with_family_sqs_on_digits(tmp_path):
     cfg["name"] = "digits-sqs"
     cfg["model"]["family"] = "sqs"
     cfg["train"].update(epochs=4, kl_weight=0.01, mc_samples_eval=2)
+    cfg["train"].pop("flops_target")   # SQS has its own target (sqs.nonzero_rate)
     cfg["sqs"] = {"components": 4, "windows": "single", "nonzero_rate": 0.5, "operating_points": [0.5, 1.0],
                   "pretrain_epochs": 30, "pretrain_lr": 3.0e-3}
     cfg["select"] = {"mc_samples": [1, 2], "objective": "accuracy"}

@@ -201,6 +201,10 @@ class TrainConfig(Section):
     # with kl_warmup_ordered: the share of the KL's gradient on a unit's inclusion logit before its turn
     kl_warmup_from: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = 0.0
     kl_warmup_ordered: bool = False     # spike-and-slab: the KL reaches the units' inclusion logits in turn (trainer.py)
+    # spike-and-slab: the median model's FLOPs as a fraction of the dense network's, reached by switching the least
+    # important units off during the first flops_schedule_fraction of the steps (train/flops_target.py); null: none
+    flops_target: Optional[Rate] = None
+    flops_schedule_fraction: Rate = 0.5
 
 
 class SQSConfig(Section):
@@ -555,6 +559,8 @@ def load_pipeline_config(path) -> PipelineConfig:
     _check(not cfg.train.kl_warmup_ordered or (cfg.train.kl_warmup_epochs > 0 and cfg.model.family in _SPIKE_SLAB),
            f"{p}: train.kl_warmup_ordered", "needs train.kl_warmup_epochs > 0 and a spike-and-slab family "
            f"({', '.join(_SPIKE_SLAB)}): it orders the units of prunable layers")
+    _check(cfg.train.flops_target is None or cfg.model.family in _SPIKE_SLAB, f"{p}: train.flops_target",
+           f"only a spike-and-slab family ({', '.join(_SPIKE_SLAB)}) switches units off; leave it out (null)")
     _check(cfg.train.batch_size >= cfg.train.processes, f"{p}: train.batch_size",
            f"expected at least train.processes ({cfg.train.processes}): the batch is split over the processes")
     _check(cfg.select.objective != "ece-constrained-accuracy" or cfg.select.max_ece is not None,

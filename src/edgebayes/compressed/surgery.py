@@ -422,3 +422,68 @@ def format_report(report: dict) -> str:
         why = "; ".join(f"{n} {reason}" for reason, n in sorted(row["kept"].items(), key=lambda kv: -kv[1]))
         lines.append(f"{name:40s} {row['dead']:5d} {row['removed']:7d}  {why}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def coupled_channels(module: nn.Module, layer_names: list, example_input: torch.Tensor):
+    """The output channels of `layer_names` (Linear / Conv2d names of `module`) that can only go together.
+
+    Returns (groups, blocked): groups is a list of sets of (layer name, channel), each a group of channels
+    that Torch-Pruning's dependency graph couples (the channel of a residual stream in every block that
+    writes it, an expand channel and the depthwise channel it feeds) and that surgery removes only when all
+    of them are dead; blocked names the layers coupled to something outside `layer_names` (a layer that is
+    not listed, the model's output), whose channels cannot all go. A flops target (train/flops_target.py)
+    switches such groups off whole.
+    """
+    layers = dict(module.named_modules())
+    names = {m: n for n, m in layers.items()}
+    wanted = set(layer_names)
+    recorder = _CatRecorder()
+    try:
+        with torch.enable_grad(), recorder:
+            graph = tp.DependencyGraph().build_dependency(module.eval(), example_inputs=example_input[:1],
+                                                          verbose=False)
+    except Exception as e:
+        raise SurgeryError(f"Torch-Pruning cannot trace the module: {type(e).__name__}: {e}") from e
+    owned = _own_concats(graph, recorder.cats)
+    parent = {}
+
+    def find(a):
+        parent.setdefault(a, a)
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    blocked = set()
+    for name in layer_names:
+        root = layers[name]
+        if root not in graph.module2node:
+            blocked.add(name)
+            continue
+        fn = tp.prune_linear_out_channels if isinstance(root, nn.Linear) else tp.prune_conv_out_channels
+        _map_concats(owned)
+        group = _tp_call(name, "find the channels coupled to", lambda: graph.get_pruning_group(
+            root, fn, list(range(root.weight.shape[0]))))
+        for item in group:
+            m, handler = item.dep.target.module, item.dep.handler
+            if isinstance(m, tp.ops._OutputOp):
+                blocked.add(name)
+            elif isinstance(m, AFFINE) and graph.is_out_channel_pruning_fn(handler):
+                if names.get(m) not in wanted:
+                    blocked.add(name)
+                    continue
+                for i, r in zip(item.idxs, item.root_idxs):
+                    parent[find((names[m], int(i)))] = find((name, int(r)))
+            elif isinstance(m, nn.Conv2d) and m.groups > 1 and not _is_depthwise(m):
+                blocked.add(name)   # surgery keeps channels a grouped convolution reads (_check_group)
+    for name in layer_names:
+        for c in range(layers[name].weight.shape[0]):
+            find((name, c))
+    groups = {}
+    for unit in parent:
+        groups.setdefault(find(unit), set()).add(unit)
+    # a group touching a blocked layer is blocked whole
+    blocked |= {n for g in groups.values() if any(n in blocked for n, _ in g) for n, _ in g}
+    return list(groups.values()), blocked

@@ -70,6 +70,7 @@ from edgebayes.config import fingerprint
 from edgebayes.errors import InputError
 from edgebayes.provenance import code_version, read_json, write_json
 from edgebayes.train.accel import autocast, in_layout
+from edgebayes.train.flops_target import pruning_schedule
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 from edgebayes.train.models import build_model
 from edgebayes.train.trainer import ELBO, evaluate, train
@@ -526,13 +527,6 @@ def build_sqs(cfg, input_shape, classes, n_train):
                   tau_prime=s.tau_prime, sigma0_sq=cfg.prior.sigma0_sq, prior=s.prior,
                   nonzero_rate=s.nonzero_rate, operating_points=s.operating_points,
                   first_layer_scores=s.first_layer_scores)
-
-
-def pruning_schedule(step, total_steps, keep_init, target, fraction, power=3):
-    """Prior inclusion probability at a step: polynomial decay from keep_init to target (module docstring)."""
-    end = max(1, fraction * total_steps)
-    progress = min(1.0, step / end)
-    return target + (keep_init - target) * (1 - progress) ** power
 
 
 def pretrained_base(cfg, splits, train_dir, log=print):

@@ -96,6 +96,7 @@ from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line
 from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
 from edgebayes.train.accel import DeviceData, autocast, compile_step, hold_freed_memory, to_channels_last
+from edgebayes.train.flops_target import FlopsTargetSchedule
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.spike_slab import SCALE_VARIABLES
 
@@ -291,6 +292,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
     steps_per_epoch = math.ceil(n / t.batch_size)
     forward, kl_term = objective.prepare(model, forward, data.x[: t.batch_size], t, log)
     warmup_steps = t.kl_warmup_epochs * steps_per_epoch   # KL warm-up (module docstring); 0: none
+    flops_target = None if t.flops_target is None else FlopsTargetSchedule(   # train/flops_target.py
+        model, t, t.epochs * steps_per_epoch, cfg.prior.gamma_init, log if world.main else (lambda *_: None))
     bar = tqdm(range(start_epoch, t.epochs), desc=objective.name, unit="epoch", initial=start_epoch,
                total=t.epochs, disable=not world.main)
     for epoch in bar:
@@ -300,6 +303,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
         sums = torch.zeros(2, device=device)  # epoch means of the NLL and the KL, summed on the device
         for b, (x, y, batch) in enumerate(data.batches(epoch)):
             step = epoch * steps_per_epoch + b
+            if flops_target is not None:   # switches the least important units off at its schedule's points
+                flops_target.step(model, step)
             if t.kl_warmup_ordered and step < warmup_steps:   # per-unit factors inside the KL; its last
                 ordered_kl_warmup(model, (step + 1) / warmup_steps, t.kl_warmup_from)   # step removes them
             logits, kl = objective.terms(model, forward, kl_term, x, step, t.epochs * steps_per_epoch, device,

@@ -1,0 +1,245 @@
+"""A FLOPs target for the spike-and-slab families: a trained network fine-tuned into a smaller one (issue 33).
+
+    train:
+      flops_target: 0.25          # the median model's physical FLOPs, as a fraction of the dense network's
+      flops_schedule_fraction: 0.5   # reached after this share of the fine-tuning steps (default)
+
+Why it is needed. Started from a trained network, paper 000's ELBO switches nothing off within a fine-tuning
+budget: the inclusion probabilities start at gamma_init = 0.99 and Adam moves a logit by about the learning
+rate per step, so at lr 1e-3 a unit needs thousands of steps to cross 0.5, and the KL's pull is the same for
+every unit of a layer (train/trainer.py), so it does not tell the units apart when it does.
+
+What this does. During the first `flops_schedule_fraction` of the steps the target of the step follows the
+polynomial schedule SQS uses too (Zhu & Gupta 2017, `pruning_schedule`):
+r_t = r + (1 - r)(1 - t / (f T))^3, then stays at r. At `POINTS` evenly spaced steps of that span the units
+are ranked by importance and the least important ones have their inclusion probability set to
+1 - gamma_init (the "off" value symmetric to the initial "on" value), so that the median model
+(z = 1[gamma > 0.5], what export deploys) keeps at most r_t of the dense FLOPs. Between those points, and
+after the last, the objective is the family's exact ELBO: it trains the weights of the units that stay (with
+the switched-off ones at z ~ Ber(0.01) in training, their slab KL weighted by gamma as paper 000's centered
+KL does), and it can still move any inclusion probability. A documented deviation of the optimisation path
+of the inclusion logits, not of the objective: the logits are set, as an initialisation is, at the schedule's
+points.
+
+Importance of unit j: gamma_j times the unit's output scale, |batch-norm weight_j| where the layer owns a
+batch norm (the unit's output is z BN(conv): network slimming's measure, Liu et al. 2017) and the L2 norm of
+its weights' posterior means otherwise. gamma_j lets the posterior's own view count: a unit the ELBO has pushed
+down goes first. Units are compared within their layer only (`plan`).
+
+Only units that surgery can remove are ranked. A channel of a residual stream that other blocks write too,
+or one read by a grouped convolution, stays in the deployed network when it is dead (compressed/surgery.py),
+so switching it off would cost accuracy and save no FLOPs. Which layers those are is measured once, before
+the first step (`removable_layers`): surgery on a posterior sample with half of every prunable layer's units
+off at random; a layer is ranked when surgery removes at least half of its dead units. FLOPs are counted by
+paper 000's formula on the median model with dead units zeroed (`paper_flops(effective=True)`), which on the
+ranked layers is what surgery then removes.
+"""
+
+import copy
+import math
+
+import torch
+
+from edgebayes.compressed.structure import paper_flops
+from edgebayes.compressed.surgery import SurgeryError, coupled_channels, remove_dead_units
+from edgebayes.config import ConfigError
+
+POINTS = 10   # schedule points where units are switched off: gradual, and each costs a few FLOPs counts
+
+
+def pruning_schedule(step, total_steps, keep_init, target, fraction, power=3):
+    """The kept share at a step: polynomial decay from keep_init to target over the first `fraction` of the
+    steps, then target (Zhu & Gupta 2017). SQS's prior inclusion probability (train/sqs.py) and a FLOPs
+    target's rate (here)."""
+    end = max(1, fraction * total_steps)
+    progress = min(1.0, step / end)
+    return target + (keep_init - target) * (1 - progress) ** power
+
+
+def prunable_layers(model):
+    """[(name, layer)] of the spike-and-slab layers a FLOPs target can switch units off in."""
+    layers = getattr(model, "bayesian_layers", lambda: [])()
+    return [(n, m) for n, m in layers if getattr(m, "prunable", False) and hasattr(m, "gamma_logit")]
+
+
+@torch.no_grad()
+def importance(layer):
+    """gamma_j times unit j's output scale (module docstring)."""
+    if layer.norm is not None and getattr(layer.norm, "weight", None) is not None:
+        scale = layer.norm.weight.abs()
+    else:
+        scale = layer.weight_mu.flatten(1).norm(dim=1)
+    return (layer.inclusion_probability() * scale.to(layer.weight_mu.device)).cpu()
+
+
+@torch.no_grad()
+def _dense_sample(model):
+    """A posterior sample with every unit kept (threshold 0), as a plain module, and {layer: plain name}."""
+    plain, _ = model.posterior_sample(0.0, torch.Generator().manual_seed(0))
+    return plain, {name: model._plain_name(name, layer) for name, layer in prunable_layers(model)}
+
+
+@torch.no_grad()
+def _switch_off(plain, plain_name, keep):
+    """Zero the rows of the units `keep` leaves out (and their batch norm's scale and shift), in place."""
+    affine = plain.get_submodule(plain_name)
+    k = keep.to(affine.weight.dtype)
+    affine.weight.mul_(k.view((-1,) + (1,) * (affine.weight.dim() - 1)))
+    if affine.bias is not None:
+        affine.bias.mul_(k)
+    if plain_name.endswith(".conv"):
+        norm = plain.get_submodule(plain_name[: -len(".conv")] + ".norm")
+        norm.weight.mul_(k)
+        norm.bias.mul_(k)
+
+
+@torch.no_grad()
+def masked_flops(model, keep, plain_names=None, base=None):
+    """Paper-formula FLOPs of the model's plain twin with the units `keep` ({layer name: mask}) leaves out
+    switched off, for one example."""
+    if base is None:
+        base, plain_names = _dense_sample(model)
+    plain = {k: v.clone() for k, v in base.state_dict().items()}
+    try:
+        for name, mask in keep.items():
+            _switch_off(base, plain_names[name], mask)
+        return paper_flops(base, model.input_shape, effective=True)
+    finally:
+        base.load_state_dict(plain)
+
+
+@torch.no_grad()
+def channel_families(model, seed=0, log=print):
+    """[family]: the units a FLOPs target may switch off, in groups that go together (module docstring).
+
+    A group is a list of (layer name, unit) that surgery removes only together (compressed/surgery.py,
+    coupled_channels): a residual stream's channel in every block that writes it, an expand channel with its
+    depthwise channel; most groups are one unit. A family is the groups over the same layers (the 64 channels
+    of one residual stream); `plan` keeps the same share of every family. A family whose dead units surgery
+    still keeps in a probe (half of its groups off at random) is left whole: switching it off would cost
+    accuracy and save no FLOPs."""
+    plain, plain_names = _dense_sample(model)
+    by_plain = {p: n for n, p in plain_names.items()}
+    example = torch.zeros((1,) + tuple(model.input_shape))
+    try:
+        groups, blocked = coupled_channels(plain, list(by_plain), example)
+    except SurgeryError as e:   # compress will say so again after training; every unit its own group meanwhile
+        log(f"flops target: the network's coupled channels cannot be traced ({e}); each unit is ranked alone")
+        groups, blocked = [{(p, c)} for p in by_plain for c in range(plain.get_submodule(p).weight.shape[0])], set()
+    families = {}
+    for g in groups:
+        if not any(p in blocked for p, _ in g):
+            members = sorted((by_plain[p], c) for p, c in g)
+            families.setdefault(frozenset(n for n, _ in members), []).append(members)
+    g = torch.Generator().manual_seed(seed)
+    keep = {n: torch.ones(plain.get_submodule(p).weight.shape[0], dtype=torch.bool) for n, p in plain_names.items()}
+    for family in families.values():
+        off = torch.randperm(len(family), generator=g)[: len(family) // 2].tolist()
+        for i in off:
+            for name, unit in family[i]:
+                keep[name][unit] = False
+    for name, mask in keep.items():
+        _switch_off(plain, plain_names[name], mask)
+    report = {}
+    try:
+        remove_dead_units(plain, {plain_names[n]: m for n, m in keep.items()}, example, report=report)
+    except SurgeryError as e:
+        log(f"flops target: surgery cannot probe this network ({e}); every family is ranked")
+        return list(families.values())
+    ranked, left = [], []
+    for layers, family in families.items():
+        rows = [report.get(plain_names[n], {}) for n in layers]
+        dead, removed = sum(r.get("dead", 0) for r in rows), sum(r.get("removed", 0) for r in rows)
+        (ranked if dead == 0 or removed >= 0.5 * dead else left).append(family)
+    whole = sorted({n for n in blocked} | {n for f in left for n, _ in f[0]})
+    if whole:
+        log(f"flops target: {len(whole)} layer(s) whose dead units surgery cannot remove are kept whole "
+            f"(coupled to the output, a grouped convolution or a live channel): {', '.join(whole[:6])}"
+            f"{' ...' if len(whole) > 6 else ''}")
+    return ranked
+
+
+@torch.no_grad()
+def plan(model, target_flops, families, plain=None, plain_names=None):
+    """{layer name: kept mask} within `target_flops` (paper-formula FLOPs), and the FLOPs of that plan.
+
+    Every family keeps the same share k of its groups, its most important ones (at least one), as
+    Torch-Pruning's default per-layer ratio does: a global ranking across layers emptied the cheapest layers
+    first and left units of one (a home-made CNN fell to chance at a 25% target). A group's importance is
+    the sum of its units' importance, each over its layer's mean. k is the largest share within the target,
+    by bisection (FLOPs fall as k falls)."""
+    if plain is None:
+        plain, plain_names = _dense_sample(model)
+    layers = dict(prunable_layers(model))
+    scores = {}
+    for name, layer in layers.items():
+        s = importance(layer)
+        scores[name] = s / s.mean().clamp_min(1e-12)
+    order = [sorted(f, key=lambda g: -sum(float(scores[n][u]) for n, u in g)) for f in families]
+
+    def keep_at(k):
+        keep = {n: torch.ones(layers[n].out_units, dtype=torch.bool) for n in layers}
+        for best_first in order:
+            for group in best_first[max(1, math.ceil(k * len(best_first))):]:
+                for name, unit in group:
+                    keep[name][unit] = False
+        return keep
+
+    flops = masked_flops(model, keep_at(1.0), plain_names, plain)
+    if flops <= target_flops:
+        return keep_at(1.0), flops
+    lo_flops = masked_flops(model, keep_at(0.0), plain_names, plain)
+    if lo_flops > target_flops:
+        return keep_at(0.0), lo_flops   # the closest the ranked families can reach
+    lo, hi, best = 0.0, 1.0, lo_flops   # invariant: flops(lo) <= target < flops(hi)
+    for _ in range(14):   # k to within 1e-4: below one group of any family here
+        mid = (lo + hi) / 2
+        f = masked_flops(model, keep_at(mid), plain_names, plain)
+        if f <= target_flops:
+            lo, best = mid, f
+        else:
+            hi = mid
+    return keep_at(lo), best
+
+
+class FlopsTargetSchedule:
+    """The trainer's hook (train/trainer.py): `step(model, step)` before each optimisation step."""
+
+    def __init__(self, model, train_cfg, total_steps, gamma_init, log=print):
+        layers = prunable_layers(model)
+        if not layers:
+            raise ConfigError("train.flops_target: the network has no prunable spike-and-slab layer (model.family "
+                              "ss-ig, ss-gl or ss-ghs switches units off; other families: leave it out)")
+        self.target, self.log = float(train_cfg.flops_target), log
+        self.fraction, self.total_steps = float(train_cfg.flops_schedule_fraction), total_steps
+        self.off_logit = -math.log(gamma_init / (1 - gamma_init))   # gamma = 1 - gamma_init
+        end = max(1, math.ceil(self.fraction * total_steps))
+        self.points = sorted({min(end, math.ceil(end * (i + 1) / POINTS)) for i in range(POINTS)})
+        self.families = None   # measured at the first point (surgery on a sample: seconds)
+        self.dense_flops = None
+        self.reached = None
+
+    def step(self, model, step):
+        if step + 1 not in self.points:
+            return
+        # A CPU copy to count on: its samples draw from their own generator, not the training noise's stream
+        snapshot = copy.deepcopy(model).cpu().eval()
+        if self.families is None:
+            self.families = channel_families(snapshot, log=self.log)
+        rate = pruning_schedule(step + 1, self.total_steps, 1.0, self.target, self.fraction)
+        plain, plain_names = _dense_sample(snapshot)
+        if self.dense_flops is None:
+            self.dense_flops = paper_flops(plain, snapshot.input_shape)
+        keep, flops = plan(snapshot, rate * self.dense_flops, self.families, plain, plain_names)
+        layers = dict(prunable_layers(model))
+        for name, mask in keep.items():
+            layer = layers[name]
+            off = ~mask.to(layer.gamma_logit.device) & (layer.gamma_logit > self.off_logit)
+            layer.gamma_logit.data[off] = self.off_logit
+        self.reached = flops / self.dense_flops
+        if step + 1 == self.points[-1]:
+            self.log(f"flops target: {self.reached:.3f} of the dense FLOPs after {step + 1} steps "
+                     f"(target {self.target:g})")
+            if self.reached > self.target * 1.01:
+                self.log(f"flops target: {self.target:g} cannot be reached: the closest is {self.reached:.3f}, "
+                         f"with one group left in each family and the layers surgery cannot cut whole")

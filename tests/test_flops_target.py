@@ -1,0 +1,118 @@
+"""train.flops_target (train/flops_target.py): a trained network fine-tuned to a share of its dense FLOPs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import edgebayes as eb
+from edgebayes.compressed.structure import structure_report
+from edgebayes.compressed.surgery import coupled_channels
+from edgebayes.config import ConfigError
+from edgebayes.train.flops_target import channel_families, plan, prunable_layers
+
+SHAPE = (3, 8, 8)
+
+
+class Residual(nn.Module):
+    """A residual stream written by the stem and by a block's second convolution, a block-internal
+    convolution, and a Linear head: what a ResNet's coupling looks like, at 8x8."""
+
+    def __init__(self, c=8, classes=4):
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv1, self.bn1 = nn.Conv2d(c, 2 * c, 3, padding=1, bias=False), nn.BatchNorm2d(2 * c)
+        self.conv2, self.bn2 = nn.Conv2d(2 * c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        h = F.relu(self.bn0(self.stem(x)))
+        h = F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(h))))) + h)
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+def data(n=256, seed=0):
+    """Four classes told apart by which quadrant of the image is bright."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(4, (n,), generator=g)
+    x = torch.randn((n,) + SHAPE, generator=g) * 0.3
+    for i, c in enumerate(y.tolist()):
+        r, q = divmod(c, 2)
+        x[i, :, 4 * r: 4 * r + 4, 4 * q: 4 * q + 4] += 1.0
+    return x, y
+
+
+def trained_net(seed=0):
+    torch.manual_seed(seed)
+    module = Residual()
+    x, y = data()
+    opt = torch.optim.Adam(module.parameters(), 1e-2)
+    for _ in range(30):
+        opt.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        opt.step()
+    return module.eval()
+
+
+def test_the_residual_stream_is_one_family_of_groups_across_its_writers():
+    net = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=256)
+    plain, _ = net.posterior_sample(0.0)
+    groups, blocked = coupled_channels(plain, ["stem.conv", "conv1.conv", "conv2.conv"], torch.zeros((1,) + SHAPE))
+    stream = [g for g in groups if ("stem.conv", 0) in g][0]
+    assert stream == {("stem.conv", 0), ("conv2.conv", 0)}   # channel 0 of the stream, in both writers
+    assert {("conv1.conv", 3)} in groups                       # a block-internal channel goes alone
+    assert not blocked
+    families = channel_families(net, log=lambda *_: None)
+    assert sorted(len(f) for f in families) == [8, 16]        # the stream's 8 channels, conv1's 16
+
+
+def test_plan_keeps_the_most_important_groups_within_the_target():
+    net = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=256)
+    layers = dict(prunable_layers(net))
+    with torch.no_grad():   # conv1's channel importance: its batch norm's scale, made 1..16
+        layers["conv1"].norm.weight.copy_(torch.arange(1, 17, dtype=torch.float32))
+    families = channel_families(net, log=lambda *_: None)
+    plain, _ = net.posterior_sample(0.0)
+    from edgebayes.compressed.structure import paper_flops
+    dense = paper_flops(plain, SHAPE)
+    keep, flops = plan(net, 0.5 * dense, families)
+    assert flops <= 0.5 * dense
+    kept = keep["conv1"].nonzero().flatten().tolist()
+    assert kept and kept == list(range(16 - len(kept), 16))    # the largest scales stay
+    assert keep["stem"].tolist() == keep["conv2"].tolist()     # the stream goes in both writers together
+
+
+def test_fine_tuning_reaches_the_target_in_the_network_that_is_shipped():
+    x, y = data()
+    net = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    lines = []
+    eb.fit(net, x, y, epochs=2, batch_size=32, lr=1e-3, flops_target=0.4, log=lines.append)
+    c = eb.compress(net, m=2)
+    s = structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)
+    assert s["physical_flops_ratio"] <= 0.4 + 1e-9     # counted after surgery: what the device gets
+    assert s["physical_flops_ratio"] == pytest.approx(s["flops_ratio"], abs=0.02)   # the stream really went
+    assert any("flops target" in str(line) for line in lines)
+    with torch.no_grad():
+        out = c.samples[0](x[:16])
+    assert out.shape == (16, 4)
+
+
+def test_a_target_without_prunable_layers_is_one_message_naming_the_key():
+    x, y = data(64)
+    net = eb.bayesianize(trained_net(), "bnn", input_shape=SHAPE, n_train=len(x))
+    with pytest.raises(ConfigError, match="train.flops_target"):
+        eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.5, log=lambda *_: None)
+
+
+def test_config_refuses_a_target_for_a_family_that_does_not_switch_units_off(tmp_path):
+    from edgebayes.config import load_pipeline_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\ndata: {dataset: digits}\nmodel: {family: dnn, arch: mlp, hidden: [8]}\n"
+                    "train: {epochs: 1, flops_target: 0.5}\n")
+    with pytest.raises(ConfigError, match="train.flops_target"):
+        load_pipeline_config(path)
+    path.write_text("name: t\ndata: {dataset: digits}\nmodel: {family: ss-gl, arch: mlp, hidden: [8]}\n"
+                    "train: {epochs: 1, flops_target: 1.5}\n")
+    with pytest.raises(ConfigError, match="flops_target"):
+        load_pipeline_config(path)
