@@ -26,13 +26,15 @@ batch norm (the unit's output is z BN(conv): network slimming's measure, Liu et 
 its weights' posterior means otherwise. gamma_j lets the posterior's own view count: a unit the ELBO has pushed
 down goes first. Units are compared within their layer only (`plan`).
 
-Only units that surgery can remove are ranked. A channel of a residual stream that other blocks write too,
-or one read by a grouped convolution, stays in the deployed network when it is dead (compressed/surgery.py),
-so switching it off would cost accuracy and save no FLOPs. Which layers those are is measured once, before
-the first step (`removable_layers`): surgery on a posterior sample with half of every prunable layer's units
-off at random; a layer is ranked when surgery removes at least half of its dead units. FLOPs are counted by
-paper 000's formula on the median model with dead units zeroed (`paper_flops(effective=True)`), which on the
-ranked layers is what surgery then removes.
+Units go in groups that surgery removes together (`channel_families`): a channel of a residual stream is
+switched off in every block that writes it, an expand channel with the depthwise channel it feeds, as
+Torch-Pruning's dependency graph couples them (compressed/surgery.py, coupled_channels); most groups are one
+unit. A layer coupled to the model's outputs, to a grouped convolution or to a layer that is not Bayesian
+stays whole, and so does a family of groups whose dead units surgery still keeps in a probe before the first
+step: switching those off would cost accuracy and save no FLOPs. Every family keeps the same share of its
+groups, its most important ones (`plan`), as Torch-Pruning's default per-layer ratio does. FLOPs are counted
+by paper 000's formula on the median model with dead units zeroed (`paper_flops(effective=True)`), which on
+the ranked families is what surgery then removes; tests/test_flops_target.py checks that on a residual net.
 """
 
 import copy
@@ -167,7 +169,7 @@ def plan(model, target_flops, families, plain=None, plain_names=None):
     Torch-Pruning's default per-layer ratio does: a global ranking across layers emptied the cheapest layers
     first and left units of one (a home-made CNN fell to chance at a 25% target). A group's importance is
     the sum of its units' importance, each over its layer's mean. k is the largest share within the target,
-    by bisection (FLOPs fall as k falls)."""
+    by bisection (FLOPs fall as k falls); then each family takes one group more where that still fits."""
     if plain is None:
         plain, plain_names = _dense_sample(model)
     layers = dict(prunable_layers(model))
@@ -199,7 +201,18 @@ def plan(model, target_flops, families, plain=None, plain_names=None):
             lo, best = mid, f
         else:
             hi = mid
-    return keep_at(lo), best
+    # One group more in each family where it still fits: a family of 16 channels moves in steps of 1/16
+    keep = keep_at(lo)
+    for best_first in order:
+        kept = max(1, math.ceil(lo * len(best_first)))
+        if kept < len(best_first):
+            trial = {n: m.clone() for n, m in keep.items()}
+            for name, unit in best_first[kept]:
+                trial[name][unit] = True
+            f = masked_flops(model, trial, plain_names, plain)
+            if f <= target_flops:
+                keep, best = trial, f
+    return keep, best
 
 
 class FlopsTargetSchedule:
