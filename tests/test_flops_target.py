@@ -116,3 +116,26 @@ def test_config_refuses_a_target_for_a_family_that_does_not_switch_units_off(tmp
                     "train: {epochs: 1, flops_target: 1.5}\n")
     with pytest.raises(ConfigError, match="flops_target"):
         load_pipeline_config(path)
+
+
+def test_a_nested_net_starts_from_the_trained_channels_most_important_first():
+    """bayesianize(..., "bn3") reorders a copy of the module's channels by importance (train/bayesianize.py,
+    order_for_nesting), the residual stream in every writer alike, and the function stays the same."""
+    from edgebayes.train.bayesianize import order_for_nesting
+    import copy
+
+    module = trained_net()
+    with torch.no_grad():
+        module.bn1.weight.copy_(torch.linspace(0.1, 1.6, 16))    # conv1's channels: weakest first
+        module.bn0.weight.copy_(torch.linspace(0.1, 0.8, 8))     # the stream, as written by the stem ...
+        module.bn2.weight.copy_(torch.linspace(0.1, 0.8, 8))     # ... and by the block
+    x, _ = data(16)
+    reordered = copy.deepcopy(module)
+    names = order_for_nesting(reordered, SHAPE)
+    assert set(names) == {"stem", "conv1", "conv2"}              # fc produces the outputs: never reordered
+    assert torch.allclose(reordered(x), module(x), atol=1e-5)
+    assert bool((reordered.bn1.weight.diff() < 0).all())          # strongest first
+    assert bool((reordered.bn0.weight.diff() < 0).all()) and torch.equal(reordered.bn0.weight, reordered.bn2.weight)
+    net = eb.bayesianize(module, "bn3", input_shape=SHAPE, n_train=256)
+    assert torch.equal(module.bn1.weight, torch.linspace(0.1, 1.6, 16))   # the caller's module keeps its order
+    assert torch.allclose(net.net.conv1.norm.weight, reordered.bn1.weight)

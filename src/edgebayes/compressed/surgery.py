@@ -487,3 +487,85 @@ def coupled_channels(module: nn.Module, layer_names: list, example_input: torch.
     # a group touching a blocked layer is blocked whole
     blocked |= {n for g in groups.values() if any(n in blocked for n, _ in g) for n, _ in g}
     return list(groups.values()), blocked
+
+
+_REORDERED = (nn.Linear, nn.Conv2d, nn.modules.batchnorm._BatchNorm)
+
+
+@torch.no_grad()
+def order_channels(module: nn.Module, importance, example_input: torch.Tensor):
+    """Reorder the output channels of the Linear / Conv2d layers of `module`, in place, most important first,
+    without changing its function: each group of coupled channels (a residual stream in every block that
+    writes it, the readers' input channels, batch norms, a flatten's features, a concatenation's offsets)
+    moves as one, as Torch-Pruning's dependency graph maps them. `importance(name, layer)` gives a score per
+    output channel; a coupled group ranks by the sum of its writers' scores, each over its layer's mean.
+
+    Nested nets keep the first channels at narrow widths (train/nested.py), so a trained network reordered
+    this way keeps its strongest channels there. Each group's move is checked on a probe and undone if the
+    outputs change (the model's own outputs, a module this cannot permute); a group with a grouped
+    convolution or a norm over several channels keeps its order. Returns the names of the layers reordered.
+    """
+    layers = dict(module.named_modules())
+    names = {m: n for n, m in layers.items()}
+    recorder = _CatRecorder()
+    try:
+        with torch.enable_grad(), recorder:
+            graph = tp.DependencyGraph().build_dependency(module.eval(), example_inputs=example_input[:1],
+                                                          verbose=False)
+    except Exception:   # an untraceable network keeps its order (surgery says why when it runs)
+        return []
+    owned = _own_concats(graph, recorder.cats)
+    probe = torch.randn((4,) + tuple(example_input.shape[1:]), generator=torch.Generator().manual_seed(0))
+    reference = module(probe)
+    tolerance = 1e-5 * max(1.0, float(reference.abs().max()))
+    done, reordered = set(), []
+    for name, root in layers.items():
+        if not isinstance(root, AFFINE) or root in done or root not in graph.module2node:
+            continue
+        fn = tp.prune_linear_out_channels if isinstance(root, nn.Linear) else tp.prune_conv_out_channels
+        _map_concats(owned)
+        try:
+            group = graph.get_pruning_group(root, fn, list(range(root.weight.shape[0])))
+        except Exception:
+            continue
+        items = [(it.dep.target.module, it.dep.handler, list(it.idxs), list(it.root_idxs)) for it in group]
+        writers = [(m, idxs, roots) for m, h, idxs, roots in items
+                   if isinstance(m, AFFINE) and graph.is_out_channel_pruning_fn(h)]
+        done.update(m for m, _, _ in writers)
+        if any(isinstance(m, (_MIXING_NORMS, tp.ops._OutputOp)) or (isinstance(m, nn.Conv2d) and m.groups > 1
+               and not _is_depthwise(m)) for m, _, _, _ in items):
+            continue
+        score = torch.zeros(root.weight.shape[0])
+        for m, idxs, roots in writers:
+            s = importance(names[m], m).float()
+            score.index_add_(0, torch.tensor(roots), (s / s.mean().clamp_min(1e-12))[idxs])
+        perm = score.argsort(descending=True)   # new root position q holds old root channel perm[q]
+        if bool((perm == torch.arange(len(perm))).all()):
+            continue
+        moved, seen = [], set()
+        for m, handler, idxs, roots in items:
+            if not isinstance(m, _REORDERED):
+                continue
+            dim = 1 if (graph.is_in_channel_pruning_fn(handler) and isinstance(m, AFFINE)
+                        and not _is_depthwise(m)) else 0
+            if (m, dim) in seen:
+                continue
+            seen.add((m, dim))
+            at = {}   # root channel -> its positions along this module's dim, in order
+            for i, r in zip(idxs, roots):
+                at.setdefault(int(r), []).append(int(i))
+            tensors = [t for t in (m.weight, getattr(m, "bias", None), getattr(m, "running_mean", None),
+                                   getattr(m, "running_var", None)) if t is not None and t.dim() > dim]
+            src = torch.arange(tensors[0].shape[dim])
+            for q, old in enumerate(perm.tolist()):
+                for a, b in zip(at.get(q, []), at.get(old, [])):
+                    src[a] = b
+            for t in tensors:
+                moved.append((t, t.data))
+                t.data = t.data.index_select(dim, src)
+        if float((module(probe) - reference).abs().max()) > tolerance:
+            for t, old in moved:   # the model's outputs, or something this cannot permute: undo
+                t.data = old
+        else:
+            reordered += [names[m] for m, _, _ in writers]
+    return reordered

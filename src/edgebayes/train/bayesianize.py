@@ -30,8 +30,10 @@ import pickle
 import torch
 from torch import fx, nn
 
+from edgebayes.compressed.surgery import order_channels
 from edgebayes.errors import ArchError, InputError
 from edgebayes.train.layers import ConvNorm, LayerFactory
+from edgebayes.train.nested import NESTED_FAMILIES
 
 AFFINE = (nn.Conv2d, nn.Linear)
 NORMS = (nn.BatchNorm2d,)
@@ -146,7 +148,8 @@ def module_builder(make_module, pretrained=None):
     """build(factory, input_shape, classes) for train/arch.py from `make_module(classes) -> nn.Module`.
 
     The module is made (and `pretrained` loaded into it) once per process and converted for each factory,
-    so the plain twin and the trained net have the same structure and names.
+    so the plain twin and the trained net have the same structure and names. For a nested family a copy
+    of it is first reordered, most important channels first (`order_for_nesting`), before any conversion.
     """
     made = {}
 
@@ -157,9 +160,30 @@ def module_builder(make_module, pretrained=None):
                 apply_state_dict(module, read_state_dict(pretrained), pretrained)
             _check_runs(module, input_shape)
             made[classes] = module.eval()
+            if factory.family in NESTED_FAMILIES:   # a copy: the caller's module keeps its order
+                made[classes] = copy.deepcopy(made[classes])
+                order_for_nesting(made[classes], input_shape)
         return convert(made[classes], factory)
 
     return build
+
+
+def order_for_nesting(module, input_shape):
+    """Reorder a plain module's channels, most important first, keeping its function (compressed/surgery.py,
+    order_channels): a nested net keeps the first groups of every layer at narrow widths (paper 002), and
+    a trained network's channels come in no order, so without this a narrow width of a fine-tuned network
+    drops strong channels as often as weak ones. Importance: the batch norm's |scale| where a convolution
+    feeds one (the channel's output scale), else the L2 norm of the channel's weights. Returns the names of
+    the layers reordered (the output layers never are)."""
+    pairs, _, _ = _structure(module)
+
+    def importance(name, layer):
+        norm = module.get_submodule(pairs[name]) if name in pairs else None
+        if norm is not None and getattr(norm, "weight", None) is not None:
+            return norm.weight.detach().abs()
+        return layer.weight.detach().flatten(1).norm(dim=1)
+
+    return order_channels(module, importance, torch.zeros((1,) + tuple(input_shape)))
 
 
 def with_pretrained(build, path):
