@@ -16,7 +16,7 @@ are ranked by importance and the least important ones have their inclusion proba
 1 - gamma_init (the "off" value symmetric to the initial "on" value), so that the median model
 (z = 1[gamma > 0.5], what export deploys) keeps at most r_t of the dense FLOPs. Between those points, and
 after the last, the objective is the family's exact ELBO: it trains the weights of the units that stay (with
-the switched-off ones at z ~ Ber(0.01) in training, their slab KL weighted by gamma as paper 000's centered
+the switched-off ones at z ~ Ber(1 - gamma_init) in training, their slab KL weighted by gamma as paper 000's centered
 KL does), and it can still move any inclusion probability. A documented deviation of the optimisation path
 of the inclusion logits, not of the objective: the logits are set, as an initialisation is, at the schedule's
 points.
@@ -24,7 +24,7 @@ points.
 Importance of unit j: gamma_j times the unit's output scale, |batch-norm weight_j| where the layer owns a
 batch norm (the unit's output is z BN(conv): network slimming's measure, Liu et al. 2017) and the L2 norm of
 its weights' posterior means otherwise. gamma_j lets the posterior's own view count: a unit the ELBO has pushed
-down goes first. Units are compared within their layer only (`plan`).
+down goes first. Units are compared within their family only (`plan`).
 
 Units go in groups that surgery removes together (`channel_families`): a channel of a residual stream is
 switched off in every block that writes it, an expand channel with the depthwise channel it feeds, as
@@ -45,6 +45,7 @@ import torch
 from edgebayes.compressed.structure import paper_flops
 from edgebayes.compressed.surgery import SurgeryError, coupled_channels, remove_dead_units
 from edgebayes.config import ConfigError
+from edgebayes.train.models import drop_outputs
 
 POINTS = 10   # schedule points where units are switched off: gradual, and each costs a few FLOPs counts
 
@@ -82,20 +83,6 @@ def _dense_sample(model):
 
 
 @torch.no_grad()
-def _switch_off(plain, plain_name, keep):
-    """Zero the rows of the units `keep` leaves out (and their batch norm's scale and shift), in place."""
-    affine = plain.get_submodule(plain_name)
-    k = keep.to(affine.weight.dtype)
-    affine.weight.mul_(k.view((-1,) + (1,) * (affine.weight.dim() - 1)))
-    if affine.bias is not None:
-        affine.bias.mul_(k)
-    if plain_name.endswith(".conv"):
-        norm = plain.get_submodule(plain_name[: -len(".conv")] + ".norm")
-        norm.weight.mul_(k)
-        norm.bias.mul_(k)
-
-
-@torch.no_grad()
 def masked_flops(model, keep, plain_names=None, base=None):
     """Paper-formula FLOPs of the model's plain twin with the units `keep` ({layer name: mask}) leaves out
     switched off, for one example."""
@@ -104,7 +91,7 @@ def masked_flops(model, keep, plain_names=None, base=None):
     plain = {k: v.clone() for k, v in base.state_dict().items()}
     try:
         for name, mask in keep.items():
-            _switch_off(base, plain_names[name], mask)
+            drop_outputs(base, plain_names[name], mask)
         return paper_flops(base, model.input_shape, effective=True)
     finally:
         base.load_state_dict(plain)
@@ -133,15 +120,15 @@ def channel_families(model, seed=0, log=print):
         if not any(p in blocked for p, _ in g):
             members = sorted((by_plain[p], c) for p, c in g)
             families.setdefault(frozenset(n for n, _ in members), []).append(members)
-    g = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     keep = {n: torch.ones(plain.get_submodule(p).weight.shape[0], dtype=torch.bool) for n, p in plain_names.items()}
     for family in families.values():
-        off = torch.randperm(len(family), generator=g)[: len(family) // 2].tolist()
+        off = torch.randperm(len(family), generator=generator)[: len(family) // 2].tolist()
         for i in off:
             for name, unit in family[i]:
                 keep[name][unit] = False
     for name, mask in keep.items():
-        _switch_off(plain, plain_names[name], mask)
+        drop_outputs(plain, plain_names[name], mask)
     report = {}
     try:
         remove_dead_units(plain, {plain_names[n]: m for n, m in keep.items()}, example, report=report)

@@ -248,22 +248,27 @@ class NestedNet(nn.Module):
                 norm.weight.mul_(scale)
                 norm.bias.mul_(scale)
         for name, layer in self._truncated().items():   # e.g. MobileNetV2's expand conv before a depthwise
-            keep = layer.kept_channels(width).float()
-            self._drop_outputs(plain, name, keep)
+            drop_outputs(plain, name, layer.kept_channels(width))
         if self.calibration_x is not None:
             recollect_batch_norm(plain, self.calibration_x.cpu(), self.bn_batch_size)
         return plain.cpu().eval(), self.kept_units(width)
 
-    @staticmethod
-    def _drop_outputs(plain, name, keep):
-        affine = plain.get_submodule(name)
-        affine.weight.mul_(keep.view((-1,) + (1,) * (affine.weight.dim() - 1)))
-        if affine.bias is not None:
-            affine.bias.mul_(keep)
-        if name.endswith(".conv"):
-            norm = plain.get_submodule(name[: -len(".conv")] + ".norm")
-            norm.weight.mul_(keep)
-            norm.bias.mul_(keep)
+
+
+@torch.no_grad()
+def drop_outputs(plain, name, keep):
+    """Zero, in place, the outputs of Linear / Conv2d `name` of a plain twin that the boolean mask `keep`
+    leaves out: their weights' rows and biases, and the scale and shift of the batch norm of a ConvNorm, so
+    that they are exactly zero and surgery can cut them."""
+    affine = plain.get_submodule(name)
+    keep = keep.to(affine.weight.dtype)
+    affine.weight.mul_(keep.view((-1,) + (1,) * (affine.weight.dim() - 1)))
+    if affine.bias is not None:
+        affine.bias.mul_(keep)
+    if name.endswith(".conv"):
+        norm = plain.get_submodule(name[: -len(".conv")] + ".norm")
+        norm.weight.mul_(keep)
+        norm.bias.mul_(keep)
 
 
 def build_model(model_cfg, prior_cfg, input_shape, classes, n_train):
