@@ -354,3 +354,45 @@ def test_config_schema_describes_every_shipped_config_and_profile(tmp_path, caps
     bad["model"]["family"] = "ss-nope"
     with pytest.raises(AssertionError, match="model.family"):
         _conforms(bad, pipeline, pipeline["$defs"])
+
+
+# --set section.key=value: the command line's override of one key, validated as the file is (issue 35)
+SET_ERRORS = {
+    "train.epoch=3": r"^edgebayes: --set train\.epoch: unknown key \(allowed: epochs, ",
+    "train.epochs=ten": r"^edgebayes: --set train\.epochs: expected an integer, got 'ten'",
+    "train.epochs=0": r"^edgebayes: --set train\.epochs: expected a positive integer",
+    "model.hidden=[64, x]": r"^edgebayes: --set model\.hidden\[1\]: expected an integer, got 'x'",
+    "epochs=3": r"^edgebayes: --set epochs=3: expected section\.key=value, e\.g\. --set train\.epochs=3",
+    "train.epochs": r"^edgebayes: --set train\.epochs: expected section\.key=value",
+    "name.x=1": r"^edgebayes: --set name\.x=1: name is not a section of ",
+    "train.lr=[1": r"^edgebayes: --set train\.lr=\[1: the value is not valid YAML",
+    "train.lr_milestones=[9999]": r"pipeline\.yaml with --set train\.lr_milestones=\[9999\]: train\.lr_milestones: "
+                                  r"expected epochs between 1 and train\.epochs",
+}
+
+
+@pytest.mark.parametrize("setting", list(SET_ERRORS))
+def test_set_is_validated_like_the_file_one_message_naming_it(setting, capsys, tmp_path):
+    config = _write(tmp_path / "pipeline.yaml", _base())
+    runs = tmp_path / "runs"
+    rc = main(["pipeline", "--config", str(config), "--set", setting, "--runs-dir", str(runs)])
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT and err.count("\n") == 1 and re.search(SET_ERRORS[setting], err), err
+    assert _nothing_written(runs)
+
+
+def test_set_overrides_the_file_and_changes_the_fingerprint_and_the_commands(tmp_path):
+    from edgebayes.stages import Context
+
+    config = _write(tmp_path / "pipeline.yaml", _base())
+    settings = ("train.epochs=3", "train.lr=2e-3", "select.mc_samples=[1, 4]", "model.hidden=[8]", "data.root=")
+    cfg = load_pipeline_config(config, settings)
+    assert (cfg.train.epochs, cfg.train.lr, cfg.select.mc_samples, cfg.model.hidden, cfg.data.root) == (
+        3, 0.002, [1, 4], [8], None)
+    plain = load_pipeline_config(config)
+    assert plain.train.epochs == _base()["train"]["epochs"]   # the file is left as it was
+    device = load_device_profile("local")
+    with_set = Context(cfg, device, config_path=str(config), settings=settings)
+    assert with_set.fingerprint("train") != Context(plain, device).fingerprint("train")
+    # a hint's command line runs the same config: the --set options are in it, quoted for a shell
+    assert "--set train.epochs=3" in with_set.command("report") and "'select.mc_samples=[1, 4]'" in with_set.command("report")

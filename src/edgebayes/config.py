@@ -417,9 +417,11 @@ def _locate(cls, data, loc):
     return tp, value, key, model
 
 
-def _message(cls, data, error: dict, path: str) -> str:
+def _message(cls, data, error: dict, path: str, set_keys=()) -> str:
     tp, value, key, model = _locate(cls, data, error["loc"])
     where = f"{path}: {key}" if key else path
+    if key and any(key == k or key.startswith(f"{k}.") or key.startswith(f"{k}[") for k in set_keys):
+        where = f"--set {key}"   # the command line's value, not the file's
     kind = error["type"]
     if kind == "check":
         return f"{where}: {error['ctx']['message']}"
@@ -440,13 +442,13 @@ def _message(cls, data, error: dict, path: str) -> str:
     return f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})"
 
 
-def _validate(cls, data, path):
+def _validate(cls, data, path, set_keys=()):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
         # types and keys first, then ranges: the order the file is read in, one message
         first = min(e.errors(), key=lambda err: err["type"] == "check")
-        raise ConfigError(_message(cls, data, first, str(path))) from None
+        raise ConfigError(_message(cls, data, first, str(path), set_keys)) from None
 
 
 class _Refused(yaml.YAMLError):
@@ -537,10 +539,42 @@ def _check_data(d: DataConfig, p):
 _SPIKE_SLAB = ("ss-ig", "ss-gl", "ss-ghs")   # the families with prunable units (train/spike_slab.py PRIORS)
 
 
-def load_pipeline_config(path) -> PipelineConfig:
+SETTING_EXAMPLE = "train.epochs=3"
+
+
+def apply_settings(data, settings, path) -> dict:
+    """`--set section.key=value` settings (command line) applied to a config file's mapping `data`; the value
+    is read as YAML (1.2 numbers, as in the file: `train.lr=1e-3`, `select.mc_samples=[1,4]`, `null`). A
+    malformed setting is one ConfigError naming it; its key and value are validated with the file's own."""
+    data = dict(data) if isinstance(data, dict) else data
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise ConfigError(f"--set {setting}: expected section.key=value, e.g. --set {SETTING_EXAMPLE}")
+        node = data
+        for depth, section in enumerate(parts[:-1]):
+            child = node.get(section) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or not isinstance(child, (dict, type(None))):
+                raise ConfigError(f"--set {setting}: {'.'.join(parts[:depth + 1])} is not a section of {path}")
+            node[section] = node = dict(child or {})
+        try:
+            node[parts[-1]] = yaml.load(value, Loader=_Yaml12Loader) if value.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {setting}: the value is not valid YAML: {e}".replace("\n", " ")) from None
+    return data
+
+
+def load_pipeline_config(path, settings=()) -> PipelineConfig:
+    """pipeline.yaml validated, with `settings` (`--set section.key=value`, cli.py) applied over it first:
+    a setting is validated as the file is, and a message about its key names `--set KEY` instead of the file."""
     path = Path(path)
-    cfg = _validate(PipelineConfig, _load_yaml(path), path)
-    p = str(path)
+    settings = tuple(settings or ())
+    data = _load_yaml(path)
+    if settings:
+        data = apply_settings(data, settings, path)
+    cfg = _validate(PipelineConfig, data, path, set_keys=[s.partition("=")[0].strip() for s in settings])
+    p = f"{path} with --set {' '.join(settings)}" if settings else str(path)
     _check_data(cfg.data, p)
     _check(all(0 < e <= cfg.train.epochs for e in cfg.train.lr_milestones), f"{p}: train.lr_milestones",
            "expected epochs between 1 and train.epochs")

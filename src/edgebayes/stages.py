@@ -76,6 +76,7 @@ class Context:
     log: object = print
     config_path: str = "pipeline.yaml"   # named in error messages
     device_arg: str = "local"            # --device as given (a relaunch under torchrun passes it on)
+    settings: tuple = ()                 # --set section.key=value over the config file (already in cfg)
     # upstream files the running stage read (require): {path under run_dir: sha256}, written to its marker
     reads: dict = field(default_factory=dict, repr=False)
 
@@ -231,7 +232,11 @@ class Context:
 
         runs = [] if str(self.runs_dir) == "runs" else ["--runs-dir", str(self.runs_dir)]
         return shlex.join(["edgebayes", stage, "--config", str(self.config_path), "--device", str(self.device_arg),
-                           *runs, *extra])
+                           *runs, *self.set_args(), *extra])
+
+    def set_args(self):
+        """The --set options of this run, for a command that must run the same config."""
+        return [a for s in self.settings for a in ("--set", s)]
 
 
 _splits_cache = {}
@@ -273,7 +278,7 @@ def run_train(ctx):
         # writes everything this stage writes.
         ctx.log(f"train: {cfg.train.processes} processes (DDP) under torchrun")
         args = ["train", "--config", str(ctx.config_path), "--device", ctx.device_arg,
-                "--runs-dir", str(ctx.runs_dir)] + (["--force"] if ctx.force else [])
+                "--runs-dir", str(ctx.runs_dir), *ctx.set_args()] + (["--force"] if ctx.force else [])
         code = distributed.launch(args, cfg.train.processes)
         if code != 0:
             raise StageError(f"train: the {cfg.train.processes} training processes failed (exit code {code}); "
@@ -547,6 +552,8 @@ def _report_inputs(ctx, results):
         "export": export, "results": results, "reliability": (results or {}).get("reliability"),
         "artifact_results": read_json(artifact_results) if results and artifact_results.is_file() else {},
         "provenance": ctx.provenance("report"),
+        # the config the run used: the file, the command line's --set over it, and every key's value
+        "config": {"file": str(ctx.config_path), "settings": list(ctx.settings), "values": as_dict(ctx.cfg)},
     }
 
 

@@ -444,6 +444,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
     lat = s.get("latency_predicted_ms") if predicted else {**dict_or_empty(s.get("latency_ms")), "max": s.get("latency_max_ms")}
     return {
         "run": s.get("run_name"), "device": s.get("device"), "mode": s.get("mode"),
+        "settings": get(report, "config", "settings") or [],
         "chosen": {k: s.get(k) for k in ("knob", "knob_value", "mc_samples", "format", "precision")},
         "accuracy": get(s, "metrics", "accuracy", "device"), "ece": get(s, "metrics", "ece", "device"),
         "metrics_measured_on": s.get("metrics_measured_on"),
@@ -474,7 +475,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
     predicted = t.get("mode") == "predicted"
     lat_txt = ", ".join(f"{k} {ms(v)}" for k, v in lat.items() if v is not None) or "n/a"
     best = dict_or_empty(t.get("latency_ms_best_round"))
-    lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})",
+    lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})"
+             + "".join(f" --set {x}" for x in t.get("settings") or []),
              f"  chosen point  {knob_label(c.get('knob'))} {fmt(c.get('knob_value'))}, M={c.get('mc_samples')}, "
              f"{c.get('format')} ({c.get('precision')})",
              f"  accuracy      {fmt(t.get('accuracy'))}, ECE {fmt(t.get('ece'))}, OOD AUROC {fmt(t.get('ood_auroc'))}"
