@@ -342,13 +342,35 @@ def test_a_predicted_report_says_what_is_predicted(tmp_path):
     assert t["mode"] == "predicted" and t["latency_ms"] == {"p50": 0.2, "p90": 0.3, "p99": 0.4}
 
 
-def test_a_device_without_a_latency_table_gets_no_constant_prediction(tmp_path):
-    rep = report_mod.write_report(predicted_inputs(has_table=False), tmp_path)
+@pytest.mark.parametrize("band, verdict", [([0.15, 0.9], "likely pass"), ([5.5, 9.0], "likely fail"),
+                                           ([0.15, 6.0], "unknown")])
+def test_a_board_without_a_latency_table_gets_the_spec_sheet_estimate_with_its_band(band, verdict, tmp_path):
+    """Issue 35: no n/a for a board never profiled; its spec-sheet estimate is judged with its band against the
+    5 ms budget, and the same figure and basis are in the summary, the terminal and the page."""
+    inputs = predicted_inputs(has_table=False)
+    inputs["candidates"][2]["cost"].update(prediction_basis="spec sheet", predicted_latency_band_ms=band,
+                                           predicted_by="estimated from the spec sheet")
+    rep = report_mod.write_report(inputs, tmp_path)
     s = rep["summary"]
-    assert s["latency_predicted_ms"] == {"p50": None, "p90": None, "p99": None}
-    assert s["budgets"]["latency_ms"]["verdict"] == "n/a" and s["latency_prediction"]["predicted_ms"] is None
+    assert s["latency_predicted_ms"] == {"p50": 0.2, "p90": 0.3, "p99": 0.4}
+    assert s["budgets"]["latency_ms"]["verdict"] == verdict and s["budgets"]["latency_ms"]["measured"] == 0.3
+    assert s["latency_prediction"]["band_ms"] == band and "estimated from the spec sheet" in s["latency_prediction"]["basis_text"]
     assert any("has no latency table" in w and "edgebayes devices profile local" in w for w in s["warnings"])
-    assert "No latency table for local" in (tmp_path / "report.html").read_text()
+    lines = report_mod.summary_text(report_mod.terminal_summary(rep), 4)
+    latency = next(line for line in lines if line.startswith("  latency "))
+    assert "p90 300 us" in latency and "estimated from the spec sheet, band" in latency
+    assert f"budget        latency 300 us <= 5 ms: {verdict}" in "\n".join(lines)
+    page = (tmp_path / "report.html").read_text()
+    assert "No latency table for local" in page and f"latency 300 µs / 5 ms: {verdict}" in page
+
+
+def test_a_table_that_does_not_cover_the_chosen_point_says_so(tmp_path):
+    inputs = predicted_inputs()
+    inputs["candidates"][2]["cost"]["prediction_not_covered"] = "it was measured with 64 input features, this model has 784"
+    rep = report_mod.write_report(inputs, tmp_path)
+    assert any("does not cover the chosen point" in w and "784" in w for w in rep["summary"]["warnings"])
+    assert "NOT COVERED by the table" in rep["summary"]["latency_prediction"]["basis_text"]
+    assert "does not cover the chosen point: it was measured with 64 input features" in (tmp_path / "report.html").read_text()
 
 
 def test_a_lower_bound_memory_estimate_cannot_pass(tmp_path):

@@ -367,7 +367,12 @@ class LatencyModel(Section):
     kind: Literal["measure", "table", "flops"] = "measure"
     table: Optional[str] = None         # null: runs/devices/<name>/latency_table.json, then devices/profiles/<name>.json
     flops_per_second: OptionalPositive = None   # declared throughput (paper FLOPs, multiplies only)
+    # published memory bandwidth (GB/s): the spec-sheet estimate's memory term, weight bytes / bandwidth
+    memory_bandwidth_gb_s: OptionalPositive = None
     overhead_ms: AtLeastZero = 0.0      # fixed per-inference cost added to the FLOPs prediction
+    # the spec-sheet estimate's band: [low, high] factors of the estimate (declared, nothing was measured)
+    estimate_band: Annotated[list[float], Check(lambda v: len(v) == 2 and 0 < v[0] <= 1 <= v[1],
+                                                "expected [low, high] with 0 < low <= 1 <= high")] = [0.5, 3.0]
     source: str = ""                    # where flops_per_second and overhead_ms come from
 
 

@@ -382,10 +382,14 @@ def run_select(ctx):
     c = choice["candidate"]
     predicted = c["cost"]["predicted_latency_ms"]
     from edgebayes.deploy.report import fmt_ms
+    from edgebayes.deploy.summary import latency_basis
 
+    measured = c["cost"]["measured_latency_ms"] is not None
     ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']}, {choice['precision']} "
-            f"(val accuracy {c['val']['accuracy']:.4f}, latency {fmt_ms(c['cost']['latency_ms'], True)} "
-            f"{c['cost']['latency_source']}" + (f", predicted {fmt_ms(predicted, True)}" if predicted is not None else "")
+            f"(val accuracy {c['val']['accuracy']:.4f}, p{ctx.profile.budgets.percentile} latency "
+            + (f"{fmt_ms(c['cost']['latency_ms'], True)} measured" if measured else "")
+            + (", " if measured and predicted is not None else "")
+            + (f"{fmt_ms(predicted, True)} {latency_basis(c['cost'])}".replace("µs", "us") if predicted is not None else "")
             + f", memory {'>= ' if c['cost']['memory_estimate_lower_bound'] else ''}"
               f"{c['cost']['memory_estimate_mb']:.2f} MB of its own estimated); {choice['reason']}")
 

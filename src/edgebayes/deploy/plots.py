@@ -57,7 +57,7 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
             ax.scatter(x, y, s=46, marker="o", color=col, edgecolor="black", linewidth=0.5, zorder=3)
         else:
             ax.scatter(x, y, s=46, marker="X", color=col, alpha=0.55, zorder=2)
-    chosen = [(x, y) for c, x, y in pts if same_point(c, choice.get("knob_value"), choice.get("mc_samples"))]
+    chosen = [(x, y) for c, x, y in pts if same_point(c, choice.get("knob_value"), choice.get("mc_samples"), choice.get("format"))]
     for x, y in chosen[:1]:
         ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
         ax.annotate(f"chosen: {knob_label(choice.get('knob'))} {fmt(choice.get('knob_value'))}, "
@@ -98,7 +98,7 @@ def _size_panel(ax, candidates: list, choice: dict, budget_mb: float | None) -> 
         on_front = bool(c.get("pareto"))
         ax.scatter(x, y, s=40, marker="o", facecolor="#2c7fb8" if on_front else "none", edgecolor="#2c7fb8",
                    alpha=1.0 if c.get("fits") else 0.45, zorder=3)
-        if same_point(c, choice.get("knob_value"), choice.get("mc_samples")) and \
+        if same_point(c, choice.get("knob_value"), choice.get("mc_samples"), choice.get("format")) and \
                 c.get("precision", choice.get("precision")) == choice.get("precision"):
             ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
     if budget_mb is not None:
