@@ -396,3 +396,38 @@ def test_set_overrides_the_file_and_changes_the_fingerprint_and_the_commands(tmp
     assert with_set.fingerprint("train") != Context(plain, device).fingerprint("train")
     # a hint's command line runs the same config: the --set options are in it, quoted for a shell
     assert "--set train.epochs=3" in with_set.command("report") and "'select.mc_samples=[1, 4]'" in with_set.command("report")
+
+
+def test_every_key_is_described_once_in_the_schema_and_in_its_error_message(capsys, tmp_path):
+    """Issue 35: each key of pipeline.yaml and of a device profile has its Field description, which the JSON
+    Schema carries and a type or range error on that key repeats."""
+    from edgebayes.config import DeviceProfile, PipelineConfig, Section
+
+    def sections(model):
+        yield model
+        for f in model.model_fields.values():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
+                yield from sections(f.annotation)
+
+    undescribed = [f"{m.__name__}.{k}" for root in (PipelineConfig, DeviceProfile) for m in sections(root)
+                   for k, f in m.model_fields.items() if not (f.description or "").strip()]
+    assert undescribed == []
+    assert main(["config", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    epochs = schema["$defs"]["TrainConfig"]["properties"]["epochs"]["description"]
+    assert epochs == PipelineConfig.model_fields["train"].annotation.model_fields["epochs"].description
+    data = _base()
+    data["train"]["epochs"] = "ten"
+    rc, err, _ = _run(capsys, tmp_path, _write(tmp_path / "pipeline.yaml", data))
+    assert rc == 2 and err.rstrip().endswith(f"train.epochs: {epochs}")
+
+
+def test_the_keys_tables_of_the_readmes_are_the_field_descriptions(capsys):
+    """devices/README.md and configs/README.md hold `edgebayes config schema [--device] --markdown` verbatim:
+    regenerate them when a key or its description changes."""
+    from edgebayes.config import keys_table
+
+    assert main(["config", "schema", "--markdown"]) == 0 and capsys.readouterr().out == keys_table("pipeline")
+    assert keys_table("pipeline") in (ROOT / "configs/README.md").read_text()
+    assert keys_table("device") in (ROOT / "devices/README.md").read_text()
+    assert "| `train.epochs` | training epochs" in keys_table("pipeline")

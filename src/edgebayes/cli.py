@@ -164,14 +164,17 @@ def build_parser():
                    "edgebayes config schema --device --out device.schema.json"], (0, 1))
     schema.add_argument("--device", action="store_true", help="the schema of devices/<name>.yaml instead")
     schema.add_argument("--out", metavar="FILE", default=None, help="write it to FILE (default: stdout)")
+    schema.add_argument("--markdown", action="store_true",
+                        help="a Markdown table of every key (meaning, default) instead of the JSON Schema")
     return parser
 
 
 def _schema(args):
-    from edgebayes.config import json_schema
+    from edgebayes.config import json_schema, keys_table
     from edgebayes.provenance import atomic_path
 
-    text = json.dumps(json_schema("device" if args.device else "pipeline"), indent=2) + "\n"
+    kind = "device" if args.device else "pipeline"
+    text = keys_table(kind) if args.markdown else json.dumps(json_schema(kind), indent=2) + "\n"
     if args.out is None:
         print(text, end="")
         return 0

@@ -346,13 +346,14 @@ class PipelineConfig(Section):
 # A device: devices/<name>.yaml
 # ---------------------------------------------------------------------------------------------
 class RuntimeConfig(Section):
-    name: Literal[RUNTIMES] = Field("onnxruntime", description="runtime on the device")
+    name: Literal[RUNTIMES] = Field("onnxruntime", description="runtime on the device: onnxruntime, tflite or tensorrt")
     threads: Annotated[int, Range("expected a non-negative integer (0: the runtime's default)", ge=0)] = Field(
         0, description="intra-op threads of the runtime; 0: its default")
     precision: Annotated[Items[Literal[PRECISIONS]], _each_once("lists a precision twice")] = Field(
         ["fp32"], description="the precisions this runtime takes on the device; selection tries each one that has an "
-                              "export format.")
-    workspace_mb: PositiveInt = Field(1024, description="TensorRT builder workspace (engines are built on the device)")
+                              "export format (onnxruntime: fp16 -> onnx-fp16w, int8 -> onnx-int8)")
+    workspace_mb: PositiveInt = Field(1024, description=(
+        "TensorRT builder workspace in MiB (engines are built on the device, cached by ONNX hash and options)"))
 
 
 OptionalPositive = Annotated[Optional[float], Range("expected a positive number or null", gt=0)]
@@ -367,9 +368,10 @@ class Budgets(Section):
                                      le=MAX_DEVICE_BATCH)] = Field(1, description=(
         "inputs per inference, on the device and in the latency model"))
     memory_mb: OptionalPositive = Field(None, description=(
-        "budget (MB) of the model's own memory on the device (deploy/memory.py); null: none"))
+        "budget (MB) of the model's own memory: its peak RSS above the runtime loaded, estimated at selection, "
+        "measured after deployment (README, Memory); null: none"))
     model_mb: OptionalPositive = Field(None, description=(
-        "budget (MB, 10^6 bytes) of the shipped model file; null: none"))
+        "budget (MB, 10^6 bytes) of the shipped model file (onnx-codebook's low-bit file for SQS); null: none"))
     mc_samples: Annotated[Optional[Items[int]], Check(lambda v: all(0 < m <= MAX_MC_SAMPLES for m in v),
                                                       f"expected integers in 1..{MAX_MC_SAMPLES} or null")] = Field(
         None, description="the numbers of MC samples allowed; null: any")
@@ -391,7 +393,7 @@ class Connection(Section):
     python: Optional[str] = Field(None, description=(
         "interpreter on the device; null: this one (local) or python3 (ssh)"))
     workdir: Optional[str] = Field(None, description=(
-        "where the bundle is copied; null: run folder (local), ~/edgebayes (ssh)"))
+        "where bundles go; null: the run folder (local), edgebayes/<device> under the remote home (ssh)"))
     # ssh only; each may also come from ~/.ssh/config (host may be a Host alias there).
     host: SshArgument = Field(None, description=(
         "ssh: host name, address or a Host alias of ~/.ssh/config (required for ssh)"))
@@ -404,7 +406,8 @@ class Connection(Section):
     ssh_config: Optional[str] = Field(None, description="ssh -F: a config file other than ~/.ssh/config")
     options: Annotated[Optional[Items[str]], Check(lambda v: all("=" in o for o in v),
                                                    "expected `Key=value` ssh options")] = Field(None, description=(
-        "extra `ssh -o` options, e.g. \"UserKnownHostsFile=...\""))
+        "extra `ssh -o Key=value` options; ProxyCommand, LocalCommand, PermitLocalCommand and KnownHostsCommand "
+        "(they run a command on this machine) only with trusted: true"))
     connect_timeout_s: PositiveInt = Field(10, description="ssh ConnectTimeout, seconds")
     min_free_mb: AtLeastZero = Field(50.0, description="a deploy needs this much free disk beyond the files it copies")
     trusted: bool = Field(False, description=(
@@ -431,7 +434,8 @@ class LatencyModel(Section):
 
 
 class DeviceProfile(Section):
-    name: Name = Field(description="the profile's name (it names folders under --runs-dir)")
+    name: Name = Field(description=(
+        "the profile's name: letters, digits, -, _, ., not first . or - (it names folders under --runs-dir)"))
     description: str = Field("", description="free text, shown by `edgebayes devices list`")
     runtime: RuntimeConfig = Field(RuntimeConfig(), description="the runtime on the device and the precisions it takes")
     budgets: Budgets = Field(Budgets(), description="the limits the chosen point must meet on the device")
@@ -477,6 +481,17 @@ def _locate(cls, data, loc):
 
 
 def _message(cls, data, error: dict, path: str, set_keys=()) -> str:
+    """pydantic's error in the words of a config: where, what was expected, and what the key is for (its
+    Field description, the same text as the JSON Schema's)."""
+    message = _problem(cls, data, error, path, set_keys)
+    _, _, key, model = _locate(cls, data, error["loc"])
+    field = model.model_fields.get(re.sub(r"\[\d+\]$", "", key.rsplit(".", 1)[-1])) if key else None
+    if error["type"] in ("extra_forbidden", "missing") or field is None or not field.description:
+        return message
+    return f"{message}. {key.split('[')[0]}: {field.description}"
+
+
+def _problem(cls, data, error: dict, path: str, set_keys=()) -> str:
     tp, value, key, model = _locate(cls, data, error["loc"])
     where = f"{path}: {key}" if key else path
     if key and any(key == k or key.startswith(f"{k}.") or key.startswith(f"{k}[") for k in set_keys):
@@ -759,6 +774,20 @@ def load_device_profile(name: str) -> DeviceProfile:
     _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
            "a positive number is required when latency_model.kind is flops")
     return profile
+
+
+def keys_table(kind: str = "pipeline") -> str:
+    """The Markdown table of every key (dotted name, meaning, default) from the same Field descriptions as the
+    JSON Schema: `edgebayes config schema --markdown`, and the tables of devices/README.md and configs/README.md."""
+    def rows(model, prefix=""):
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
+                yield from rows(f.annotation, f"{prefix}{name}.")
+            else:
+                default = "(required)" if f.is_required() else json.dumps(f.default)
+                yield f"| `{prefix}{name}` | {f.description.replace('|', '/')} | {default} |"
+    model = {"pipeline": PipelineConfig, "device": DeviceProfile}[kind]
+    return "\n".join(["| key | meaning | default |", "|---|---|---|", *rows(model)]) + "\n"
 
 
 def json_schema(kind: str = "pipeline") -> dict:
