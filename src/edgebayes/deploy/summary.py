@@ -488,11 +488,24 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "memory_basis": get(s, "budgets", "memory_mb", "measured_as"),
         "memory_runtime_baseline_mb": get(s, "memory", "runtime_baseline_mb"),
         "memory_model_mb": get(s, "memory", "model_mb"),
+        "memory_setup_mb": get(s, "memory", "subtracted_setup_mb"),
         "budgets": {k: {"limit": r.get("limit"), "value": r.get("measured"), "basis": r.get("basis"),
                         "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
         "verdict": s.get("overall_verdict"),
         "report": None if report_path is None else str(report_path),
     }
+
+
+def _memory_note(t: dict) -> str:
+    """The memory line's basis in a few words (the report has the parts): the model's own, less the runtime's
+    set-up, and the whole process beside it."""
+    if t.get("mode") == "predicted" or t.get("memory_model_mb") is None:
+        return f"({t.get('memory_basis')})"
+    setup = t.get("memory_setup_mb")
+    own = "of its own" + (f", less {fmt(setup, 'MB')} runtime set-up" if setup is not None else "")
+    base = num(t.get("memory_runtime_baseline_mb"))
+    whole = None if base is None else base + num(t["memory_model_mb"])
+    return f"({own}; whole process {fmt(whole, 'MB')})"
 
 
 def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
@@ -514,9 +527,7 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              f"  latency       {lat_txt} ({t.get('latency_basis')})"
              + (f"; best round p90 {ms(best.get('p90'))}" if best.get("p90") is not None else ""),
              f"  size          {fmt(t.get('model_mb'), 'MB')}",
-             f"  memory        {fmt(t.get('memory_mb'), 'MB')} ({t.get('memory_basis')})"
-             + (f"; the whole process: runtime {fmt(t['memory_runtime_baseline_mb'], 'MB')} + model with the "
-                f"runtime's set-up {fmt(t['memory_model_mb'], 'MB')}" if t.get("memory_model_mb") is not None else "")]
+             f"  memory        {fmt(t.get('memory_mb'), 'MB')} " + _memory_note(t)]
     for key, b in dict_or_empty(t.get("budgets")).items():
         label, unit = BUDGETS.get(key, (key, ""))
         limit = "not set" if b.get("limit") is None else f"<= {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
