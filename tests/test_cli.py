@@ -68,3 +68,29 @@ def test_make_prints_the_clis_exit_code_and_its_meaning(tmp_path):
         in done.stdout
     assert exit_code_line(4) in done.stdout and "could not be reached" in exit_code_line(4)
     assert exit_code_line(0).startswith("edgebayes exit code 0: done")
+
+
+def test_hints_repeat_the_command_the_user_ran(monkeypatch):
+    from edgebayes import cli
+
+    monkeypatch.setattr(sys, "argv", [".venv/bin/edgebayes", "pipeline"])
+    assert cli._program() == ".venv/bin/edgebayes"
+    monkeypatch.setattr(sys, "argv", [cli.__file__, "pipeline"])
+    assert cli._program().endswith("-m edgebayes.cli") and sys.executable in cli._program()
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.stages import Context
+
+    ctx = Context(load_pipeline_config(ROOT / "pipeline.yaml"), load_device_profile("local"), program=".venv/bin/edgebayes")
+    assert ctx.command("report").startswith(".venv/bin/edgebayes report --config")
+
+
+def test_a_logged_loop_says_its_pace_and_eta(capsys):
+    """Off a terminal each epoch is one line, with the time per step and the time left (issue 35)."""
+    from edgebayes.progress import LineProgress
+
+    bar = LineProgress(range(3), "train", unit="epoch", initial=0, file=sys.stdout)
+    for _ in bar:
+        bar.set_postfix(loss=1.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("train: epoch 1/3: loss=1.0 (") and "s/epoch, ETA " in lines[0]
+    assert "ETA" not in lines[-1] and lines[-1].startswith("train: epoch 3/3: loss=1.0 (")

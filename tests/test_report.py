@@ -360,6 +360,8 @@ def test_a_board_without_a_latency_table_gets_the_spec_sheet_estimate_with_its_b
     latency = next(line for line in lines if line.startswith("  latency "))
     assert "p90 300 us" in latency and "estimated from the spec sheet, band" in latency
     assert f"budget        latency 300 us <= 5 ms: {verdict}" in "\n".join(lines)
+    assert report_mod.terminal_summary(rep)["finish"] == inputs["predicted"]["finish"]   # --json has the steps
+    assert "  to finish     1. scp -r bundle pi:edgebayes/" in lines and lines[-1].startswith("                3. ")
     page = (tmp_path / "report.html").read_text()
     assert "No latency table for local" in page and f"latency 300 µs / 5 ms: {verdict}" in page
 

@@ -306,6 +306,19 @@ def _check(profile, transport):
     return 1 if problems else 0
 
 
+def _program() -> str:
+    """The command the user ran, for the hints to repeat: `.venv/bin/edgebayes` as typed, `python -m
+    edgebayes.cli` as such, else `edgebayes`."""
+    import shlex
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    if Path(argv0).name == "edgebayes":
+        return argv0
+    if Path(argv0).name == "cli.py" and Path(argv0).resolve() == Path(__file__).resolve():
+        return shlex.join([sys.executable, "-m", "edgebayes.cli"])
+    return "edgebayes"
+
+
 def _log(args):
     """ctx.log: stdout, or stderr when --json keeps stdout for the summary alone."""
     if getattr(args, "json", False):
@@ -369,7 +382,7 @@ def _run(args):
     from edgebayes.stages import Context, run_pipeline, run_stage, splits_for
 
     ctx = Context(cfg, profile, runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config,
-                  device_arg=args.device, settings=tuple(args.settings))
+                  device_arg=args.device, settings=tuple(args.settings), program=_program())
     ctx.log = _log(args)
     if args.command not in ("deploy", "report"):
         splits_for(ctx)  # missing data files are bad input too: reported before anything (the lock) is written

@@ -77,6 +77,7 @@ class Context:
     config_path: str = "pipeline.yaml"   # named in error messages
     device_arg: str = "local"            # --device as given (a relaunch under torchrun passes it on)
     settings: tuple = ()                 # --set section.key=value over the config file (already in cfg)
+    program: str = "edgebayes"           # the command the user ran (.venv/bin/edgebayes): hints repeat it
     # upstream files the running stage read (require): {path under run_dir: sha256}, written to its marker
     reads: dict = field(default_factory=dict, repr=False)
 
@@ -231,7 +232,7 @@ class Context:
         import shlex
 
         runs = [] if str(self.runs_dir) == "runs" else ["--runs-dir", str(self.runs_dir)]
-        return shlex.join(["edgebayes", stage, "--config", str(self.config_path), "--device", str(self.device_arg),
+        return shlex.join([*shlex.split(self.program), stage, "--config", str(self.config_path), "--device", str(self.device_arg),
                            *runs, *self.set_args(), *extra])
 
     def set_args(self):
@@ -651,12 +652,17 @@ def finish_steps(ctx):
     python = expand_repo(c.python) or "python3"
     run = shlex.join([python, *runner_args(ctx)])
     import_cmd = ctx.command("report", "--results", "results.json")
+    from edgebayes.ondevice.tables import RUNTIME_MODULES, RUNTIME_PACKAGES
+
+    runtime = ctx.profile.runtime.name
+    needs = (f"the board needs {python} (python 3) with numpy and the {runtime} runtime "
+             f"({RUNTIME_PACKAGES[runtime]}; check: {python} -c 'import numpy, {RUNTIME_MODULES[runtime][0]}')")
     if c.kind != "ssh":
-        return [f"copy {bundle} to the device", f"there: {run}",
+        return [needs, f"copy {bundle} to the device", f"there: {run}",
                 f"copy results.json back, then here: {import_cmd}"]
     dest = f"{c.user}@{c.host}" if c.user else c.host
     port_ssh, port_scp = (["-p", str(c.port)], ["-P", str(c.port)]) if c.port else ([], [])
-    return [shlex.join(["ssh", *port_ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
+    return [needs, shlex.join(["ssh", *port_ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
             shlex.join(["scp", *port_scp, "-r", str(bundle), f"{dest}:{workdir}/"]),
             shlex.join(["ssh", *port_ssh, dest, f"cd {shlex.quote(workdir)} && {run}"]),
             shlex.join(["scp", *port_scp, f"{dest}:{workdir}/results.json", "results.json"]),
@@ -712,8 +718,8 @@ def write_predicted_report(ctx, error):
     inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not,
                            "finish": finish_steps(ctx)}
     report = write_report(inputs, ctx.stage_dir("report"))
-    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted; to finish on the device: "
-            + " ; ".join(finish_steps(ctx)) + ")")
+    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted; the summary lists the steps that "
+            f"finish it on the device)")
     return report
 
 

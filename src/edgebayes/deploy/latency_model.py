@@ -270,8 +270,7 @@ def measure_models(transport, profile, models, example, bench, log=print):
         code, err = transport.run(command_line(f"timing/{RUNNER_FILE}", "timing/results.json",
                                                time_models="timing/spec.json", **bench,
                                                batch_size=profile.budgets.batch_size,
-                                               threads=profile.runtime.threads, tags={"device": profile.name},
-                                               quiet=True))
+                                               threads=profile.runtime.threads, tags={"device": profile.name}))
         if code != 0:
             raise TransportError(transport.disk_full(err) or runner_failure(profile.name, code, err))
         transport.get("timing/results.json", folder / "results.json")

@@ -492,6 +492,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "budgets": {k: {"limit": r.get("limit"), "value": r.get("measured"), "basis": r.get("basis"),
                         "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
         "verdict": s.get("overall_verdict"),
+        "finish": s.get("finish"),   # a report of predictions: the steps that finish it on the device
         "report": None if report_path is None else str(report_path),
     }
 
@@ -537,5 +538,7 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
     lines.append(f"  verdict       {t.get('verdict')}" + (" (predicted)" if predicted else "")
                  + (f", exit code {exit_code}" if exit_code is not None else ""))
     lines.append(f"  report        {t.get('report')}")
+    for i, step in enumerate(t.get("finish") or []):
+        lines.append(f"  {'to finish' if i == 0 else '':13s} {i + 1}. {step}")
     return [line.replace("µs", "us") for line in lines]   # a terminal may not print µs
 
