@@ -364,6 +364,7 @@ def test_a_board_without_a_latency_table_gets_the_spec_sheet_estimate_with_its_b
     assert "  to finish     1. scp -r bundle pi:edgebayes/" in lines and lines[-1].startswith("                3. ")
     page = (tmp_path / "report.html").read_text()
     assert "No latency table for local" in page and f"latency 300 µs / 5 ms: {verdict}" in page
+    assert "Source: not given in the profile" in page    # a profile's latency_model.source is named there
 
 
 def test_a_table_that_does_not_cover_the_chosen_point_says_so(tmp_path):
@@ -415,3 +416,27 @@ def test_every_user_supplied_name_is_escaped_on_both_pages(tmp_path):
     for page in (tmp_path / "run" / "report.html", tmp_path / "devices.html"):
         text = page.read_text()
         assert "<i>" not in text and "&lt;i&gt;x&lt;/i&gt;" in text, page.name
+
+
+def test_the_histogram_counts_every_timed_run(tmp_path):
+    """Issue 35: the runner counts every run (not a sample) and the report's histogram draws those counts:
+    its total is the table's run count and its last edge the table's maximum."""
+    import numpy as np
+
+    from edgebayes.deploy import plots
+    from edgebayes.ondevice.timing import latency_summary
+
+    rng = np.random.default_rng(0)
+    rounds = [{"samples_ms": list(0.02 + 0.01 * rng.random(3000)), "runs": 3000, "seconds": 0.1} for _ in range(4)]
+    rounds[3]["samples_ms"].append(5.0)   # one slow run far out: counted, not drawn, named
+    rounds[3]["runs"] += 1
+    summary = latency_summary(rounds, 1)
+    hist = summary["histogram"]
+    assert sum(hist["counts"]) == summary["runs"] == 12001 and len(summary["samples_ms"]) < summary["runs"]
+    assert hist["edges_ms"][0] == summary["latency_ms"]["min"] and hist["edges_ms"][-1] == summary["latency_ms"]["max"]
+    png = plots.plot_latency_hist(summary["samples_ms"], summary["latency_ms"], 2.0, hist, summary["runs"], 1)
+    assert png.startswith(PNG_MAGIC)
+    inputs = make_inputs()
+    inputs["results"].update(latency_histogram=hist, runs=summary["runs"], latency_ms=summary["latency_ms"])
+    report_mod.write_report(inputs, tmp_path)
+    assert (tmp_path / "latency_hist.png").read_bytes().startswith(PNG_MAGIC)
