@@ -509,3 +509,34 @@ def test_the_spec_sheet_estimate_is_a_roofline_with_the_declared_band():
     assert est.predict(5, 1e3, 1e6, "fp16", 90, 1) == pytest.approx(2.1)
     assert est.band(2.0, "fp16", 90) == [1.0, 6.0] and est.covers() is None
     assert est.describe() == "estimated from the spec sheet" and est.has_table is False
+
+
+def test_candidates_a_table_does_not_cover_are_measured_when_the_device_can_be(monkeypatch):
+    from types import SimpleNamespace
+
+    from edgebayes.deploy import selection
+    from edgebayes.deploy.transport import DeviceUnavailable
+
+    profile = SimpleNamespace(name="board", budgets=SimpleNamespace(percentile=90))
+    predictor = SimpleNamespace(path=Path("latency_table.json"))
+    models = [("a", "a.onnx", "onnxruntime"), ("b", "b.onnx", "onnxruntime")]
+    timed_ids, logged = [], []
+
+    def measure(transport, prof, todo, example, bench, log=print):
+        timed_ids.extend(i for i, _, _ in todo)
+        return {**{i: {"latency_ms": {"p90": 0.5}} for i, _, _ in todo}, None: {"device": "facts"}}
+
+    monkeypatch.setattr(selection, "measure_models", measure)
+    measured = {"a": None, "b": None}
+    on = selection._measure_uncovered({"b": "it sweeps MLPs, this model is resnet20 (other layer shapes)"}, measured,
+                                      None, predictor, profile, None, models, None, {}, logged.append)
+    assert timed_ids == ["b"] and measured == {"a": None, "b": 0.5} and on == {"device": "facts"}
+    assert "does not cover 1 of 2 candidates (it sweeps MLPs" in logged[0] and "measured those 1" in logged[-1]
+
+    def unreachable(*args, **kwargs):
+        raise DeviceUnavailable("device board: host unreachable")
+
+    monkeypatch.setattr(selection, "measure_models", unreachable)
+    measured = {"a": None, "b": None}
+    selection._measure_uncovered({"b": "x"}, measured, None, predictor, profile, None, models, None, {}, logged.append)
+    assert measured == {"a": None, "b": None} and "keep the table's prediction, marked as not covered" in logged[-1]
