@@ -81,14 +81,20 @@ def exit_code_line(code: int) -> str:
             + ("" if code == 0 else "; make exits 2 for any non-zero code: call .venv/bin/edgebayes for the code"))
 
 
-def _epilog(examples, codes=tuple(EXIT_CODES)) -> str:
+def _epilog(examples, codes=tuple(EXIT_CODES), meanings=None) -> str:
+    """Examples and exit codes; `meanings` words a code where a command means something else by it (a
+    command without a verdict is "done" at 0)."""
+    meanings = {**EXIT_CODES, **(meanings or {})}
     return ("examples:\n" + "".join(f"  {e}\n" for e in examples) + "\nexit codes:\n"
-            + "".join(f"  {c:<4d}{EXIT_CODES[c]}\n" for c in codes))
+            + "".join(f"  {c:<4d}{meanings[c]}\n" for c in codes))
 
 
-def _sub(sub, name, summary, description, examples, codes=tuple(EXIT_CODES)):
-    return sub.add_parser(name, help=summary, description=description, epilog=_epilog(examples, codes),
+def _sub(sub, name, summary, description, examples, codes=tuple(EXIT_CODES), meanings=None):
+    return sub.add_parser(name, help=summary, description=description, epilog=_epilog(examples, codes, meanings),
                           formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+_DONE = {0: "done", EXIT_FAILED: "failed; the message says why"}
 
 
 def build_parser():
@@ -110,8 +116,9 @@ def build_parser():
     for name in ("pipeline",) + STAGES:
         summary, description, examples = _STAGE_HELP[name]
         # stages other than pipeline and report end before the verdict: 0, 1, 2 or 130
-        codes = tuple(EXIT_CODES) if name in ("pipeline", "report") else (0, 1, 2, 130)
-        p = _sub(sub, name, summary, description, examples, codes)
+        verdict = name in ("pipeline", "report")
+        p = _sub(sub, name, summary, description, examples, tuple(EXIT_CODES) if verdict else (0, 1, 2, 130),
+                 None if verdict else {0: f"the {name} stage is done (or was up to date)"})
         p.add_argument("--config", default="pipeline.yaml", help="pipeline config (default: pipeline.yaml)")
         p.add_argument("--device", default="local", help="device profile name (`edgebayes devices list`), or a YAML path")
         p.add_argument("--runs-dir", default="runs", help="where artifacts go (default: runs)")
@@ -130,23 +137,24 @@ def build_parser():
                    "The device profiles (devices/<name>.yaml): list them, check that one is ready to deploy to, or "
                    "measure its latency table.",
                    ["edgebayes devices list", "edgebayes devices check ssh-localhost",
-                    "edgebayes devices profile ssh-localhost"], (0, 1, 2, 130))
+                    "edgebayes devices profile ssh-localhost"], (0, 1, 2, 130), _DONE)
     dsub = devices.add_subparsers(dest="action", required=True, metavar="ACTION")
     _devices_dir_option(_sub(dsub, "list", "the device profiles: runtime, latency table, reachable or not",
                              "One line per device profile found (--devices-dir, $EDGEBAYES_DEVICES, the shipped "
                              "ones): its runtime and precisions, where its latency predictions come from (a measured "
                              "latency table, or the board's spec sheet), and whether it answers now (ssh, 3 s).",
-                             ["edgebayes devices list", "edgebayes devices list --devices-dir my-boards"], (0, 2)))
+                             ["edgebayes devices list", "edgebayes devices list --devices-dir my-boards"], (0, 2), _DONE))
     check = _sub(dsub, "check", "preflight: reachability, python, runtime, free disk and memory",
                  "Connects to the device and prints what it offers; exit 1 if deploying to it would fail.",
-                 ["edgebayes devices check ssh-localhost", "edgebayes devices check my-board.yaml"], (0, 1, 2))
+                 ["edgebayes devices check ssh-localhost", "edgebayes devices check my-board.yaml"], (0, 1, 2),
+                 {0: "the device is ready to deploy to", EXIT_FAILED: "it is not: the verdict line says why"})
     _devices_dir_option(check)
     check.add_argument("device", help="device profile name (`edgebayes devices list`), or a YAML path")
     prof = _sub(dsub, "profile", "measure a latency table on the device (for selection's model)",
                 "Times a sweep of MC-averaged MLPs (the config's input size, widths and M) on the device and fits "
                 "the latency table that predicts candidates there when it cannot be reached.",
                 ["edgebayes devices profile ssh-localhost",
-                 "edgebayes devices profile my-board --config configs/mnist-mlp-ssgl.yaml"], (0, 1, 2, 130))
+                 "edgebayes devices profile my-board --config configs/mnist-mlp-ssgl.yaml"], (0, 1, 2, 130), _DONE)
     _devices_dir_option(prof)
     prof.add_argument("device", help="device profile name (`edgebayes devices list`), or a YAML path")
     prof.add_argument("--config", default="pipeline.yaml", help="input size, widths and M to sweep (default: pipeline.yaml)")
@@ -155,13 +163,13 @@ def build_parser():
     config = _sub(sub, "config", "the config files' JSON Schema",
                   "Every key of pipeline.yaml and of a device profile, with its type, range, default and meaning.",
                   ["edgebayes config schema --out edgebayes.schema.json",
-                   "edgebayes config schema --device | python -m json.tool"], (0, 1))
+                   "edgebayes config schema --device | python -m json.tool"], (0, 1), _DONE)
     schema = _sub(config.add_subparsers(dest="action", required=True, metavar="ACTION"), "schema",
                   "write the JSON Schema of pipeline.yaml (or, with --device, of a device profile)",
                   "The JSON Schema of the config files (draft 2020-12), every key described: for an editor's "
                   "completion and checks (a `# yaml-language-server: $schema=...` line at the top of a config).",
                   ["edgebayes config schema --out edgebayes.schema.json",
-                   "edgebayes config schema --device --out device.schema.json"], (0, 1))
+                   "edgebayes config schema --device --out device.schema.json"], (0, 1), _DONE)
     schema.add_argument("--device", action="store_true", help="the schema of devices/<name>.yaml instead")
     schema.add_argument("--out", metavar="FILE", default=None, help="write it to FILE (default: stdout)")
     schema.add_argument("--markdown", action="store_true",
