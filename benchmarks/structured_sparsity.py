@@ -36,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from edgebayes.config import ConfigError, load_device_profile, load_pipeline_config
 from edgebayes.export.onnx_export import export_onnx
@@ -90,25 +89,9 @@ def configs_by_family(paths, settings):
 
 
 def with_settings(config_path, settings):
-    """The config at `config_path` with `settings` ("section.key=YAML value") applied, validated as a config
-    file is (so a bad key or value is one message naming it); the config itself when there are none."""
-    cfg = load_pipeline_config(config_path)   # a missing or broken file is one message naming it
-    if not settings:
-        return cfg
-    data = yaml.safe_load(Path(config_path).read_text())
-    for setting in settings:
-        key, sep, value = setting.partition("=")
-        *sections, field = key.split(".")
-        if not sep or not sections:
-            raise SystemExit(f"--set {setting}: expected section.key=value, e.g. train.lr_milestones=[15]")
-        node = data
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[field] = yaml.safe_load(value)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / Path(config_path).name
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-        return load_pipeline_config(path)
+    """The config at `config_path` with `settings` ("section.key=YAML value") applied: the CLI's own --set
+    (config.load_pipeline_config), validated as a config file is, so a bad key or value is one message naming it."""
+    return load_pipeline_config(config_path, settings)
 
 
 def onnx_latencies_ms(modules, example):

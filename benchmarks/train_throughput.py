@@ -22,7 +22,7 @@ Results: <out>.json (every row; device name, commit, versions, machine) and <out
 The CPU figures committed here (small training sets, so the epoch time is of that set, not of MNIST):
 
     python benchmarks/train_throughput.py --device cpu --train-size 1024 128 --epochs 4 --threads 1 --cpu-clock --profile \\
-        --out benchmarks/results/train_throughput_cpu_1thread_issue20b
+        --out benchmarks/results/train_throughput_cpu_1thread_issue20d
 
 `--cpu-clock` times epochs by the process's CPU time instead of wall time: with one thread on a machine other
 processes load, what the work costs without the time they held the core (caches and memory bandwidth are

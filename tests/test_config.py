@@ -354,3 +354,80 @@ def test_config_schema_describes_every_shipped_config_and_profile(tmp_path, caps
     bad["model"]["family"] = "ss-nope"
     with pytest.raises(AssertionError, match="model.family"):
         _conforms(bad, pipeline, pipeline["$defs"])
+
+
+# --set section.key=value: the command line's override of one key, validated as the file is (issue 35)
+SET_ERRORS = {
+    "train.epoch=3": r"^edgebayes: --set train\.epoch: unknown key \(allowed: epochs, ",
+    "train.epochs=ten": r"^edgebayes: --set train\.epochs: expected an integer, got 'ten'",
+    "train.epochs=0": r"^edgebayes: --set train\.epochs: expected a positive integer",
+    "model.hidden=[64, x]": r"^edgebayes: --set model\.hidden\[1\]: expected an integer, got 'x'",
+    "epochs=3": r"^edgebayes: --set epochs=3: expected section\.key=value, e\.g\. --set train\.epochs=3",
+    "train.epochs": r"^edgebayes: --set train\.epochs: expected section\.key=value",
+    "name.x=1": r"^edgebayes: --set name\.x=1: name is not a section of ",
+    "train.lr=[1": r"^edgebayes: --set train\.lr=\[1: the value is not valid YAML",
+    "train.lr_milestones=[9999]": r"pipeline\.yaml with --set train\.lr_milestones=\[9999\]: train\.lr_milestones: "
+                                  r"expected epochs between 1 and train\.epochs",
+}
+
+
+@pytest.mark.parametrize("setting", list(SET_ERRORS))
+def test_set_is_validated_like_the_file_one_message_naming_it(setting, capsys, tmp_path):
+    config = _write(tmp_path / "pipeline.yaml", _base())
+    runs = tmp_path / "runs"
+    rc = main(["pipeline", "--config", str(config), "--set", setting, "--runs-dir", str(runs)])
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT and err.count("\n") == 1 and re.search(SET_ERRORS[setting], err), err
+    assert _nothing_written(runs)
+
+
+def test_set_overrides_the_file_and_changes_the_fingerprint_and_the_commands(tmp_path):
+    from edgebayes.stages import Context
+
+    config = _write(tmp_path / "pipeline.yaml", _base())
+    settings = ("train.epochs=3", "train.lr=2e-3", "select.mc_samples=[1, 4]", "model.hidden=[8]", "data.root=")
+    cfg = load_pipeline_config(config, settings)
+    assert (cfg.train.epochs, cfg.train.lr, cfg.select.mc_samples, cfg.model.hidden, cfg.data.root) == (
+        3, 0.002, [1, 4], [8], None)
+    plain = load_pipeline_config(config)
+    assert plain.train.epochs == _base()["train"]["epochs"]   # the file is left as it was
+    device = load_device_profile("local")
+    with_set = Context(cfg, device, config_path=str(config), settings=settings)
+    assert with_set.fingerprint("train") != Context(plain, device).fingerprint("train")
+    # a hint's command line runs the same config: the --set options are in it, quoted for a shell
+    assert "--set train.epochs=3" in with_set.command("report") and "'select.mc_samples=[1, 4]'" in with_set.command("report")
+
+
+def test_every_key_is_described_once_in_the_schema_and_in_its_error_message(capsys, tmp_path):
+    """Issue 35: each key of pipeline.yaml and of a device profile has its Field description, which the JSON
+    Schema carries and a type or range error on that key repeats."""
+    from edgebayes.config import DeviceProfile, PipelineConfig, Section
+
+    def sections(model):
+        yield model
+        for f in model.model_fields.values():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
+                yield from sections(f.annotation)
+
+    undescribed = [f"{m.__name__}.{k}" for root in (PipelineConfig, DeviceProfile) for m in sections(root)
+                   for k, f in m.model_fields.items() if not (f.description or "").strip()]
+    assert undescribed == []
+    assert main(["config", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    epochs = schema["$defs"]["TrainConfig"]["properties"]["epochs"]["description"]
+    assert epochs == PipelineConfig.model_fields["train"].annotation.model_fields["epochs"].description
+    data = _base()
+    data["train"]["epochs"] = "ten"
+    rc, err, _ = _run(capsys, tmp_path, _write(tmp_path / "pipeline.yaml", data))
+    assert rc == 2 and err.rstrip().endswith(f"train.epochs: {epochs}")
+
+
+def test_the_keys_tables_of_the_readmes_are_the_field_descriptions(capsys):
+    """devices/README.md and configs/README.md hold `edgebayes config schema [--device] --markdown` verbatim:
+    regenerate them when a key or its description changes."""
+    from edgebayes.config import keys_table
+
+    assert main(["config", "schema", "--markdown"]) == 0 and capsys.readouterr().out == keys_table("pipeline")
+    assert keys_table("pipeline") in (ROOT / "configs/README.md").read_text()
+    assert keys_table("device") in (ROOT / "devices/README.md").read_text()
+    assert "| `train.epochs` | training epochs" in keys_table("pipeline")

@@ -312,7 +312,9 @@ def test_two_profiles_with_different_budgets_choose_different_points(trained_run
     assert chosen["local"] != chosen["x86-edge-box"]
     box = json.loads((trained_runs / "digits-ssgl/select/x86-edge-box/choice.json").read_text())
     assert box["candidate"]["cost"]["model_mb"] <= 0.05
-    assert box["candidate"]["cost"]["latency_source"] == "predicted (FLOPs / declared throughput)"
+    cost = box["candidate"]["cost"]
+    assert cost["latency_source"] == "estimated from the spec sheet" and cost["prediction_basis"] == "spec sheet"
+    assert cost["predicted_latency_band_ms"] == pytest.approx([0.5 * cost["latency_ms"], 3 * cost["latency_ms"]])
 
 
 def test_tensorrt_device_selects_an_engine_format_scored_on_its_onnx(trained_runs, capsys):
@@ -469,3 +471,72 @@ def test_an_sshd_pidfile_read_before_sshd_wrote_it_is_no_pid(tmp_path):
     assert _pid(pidfile) is None
     pidfile.write_text("4242\n")
     assert _pid(pidfile) == 4242
+
+
+def test_a_table_says_which_candidates_it_does_not_cover():
+    """Issue 35: a table of 64-input MLPs read for a 784-input MLP, a ResNet, a model beyond its rows' range
+    or through a poor fit is an extrapolation, and covers() says which."""
+    from edgebayes.deploy.latency_model import TablePredictor
+
+    rows = [{"id": f"r{g}-{m}", "precision": "fp32", "operators": 10 + m, "flops": 1000 * g * m, "params": 100 * g * m,
+             "widths": [64, 8 * g, 10],
+             "latency_ms": {p: 0.004 + 0.0005 * (10 + m) + 0.001 * g * m / 1000 for p in ("p50", "p90", "p99")}}
+            for g in (1, 2, 4, 8, 16) for m in (1, 2, 4, 8)]
+    table = TablePredictor({"batch_size": 1, "rows": rows}, "t.json")
+    inside = (12, 4000, 400, "fp32", 90)
+    assert table.covers(*inside, 64, "mlp") is None
+    assert "784" in table.covers(*inside, 784, "mlp")
+    assert "resnet20" in table.covers(*inside, 64, "resnet20")
+    assert "MFLOPs" in table.covers(12, 10 ** 7, 400, "fp32", 90, 64, "mlp")
+    assert "int8" in table.covers(12, 4000, 400, "int8", 90, 64, "mlp")
+    lo, hi = table.band(1.0, "fp32", 90)
+    assert lo <= 1.0 <= hi and hi - 1.0 == pytest.approx(table.fit_error["fp32", "p90"])
+    for r in rows[::2]:   # every other row twice as slow: no four coefficients fit both
+        r["latency_ms"] = {p: 2 * v for p, v in r["latency_ms"].items()}
+    assert "fit misses its own rows" in TablePredictor({"batch_size": 1, "rows": rows}, "t.json").covers(*inside, 64, "mlp")
+
+
+def test_the_spec_sheet_estimate_is_a_roofline_with_the_declared_band():
+    from edgebayes.config import LatencyModel
+    from edgebayes.deploy.latency_model import SpecSheetPredictor
+
+    lm = LatencyModel(kind="flops", flops_per_second=1e9, memory_bandwidth_gb_s=1.0, overhead_ms=0.1,
+                      estimate_band=[0.5, 3.0])
+    est = SpecSheetPredictor(lm)
+    # compute-bound: 1e6 FLOPs / 1e9 FLOP/s = 1 ms > 1e3 fp32 weights / 1 GB/s = 4 us
+    assert est.predict(5, 1e6, 1e3, "fp32", 90, 1) == pytest.approx(1.1)
+    # memory-bound: 1e6 fp16 weights = 2 MB / 1 GB/s = 2 ms > 1e3 FLOPs
+    assert est.predict(5, 1e3, 1e6, "fp16", 90, 1) == pytest.approx(2.1)
+    assert est.band(2.0, "fp16", 90) == [1.0, 6.0] and est.covers() is None
+    assert est.describe() == "estimated from the spec sheet" and est.has_table is False
+
+
+def test_candidates_a_table_does_not_cover_are_measured_when_the_device_can_be(monkeypatch):
+    from types import SimpleNamespace
+
+    from edgebayes.deploy import selection
+    from edgebayes.deploy.transport import DeviceUnavailable
+
+    profile = SimpleNamespace(name="board", budgets=SimpleNamespace(percentile=90))
+    predictor = SimpleNamespace(path=Path("latency_table.json"))
+    models = [("a", "a.onnx", "onnxruntime"), ("b", "b.onnx", "onnxruntime")]
+    timed_ids, logged = [], []
+
+    def measure(transport, prof, todo, example, bench, log=print):
+        timed_ids.extend(i for i, _, _ in todo)
+        return {**{i: {"latency_ms": {"p90": 0.5}} for i, _, _ in todo}, None: {"device": "facts"}}
+
+    monkeypatch.setattr(selection, "measure_models", measure)
+    measured = {"a": None, "b": None}
+    on = selection._measure_uncovered({"b": "it sweeps MLPs, this model is resnet20 (other layer shapes)"}, measured,
+                                      None, predictor, profile, None, models, None, {}, logged.append)
+    assert timed_ids == ["b"] and measured == {"a": None, "b": 0.5} and on == {"device": "facts"}
+    assert "does not cover 1 of 2 candidates (it sweeps MLPs" in logged[0] and "measured those 1" in logged[-1]
+
+    def unreachable(*args, **kwargs):
+        raise DeviceUnavailable("device board: host unreachable")
+
+    monkeypatch.setattr(selection, "measure_models", unreachable)
+    measured = {"a": None, "b": None}
+    selection._measure_uncovered({"b": "x"}, measured, None, predictor, profile, None, models, None, {}, logged.append)
+    assert measured == {"a": None, "b": None} and "keep the table's prediction, marked as not covered" in logged[-1]

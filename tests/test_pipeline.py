@@ -122,13 +122,17 @@ def test_pipeline_runs_a_convolutional_spike_and_slab_resnet(tmp_path, capsys):
     cfg["name"] = "digits-resnet"
     cfg["model"].update(family="ss-ghs", arch="resnet20")
     cfg["prior"].update(parameterization="non-centered", sigma0_sq=0.04)
-    cfg["train"].update(epochs=1, batch_size=128, mc_samples_eval=2)
+    cfg["train"].update(epochs=2, batch_size=128, mc_samples_eval=2)   # 1 by --set below
     cfg["select"].update(knob_values=[0.5], mc_samples=[1, 2])
     cfg["benchmark"].update(warmup=2, min_runs=10, min_seconds=0.1)
     path = tmp_path / "resnet.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    assert main(["pipeline", "--config", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert main(["pipeline", "--config", str(path), "--runs-dir", str(tmp_path / "runs"), "--set", "train.epochs=1"]) == 0
     run = tmp_path / "runs/digits-resnet"
+    report = json.loads((run / "report/local/report.json").read_text())   # --set is in the run and its report
+    assert report["train"]["epochs"] == report["config"]["values"]["train"]["epochs"] == 1
+    assert report["config"]["settings"] == ["train.epochs=1"]
+    assert "train.epochs=1" in (run / "report/local/report.html").read_text()
     export = json.loads((run / "export/local/export.json").read_text())
     assert export["onnx_params"] == export["mc_samples"] * export["kept_weights_per_sample"]
     assert export["fidelity_max_abs_prob_diff"] < 1e-4

@@ -342,13 +342,38 @@ def test_a_predicted_report_says_what_is_predicted(tmp_path):
     assert t["mode"] == "predicted" and t["latency_ms"] == {"p50": 0.2, "p90": 0.3, "p99": 0.4}
 
 
-def test_a_device_without_a_latency_table_gets_no_constant_prediction(tmp_path):
-    rep = report_mod.write_report(predicted_inputs(has_table=False), tmp_path)
+@pytest.mark.parametrize("band, verdict", [([0.15, 0.9], "likely pass"), ([5.5, 9.0], "likely fail"),
+                                           ([0.15, 6.0], "unknown")])
+def test_a_board_without_a_latency_table_gets_the_spec_sheet_estimate_with_its_band(band, verdict, tmp_path):
+    """Issue 35: no n/a for a board never profiled; its spec-sheet estimate is judged with its band against the
+    5 ms budget, and the same figure and basis are in the summary, the terminal and the page."""
+    inputs = predicted_inputs(has_table=False)
+    inputs["candidates"][2]["cost"].update(prediction_basis="spec sheet", predicted_latency_band_ms=band,
+                                           predicted_by="estimated from the spec sheet")
+    rep = report_mod.write_report(inputs, tmp_path)
     s = rep["summary"]
-    assert s["latency_predicted_ms"] == {"p50": None, "p90": None, "p99": None}
-    assert s["budgets"]["latency_ms"]["verdict"] == "n/a" and s["latency_prediction"]["predicted_ms"] is None
+    assert s["latency_predicted_ms"] == {"p50": 0.2, "p90": 0.3, "p99": 0.4}
+    assert s["budgets"]["latency_ms"]["verdict"] == verdict and s["budgets"]["latency_ms"]["measured"] == 0.3
+    assert s["latency_prediction"]["band_ms"] == band and "estimated from the spec sheet" in s["latency_prediction"]["basis_text"]
     assert any("has no latency table" in w and "edgebayes devices profile local" in w for w in s["warnings"])
-    assert "No latency table for local" in (tmp_path / "report.html").read_text()
+    lines = report_mod.summary_text(report_mod.terminal_summary(rep), 4)
+    latency = next(line for line in lines if line.startswith("  latency "))
+    assert "p90 300 us" in latency and "estimated from the spec sheet, band" in latency
+    assert f"budget        latency 300 us <= 5 ms: {verdict}" in "\n".join(lines)
+    assert report_mod.terminal_summary(rep)["finish"] == inputs["predicted"]["finish"]   # --json has the steps
+    assert "  to finish     1. scp -r bundle pi:edgebayes/" in lines and lines[-1].startswith("                3. ")
+    page = (tmp_path / "report.html").read_text()
+    assert "No latency table for local" in page and f"latency 300 µs / 5 ms: {verdict}" in page
+    assert "Source: not given in the profile" in page    # a profile's latency_model.source is named there
+
+
+def test_a_table_that_does_not_cover_the_chosen_point_says_so(tmp_path):
+    inputs = predicted_inputs()
+    inputs["candidates"][2]["cost"]["prediction_not_covered"] = "it was measured with 64 input features, this model has 784"
+    rep = report_mod.write_report(inputs, tmp_path)
+    assert any("does not cover the chosen point" in w and "784" in w for w in rep["summary"]["warnings"])
+    assert "NOT COVERED by the table" in rep["summary"]["latency_prediction"]["basis_text"]
+    assert "does not cover the chosen point: it was measured with 64 input features" in (tmp_path / "report.html").read_text()
 
 
 def test_a_lower_bound_memory_estimate_cannot_pass(tmp_path):
@@ -391,3 +416,27 @@ def test_every_user_supplied_name_is_escaped_on_both_pages(tmp_path):
     for page in (tmp_path / "run" / "report.html", tmp_path / "devices.html"):
         text = page.read_text()
         assert "<i>" not in text and "&lt;i&gt;x&lt;/i&gt;" in text, page.name
+
+
+def test_the_histogram_counts_every_timed_run(tmp_path):
+    """Issue 35: the runner counts every run (not a sample) and the report's histogram draws those counts:
+    its total is the table's run count and its last edge the table's maximum."""
+    import numpy as np
+
+    from edgebayes.deploy import plots
+    from edgebayes.ondevice.timing import latency_summary
+
+    rng = np.random.default_rng(0)
+    rounds = [{"samples_ms": list(0.02 + 0.01 * rng.random(3000)), "runs": 3000, "seconds": 0.1} for _ in range(4)]
+    rounds[3]["samples_ms"].append(5.0)   # one slow run far out: counted, not drawn, named
+    rounds[3]["runs"] += 1
+    summary = latency_summary(rounds, 1)
+    hist = summary["histogram"]
+    assert sum(hist["counts"]) == summary["runs"] == 12001 and len(summary["samples_ms"]) < summary["runs"]
+    assert hist["edges_ms"][0] == summary["latency_ms"]["min"] and hist["edges_ms"][-1] == summary["latency_ms"]["max"]
+    png = plots.plot_latency_hist(summary["samples_ms"], summary["latency_ms"], 2.0, hist, summary["runs"], 1)
+    assert png.startswith(PNG_MAGIC)
+    inputs = make_inputs()
+    inputs["results"].update(latency_histogram=hist, runs=summary["runs"], latency_ms=summary["latency_ms"])
+    report_mod.write_report(inputs, tmp_path)
+    assert (tmp_path / "latency_hist.png").read_bytes().startswith(PNG_MAGIC)

@@ -140,6 +140,8 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     assert str(device) in finish[-1]
     assert any("scp" in step and "bundle" in step for step in finish)
     assert any("bundle/runner.pyz --bundle bundle" in step for step in finish)   # the bundle's own runner
+    assert finish[0].startswith("the board needs") and "numpy" in finish[0] and "onnxruntime" in finish[0]
+    assert "  to finish     1. the board needs" in out     # the summary lists them, one a line (and --json)
     html = (run / "report/far-board/report.html").read_text()
     assert "(predicted)" in html and "PREDICTED, not measured on the device" in html and "--results" in html
     assert not (run / "deploy/far-board/stage.json").exists()   # the next pipeline deploys when it is back

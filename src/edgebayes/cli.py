@@ -31,21 +31,99 @@ from edgebayes.errors import InputError, StageError
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 EXIT_BUDGET, EXIT_PREDICTED = 3, 4
+# What each exit code means: every command's help, and the Makefile's line after a run (`make` itself
+# exits 2 whatever the CLI's code was, so it prints this one).
+EXIT_CODES = {
+    0: "done; the chosen point meets every budget on the device (or none is set)",
+    EXIT_FAILED: "a stage failed; its message says why, the artifacts of finished stages are kept",
+    EXIT_BAD_INPUT: "bad input (config, --set, device profile, data, a results file of another bundle), "
+                    "reported before any work with the file and key named",
+    EXIT_BUDGET: "the chosen point fails a budget on the device, or a budget could not be judged there",
+    EXIT_PREDICTED: "the device could not be reached: the report holds predictions; the summary says how to finish",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C): run the same command again to resume",
+}
+_STAGE_HELP = {
+    "pipeline": ("run every stage: train -> select -> export -> deploy -> report",
+                 "Runs train, select, export, deploy and report for one config and device, skipping each stage whose "
+                 "config sections, device profile, code and inputs are unchanged since it last finished. Ends with "
+                 "a summary block (device, chosen point, accuracy, ECE, latency, size, memory, each budget's "
+                 "verdict) and the exit code of the verdict.",
+                 ["edgebayes pipeline                                   # pipeline.yaml on this machine",
+                  "edgebayes pipeline --config configs/mnist-mlp-ssgl.yaml --device raspberry-pi-5",
+                  "edgebayes pipeline --set train.epochs=3 --set select.mc_samples=[1,2] --json > summary.json"]),
+    "train": ("train the model (train/metrics.json, checkpoint.pt)",
+              "Trains the config's model family on its data (resumes an interrupted run from its last epoch).",
+              ["edgebayes train --set train.epochs=5", "edgebayes train --config configs/mnist-lenet5-ssgl.yaml --force"]),
+    "select": ("score every operating point and pick the one that fits the device's budgets",
+               "Exports every knob value x M x precision, scores it on validation data, costs its latency, size and "
+               "memory for the device and chooses one (select/<device>/candidates.json, choice.json).",
+               ["edgebayes select --device jetson", "edgebayes select --set select.objective=nll --device local"]),
+    "export": ("export the chosen point into a bundle for the device",
+               "Draws the M posterior samples, removes pruned units, writes the MC-averaged graph in each format "
+               "and one bundle (the model files, the runner, their hashes).",
+               ["edgebayes export --device raspberry-pi-5", "edgebayes export --set export.formats=[onnx,onnx-fp16w]"]),
+    "deploy": ("copy the bundle to the device, time it and measure its accuracy there",
+               "Preflight (python, runtime, free disk), copy, then the bundle's runner on the device: cold start, "
+               "latency over all timed runs, memory, accuracy, calibration and OOD on the device's outputs.",
+               ["edgebayes deploy --device local", "edgebayes deploy --device ssh-localhost"]),
+    "report": ("write report.json / report.html from the stages' artifacts",
+               "Writes the report and prints the summary; --results imports a results.json run by hand on the "
+               "device, --devices compares several devices' reports on one page.",
+               ["edgebayes report --device local",
+                "edgebayes report --device jetson --results results.json   # results run by hand on the board",
+                "edgebayes report --devices local ssh-localhost jetson"]),
+}
+
+
+def exit_code_line(code: int) -> str:
+    """The line `make` prints after the CLI (Makefile): the code and its meaning."""
+    return (f"edgebayes exit code {code}: {EXIT_CODES.get(code, 'unexpected (killed by a signal?)')}"
+            + ("" if code == 0 else "; make exits 2 for any non-zero code: call .venv/bin/edgebayes for the code"))
+
+
+def _epilog(examples, codes=tuple(EXIT_CODES), meanings=None) -> str:
+    """Examples and exit codes; `meanings` words a code where a command means something else by it (a
+    command without a verdict is "done" at 0)."""
+    meanings = {**EXIT_CODES, **(meanings or {})}
+    return ("examples:\n" + "".join(f"  {e}\n" for e in examples) + "\nexit codes:\n"
+            + "".join(f"  {c:<4d}{meanings[c]}\n" for c in codes))
+
+
+def _sub(sub, name, summary, description, examples, codes=tuple(EXIT_CODES), meanings=None):
+    return sub.add_parser(name, help=summary, description=description, epilog=_epilog(examples, codes, meanings),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+_DONE = {0: "done", EXIT_FAILED: "failed; the message says why"}
 
 
 def build_parser():
     from edgebayes import __version__
 
-    parser = argparse.ArgumentParser(prog="edgebayes", description="Compressible Bayesian nets, from training to the edge.")
+    parser = argparse.ArgumentParser(
+        prog="edgebayes", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compressible Bayesian nets, from training to the edge: train a spike-and-slab, nested or "
+                    "sparse+quantized net, pick the operating point that fits a device's budgets, export it, run "
+                    "it on the device and write a report of accuracy, calibration, latency and memory measured "
+                    "there. `edgebayes COMMAND --help` says more about each command.",
+        epilog=_epilog(["edgebayes pipeline                         # pipeline.yaml (digits, about a minute) on this machine",
+                        "edgebayes pipeline --device jetson          # a board this machine cannot reach: a report of predictions",
+                        "edgebayes devices list                      # the device profiles, their runtime and latency table",
+                        "edgebayes config schema --out edgebayes.schema.json   # every config key, described"]))
     parser.add_argument("--version", action="version", version=f"edgebayes {__version__}")
     _devices_dir_option(parser, default=None)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in STAGES + ("pipeline",):
-        p = sub.add_parser(name, help="run all stages" if name == "pipeline" else f"run the {name} stage")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in ("pipeline",) + STAGES:
+        summary, description, examples = _STAGE_HELP[name]
+        # stages other than pipeline and report end before the verdict: 0, 1, 2 or 130
+        verdict = name in ("pipeline", "report")
+        p = _sub(sub, name, summary, description, examples, tuple(EXIT_CODES) if verdict else (0, 1, 2, 130),
+                 None if verdict else {0: f"the {name} stage is done (or was up to date)"})
         p.add_argument("--config", default="pipeline.yaml", help="pipeline config (default: pipeline.yaml)")
-        p.add_argument("--device", default="local", help="device profile name in devices/, or a YAML path")
+        p.add_argument("--device", default="local", help="device profile name (`edgebayes devices list`), or a YAML path")
         p.add_argument("--runs-dir", default="runs", help="where artifacts go (default: runs)")
         p.add_argument("--force", action="store_true", help="re-run even if the stage is up to date")
+        _set_option(p)
         _devices_dir_option(p)
         if name in ("pipeline", "report"):
             p.add_argument("--json", action="store_true",
@@ -55,31 +133,56 @@ def build_parser():
                            help="results.json of the bundle's runner.pyz run by hand on the device: import it, report")
             p.add_argument("--devices", nargs="+", metavar="DEVICE", default=None,
                            help="write one page comparing these devices' reports (each reported already)")
-    devices = sub.add_parser("devices", help="list, check or profile device profiles")
-    dsub = devices.add_subparsers(dest="action", required=True)
-    _devices_dir_option(dsub.add_parser("list", help="the device profiles found (--devices-dir, $EDGEBAYES_DEVICES, "
-                                                      "the shipped ones)"))
-    check = dsub.add_parser("check", help="preflight: reachability, python, runtime, free disk and memory")
+    devices = _sub(sub, "devices", "list, check or profile device profiles",
+                   "The device profiles (devices/<name>.yaml): list them, check that one is ready to deploy to, or "
+                   "measure its latency table.",
+                   ["edgebayes devices list", "edgebayes devices check ssh-localhost",
+                    "edgebayes devices profile ssh-localhost"], (0, 1, 2, 130), _DONE)
+    dsub = devices.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _devices_dir_option(_sub(dsub, "list", "the device profiles: runtime, latency table, reachable or not",
+                             "One line per device profile found (--devices-dir, $EDGEBAYES_DEVICES, the shipped "
+                             "ones): its runtime and precisions, where its latency predictions come from (a measured "
+                             "latency table, or the board's spec sheet), and whether it answers now (ssh, 3 s).",
+                             ["edgebayes devices list", "edgebayes devices list --devices-dir my-boards"], (0, 2), _DONE))
+    check = _sub(dsub, "check", "preflight: reachability, python, runtime, free disk and memory",
+                 "Connects to the device and prints what it offers; exit 1 if deploying to it would fail.",
+                 ["edgebayes devices check ssh-localhost", "edgebayes devices check my-board.yaml"], (0, 1, 2),
+                 {0: "the device is ready to deploy to", EXIT_FAILED: "it is not: the verdict line says why"})
     _devices_dir_option(check)
-    check.add_argument("device", help="device profile name in devices/, or a YAML path")
-    prof = dsub.add_parser("profile", help="measure a latency table on the device (for selection's model)")
+    check.add_argument("device", help="device profile name (`edgebayes devices list`), or a YAML path")
+    prof = _sub(dsub, "profile", "measure a latency table on the device (for selection's model)",
+                "Times a sweep of MC-averaged MLPs (the config's input size, widths and M) on the device and fits "
+                "the latency table that predicts candidates there when it cannot be reached.",
+                ["edgebayes devices profile ssh-localhost",
+                 "edgebayes devices profile my-board --config configs/mnist-mlp-ssgl.yaml"], (0, 1, 2, 130), _DONE)
     _devices_dir_option(prof)
-    prof.add_argument("device", help="device profile name in devices/, or a YAML path")
+    prof.add_argument("device", help="device profile name (`edgebayes devices list`), or a YAML path")
     prof.add_argument("--config", default="pipeline.yaml", help="input size, widths and M to sweep (default: pipeline.yaml)")
     prof.add_argument("--runs-dir", default="runs", help="the table goes to RUNS_DIR/devices/DEVICE/ (default: runs)")
-    config = sub.add_parser("config", help="the config files' JSON Schema")
-    schema = config.add_subparsers(dest="action", required=True).add_parser(
-        "schema", help="write the JSON Schema of pipeline.yaml (or, with --device, of a device profile)")
+    _set_option(prof)
+    config = _sub(sub, "config", "the config files' JSON Schema",
+                  "Every key of pipeline.yaml and of a device profile, with its type, range, default and meaning.",
+                  ["edgebayes config schema --out edgebayes.schema.json",
+                   "edgebayes config schema --device | python -m json.tool"], (0, 1), _DONE)
+    schema = _sub(config.add_subparsers(dest="action", required=True, metavar="ACTION"), "schema",
+                  "write the JSON Schema of pipeline.yaml (or, with --device, of a device profile)",
+                  "The JSON Schema of the config files (draft 2020-12), every key described: for an editor's "
+                  "completion and checks (a `# yaml-language-server: $schema=...` line at the top of a config).",
+                  ["edgebayes config schema --out edgebayes.schema.json",
+                   "edgebayes config schema --device --out device.schema.json"], (0, 1), _DONE)
     schema.add_argument("--device", action="store_true", help="the schema of devices/<name>.yaml instead")
     schema.add_argument("--out", metavar="FILE", default=None, help="write it to FILE (default: stdout)")
+    schema.add_argument("--markdown", action="store_true",
+                        help="a Markdown table of every key (meaning, default) instead of the JSON Schema")
     return parser
 
 
 def _schema(args):
-    from edgebayes.config import json_schema
+    from edgebayes.config import json_schema, keys_table
     from edgebayes.provenance import atomic_path
 
-    text = json.dumps(json_schema("device" if args.device else "pipeline"), indent=2) + "\n"
+    kind = "device" if args.device else "pipeline"
+    text = keys_table(kind) if args.markdown else json.dumps(json_schema(kind), indent=2) + "\n"
     if args.out is None:
         print(text, end="")
         return 0
@@ -87,6 +190,13 @@ def _schema(args):
         tmp.write_text(text)
     print(f"config schema: written to {args.out}", file=sys.stderr)
     return 0
+
+
+def _set_option(parser):
+    parser.add_argument("--set", action="append", default=[], dest="settings", metavar="SECTION.KEY=VALUE",
+                        help="override one key of the config file (repeatable; the value is YAML: "
+                             "--set train.epochs=3 --set select.mc_samples=[1,4]); validated like the file, "
+                             "recorded in the run's fingerprint and report")
 
 
 def _devices_dir_option(parser, default=argparse.SUPPRESS):
@@ -101,11 +211,7 @@ def _devices(args):
     from edgebayes.deploy.transport import transport_for
 
     if args.action == "list":
-        for name in known_devices():
-            p = load_device_profile(name)
-            alias = "" if p.name == name else f" (alias of {p.name})"
-            print(f"{name:18s} {p.runtime.name:12s} {p.connection.kind:5s} {p.description}{alias}")
-        return 0
+        return _list_devices(known_devices())
     profile = load_device_profile(args.device)
     runs_dir = Path(getattr(args, "runs_dir", "runs"))
     transport = transport_for(profile, runs_dir / "devices" / profile.name / "device")
@@ -114,7 +220,7 @@ def _devices(args):
     from edgebayes.deploy.latency_model import profile_device
     from edgebayes.deploy.selection import select_bench
 
-    cfg = load_pipeline_config(args.config)
+    cfg = load_pipeline_config(args.config, args.settings)
     path, table = profile_device(profile, cfg, transport, runs_dir, select_bench(cfg.benchmark))
     print(f"devices profile: {len(table['rows'])} models timed on {profile.name} "
           f"({table['runtime']['name']} {table['runtime']['version']}, threads {table['protocol']['threads']}, "
@@ -125,6 +231,55 @@ def _devices(args):
               f"  (max in-sample error {100 * fit['max_relative_error']:.1f} %"
               + (f"; left out as outliers: {', '.join(fit['outliers'])}" if fit.get("outliers") else "") + ")")
     print(f"devices profile: table written to {path}")
+    return 0
+
+
+def _reachable(profile) -> str:
+    """Whether the device answers now, cheaply: ssh with a 3 s connect timeout running `true` (no sshd is
+    started for a local_sshd profile: that one is started by the command that needs it)."""
+    import subprocess
+
+    from edgebayes.deploy.transport import SSHTransport
+
+    c = profile.connection
+    if c.kind == "local":
+        return "yes (this machine)"
+    if c.local_sshd:
+        return "on demand (this machine; its sshd starts with the command)"
+    argv = SSHTransport(profile.name, c).ssh
+    try:
+        done = subprocess.run([argv[0], "-o", "ConnectTimeout=3", *argv[1:], "true"], capture_output=True,
+                              text=True, timeout=8, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"no ({type(e).__name__})"
+    if done.returncode == 0:
+        return "yes"
+    why = (done.stderr.strip().splitlines() or [f"ssh exit {done.returncode}"])[-1]
+    known = {"could not resolve": "host name not found", "refused": "connection refused", "timed out": "timed out",
+             "permission denied": "login refused", "no route": "no route to host", "host key": "host key mismatch"}
+    return "no (" + next((v for k, v in known.items() if k in why.lower()), why[:50]) + ")"
+
+
+def _list_devices(names):
+    """`devices list`: one row per profile (reachability probed in parallel: a board that is off costs 3 s once)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgebayes.deploy.latency_model import table_path
+
+    profiles = {name: load_device_profile(name) for name in names}
+    with ThreadPoolExecutor(max(1, len(profiles))) as pool:
+        reachable = dict(zip(profiles, pool.map(_reachable, profiles.values())))
+    rows = [("device", "runtime", "latency table", "reachable now", "description")]
+    for name, p in profiles.items():
+        table = table_path(p, "runs")
+        kind = p.latency_model.kind
+        latency = ("yes" if table.is_file() and kind != "flops" else "no (measured at selection)" if kind == "measure"
+                   else "no (spec sheet)" if p.latency_model.flops_per_second else "no")
+        rows.append((name + ("" if p.name == name else f" = {p.name}"),
+                     f"{p.runtime.name} {'/'.join(p.runtime.precision)}", latency, reachable[name], p.description))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(f"{v:<{w}}" for v, w in zip(r[:4], widths)) + "  " + r[4])
     return 0
 
 
@@ -157,6 +312,19 @@ def _check(profile, transport):
         problems.append(f"{mem:,.0f} MB available < budgets.memory_mb {budget}")
     print(f"  verdict:     {'NOT READY: ' + '; '.join(problems) if problems else 'ready to deploy'}")
     return 1 if problems else 0
+
+
+def _program() -> str:
+    """The command the user ran, for the hints to repeat: `.venv/bin/edgebayes` as typed, `python -m
+    edgebayes.cli` as such, else `edgebayes`."""
+    import shlex
+
+    argv0 = sys.argv[0] if sys.argv else ""
+    if Path(argv0).name == "edgebayes":
+        return argv0
+    if Path(argv0).name == "cli.py" and Path(argv0).resolve() == Path(__file__).resolve():
+        return shlex.join([sys.executable, "-m", "edgebayes.cli"])
+    return "edgebayes"
 
 
 def _log(args):
@@ -217,11 +385,12 @@ def _run(args):
         return _schema(args)
     if args.command == "devices":
         return _devices(args)
-    cfg, profile = load_pipeline_config(args.config), load_device_profile(args.device)  # before torch loads
+    cfg = load_pipeline_config(args.config, args.settings)   # before torch loads
+    profile = load_device_profile(args.device)
     from edgebayes.stages import Context, run_pipeline, run_stage, splits_for
 
     ctx = Context(cfg, profile, runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config,
-                  device_arg=args.device)
+                  device_arg=args.device, settings=tuple(args.settings), program=_program())
     ctx.log = _log(args)
     if args.command not in ("deploy", "report"):
         splits_for(ctx)  # missing data files are bad input too: reported before anything (the lock) is written

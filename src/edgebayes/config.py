@@ -22,7 +22,7 @@ from typing import Annotated, Any, Callable, Literal, Optional
 
 import yaml
 from annotated_types import MinLen
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError, core_schema
 
 from edgebayes.errors import InputError
@@ -126,144 +126,179 @@ DATA_FORMATS = ("npz", "image-folder", "csv")   # your own data, read from data.
 
 
 class DataConfig(Section):
-    # a built-in set (BUILTIN_DATASETS), a format of your own data read from data.path (DATA_FORMATS), or
-    # package.module:function, a loader of your own called with this DataConfig (data.py, _function)
-    dataset: str = "digits"
-    root: Optional[str] = None          # built-in sets: default $EDGEBAYES_DATA, else ./data
-    download: bool = False              # only download when the user allows it
-    path: Optional[str] = None          # npz, image-folder, csv: the file or folder (relative: working directory)
-    image_size: Optional[Items[int]] = None   # image-folder: [H, W] to resize every image to; null: one size
-    label_column: Optional[int | str] = None  # csv: a header name or 0-based index; null: label/target/class, else last
-    val_fraction: Fraction = 0.2
-    test_fraction: Fraction = 0.2       # sets without a test split (digits, your own single set)
-    # train on the first N images of the training split (quick runs); null: all
-    train_subset: Annotated[Optional[int], Range("expected a positive integer or null", gt=0)] = None
-    # null | noise (uniform in the training inputs' range) | a built-in data set with the same input shape
-    ood: Optional[Literal["noise", "digits", "mnist", "fashion-mnist", "cifar10"]] = None
+    dataset: str = Field("digits", description=(
+        "a built-in set (BUILTIN_DATASETS), a format of your own data read from data.path (DATA_FORMATS), or "
+        "package.module:function, a loader of your own called with this DataConfig (data.py, _function)"))
+    root: Optional[str] = Field(None, description="folder of the built-in sets; null: $EDGEBAYES_DATA, else ./data")
+    download: bool = Field(False, description="let torchvision download a built-in set missing from data.root")
+    path: Optional[str] = Field(None, description=(
+        "npz, image-folder, csv: the file or folder (relative: working directory)"))
+    image_size: Optional[Items[int]] = Field(None, description=(
+        "image-folder: [H, W] to resize every image to; null: one size"))
+    label_column: Optional[int | str] = Field(None, description=(
+        "csv: a header name or 0-based index; null: label/target/class, else last"))
+    val_fraction: Fraction = Field(0.2, description=(
+        "share of the training set held out for validation (selection scores on it)"))
+    test_fraction: Fraction = Field(0.2, description="sets without a test split (digits, your own single set)")
+    train_subset: Annotated[Optional[int], Range("expected a positive integer or null", gt=0)] = Field(
+        None, description="train on the first N images of the training split (quick runs); null: all")
+    ood: Optional[Literal["noise", "digits", "mnist", "fashion-mnist", "cifar10"]] = Field(None, description=(
+        "null | noise (uniform in the training inputs' range) | a built-in data set with the same input shape"))
 
 
 class ModelConfig(Section):
-    # dnn: deterministic; bnn: dense mean-field Gaussian; ss-*: spike-and-slab node/channel selection
-    # sqs: sparse + quantized (paper 001), wrapping the dnn of the same architecture (section sqs)
-    # bn3: Bayesian nested net (paper 002); fn3: its fixed nested-dropout baseline (section nested)
-    family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs", "bn3", "fn3"] = "ss-gl"
-    # a zoo name (mlp, lenet5-caffe, resnet20, resnet32, resnet56, vgg11, mobilenetv2), a name registered with
-    # edgebayes.register_arch, or an import path package.module:builder (train/arch.py says what it may be)
-    arch: str = "mlp"
-    options: dict[str, Any] = {}        # keyword arguments of an import-path builder
-    pretrained: Optional[str] = None    # a state dict (weights_only) of the plain network the posterior starts from
-    hidden: Annotated[Items[int], Check(lambda v: all(h > 0 for h in v), "expected positive layer widths")] = [400, 400]
-    activation: Literal["silu", "relu", "tanh"] = "silu"
-    width_multiplier: Positive = 1.0    # vgg11, mobilenetv2: channels x this (paper 002 trains VGG11 x1.5)
+    family: Literal["dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs", "bn3", "fn3"] = Field("ss-gl", description=(
+        "dnn: deterministic; bnn: dense mean-field Gaussian; ss-*: spike-and-slab node/channel selection; sqs: "
+        "sparse + quantized (paper 001), wrapping the dnn of the same architecture (section sqs); bn3: Bayesian "
+        "nested net (paper 002); fn3: its fixed nested-dropout baseline (section nested)"))
+    arch: str = Field("mlp", description=(
+        "a zoo name (mlp, lenet5-caffe, resnet20, resnet32, resnet56, vgg11, mobilenetv2), a name registered with; "
+        "edgebayes.register_arch, or an import path package.module:builder (train/arch.py says what it may be)"))
+    options: dict[str, Any] = Field({}, description="keyword arguments of an import-path builder")
+    pretrained: Optional[str] = Field(None, description=(
+        "a state dict (weights_only) of the plain network the posterior starts from"))
+    hidden: Annotated[Items[int], Check(lambda v: all(h > 0 for h in v), "expected positive layer widths")] = Field(
+        [400, 400], description="hidden layer widths of the zoo's mlp")
+    activation: Literal["silu", "relu", "tanh"] = Field("silu", description="activation of the zoo's networks")
+    width_multiplier: Positive = Field(1.0, description=(
+        "vgg11, mobilenetv2: channels x this (paper 002 trains VGG11 x1.5)"))
 
 
 class PriorConfig(Section):
-    sigma0_sq: Positive = 1.0           # slab variance sigma0^2 (1 for MLP / LeNet in paper 000)
-    inclusion_constant: Positive = 1e-9  # C_l of the layer-wise prior inclusion probability
-    conv_inclusion: Fraction = 1e-4     # prior inclusion probability of convolution channels (paper 000, 5.3)
-    a0: Positive = 4.0                  # SS-GL: varsigma^2 ~ Gamma(a0, b0)
-    b0: Positive = 2.0
-    c_reg: Positive = 1.0               # SS-GHS: regularization constant of the group horseshoe
-    d0: Positive = 1.0                  # SS-GHS: global scale varsigma ~ C+(0, d0)
-    # non-centered: w = tau* w0, w0 ~ N(0, sigma0^2) (the paper's choice for ResNets)
-    parameterization: Literal["centered", "non-centered"] = "centered"
-    temperature: Positive = 0.5         # relaxed Bernoulli temperature
-    gamma_init: Fraction = 0.99         # initial inclusion probability ("close to 1", appendix A.2)
+    sigma0_sq: Positive = Field(1.0, description="slab variance sigma0^2 (1 for MLP / LeNet in paper 000)")
+    inclusion_constant: Positive = Field(1e-9, description="C_l of the layer-wise prior inclusion probability")
+    conv_inclusion: Fraction = Field(1e-4, description=(
+        "prior inclusion probability of convolution channels (paper 000, 5.3)"))
+    a0: Positive = Field(4.0, description="SS-GL: varsigma^2 ~ Gamma(a0, b0)")
+    b0: Positive = Field(2.0, description="SS-GL: rate of the Gamma prior on varsigma^2")
+    c_reg: Positive = Field(1.0, description="SS-GHS: regularization constant of the group horseshoe")
+    d0: Positive = Field(1.0, description="SS-GHS: global scale varsigma ~ C+(0, d0)")
+    parameterization: Literal["centered", "non-centered"] = Field("centered", description=(
+        "non-centered: w = tau* w0, w0 ~ N(0, sigma0^2) (the paper's choice for ResNets)"))
+    temperature: Positive = Field(0.5, description="relaxed Bernoulli temperature")
+    gamma_init: Fraction = Field(0.99, description="initial inclusion probability (\"close to 1\", appendix A.2)")
 
 
 class TrainConfig(Section):
-    epochs: PositiveInt = 100
-    batch_size: PositiveInt = 1024
-    lr: Positive = 1e-3
-    inclusion_lr: Optional[Positive] = None   # spike-and-slab inclusion logits' lr; null: lr (trainer.py)
-    rho_lr: Optional[Positive] = None   # lr of the slab's rho (sigma = softplus(rho)), bnn / ss-*; null: lr
-    scale_lr: Optional[Positive] = None   # lr of the slab-scale variables (tau, varsigma), ss-gl / ss-ghs; null: lr
-    optimizer: Literal["adam", "sgd"] = "adam"  # paper 000: Adam for MLP / LeNet, SGD + momentum for ResNets
-    momentum: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = 0.9   # sgd only
-    lr_milestones: Items[int] = []      # epochs where the lr is multiplied by lr_gamma
+    epochs: PositiveInt = Field(100, description=(
+        "training epochs (paper setups: 1200 for MLP / LeNet, 300 for ResNets)"))
+    batch_size: PositiveInt = Field(1024, description="training batch size (split over train.processes)")
+    lr: Positive = Field(1e-3, description="learning rate of every parameter without a learning rate of its own below")
+    inclusion_lr: Optional[Positive] = Field(None, description=(
+        "spike-and-slab inclusion logits' lr; null: lr (trainer.py)"))
+    rho_lr: Optional[Positive] = Field(None, description=(
+        "lr of the slab's rho (sigma = softplus(rho)), bnn / ss-*; null: lr"))
+    scale_lr: Optional[Positive] = Field(None, description=(
+        "lr of the slab-scale variables (tau, varsigma), ss-gl / ss-ghs; null: lr"))
+    optimizer: Literal["adam", "sgd"] = Field("adam", description=(
+        "paper 000: Adam for MLP / LeNet, SGD + momentum for ResNets"))
+    momentum: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = Field(0.9, description=(
+        "SGD momentum (optimizer sgd only)"))
+    lr_milestones: Items[int] = Field([], description="epochs where the lr is multiplied by lr_gamma")
     lr_gamma: Annotated[float, Range("expected a number in (0, 1] (the learning rate is multiplied by it at each "
-                                     "milestone)", gt=0, le=1)] = 0.1
-    kl_weight: Positive = 1.0           # 1 = the exact ELBO; < 1 tempers the KL (see trainer docstring)
-    mc_samples_eval: McSamples = 10     # paper 000 evaluates with 10 MC samples
-    mc_samples_val: McSamples = 2       # per-epoch validation: a cheap progress signal
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+                                     "milestone)", gt=0, le=1)] = Field(0.1, description=(
+        "the learning rate is multiplied by this at each of lr_milestones"))
+    kl_weight: Positive = Field(1.0, description="1 = the exact ELBO; < 1 tempers the KL (see trainer docstring)")
+    mc_samples_eval: McSamples = Field(10, description=(
+        "MC samples of the test evaluation after training (paper 000: 10)"))
+    mc_samples_val: McSamples = Field(2, description="MC samples of the per-epoch validation (a cheap progress signal)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "where training runs: auto picks CUDA when present"))
     # Speed (train/accel.py, train/distributed.py); none of these changes the objective.
-    augment: bool = False               # random crop (zero padding augment_padding) + horizontal flip, on the device
-    augment_padding: NonNegativeInt = 4  # pixels of zero padding around each image before the crop
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast of the forward; KL terms and parameters stay fp32
-    channels_last: bool = False         # NHWC memory format for the convolutions (faster tensor cores on GPUs)
-    compile: bool = False               # torch.compile the forward and the KL; falls back to eager, logging why
-    processes: PositiveInt = 1          # > 1: `edgebayes train` relaunches itself under torchrun (DDP)
-    # torch threads of train, select and export; 0: the cores no other process keeps busy (train/accel.py)
-    threads: Annotated[int, Range("expected a non-negative integer (0: the free cores)", ge=0)] = 0
-    kl_warmup_epochs: NonNegativeInt = 0  # KL scaled by min(1, step / warm-up steps) over these epochs (trainer.py)
-    # > 0: the warm-up is geometric, from this factor up to 1 (equal steps per decade; trainer.py), else linear;
-    # with kl_warmup_ordered: the share of the KL's gradient on a unit's inclusion logit before its turn
-    kl_warmup_from: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = 0.0
-    kl_warmup_ordered: bool = False     # spike-and-slab: the KL reaches the units' inclusion logits in turn (trainer.py)
-    # spike-and-slab: the median model's FLOPs as a fraction of the dense network's, reached by switching the least
-    # important units off during the first flops_schedule_fraction of the steps (train/flops_target.py); null: none
-    flops_target: Optional[Rate] = None
-    flops_schedule_fraction: Rate = 0.5
+    augment: bool = Field(False, description=(
+        "random crop (zero padding augment_padding) + horizontal flip, on the device"))
+    augment_padding: NonNegativeInt = Field(4, description="pixels of zero padding around each image before the crop")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description=(
+        "bf16: autocast of the forward; KL terms and parameters stay fp32"))
+    channels_last: bool = Field(False, description=(
+        "NHWC memory format for the convolutions (faster tensor cores on GPUs)"))
+    compile: bool = Field(False, description="torch.compile the forward and the KL; falls back to eager, logging why")
+    processes: PositiveInt = Field(1, description="> 1: `edgebayes train` relaunches itself under torchrun (DDP)")
+    threads: Annotated[int, Range("expected a non-negative integer (0: the free cores)", ge=0)] = Field(
+        0, description="torch threads of train, select and export; 0: the cores no other process keeps busy "
+                       "(train/accel.py)")
+    kl_warmup_epochs: NonNegativeInt = Field(0, description=(
+        "KL scaled by min(1, step / warm-up steps) over these epochs (trainer.py)"))
+    kl_warmup_from: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = Field(0.0, description=(
+        "> 0: the warm-up is geometric, from this factor up to 1 (equal steps per decade; trainer.py), else linear; "
+        "with kl_warmup_ordered: the share of the KL's gradient on a unit's inclusion logit before its turn"))
+    kl_warmup_ordered: bool = Field(False, description=(
+        "spike-and-slab: the KL reaches the units' inclusion logits in turn (trainer.py)"))
+    flops_target: Optional[Rate] = Field(None, description=(
+        "spike-and-slab: the median model's FLOPs after surgery as a fraction of the dense network's, reached by "
+        "switching the least important units off during the first flops_schedule_fraction of the steps "
+        "(train/flops_target.py); null: none"))
+    flops_schedule_fraction: Rate = Field(0.5, description=(
+        "the share of the training steps over which train.flops_target's schedule reaches its target"))
 
 
 class SQSConfig(Section):
     """Family sqs (paper 001, train/sqs.py): fine-tuning epochs, batch size and kl_weight come from `train`,
     sigma0^2 from `prior`."""
-    # K per layer and window: 4 = 2 bits, 16 = 4 bits
     components: Annotated[int, Check(lambda k: 2 <= k <= 256 and k & (k - 1) == 0,
-                                     "expected a power of two in 2..256", enum=[2 ** b for b in range(1, 9)])] = 4
-    windows: Literal["outlier", "equal", "single"] = "outlier"
-    iqr_factor: Positive = 5.0          # outlier windows: tails beyond q1 - 5 IQR and q3 + 5 IQR
-    prior: Literal["spike-slab", "gaussian"] = "spike-slab"
-    nonzero_rate: Rate = 0.5            # target of the pruning schedule and the default knob value
-    # default non-zero rates to try; null: [nonzero_rate]
+                                     "expected a power of two in 2..256", enum=[2 ** b for b in range(1, 9)])] = Field(
+        4, description="K per layer and window: 4 = 2 bits, 16 = 4 bits")
+    windows: Literal["outlier", "equal", "single"] = Field("outlier", description=(
+        "how each layer's weights are split into windows with their own codebook: outlier (the tails apart), equal, "
+        "or single"))
+    iqr_factor: Positive = Field(5.0, description="outlier windows: tails beyond q1 - 5 IQR and q3 + 5 IQR")
+    prior: Literal["spike-slab", "gaussian"] = Field("spike-slab", description=(
+        "prior of the quantized weights: spike-and-slab (paper 001) or a plain Gaussian mixture"))
+    nonzero_rate: Rate = Field(0.5, description="target of the pruning schedule and the default knob value")
     operating_points: Annotated[Optional[Items[float]], Check(lambda v: all(0 < x <= 1 for x in v),
-                                                             "expected non-zero rates in (0, 1]")] = None
-    # first layer's keep scores: one per weight (the paper), or one per input feature shared by the layer's
-    # output units, so that whole inputs (pixels) are pruned and the mask costs ~nothing there (train/sqs.py)
-    first_layer_scores: Literal["per-weight", "per-input"] = "per-weight"
-    keep_init: Rate = 0.99              # initial keep probability lambda~ and prior inclusion lambda
-    schedule_fraction: Rate = 0.5       # the polynomial schedule reaches the target after this share of steps
-    tau: Positive = 5.0e-4              # eq. 2
-    tau_prime: Positive = 0.0125        # eq. 33, halved after half of the steps
-    lr_quantization: Positive = 5.0e-5  # AdamW, theta / mu / sigma / pi / biases
-    lr_pruning: Positive = 0.012        # AdamW, keep scores s
-    weight_decay: Annotated[float, Range("expected a non-negative number", ge=0)] = 0.0
-    pretrain_epochs: PositiveInt = 10   # the deterministic stage (ignored with a checkpoint)
-    pretrain_lr: Positive = 1.0e-3
-    checkpoint: Optional[str] = None    # a user's state dict of the dnn network (loaded weights_only)
+                                                             "expected non-zero rates in (0, 1]")] = Field(
+        None, description="default non-zero rates to try; null: [nonzero_rate]")
+    first_layer_scores: Literal["per-weight", "per-input"] = Field("per-weight", description=(
+        "first layer's keep scores: one per weight (the paper), or one per input feature shared by the layer's "
+        "output units, so that whole inputs (pixels) are pruned and the mask costs ~nothing there (train/sqs.py)"))
+    keep_init: Rate = Field(0.99, description="initial keep probability lambda~ and prior inclusion lambda")
+    schedule_fraction: Rate = Field(0.5, description=(
+        "the polynomial schedule reaches the target after this share of steps"))
+    tau: Positive = Field(5.0e-4, description="tau of paper 001's eq. 2")
+    tau_prime: Positive = Field(0.0125, description="tau' of paper 001's eq. 33, halved after half of the steps")
+    lr_quantization: Positive = Field(5.0e-5, description="AdamW learning rate of theta / mu / sigma / pi / biases")
+    lr_pruning: Positive = Field(0.012, description="AdamW learning rate of the keep scores s")
+    weight_decay: Annotated[float, Range("expected a non-negative number", ge=0)] = Field(0.0, description=(
+        "AdamW weight decay"))
+    pretrain_epochs: PositiveInt = Field(10, description="the deterministic stage (ignored with a checkpoint)")
+    pretrain_lr: Positive = Field(1.0e-3, description="learning rate of the deterministic stage")
+    checkpoint: Optional[str] = Field(None, description="a user's state dict of the dnn network (loaded weights_only)")
 
 
 class NestedConfig(Section):
     """Families bn3 / fn3 (paper 002, train/nested.py): D groups of output channels per nested layer, the
     first fixed_groups always kept; the knob is the width (groups kept, 1..groups). kappa is train.kl_weight."""
-    groups: PositiveInt = 32            # D: 32 for VGG11 / ResNeXt, 16 for MobileNetV2
-    fixed_groups: int = 2               # leading groups for base features (VGG11 on CIFAR-10: 2)
-    # conditional keep probabilities mu = sigmoid(mubar) at init: a number (paper: 3), or "uniform" to
-    # start from FN3's distribution, every width equally likely (train/nested.py OrderingUnit)
-    mubar_init: float | Literal["uniform"] = 3.0
-    prior_keep_logit: float | Literal["uniform"] = 3.0   # the prior chain's pi = sigmoid(this), or FN3's
-                                                         # uniform distribution (not given in the paper)
-    log_alpha_init: float = -1.0
-    log_alpha_init_first: float = -8.0  # the network's first layer
-    temperature: Positive = 0.3         # Downhill temperature in the first epoch ...
-    temperature_min: float = 0.03       # ... annealed exponentially to this in the last (not in the paper)
-    bn_batches: PositiveInt = 2         # batch-norm statistics at a width: 2 batches of 512 (appendix 9.2)
-    bn_batch_size: PositiveInt = 512
+    groups: PositiveInt = Field(32, description="D: 32 for VGG11 / ResNeXt, 16 for MobileNetV2")
+    fixed_groups: int = Field(2, description="leading groups for base features (VGG11 on CIFAR-10: 2)")
+    mubar_init: float | Literal["uniform"] = Field(3.0, description=(
+        "conditional keep probabilities mu = sigmoid(mubar) at init: a number (paper: 3), or \"uniform\" to start "
+        "from FN3's distribution, every width equally likely (train/nested.py OrderingUnit)"))
+    prior_keep_logit: float | Literal["uniform"] = Field(3.0, description=(
+        "the prior chain's pi = sigmoid(this), or FN3's uniform distribution (not given in the paper)"))
+    log_alpha_init: float = Field(-1.0, description="initial log variance ratio of the multiplicative weight noise")
+    log_alpha_init_first: float = Field(-8.0, description="log_alpha_init of the network's first layer")
+    temperature: Positive = Field(0.3, description=(
+        "Downhill temperature in the first epoch, annealed to temperature_min"))
+    temperature_min: float = Field(0.03, description=(
+        "the Downhill temperature in the last epoch, annealed exponentially (not in the paper)"))
+    bn_batches: PositiveInt = Field(2, description="batch-norm statistics at a width: 2 batches of 512 (appendix 9.2)")
+    bn_batch_size: PositiveInt = Field(512, description=(
+        "examples per batch when batch-norm statistics are recollected at a width"))
 
 
 class SelectConfig(Section):
-    # Values of the family's deploy-time knob to try (inclusion threshold, width, non-zero rate);
-    # null: the model's own default operating points.
-    knob_values: Optional[Items[float]] = None
+    knob_values: Optional[Items[float]] = Field(None, description=(
+        "values of the family's deploy-time knob to try (inclusion threshold, width, non-zero rate); null: the "
+        "model's own default operating points"))
     mc_samples: Annotated[Items[int], Check(lambda v: all(m > 0 for m in v), "expected positive integers"),
                           Check(lambda v: max(v) <= MAX_MC_SAMPLES,
-                                f"expected integers in 1..{MAX_MC_SAMPLES}")] = [1, 2, 4, 8]
-    # accuracy: highest val accuracy; nll: lowest val NLL; ece-constrained-accuracy: highest val accuracy
-    # among the candidates whose val ECE is at most max_ece.
-    objective: Literal["accuracy", "nll", "ece-constrained-accuracy"] = "accuracy"
-    max_ece: Annotated[Optional[float], Range("expected a number in (0, 1] or null", gt=0, le=1)] = None
+                                f"expected integers in 1..{MAX_MC_SAMPLES}")] = Field([1, 2, 4, 8], description=(
+        "numbers of posterior samples M to try (each is averaged in one exported graph)"))
+    objective: Literal["accuracy", "nll", "ece-constrained-accuracy"] = Field("accuracy", description=(
+        "accuracy: highest val accuracy; nll: lowest val NLL; ece-constrained-accuracy: highest val accuracy among "
+        "the candidates whose val ECE is at most max_ece."))
+    max_ece: Annotated[Optional[float], Range("expected a number in (0, 1] or null", gt=0, le=1)] = Field(
+        None, description="ece-constrained-accuracy: the largest validation ECE a candidate may have")
 
 
 # Target formats of the exported MC-averaged model (export/formats.py has what each one is).
@@ -276,64 +311,78 @@ def _each_once(message: Callable[[list], str]) -> Check:
 
 class ExportConfig(Section):
     opset: Annotated[int, Range(f"expected an ONNX opset in {OPSETS[0]}..{OPSETS[1]}", ge=OPSETS[0],
-                                le=OPSETS[1])] = 17
-    fidelity_tolerance: Positive = 1e-4  # fp32 artifacts: max |p_artifact - p_torch| on the eval set
-    # Formats exported beside the one selection chose (which is always exported and is the primary).
-    formats: Annotated[Items[ExportFormat], _each_once(lambda v: f"expected each format once, got {v}")] = ["onnx"]
-    layout: Literal["packed", "unrolled"] = "packed"  # the M samples as one grouped network, or M branches
-    calibration_size: PositiveInt = 256  # training inputs that calibrate the int8 formats
-    # fp16/int8 artifacts: accuracy floor = PyTorch MC accuracy - this
-    max_accuracy_drop: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = 0.02
+                                le=OPSETS[1])] = Field(17, description="ONNX opset of the exported graphs")
+    fidelity_tolerance: Positive = Field(1e-4, description="fp32 artifacts: max |p_artifact - p_torch| on the eval set")
+    formats: Annotated[Items[ExportFormat], _each_once(lambda v: f"expected each format once, got {v}")] = Field(
+        ["onnx"], description="formats exported beside the one selection chose (which is always exported and is the "
+                              "primary).")
+    layout: Literal["packed", "unrolled"] = Field("packed", description=(
+        "the M samples as one grouped network, or M branches"))
+    calibration_size: PositiveInt = Field(256, description="training inputs that calibrate the int8 formats")
+    max_accuracy_drop: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = Field(0.02, description=(
+        "fp16/int8 artifacts: accuracy floor = PyTorch MC accuracy - this"))
 
 
 class BenchmarkConfig(Section):
-    warmup: NonNegativeInt = PROTOCOL["warmup"]   # the runner's defaults too (ondevice/tables.py)
-    min_runs: PositiveInt = PROTOCOL["min_runs"]
-    min_seconds: AtLeastZero = PROTOCOL["min_seconds"]
-    rounds: PositiveInt = PROTOCOL["rounds"]  # percentiles over all rounds' samples (ondevice/timing.py)
+    warmup: NonNegativeInt = Field(PROTOCOL["warmup"], description=(
+        "untimed runs before timing (the runner's defaults too, ondevice/tables.py)"))
+    min_runs: PositiveInt = Field(PROTOCOL["min_runs"], description="the runner times at least this many runs")
+    min_seconds: AtLeastZero = Field(PROTOCOL["min_seconds"], description="and for at least this many seconds")
+    rounds: PositiveInt = Field(PROTOCOL["rounds"], description=(
+        "timing rounds, interleaved with the other models'; percentiles over all rounds' samples (ondevice/timing.py)"))
 
 
 class PipelineConfig(Section):
-    name: Name = "run"
+    name: Name = Field("run", description="the run's name: its folder under --runs-dir")
     seed: Annotated[int, Range("expected an integer in 0..2^32 - 1 (numpy's and torch's seeds)",
-                               ge=0, le=2**32 - 1)] = 0
-    data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
-    prior: PriorConfig = PriorConfig()
-    train: TrainConfig = TrainConfig()
-    sqs: SQSConfig = SQSConfig()
-    nested: NestedConfig = NestedConfig()
-    select: SelectConfig = SelectConfig()
-    export: ExportConfig = ExportConfig()
-    benchmark: BenchmarkConfig = BenchmarkConfig()
+                               ge=0, le=2**32 - 1)] = Field(0, description=(
+        "seed of the data split, the initialisation and the posterior samples"))
+    data: DataConfig = Field(DataConfig(), description="the data set and its splits")
+    model: ModelConfig = Field(ModelConfig(), description="the model family and architecture")
+    prior: PriorConfig = Field(PriorConfig(), description="the spike-and-slab priors (paper 000)")
+    train: TrainConfig = Field(TrainConfig(), description="the training loop")
+    sqs: SQSConfig = Field(SQSConfig(), description="family sqs: sparse + quantized (paper 001)")
+    nested: NestedConfig = Field(NestedConfig(), description="families bn3 / fn3: nested nets (paper 002)")
+    select: SelectConfig = Field(SelectConfig(), description="the operating points tried and how one is chosen")
+    export: ExportConfig = Field(ExportConfig(), description="the exported formats and their checks")
+    benchmark: BenchmarkConfig = Field(BenchmarkConfig(), description="the timing protocol on the device")
 
 
 # ---------------------------------------------------------------------------------------------
 # A device: devices/<name>.yaml
 # ---------------------------------------------------------------------------------------------
 class RuntimeConfig(Section):
-    name: Literal[RUNTIMES] = "onnxruntime"
-    threads: Annotated[int, Range("expected a non-negative integer (0: the runtime's default)", ge=0)] = 0
-    # The precisions this runtime takes on the device; selection tries each one that has an export format.
-    precision: Annotated[Items[Literal[PRECISIONS]], _each_once("lists a precision twice")] = ["fp32"]
-    workspace_mb: PositiveInt = 1024    # TensorRT builder workspace (engines are built on the device)
+    name: Literal[RUNTIMES] = Field("onnxruntime", description="runtime on the device: onnxruntime, tflite or tensorrt")
+    threads: Annotated[int, Range("expected a non-negative integer (0: the runtime's default)", ge=0)] = Field(
+        0, description="intra-op threads of the runtime; 0: its default")
+    precision: Annotated[Items[Literal[PRECISIONS]], _each_once("lists a precision twice")] = Field(
+        ["fp32"], description="the precisions this runtime takes on the device; selection tries each one that has an "
+                              "export format (onnxruntime: fp16 -> onnx-fp16w, int8 -> onnx-int8)")
+    workspace_mb: PositiveInt = Field(1024, description=(
+        "TensorRT builder workspace in MiB (engines are built on the device, cached by ONNX hash and options)"))
 
 
 OptionalPositive = Annotated[Optional[float], Range("expected a positive number or null", gt=0)]
 
 
 class Budgets(Section):
-    latency_ms: OptionalPositive = None  # at `percentile`, for `batch_size` inputs
-    percentile: Literal[50, 90, 99] = 90
+    latency_ms: OptionalPositive = Field(None, description=(
+        "latency budget (ms) at `percentile`, for `batch_size` inputs; null: none"))
+    percentile: Literal[50, 90, 99] = Field(90, description=(
+        "the latency percentile latency_ms is judged at, over every timed run"))
     batch_size: Annotated[int, Range(f"expected an integer in 1..{MAX_DEVICE_BATCH}", gt=0,
-                                     le=MAX_DEVICE_BATCH)] = 1
-    memory_mb: OptionalPositive = None  # the model's own memory on the device (deploy/memory.py)
-    model_mb: OptionalPositive = None   # size of the model file
-    # the numbers of MC samples allowed; null: any
+                                     le=MAX_DEVICE_BATCH)] = Field(1, description=(
+        "inputs per inference, on the device and in the latency model"))
+    memory_mb: OptionalPositive = Field(None, description=(
+        "budget (MB) of the model's own memory: its peak RSS above the runtime loaded, estimated at selection, "
+        "measured after deployment (README, Memory); null: none"))
+    model_mb: OptionalPositive = Field(None, description=(
+        "budget (MB, 10^6 bytes) of the shipped model file (onnx-codebook's low-bit file for SQS); null: none"))
     mc_samples: Annotated[Optional[Items[int]], Check(lambda v: all(0 < m <= MAX_MC_SAMPLES for m in v),
-                                                      f"expected integers in 1..{MAX_MC_SAMPLES} or null")] = None
-    # or a range: at most this many
-    mc_samples_max: Annotated[Optional[int], Range("expected a positive integer or null", gt=0)] = None
+                                                      f"expected integers in 1..{MAX_MC_SAMPLES} or null")] = Field(
+        None, description="the numbers of MC samples allowed; null: any")
+    mc_samples_max: Annotated[Optional[int], Range("expected a positive integer or null", gt=0)] = Field(
+        None, description="at most this many MC samples; null: any")
 
 
 # ssh argv safety: a value starting with '-' would be read as an option (`user: -oProxyCommand=...`).
@@ -342,46 +391,62 @@ SshArgument = Annotated[Optional[str], Check(lambda v: v.strip() and not v.start
 
 
 class Connection(Section):
-    kind: Literal["local", "ssh"] = "local"
-    # ssh to this machine through a throwaway sshd (deploy/localsshd.py) in the folder of identity_file:
-    # started when a command needs it and stopped when that command ends, unless it was already running
-    local_sshd: bool = False
-    python: Optional[str] = None        # interpreter on the device; null: this one (local) or python3 (ssh)
-    workdir: Optional[str] = None       # where the bundle is copied; null: run folder (local), ~/edgebayes (ssh)
+    kind: Literal["local", "ssh"] = Field("local", description=(
+        "local: this machine; ssh: a device reached with the system ssh client"))
+    local_sshd: bool = Field(False, description=(
+        "ssh to this machine through a throwaway sshd (deploy/localsshd.py) in the folder of identity_file: started "
+        "when a command needs it and stopped when that command ends, unless it was already running"))
+    python: Optional[str] = Field(None, description=(
+        "interpreter on the device; null: this one (local) or python3 (ssh)"))
+    workdir: Optional[str] = Field(None, description=(
+        "where bundles go; null: the run folder (local), edgebayes/<device> under the remote home (ssh)"))
     # ssh only; each may also come from ~/.ssh/config (host may be a Host alias there).
-    host: SshArgument = None
-    user: SshArgument = None
-    port: Annotated[Optional[int], Range("expected a port number in 1..65535", gt=0, lt=65536)] = None
-    identity_file: Optional[str] = None
-    proxy_jump: SshArgument = None      # ssh -J: [user@]jumphost[:port][,...]
-    ssh_config: Optional[str] = None    # ssh -F: a config file other than ~/.ssh/config
-    # extra `ssh -o` options, e.g. "UserKnownHostsFile=..."
+    host: SshArgument = Field(None, description=(
+        "ssh: host name, address or a Host alias of ~/.ssh/config (required for ssh)"))
+    user: SshArgument = Field(None, description="ssh: login; null: ssh's default or ~/.ssh/config")
+    port: Annotated[Optional[int], Range("expected a port number in 1..65535", gt=0, lt=65536)] = Field(
+        None, description="ssh: port; null: 22 or ~/.ssh/config")
+    identity_file: Optional[str] = Field(None, description=(
+        "ssh -i: the private key; null: ssh's default or ~/.ssh/config"))
+    proxy_jump: SshArgument = Field(None, description="ssh -J: [user@]jumphost[:port][,...]")
+    ssh_config: Optional[str] = Field(None, description="ssh -F: a config file other than ~/.ssh/config")
     options: Annotated[Optional[Items[str]], Check(lambda v: all("=" in o for o in v),
-                                                   "expected `Key=value` ssh options")] = None
-    connect_timeout_s: PositiveInt = 10
-    min_free_mb: AtLeastZero = 50.0     # a deploy needs this much free disk beyond the files it copies
-    # options that make ssh run a local command (ProxyCommand, LocalCommand, ...) need this: a profile
-    # is data, and using one must not run a command on this machine unless its author is trusted
-    trusted: bool = False
+                                                   "expected `Key=value` ssh options")] = Field(None, description=(
+        "extra `ssh -o Key=value` options; ProxyCommand, LocalCommand, PermitLocalCommand and KnownHostsCommand "
+        "(they run a command on this machine) only with trusted: true"))
+    connect_timeout_s: PositiveInt = Field(10, description="ssh ConnectTimeout, seconds")
+    min_free_mb: AtLeastZero = Field(50.0, description="a deploy needs this much free disk beyond the files it copies")
+    trusted: bool = Field(False, description=(
+        "options that make ssh run a local command (ProxyCommand, LocalCommand, ...) need this: a profile is data, "
+        "and using one must not run a command on this machine unless its author is trusted"))
 
 
 class LatencyModel(Section):
-    # measure: time each candidate on the device when it is reachable, else predict from the table;
-    # table: predict from the table `edgebayes devices profile` measured; flops: FLOPs / declared throughput.
-    kind: Literal["measure", "table", "flops"] = "measure"
-    table: Optional[str] = None         # null: runs/devices/<name>/latency_table.json, then devices/profiles/<name>.json
-    flops_per_second: OptionalPositive = None   # declared throughput (paper FLOPs, multiplies only)
-    overhead_ms: AtLeastZero = 0.0      # fixed per-inference cost added to the FLOPs prediction
-    source: str = ""                    # where flops_per_second and overhead_ms come from
+    kind: Literal["measure", "table", "flops"] = Field("measure", description=(
+        "measure: time each candidate on the device when it is reachable, else predict from the table; table: "
+        "predict from the table `edgebayes devices profile` measured; flops: estimate from the spec sheet "
+        "(flops_per_second, memory_bandwidth_gb_s, overhead_ms)"))
+    table: Optional[str] = Field(None, description=(
+        "a latency table file; null: runs/devices/<name>/latency_table.json, then devices/profiles/<name>.json"))
+    flops_per_second: OptionalPositive = Field(None, description="declared throughput (paper FLOPs, multiplies only)")
+    memory_bandwidth_gb_s: OptionalPositive = Field(None, description=(
+        "published memory bandwidth (GB/s): the spec-sheet estimate's memory term, weight bytes / bandwidth"))
+    overhead_ms: AtLeastZero = Field(0.0, description="fixed per-inference cost added to the spec-sheet estimate")
+    estimate_band: Annotated[list[float], Check(lambda v: len(v) == 2 and 0 < v[0] <= 1 <= v[1],
+                                                "expected [low, high] with 0 < low <= 1 <= high")] = Field(
+        [0.5, 3.0], description="the spec-sheet estimate's band: [low, high] factors of the estimate (declared, "
+                                "nothing was measured)")
+    source: str = Field("", description="where flops_per_second, memory_bandwidth_gb_s and overhead_ms come from")
 
 
 class DeviceProfile(Section):
-    name: Name
-    description: str = ""
-    runtime: RuntimeConfig = RuntimeConfig()
-    budgets: Budgets = Budgets()
-    connection: Connection = Connection()
-    latency_model: LatencyModel = LatencyModel()
+    name: Name = Field(description=(
+        "the profile's name: letters, digits, -, _, ., not first . or - (it names folders under --runs-dir)"))
+    description: str = Field("", description="free text, shown by `edgebayes devices list`")
+    runtime: RuntimeConfig = Field(RuntimeConfig(), description="the runtime on the device and the precisions it takes")
+    budgets: Budgets = Field(Budgets(), description="the limits the chosen point must meet on the device")
+    connection: Connection = Field(Connection(), description="how the device is reached")
+    latency_model: LatencyModel = Field(LatencyModel(), description="where latency comes from when it is not measured")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,9 +486,22 @@ def _locate(cls, data, loc):
     return tp, value, key, model
 
 
-def _message(cls, data, error: dict, path: str) -> str:
+def _message(cls, data, error: dict, path: str, set_keys=()) -> str:
+    """pydantic's error in the words of a config: where, what was expected, and what the key is for (its
+    Field description, the same text as the JSON Schema's)."""
+    message = _problem(cls, data, error, path, set_keys)
+    _, _, key, model = _locate(cls, data, error["loc"])
+    field = model.model_fields.get(re.sub(r"\[\d+\]$", "", key.rsplit(".", 1)[-1])) if key else None
+    if error["type"] in ("extra_forbidden", "missing") or field is None or not field.description:
+        return message
+    return f"{message}. {key.split('[')[0]}: {field.description}"
+
+
+def _problem(cls, data, error: dict, path: str, set_keys=()) -> str:
     tp, value, key, model = _locate(cls, data, error["loc"])
     where = f"{path}: {key}" if key else path
+    if key and any(key == k or key.startswith(f"{k}.") or key.startswith(f"{k}[") for k in set_keys):
+        where = f"--set {key}"   # the command line's value, not the file's
     kind = error["type"]
     if kind == "check":
         return f"{where}: {error['ctx']['message']}"
@@ -444,13 +522,13 @@ def _message(cls, data, error: dict, path: str) -> str:
     return f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})"
 
 
-def _validate(cls, data, path):
+def _validate(cls, data, path, set_keys=()):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
         # types and keys first, then ranges: the order the file is read in, one message
         first = min(e.errors(), key=lambda err: err["type"] == "check")
-        raise ConfigError(_message(cls, data, first, str(path))) from None
+        raise ConfigError(_message(cls, data, first, str(path), set_keys)) from None
 
 
 class _Refused(yaml.YAMLError):
@@ -541,10 +619,42 @@ def _check_data(d: DataConfig, p):
 _SPIKE_SLAB = ("ss-ig", "ss-gl", "ss-ghs")   # the families with prunable units (train/spike_slab.py PRIORS)
 
 
-def load_pipeline_config(path) -> PipelineConfig:
+SETTING_EXAMPLE = "train.epochs=3"
+
+
+def apply_settings(data, settings, path) -> dict:
+    """`--set section.key=value` settings (command line) applied to a config file's mapping `data`; the value
+    is read as YAML (1.2 numbers, as in the file: `train.lr=1e-3`, `select.mc_samples=[1,4]`, `null`). A
+    malformed setting is one ConfigError naming it; its key and value are validated with the file's own."""
+    data = dict(data) if isinstance(data, dict) else data
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise ConfigError(f"--set {setting}: expected section.key=value, e.g. --set {SETTING_EXAMPLE}")
+        node = data
+        for depth, section in enumerate(parts[:-1]):
+            child = node.get(section) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or not isinstance(child, (dict, type(None))):
+                raise ConfigError(f"--set {setting}: {'.'.join(parts[:depth + 1])} is not a section of {path}")
+            node[section] = node = dict(child or {})
+        try:
+            node[parts[-1]] = yaml.load(value, Loader=_Yaml12Loader) if value.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {setting}: the value is not valid YAML: {e}".replace("\n", " ")) from None
+    return data
+
+
+def load_pipeline_config(path, settings=()) -> PipelineConfig:
+    """pipeline.yaml validated, with `settings` (`--set section.key=value`, cli.py) applied over it first:
+    a setting is validated as the file is, and a message about its key names `--set KEY` instead of the file."""
     path = Path(path)
-    cfg = _validate(PipelineConfig, _load_yaml(path), path)
-    p = str(path)
+    settings = tuple(settings or ())
+    data = _load_yaml(path)
+    if settings:
+        data = apply_settings(data, settings, path)
+    cfg = _validate(PipelineConfig, data, path, set_keys=[s.partition("=")[0].strip() for s in settings])
+    p = f"{path} with --set {' '.join(settings)}" if settings else str(path)
     _check_data(cfg.data, p)
     _check(all(0 < e <= cfg.train.epochs for e in cfg.train.lr_milestones), f"{p}: train.lr_milestones",
            "expected epochs between 1 and train.epochs")
@@ -672,6 +782,20 @@ def load_device_profile(name: str) -> DeviceProfile:
     _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
            "a positive number is required when latency_model.kind is flops")
     return profile
+
+
+def keys_table(kind: str = "pipeline") -> str:
+    """The Markdown table of every key (dotted name, meaning, default) from the same Field descriptions as the
+    JSON Schema: `edgebayes config schema --markdown`, and the tables of devices/README.md and configs/README.md."""
+    def rows(model, prefix=""):
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, Section):
+                yield from rows(f.annotation, f"{prefix}{name}.")
+            else:
+                default = "(required)" if f.is_required() else json.dumps(f.default)
+                yield f"| `{prefix}{name}` | {f.description.replace('|', '/')} | {default} |"
+    model = {"pipeline": PipelineConfig, "device": DeviceProfile}[kind]
+    return "\n".join(["| key | meaning | default |", "|---|---|---|", *rows(model)]) + "\n"
 
 
 def json_schema(kind: str = "pipeline") -> dict:

@@ -6,8 +6,19 @@ line on stderr instead, with what the loop last set as its postfix (loss, valida
 """
 
 import sys
+import time
 
 from tqdm.auto import tqdm
+
+
+def _duration(seconds: float) -> str:
+    """12 s, 3 min 20 s, 2 h 05 min."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def progress(iterable, desc="", total=None, initial=0, unit="it", disable=False, **kwargs):
@@ -23,15 +34,24 @@ class LineProgress:
     def __init__(self, iterable, desc, total=None, initial=0, unit="it", file=None):
         self.iterable, self.desc, self.unit = iterable, desc, unit
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
-        self.n, self.postfix, self.file = initial, "", file
+        self.n, self.postfix, self.file, self.initial = initial, "", file, initial
 
     def __iter__(self):
+        start = time.monotonic()
         for item in self.iterable:
             yield item
             self.n += 1   # the step's body has run: report it
             of = f"/{self.total}" if self.total is not None else ""
-            print(f"{self.desc}: {self.unit} {self.n}{of}" + (f": {self.postfix}" if self.postfix else ""),
-                  file=self.file or sys.stderr, flush=True)
+            print(f"{self.desc}: {self.unit} {self.n}{of}" + (f": {self.postfix}" if self.postfix else "")
+                  + self._eta(time.monotonic() - start), file=self.file or sys.stderr, flush=True)
+
+    def _eta(self, spent):
+        """`, 2.1 s/epoch, ETA 5 min` from the steps done in this process (a resumed run's earlier ones not)."""
+        done = self.n - self.initial
+        if not done or self.total is None:
+            return ""
+        per, left = spent / done, spent / done * (self.total - self.n)
+        return f" ({per:.3g} s/{self.unit}, ETA {_duration(left)})" if self.n < self.total else f" ({_duration(spent)})"
 
     def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
         items = {**(ordered_dict or {}), **kwargs}

@@ -76,6 +76,8 @@ class Context:
     log: object = print
     config_path: str = "pipeline.yaml"   # named in error messages
     device_arg: str = "local"            # --device as given (a relaunch under torchrun passes it on)
+    settings: tuple = ()                 # --set section.key=value over the config file (already in cfg)
+    program: str = "edgebayes"           # the command the user ran (.venv/bin/edgebayes): hints repeat it
     # upstream files the running stage read (require): {path under run_dir: sha256}, written to its marker
     reads: dict = field(default_factory=dict, repr=False)
 
@@ -230,8 +232,12 @@ class Context:
         import shlex
 
         runs = [] if str(self.runs_dir) == "runs" else ["--runs-dir", str(self.runs_dir)]
-        return shlex.join(["edgebayes", stage, "--config", str(self.config_path), "--device", str(self.device_arg),
-                           *runs, *extra])
+        return shlex.join([*shlex.split(self.program), stage, "--config", str(self.config_path), "--device", str(self.device_arg),
+                           *runs, *self.set_args(), *extra])
+
+    def set_args(self):
+        """The --set options of this run, for a command that must run the same config."""
+        return [a for s in self.settings for a in ("--set", s)]
 
 
 _splits_cache = {}
@@ -273,7 +279,7 @@ def run_train(ctx):
         # writes everything this stage writes.
         ctx.log(f"train: {cfg.train.processes} processes (DDP) under torchrun")
         args = ["train", "--config", str(ctx.config_path), "--device", ctx.device_arg,
-                "--runs-dir", str(ctx.runs_dir)] + (["--force"] if ctx.force else [])
+                "--runs-dir", str(ctx.runs_dir), *ctx.set_args()] + (["--force"] if ctx.force else [])
         code = distributed.launch(args, cfg.train.processes)
         if code != 0:
             raise StageError(f"train: the {cfg.train.processes} training processes failed (exit code {code}); "
@@ -377,10 +383,14 @@ def run_select(ctx):
     c = choice["candidate"]
     predicted = c["cost"]["predicted_latency_ms"]
     from edgebayes.deploy.report import fmt_ms
+    from edgebayes.deploy.summary import latency_basis
 
+    measured = c["cost"]["measured_latency_ms"] is not None
     ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']}, {choice['precision']} "
-            f"(val accuracy {c['val']['accuracy']:.4f}, latency {fmt_ms(c['cost']['latency_ms'], True)} "
-            f"{c['cost']['latency_source']}" + (f", predicted {fmt_ms(predicted, True)}" if predicted is not None else "")
+            f"(val accuracy {c['val']['accuracy']:.4f}, p{ctx.profile.budgets.percentile} latency "
+            + (f"{fmt_ms(c['cost']['latency_ms'], True)} measured" if measured else "")
+            + (", " if measured and predicted is not None else "")
+            + (f"{fmt_ms(predicted, True)} {latency_basis(c['cost'])}".replace("µs", "us") if predicted is not None else "")
             + f", memory {'>= ' if c['cost']['memory_estimate_lower_bound'] else ''}"
               f"{c['cost']['memory_estimate_mb']:.2f} MB of its own estimated); {choice['reason']}")
 
@@ -547,6 +557,8 @@ def _report_inputs(ctx, results):
         "export": export, "results": results, "reliability": (results or {}).get("reliability"),
         "artifact_results": read_json(artifact_results) if results and artifact_results.is_file() else {},
         "provenance": ctx.provenance("report"),
+        # the config the run used: the file, the command line's --set over it, and every key's value
+        "config": {"file": str(ctx.config_path), "settings": list(ctx.settings), "values": as_dict(ctx.cfg)},
     }
 
 
@@ -640,12 +652,17 @@ def finish_steps(ctx):
     python = expand_repo(c.python) or "python3"
     run = shlex.join([python, *runner_args(ctx)])
     import_cmd = ctx.command("report", "--results", "results.json")
+    from edgebayes.ondevice.tables import RUNTIME_MODULES, RUNTIME_PACKAGES
+
+    runtime = ctx.profile.runtime.name
+    needs = (f"the board needs {python} (python 3) with numpy and the {runtime} runtime "
+             f"({RUNTIME_PACKAGES[runtime]}; check: {python} -c 'import numpy, {RUNTIME_MODULES[runtime][0]}')")
     if c.kind != "ssh":
-        return [f"copy {bundle} to the device", f"there: {run}",
+        return [needs, f"copy {bundle} to the device", f"there: {run}",
                 f"copy results.json back, then here: {import_cmd}"]
     dest = f"{c.user}@{c.host}" if c.user else c.host
     port_ssh, port_scp = (["-p", str(c.port)], ["-P", str(c.port)]) if c.port else ([], [])
-    return [shlex.join(["ssh", *port_ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
+    return [needs, shlex.join(["ssh", *port_ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
             shlex.join(["scp", *port_scp, "-r", str(bundle), f"{dest}:{workdir}/"]),
             shlex.join(["ssh", *port_ssh, dest, f"cd {shlex.quote(workdir)} && {run}"]),
             shlex.join(["scp", *port_scp, f"{dest}:{workdir}/results.json", "results.json"]),
@@ -701,8 +718,8 @@ def write_predicted_report(ctx, error):
     inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not,
                            "finish": finish_steps(ctx)}
     report = write_report(inputs, ctx.stage_dir("report"))
-    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted; to finish on the device: "
-            + " ; ".join(finish_steps(ctx)) + ")")
+    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted; the summary lists the steps that "
+            f"finish it on the device)")
     return report
 
 

@@ -20,12 +20,23 @@ Three sources, in the order selection prefers them (device profile key `latency_
    (appendix A.1, multiplies) x batch size, parameter MB = kept weights x bytes per value. Tables live in
    runs/devices/<device>/latency_table.json (this machine's measurements; not in git) or, for boards
    measured elsewhere, devices/profiles/<device>.json (shipped); `latency_model.table` names another file.
-3. flops: FLOPs x batch / the profile's declared throughput + overhead_ms. The throughput is a data-sheet
-   figure, declared and not measured (each profile says where it comes from). For small models the
-   overhead is nearly all of it, so every candidate gets about the same figure: the report says that the
-   device has no latency table rather than presenting the figure as a prediction (has_table).
+3. flops: an estimate from the board's spec sheet (SpecSheetPredictor), for a board never profiled:
 
-A kind `measure` device that cannot be reached falls back to the table, then to declared FLOPs.
+       latency ~ overhead_ms + max(FLOPs x batch / flops_per_second, weight bytes / memory bandwidth),
+
+   a roofline of the data sheet's figures (the sustained throughput the profile declares from the peak,
+   the published memory bandwidth, each profile's `latency_model.source` names where they come from),
+   judged with a wide declared band (`latency_model.estimate_band`, x0.5 to x3 by default): nothing on
+   the board was measured. For small models the overhead is nearly all of it, so the candidates barely
+   differ; the report says so.
+
+Every prediction carries its basis and an error band: a table's is its fit's largest relative error at
+that percentile (in-sample), the spec sheet's the declared band. A table that does not cover a candidate
+(another architecture or input size than the table's sweep, operators, FLOPs or weights outside its rows'
+range, or a fit error over MAX_FIT_ERROR) says why (`TablePredictor.covers`); selection then measures that
+candidate on the device when it can, and otherwise marks the prediction as not covered.
+
+A kind `measure` device that cannot be reached falls back to the table, then to the spec sheet.
 """
 
 import json
@@ -54,6 +65,10 @@ PERCENTILES = ("p50", "p90", "p99")
 # Input sizes of the data sets (flattened) for the profiling sweep; every set has 10 classes.
 IN_FEATURES = {"digits": 64, "mnist": 784, "fashion-mnist": 784, "cifar10": 3072}
 WIDTH_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
+# A table whose fit misses one of its own rows by more than this does not cover any candidate (issue 35).
+MAX_FIT_ERROR = 0.25
+# How far outside its rows' range (operators, MFLOPs, weight MB) a table is still read: 25 % either way.
+RANGE_MARGIN = 1.25
 
 
 class LatencyModelError(StageError):
@@ -108,7 +123,7 @@ class TablePredictor:
     def __init__(self, table, path):
         from scipy.optimize import nnls
 
-        self.path, self.batch_size = Path(path), table["batch_size"]
+        self.path, self.batch_size, self.rows = Path(path), table["batch_size"], table["rows"]
         self.memory = table.get("memory")   # the runtime's memory on the device (runner.time_models)
         self.coefs, self.fit_error, self.outliers = {}, {}, {}
         for precision in sorted({r["precision"] for r in table["rows"]}):
@@ -155,36 +170,76 @@ class TablePredictor:
     def describe(self):
         return f"predicted (table fit, {self.path.name})"
 
-    has_table = True
+    def band(self, predicted, precision, percentile):
+        """[low, high] ms: the fit's largest relative error on its own rows at this percentile, either way."""
+        e = self.fit_error.get((precision, f"p{percentile}"), 0.0)
+        return [predicted * (1 - e), predicted * (1 + e)]
+
+    def covers(self, operators, flops, params, precision, percentile, in_features, arch):
+        """None when the table is read within what it measured; else why not (said in the log and report).
+        The sweep holds MLPs of the run's input size (profile_device): another architecture or input size,
+        figures outside its rows' range, or a fit error over MAX_FIT_ERROR is an extrapolation."""
+        rows = [r for r in self.rows if r["precision"] == precision]
+        if not rows:
+            return f"it has no {precision} rows"
+        widths = {r["widths"][0] for r in rows if r.get("widths")}
+        if arch != "mlp":
+            return f"it sweeps MLPs, this model is {arch} (other layer shapes)"
+        if widths and in_features not in widths:
+            return f"it was measured with {'/'.join(map(str, sorted(widths)))} input features, this model has {in_features}"
+        worst = self.fit_error.get((precision, f"p{percentile}"), 0.0)
+        if worst > MAX_FIT_ERROR:
+            return (f"its p{percentile} fit misses its own rows by up to {100 * worst:.0f} % "
+                    f"(over {100 * MAX_FIT_ERROR:.0f} %)")
+        x = features(operators, flops, params, precision, self.batch_size)
+        for i, name in ((1, "operators"), (2, "MFLOPs"), (3, "weight MB")):
+            values = [features(r["operators"], r["flops"], r["params"], precision, self.batch_size)[i] for r in rows]
+            lo, hi = min(values) / RANGE_MARGIN, max(values) * RANGE_MARGIN
+            if not lo <= x[i] <= hi:
+                return f"{name} {x[i]:.4g} is outside its rows' {min(values):.4g}..{max(values):.4g}"
+        return None
+
+    basis, has_table = "table", True
 
 
-class FlopsPredictor:
-    """FLOPs / declared throughput + overhead: no measurement of the device behind it (has_table False)."""
+class SpecSheetPredictor:
+    """A board never profiled: the roofline of its spec sheet's figures (module docstring), with the
+    profile's declared band. Nothing of the board was measured (has_table False)."""
 
-    has_table, memory = False, None
+    basis, has_table, memory = "spec sheet", False, None
 
     def __init__(self, lm):
         self.lm = lm
 
     def predict(self, operators, flops, params, precision, percentile, batch_size):
-        return self.lm.overhead_ms + 1000.0 * flops * batch_size / self.lm.flops_per_second
+        compute_ms = 1000.0 * flops * batch_size / self.lm.flops_per_second
+        bandwidth = self.lm.memory_bandwidth_gb_s
+        memory_ms = 0.0 if not bandwidth else 1000.0 * params * BYTES_PER_VALUE[precision] / (bandwidth * 1e9)
+        return self.lm.overhead_ms + max(compute_ms, memory_ms)
 
     def describe(self):
-        return "predicted (FLOPs / declared throughput)"
+        return "estimated from the spec sheet"   # the profile's latency_model.source says which (the report shows it)
+
+    def band(self, predicted, precision, percentile):
+        low, high = self.lm.estimate_band
+        return [predicted * low, predicted * high]
+
+    def covers(self, *args):
+        return None
 
 
 def predictor_for(profile, runs_dir):
     """The best prediction model available for a device, or None (kind measure, no table, no throughput)."""
     lm = profile.latency_model
     if lm.kind == "flops":
-        return FlopsPredictor(lm)
+        return SpecSheetPredictor(lm)
     path = table_path(profile, runs_dir)
     if path.is_file():
         return TablePredictor.load(path)
     if lm.kind == "table":
         raise LatencyModelError(f"device {profile.name}: latency_model.kind is table but {path} does not exist; "
                                 f"run `edgebayes devices profile {profile.name}`")
-    return FlopsPredictor(lm) if lm.flops_per_second else None
+    return SpecSheetPredictor(lm) if lm.flops_per_second else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,8 +270,7 @@ def measure_models(transport, profile, models, example, bench, log=print):
         code, err = transport.run(command_line(f"timing/{RUNNER_FILE}", "timing/results.json",
                                                time_models="timing/spec.json", **bench,
                                                batch_size=profile.budgets.batch_size,
-                                               threads=profile.runtime.threads, tags={"device": profile.name},
-                                               quiet=True))
+                                               threads=profile.runtime.threads, tags={"device": profile.name}))
         if code != 0:
             raise TransportError(transport.disk_full(err) or runner_failure(profile.name, code, err))
         transport.get("timing/results.json", folder / "results.json")

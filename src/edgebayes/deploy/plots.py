@@ -24,9 +24,11 @@ def _png(fig) -> bytes:
 
 
 def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
-                   budget_mb: float | None = None) -> bytes | None:
+                   budget_mb: float | None = None, percentile: Any = None, batch_size: Any = None) -> bytes | None:
     """Val accuracy vs latency (left) and vs model size (right) for every candidate; colour = M, marker =
-    fits or not; the Pareto front, the budget lines and the chosen point drawn on both."""
+    fits or not; a predicted latency with its band as a horizontal bar; the Pareto front, the budget lines and
+    the chosen point drawn on both. The legend (the chosen point named in it) sits below the panels, over no
+    data and no tick label."""
     pts = [(c, num(get(c, "cost", "latency_ms")), num(get(c, "val", "accuracy")))
            for c in candidates]
     pts = [p for p in pts if p[1] is not None and p[2] is not None]
@@ -34,15 +36,19 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
         return None
     from matplotlib.lines import Line2D
 
-    unit, k = time_axis([x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else []))
-    pts = [(c, k * x, y) for c, x, y in pts]
+    bands = {id(c): get(c, "cost", "predicted_latency_band_ms") for c, _, _ in pts
+             if num(get(c, "cost", "measured_latency_ms")) is None}
+    bands = {i: [num(b[0]), num(b[1])] for i, b in bands.items()
+             if isinstance(b, list) and len(b) == 2 and None not in (num(b[0]), num(b[1]))}
+    unit, k = time_axis([x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else [])
+                        + [v for b in bands.values() for v in b])
     budget_label = None if budget_ms is None else fmt_ms(budget_ms)
     budget_ms = None if budget_ms is None else k * budget_ms
 
-    fig = _new_fig(11.0, 5.0)
+    fig = _new_fig(11.0, 5.6)
     ax, ax_mb = fig.subplots(1, 2, width_ratios=[3, 2])
     _size_panel(ax_mb, candidates, choice, budget_mb)
-    front = sorted((x, y) for c, x, y in pts if c.get("pareto_latency"))
+    front = sorted((k * x, y) for c, x, y in pts if c.get("pareto_latency"))
     if len(front) > 1:
         ax.step(*zip(*front), where="post", color="#555", linewidth=1.1, zorder=1)
     ms = sorted({c.get("mc_samples") for c, _, _ in pts}, key=lambda m: (num(m) is None, num(m) or 0, str(m)))
@@ -53,40 +59,47 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
     colours = {m: cmap(0.85 * i / max(1, len(ms) - 1)) for i, m in enumerate(ms)}
     for c, x, y in pts:
         col = colours[c.get("mc_samples")]
+        if id(c) in bands:
+            lo, hi = bands[id(c)]
+            ax.plot([k * lo, k * hi], [y, y], color=col, linewidth=1, alpha=0.6, zorder=1)
         if c.get("fits"):
-            ax.scatter(x, y, s=46, marker="o", color=col, edgecolor="black", linewidth=0.5, zorder=3)
+            ax.scatter(k * x, y, s=46, marker="o", color=col, edgecolor="black", linewidth=0.5, zorder=3)
         else:
-            ax.scatter(x, y, s=46, marker="X", color=col, alpha=0.55, zorder=2)
-    chosen = [(x, y) for c, x, y in pts if same_point(c, choice.get("knob_value"), choice.get("mc_samples"))]
+            ax.scatter(k * x, y, s=46, marker="X", color=col, alpha=0.55, zorder=2)
+    chosen = [(k * x, y) for c, x, y in pts
+              if same_point(c, choice.get("knob_value"), choice.get("mc_samples"), choice.get("format"))]
     for x, y in chosen[:1]:
         ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
-        ax.annotate(f"chosen: {knob_label(choice.get('knob'))} {fmt(choice.get('knob_value'))}, "
-                    f"M={choice.get('mc_samples')}",
-                    (x, y), xytext=(12, -18), textcoords="offset points", color="crimson",
-                    fontsize=9, fontweight="bold")
-    xs = [x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else [])
+    xs = [k * x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else []) + [
+        k * v for b in bands.values() for v in b]
     if min(xs) > 0 and max(xs) / min(xs) > 10:  # wide spread: linear axis would squash the points
         ax.set_xscale("log")
     if budget_ms is not None:
         ax.axvline(budget_ms, color="crimson", linestyle="--", linewidth=1.3)
-    ax.set_xlabel(f"latency per batch ({unit})" + (", log scale" if ax.get_xscale() == "log" else ""))
+    stat = f"p{fmt(num(percentile))} latency" if num(percentile) is not None else "latency"
+    batch = f", batch size {batch_size}" if batch_size is not None else ""
+    ax.set_xlabel(f"{stat}{batch} ({unit})" + (", log scale" if ax.get_xscale() == "log" else ""))
     ax.set_ylabel("validation accuracy")
     ax.set_title("Candidate operating points: accuracy vs latency")
     ax.grid(True, alpha=0.3)
+    ax.margins(x=0.08, y=0.12)
     handles = [Line2D([], [], marker="o", linestyle="", color=colours[m], markeredgecolor="black",
                       markeredgewidth=0.5, label=f"M = {m}") for m in ms]
     handles += [Line2D([], [], marker="o", linestyle="", color="grey", label="fits budget"),
                 Line2D([], [], marker="X", linestyle="", color="grey", alpha=0.55, label="violates budget")]
+    if bands:
+        handles.append(Line2D([], [], color="grey", linewidth=1, label="predicted latency's band"))
     if chosen:
-        handles.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none",
-                              markeredgecolor="crimson", markersize=12, label="chosen"))
+        handles.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none", markeredgecolor="crimson",
+                              markersize=12, label=f"chosen: {knob_label(choice.get('knob'))} "
+                                                   f"{fmt(choice.get('knob_value'))}, M={choice.get('mc_samples')}"))
     if len(front) > 1:
         handles.append(Line2D([], [], color="#555", label="Pareto front"))
     if budget_ms is not None:
-        handles.append(Line2D([], [], color="crimson", linestyle="--", label=f"latency budget {budget_label}"))
+        handles.append(Line2D([], [], color="crimson", linestyle="--", label=f"latency budget {budget_label} (left)"))
     if budget_mb is not None:
-        handles.append(Line2D([], [], color="darkorange", linestyle="--", label=f"size budget {fmt(budget_mb)} MB"))
-    ax.legend(handles=handles, loc="lower right", fontsize=7, framealpha=0.85)
+        handles.append(Line2D([], [], color="darkorange", linestyle="--", label=f"size budget {fmt(budget_mb)} MB (right)"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(6, len(handles)), fontsize=8, frameon=False)
     return _png(fig)
 
 
@@ -98,7 +111,7 @@ def _size_panel(ax, candidates: list, choice: dict, budget_mb: float | None) -> 
         on_front = bool(c.get("pareto"))
         ax.scatter(x, y, s=40, marker="o", facecolor="#2c7fb8" if on_front else "none", edgecolor="#2c7fb8",
                    alpha=1.0 if c.get("fits") else 0.45, zorder=3)
-        if same_point(c, choice.get("knob_value"), choice.get("mc_samples")) and \
+        if same_point(c, choice.get("knob_value"), choice.get("mc_samples"), choice.get("format")) and \
                 c.get("precision", choice.get("precision")) == choice.get("precision"):
             ax.scatter(x, y, s=320, facecolor="none", edgecolor="crimson", linewidth=2.2, zorder=4)
     if budget_mb is not None:
@@ -133,7 +146,8 @@ def plot_knob(candidates: list, knob: Any) -> bytes | None:
         ax.set_ylabel(what)
         ax.set_title(f"{what[:1].upper()}{what[1:]} vs {knob_label(knob)}")
         ax.grid(True, alpha=0.3)
-    a1.legend(fontsize=8)
+    handles, labels = a1.get_legend_handles_labels()   # below both panels, over no line
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(6, len(labels)), fontsize=8, frameon=False)
     return _png(fig)
 
 
@@ -206,41 +220,89 @@ def hist_window(xs: list[float]) -> tuple[float, float, float]:
     return lo, hi, 0.05 * (hi - lo) if hi > lo else 0.05 * hi
 
 
-def plot_latency_hist(samples: Any, lat: dict, budget_ms: float | None) -> bytes | None:
-    """Histogram of the timed runs. The x-axis covers the data up to its 99.9th percentile (a few slow
-    runs far out would squeeze the rest into one bar); the runs beyond, the maximum and a budget off the
-    axis are named in the legend, not drawn."""
+def plot_latency_hist(samples: Any, lat: dict, budget_ms: float | None, histogram: Any = None,
+                      runs: Any = None, batch_size: Any = None) -> bytes | None:
+    """Histogram of the timed runs: every run when the runner counted them (`histogram`: geometric bins from
+    the fastest to the slowest, drawn on a log axis, so the total and the maximum are the table's), else the
+    runner's sample of them, titled as such. The axis ends at the 99.9th percentile (or 1.5 x p99 where the
+    last 0.9 % stretch further: a few runs 10-100x slower would squeeze the rest into one bar); the runs
+    beyond, the maximum and a budget off the axis are named in the legend, not drawn."""
+    edges, counts = _histogram(histogram)
     xs = sorted(v for v in (num(s) for s in (samples or [])) if v is not None)
-    if not xs:
+    if counts is None and not xs:
         return None
-    lo, hi, pad = hist_window(xs)
+    if counts is not None:
+        total = sum(counts)
+        cum, p999 = 0, edges[-1]
+        for c, right in zip(counts, edges[1:]):
+            cum += c
+            if cum >= 0.999 * total:
+                p999 = right
+                break
+        p99 = num(lat.get("p99"))
+        lo, hi = edges[0], min(p999, 1.5 * p99) if p99 else p999
+        keep = [i for i in range(len(counts)) if edges[i + 1] <= hi * (1 + 1e-9)] or [0]
+        shown_edges, shown = edges[: keep[-1] + 2], counts[: keep[-1] + 1]
+        hi, pad = shown_edges[-1], 0.0
+        beyond = total - sum(shown)
+        title = f"Latency on the device: all {total:,} timed runs"
+    else:
+        lo, hi, pad = hist_window(xs)
+        shown = [v for v in xs if v <= hi]
+        beyond = len(xs) - len(shown)
+        title = (f"Latency on the device: {len(xs):,} of {num(runs):,.0f} timed runs (every k-th)" if num(runs)
+                 else "Latency on the device (a sample of the timed runs)")
     unit, k = time_axis([hi])
-    shown = [v for v in xs if v <= hi]
-    fig = _new_fig(5.2, 3.6)
+    fig = _new_fig(5.6, 4.4)
     ax = fig.add_subplot()
-    ax.hist([k * v for v in shown], bins=min(60, max(10, len(shown) // 20)), range=(k * lo, k * hi),
-            color="#74a9cf", edgecolor="white", linewidth=0.3)
+    if counts is not None:
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+        ax.stairs(shown, [k * e for e in shown_edges], fill=True, color="#74a9cf")
+        ax.set_xscale("log")
+        ax.set_xlim(k * lo / 1.03, k * hi * 1.03)
+        # plain numbers at 1, 2, 5 x 10^n, none between: scientific minor labels ran into each other
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.hist([k * v for v in shown], bins=min(60, max(10, len(shown) // 20)), range=(k * lo, k * hi),
+                color="#74a9cf", edgecolor="white", linewidth=0.3)
+        ax.set_xlim(k * (lo - pad), k * (hi + pad))
+    top = hi * 1.03 + pad
     for key, style in (("p50", ":"), ("p90", "--"), ("p99", "-.")):
         v = num(lat.get(key))
-        if v is not None and v <= hi + pad:
+        if v is not None and v <= top:
             ax.axvline(k * v, color="black", linestyle=style, linewidth=1, label=f"{key} {fmt_ms(v)}")
     from matplotlib.lines import Line2D
 
     extra = []
-    beyond = len(xs) - len(shown)
+    slowest = num(lat.get("max")) if num(lat.get("max")) is not None else (xs[-1] if xs else None)
     if beyond:
-        extra.append(Line2D([], [], linestyle="", label=f"{beyond} slower runs not shown (max {fmt_ms(xs[-1])})"))
-    if budget_ms is not None and budget_ms <= hi + pad:
+        extra.append(Line2D([], [], linestyle="", label=f"{beyond:,} slower runs not drawn (max {fmt_ms(slowest)})"))
+    if budget_ms is not None and budget_ms <= top:
         ax.axvline(k * budget_ms, color="crimson", linestyle="--", linewidth=1.3, label=f"budget {fmt_ms(budget_ms)}")
     elif budget_ms is not None:
         extra.append(Line2D([], [], color="crimson", linestyle="--", label=f"budget {fmt_ms(budget_ms)} (off the axis)"))
-    ax.set_xlim(k * (lo - pad), k * (hi + pad))
-    ax.set_title("Latency on the device (all timed runs)", fontsize=10)
-    ax.set_xlabel(f"latency per batch ({unit})")
+    ax.set_title(title, fontsize=10)
+    batch = f", batch size {batch_size}" if batch_size is not None else ""
+    ax.set_xlabel(f"latency of one inference{batch} ({unit})" + (", log scale" if counts is not None else ""))
     ax.set_ylabel("runs")
     handles, _ = ax.get_legend_handles_labels()
-    ax.legend(handles=handles + extra, fontsize=7)
+    # below the plot, never over its bars
+    fig.legend(handles=handles + extra, fontsize=7, loc="outside lower center", ncols=2, frameon=False)
     return _png(fig)
+
+
+def _histogram(histogram: Any) -> tuple[list | None, list | None]:
+    """(edges, counts) of the runner's run histogram, or (None, None) when absent or malformed."""
+    edges, counts = get(histogram, "edges_ms"), get(histogram, "counts")
+    if not isinstance(edges, list) or not isinstance(counts, list) or len(edges) != len(counts) + 1 or not counts:
+        return None, None
+    edges, counts = [num(e) for e in edges], [num(c) for c in counts]
+    if None in edges or None in counts or edges[0] <= 0:
+        return None, None
+    return edges, [int(c) for c in counts]
 
 
 def plot_selective(selective: Any) -> bytes | None:
@@ -345,15 +407,19 @@ def plot_devices(rows: list[dict]) -> bytes | None:
     for name, x, y, mode in pts:
         ax.scatter(k * x, y, s=70, marker="o" if mode == "measured" else "^",
                    color="#2c7fb8" if mode == "measured" else "#9e9ac8", edgecolor="black", linewidth=0.5, zorder=3)
-        ax.annotate(name, (k * x, y), xytext=(6, 4), textcoords="offset points", fontsize=8)
     xs = [k * x for _, x, _, _ in pts]
     if min(xs) > 0 and max(xs) / min(xs) > 10:
         ax.set_xscale("log")
+    mid = (min(xs) + max(xs)) / 2 if ax.get_xscale() == "linear" else (min(xs) * max(xs)) ** 0.5
+    for name, x, y, _ in pts:   # a label towards the middle, so that none leaves the axes
+        right = k * x > mid
+        ax.annotate(name, (k * x, y), xytext=(-7 if right else 7, 5), textcoords="offset points", fontsize=8,
+                    ha="right" if right else "left")
     ax.set_xlabel(f"latency at each device's budget percentile ({unit})")
     ax.set_ylabel("accuracy")
     ax.set_title("Chosen point per device (circle: measured, triangle: predicted)", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.margins(0.15)
+    ax.margins(x=0.12, y=0.2)   # the axes from the data, with room for the labels
     return _png(fig)
 
 
@@ -366,12 +432,15 @@ def report_figures(d: dict, s: dict) -> dict[str, bytes | None]:
     hidden_names = [str(l.get("name")) for l in layers if isinstance(l, dict) and l.get("name") != "output"]
     return {
         "tradeoff.png": plot_tradeoff(candidates, d.get("choice") or {}, s["latency_budget_ms"],
-                                      s["budgets"]["model_mb"]["limit"]),
+                                      s["budgets"]["model_mb"]["limit"], s["latency_percentile"],
+                                      get(d, "device", "budgets", "batch_size")),
         "knob.png": plot_knob(candidates, s["knob"]),
         "latency_prediction.png": plot_latency_prediction(candidates, s["latency_prediction"]),
         "sparsity.png": plot_sparsity(layers),
         "latency_hist.png": plot_latency_hist(results.get("latency_samples_ms"),
-                                              results.get("latency_ms") or {}, s["latency_budget_ms"]),
+                                              results.get("latency_ms") or {}, s["latency_budget_ms"],
+                                              results.get("latency_histogram"), results.get("runs"),
+                                              results.get("batch_size")),
         "reliability.png": plot_reliability(d.get("reliability") or get(d, "predicted", "here", "reliability"),
                                             s["metrics"]["ece"]["device"]),
         "selective.png": plot_selective(s.get("selective")),

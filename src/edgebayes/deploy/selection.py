@@ -136,6 +136,29 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
     return {i: None for i, _, _ in models}, predictor, None
 
 
+def _measure_uncovered(uncovered, measured, measured_on, predictor, profile, transport, models, example, bench, log):
+    """Candidates the latency table does not cover (TablePredictor.covers) are timed on the device when it can
+    be used, instead of trusting an extrapolation; otherwise their prediction stays, marked. Returns the
+    measured-on facts (the device's, if it measured anything)."""
+    todo = [m for m in models if m[0] in uncovered and measured[m[0]] is None]
+    if not uncovered:
+        return measured_on
+    why = sorted(set(uncovered.values()))
+    log(f"select: {predictor.path.name} does not cover {len(uncovered)} of {len(models)} candidates "
+        f"({'; '.join(why[:2])}{'; ...' if len(why) > 2 else ''})")
+    if not todo:
+        return measured_on
+    try:
+        timed = measure_models(transport, profile, todo, example, bench, log=log)
+    except DeviceUnavailable as e:
+        log(f"select: {e}; those {len(todo)} candidates keep the table's prediction, marked as not covered")
+        return measured_on
+    key = f"p{profile.budgets.percentile}"
+    measured.update({i: timed[i]["latency_ms"][key] for i, _, _ in todo})
+    log(f"select: measured those {len(todo)} candidates on {profile.name} instead")
+    return measured_on or timed[None]
+
+
 def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs_dir, log=print):
     """Every (knob value, M, format) candidate with its validation metrics and device cost.
 
@@ -191,6 +214,13 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                                  f"({model.knob})")
         measured, predictor, measured_on = _latencies(cfg, profile, transport, models, example.numpy(),
                                                       select_bench(cfg.benchmark), runs_dir, log)
+        in_features = int(torch.tensor(val_x.shape[1:]).prod())
+        uncovered = {} if predictor is None else {
+            c["id"]: why for c in candidates
+            if (why := predictor.covers(c["cost"]["operators"], c["cost"]["flops"], c["cost"]["kept_weights"],
+                                        c["precision"], b.percentile, in_features, cfg.model.arch))}
+        measured_on = _measure_uncovered(uncovered, measured, measured_on, predictor, profile, transport, models,
+                                         example.numpy(), select_bench(cfg.benchmark), log)
     # The runtime's memory on the device: measured now, else as the latency table recorded it.
     runtime_memory = (measured_on or {}).get("memory") or getattr(predictor, "memory", None)
     for c in candidates:
@@ -203,10 +233,16 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
             if measured[c["id"]] is None:
                 raise SelectionError(str(e)) from None
             by_percentile = None
-        cost["predicted_latency_ms"] = None if by_percentile is None else by_percentile[f"p{b.percentile}"]
+        predicted = None if by_percentile is None else by_percentile[f"p{b.percentile}"]
+        cost["predicted_latency_ms"] = predicted
         cost["predicted_latency_ms_by_percentile"] = by_percentile
         cost["predicted_by"] = None if predictor is None else predictor.describe()
         cost["latency_model_has_table"] = None if predictor is None else predictor.has_table
+        # the prediction's basis (table, spec sheet) and band, and why the table does not cover it (if so)
+        cost["prediction_basis"] = None if predictor is None else predictor.basis
+        cost["predicted_latency_band_ms"] = (None if predicted is None else
+                                             predictor.band(predicted, c["precision"], b.percentile))
+        cost["prediction_not_covered"] = uncovered.get(c["id"])
         estimate, lower_bound, parts = memory_estimate(cost["model_mb"], cost["activations_mb_per_sample"],
                                                        c["mc_samples"], runtime_memory, cost["runtime_weights_mb"])
         cost.update(memory_estimate_mb=estimate, memory_estimate_lower_bound=lower_bound, memory_parts_mb=parts,

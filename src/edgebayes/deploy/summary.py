@@ -141,10 +141,12 @@ def knob_label(knob: Any) -> str:
     return str(knob or "knob").replace("_", " ")
 
 
-def same_point(cand: dict, knob_value: Any, m: Any) -> bool:
+def same_point(cand: dict, knob_value: Any, m: Any, fmt: Any = None) -> bool:
+    """The candidate of this knob value and M (and export format, when given: a device taking fp32 and int8
+    has two candidates of one knob value and M, whose size and memory differ)."""
     t1, t2 = num(cand.get("knob_value")), num(knob_value)
     return (t1 is not None and t2 is not None and math.isclose(t1, t2, rel_tol=1e-9, abs_tol=1e-12)
-            and cand.get("mc_samples") == m)
+            and cand.get("mc_samples") == m and (fmt is None or cand.get("format") in (None, fmt)))
 
 
 def wilson(p: float | None, n: float | None, z: float = 1.96) -> list[float] | None:
@@ -182,12 +184,34 @@ def latency_key(lat: dict, percentile: Any) -> str | None:
     return reported[-1][1] if reported else None
 
 
-def verdict_of(limit: float | None, measured: float | None) -> str:
+def verdict_of(limit: float | None, measured: float | None, band: Any = None) -> str:
+    """pass / fail; with a band (a spec-sheet estimate: nothing measured) likely pass when all of the band is
+    within the limit, likely fail when all of it is over, else unknown."""
     if limit is None:
         return "not set"
     if measured is None:
         return NA
+    low, high = (num(x) for x in band) if isinstance(band, list) and len(band) == 2 else (None, None)
+    if low is not None and high is not None:
+        return "likely pass" if high <= limit else "likely fail" if low > limit else "unknown"
     return "pass" if measured <= limit else "fail"
+
+
+# From worst to best: the overall verdict is the worst of the budgets' (n/a and unknown: not judged).
+VERDICT_ORDER = ("fail", "likely fail", NA, "unknown", "likely pass", "pass")
+
+
+def latency_basis(cost: dict) -> str | None:
+    """One line for a candidate's predicted latency: its basis and band, and a table that does not cover it."""
+    p, band = num(cost.get("predicted_latency_ms")), cost.get("predicted_latency_band_ms")
+    if p is None:
+        return None
+    text = str(cost.get("predicted_by") or "predicted")
+    if isinstance(band, list) and len(band) == 2 and None not in (num(band[0]), num(band[1])):
+        text += f", band {fmt_ms(band[0])} to {fmt_ms(band[1])}"
+    if cost.get("prediction_not_covered"):
+        text += f"; NOT COVERED by the table: {cost['prediction_not_covered']}"
+    return text
 
 
 def pruned_fraction(layers: Any) -> float | None:
@@ -233,15 +257,17 @@ def summarize(d: dict) -> dict:
     ci = wilson(num(metrics["accuracy"]["device"]), num(n_eval))
 
     chosen = next((c for c in candidates
-                   if same_point(c, choice.get("knob_value"), choice.get("mc_samples"))), None)
+                   if same_point(c, choice.get("knob_value"), choice.get("mc_samples"), choice.get("format"))), None)
     cost = dict_or_empty(get(chosen, "cost"))
     has_table = cost.get("latency_model_has_table")
     by_pct = dict_or_empty(cost.get("predicted_latency_ms_by_percentile"))
     if not by_pct and num(cost.get("predicted_latency_ms")) is not None and budgets.get("percentile") is not None:
         by_pct = {f"p{num(budgets['percentile']):g}": cost["predicted_latency_ms"]}
-    # A latency model without a table (FLOPs / declared throughput) gives small models its fixed overhead:
-    # the same figure for every candidate, which is not a prediction of this model's latency.
-    predicted_lat = {} if has_table is False else {k: num(v) for k, v in by_pct.items()}
+    # One prediction per candidate, the same in the log, the candidates table, the plots and here: a table's,
+    # or the spec sheet's estimate (has_table False), each with its basis and band (latency_model.py).
+    predicted_lat = {k: num(v) for k, v in by_pct.items()}
+    band = cost.get("predicted_latency_band_ms")
+    spec_sheet = has_table is False
 
     # Budget verdicts.
     if predicted_in is None:
@@ -251,8 +277,8 @@ def summarize(d: dict) -> dict:
     else:
         lat_key = latency_key(predicted_lat, budgets.get("percentile"))
         lat_value = num(predicted_lat.get(lat_key)) if lat_key else None
-        lat_src = (f"{lat_key} predicted by {cost.get('predicted_by') or 'the latency model'}" if lat_value is not None
-                   else "not predicted: the device has no latency table")
+        lat_src = (f"{lat_key} {latency_basis(cost)}" if lat_value is not None
+                   else "not predicted: the device has no latency table and its profile no spec-sheet figures")
     model_bytes = num(export.get("model_bytes"))
     if model_bytes is not None:
         model_mb, model_src = model_bytes / BYTES_PER_MB, "export.model_bytes"
@@ -276,14 +302,14 @@ def summarize(d: dict) -> dict:
     for key, (label, unit) in BUDGETS.items():
         limit = num(budgets.get(key))
         value, source = measured[key]
-        verdict = verdict_of(limit, value)
+        verdict = verdict_of(limit, value, band if key == "latency_ms" and predicted_in is not None and spec_sheet
+                             else None)
         if key == "memory_mb" and predicted_in is not None and lower and verdict == "pass":
             verdict = NA   # a lower bound under the budget says nothing
         budget_rows[key] = {"label": label, "unit": unit, "limit": limit, "measured": value,
                             "measured_as": source, "verdict": verdict, "basis": basis[key]}
     verdicts = [r["verdict"] for r in budget_rows.values() if r["verdict"] != "not set"]
-    overall = ("fail" if "fail" in verdicts else NA if NA in verdicts
-               else "pass" if verdicts else "not set")
+    overall = next((v for v in VERDICT_ORDER if v in verdicts), "not set")
 
     onnx_params, kept_total = export.get("onnx_params"), export.get("kept_weights_total")
     params_match = (None if num(onnx_params) is None or num(kept_total) is None
@@ -292,12 +318,15 @@ def summarize(d: dict) -> dict:
     # Things an engineer should not miss when trusting the numbers.
     if predicted_in is not None and predicted_in.get("here_failed"):   # (the page's banner says the rest)
         warnings.append(f"The bundle did not run on this machine: {predicted_in['here_failed']}.")
-    if has_table is False:
-        warnings.append(f"{device.get('name') or 'This device'} has no latency table: its latency model is FLOPs / "
-                        f"declared throughput, which gives these models about its fixed overhead "
-                        f"({fmt_ms(num(cost.get('predicted_latency_ms')))} for the chosen point), so latency did not "
-                        f"tell the candidates apart. Run `edgebayes devices profile {device.get('name') or 'DEVICE'}` "
-                        "on the board to measure one.")
+    if spec_sheet and num(cost.get("predicted_latency_ms")) is not None:
+        warnings.append(f"{device.get('name') or 'This device'} has no latency table: its latency is "
+                        f"{latency_basis(cost)}; for models this small its fixed overhead is nearly all of it, so "
+                        f"latency hardly tells the candidates apart. Run `edgebayes devices profile "
+                        f"{device.get('name') or 'DEVICE'}` on the board to measure one.")
+    if cost.get("prediction_not_covered"):
+        warnings.append(f"The latency table does not cover the chosen point ({cost['prediction_not_covered']}): "
+                        + ("it was measured on the device instead." if num(cost.get("measured_latency_ms")) is not None
+                           else "its prediction is an extrapolation; measure it on the device."))
     if params_match is False:
         warnings.append(f"ONNX parameter count {onnx_params} != kept weights {kept_total}: "
                         "the exported graph does not match the pruned model.")
@@ -315,7 +344,7 @@ def summarize(d: dict) -> dict:
     # Predicted (the device's latency model) against measured (the deployment's benchmark) latency of the
     # chosen point, at the budget's percentile and at each percentile: how far the latency model can be
     # trusted on this device. Both are over all timed samples (runner.latency_summary).
-    predicted = num(cost.get("predicted_latency_ms")) if has_table is not False else None
+    predicted = num(cost.get("predicted_latency_ms"))
     lat_measured = None if predicted_in is not None else lat_value
     error = None if predicted is None or not lat_measured else (predicted - lat_measured) / lat_measured
     # The measurement's own noise: the range of the benchmark rounds' percentiles relative to the best round.
@@ -326,7 +355,9 @@ def summarize(d: dict) -> dict:
         by_percentile[k] = {"predicted_ms": pk, "measured_ms": mk,
                             "error": None if pk is None or not mk else (pk - mk) / mk}
     latency_prediction = {"percentile": budgets.get("percentile"), "predicted_ms": predicted,
-                          "predicted_by": cost.get("predicted_by"), "measured_ms": lat_measured,
+                          "predicted_by": cost.get("predicted_by"), "basis": cost.get("prediction_basis"),
+                          "band_ms": band, "basis_text": latency_basis(cost),
+                          "not_covered": cost.get("prediction_not_covered"), "measured_ms": lat_measured,
                           "error": error, "abs_error": None if error is None else abs(error),
                           "measurement_spread": spread, "has_table": has_table, "by_percentile": by_percentile}
 
@@ -444,12 +475,12 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
     lat = s.get("latency_predicted_ms") if predicted else {**dict_or_empty(s.get("latency_ms")), "max": s.get("latency_max_ms")}
     return {
         "run": s.get("run_name"), "device": s.get("device"), "mode": s.get("mode"),
+        "settings": get(report, "config", "settings") or [],
         "chosen": {k: s.get(k) for k in ("knob", "knob_value", "mc_samples", "format", "precision")},
         "accuracy": get(s, "metrics", "accuracy", "device"), "ece": get(s, "metrics", "ece", "device"),
         "metrics_measured_on": s.get("metrics_measured_on"),
         "ood_auroc": get(s, "ood", "auroc"), "ood_aupr": get(s, "ood", "aupr"),
-        "latency_ms": lat, "latency_basis": (("no latency table" if get(s, "latency_prediction", "has_table") is False
-                                              else str(get(s, "latency_prediction", "predicted_by")))
+        "latency_ms": lat, "latency_basis": (str(get(s, "latency_prediction", "basis_text") or "no prediction")
                                              if predicted else "measured, all timed runs"),
         "latency_ms_best_round": None if predicted else s.get("latency_ms_best_round"),
         "model_mb": s.get("model_mb"),
@@ -457,11 +488,25 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "memory_basis": get(s, "budgets", "memory_mb", "measured_as"),
         "memory_runtime_baseline_mb": get(s, "memory", "runtime_baseline_mb"),
         "memory_model_mb": get(s, "memory", "model_mb"),
+        "memory_setup_mb": get(s, "memory", "subtracted_setup_mb"),
         "budgets": {k: {"limit": r.get("limit"), "value": r.get("measured"), "basis": r.get("basis"),
                         "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
         "verdict": s.get("overall_verdict"),
+        "finish": s.get("finish"),   # a report of predictions: the steps that finish it on the device
         "report": None if report_path is None else str(report_path),
     }
+
+
+def _memory_note(t: dict) -> str:
+    """The memory line's basis in a few words (the report has the parts): the model's own, less the runtime's
+    set-up, and the whole process beside it."""
+    if t.get("mode") == "predicted" or t.get("memory_model_mb") is None:
+        return f"({t.get('memory_basis')})"
+    setup = t.get("memory_setup_mb")
+    own = "of its own" + (f", less {fmt(setup, 'MB')} runtime set-up" if setup is not None else "")
+    base = num(t.get("memory_runtime_baseline_mb"))
+    whole = None if base is None else base + num(t["memory_model_mb"])
+    return f"({own}; whole process {fmt(whole, 'MB')})"
 
 
 def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
@@ -474,7 +519,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
     predicted = t.get("mode") == "predicted"
     lat_txt = ", ".join(f"{k} {ms(v)}" for k, v in lat.items() if v is not None) or "n/a"
     best = dict_or_empty(t.get("latency_ms_best_round"))
-    lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})",
+    lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})"
+             + "".join(f" --set {x}" for x in t.get("settings") or []),
              f"  chosen point  {knob_label(c.get('knob'))} {fmt(c.get('knob_value'))}, M={c.get('mc_samples')}, "
              f"{c.get('format')} ({c.get('precision')})",
              f"  accuracy      {fmt(t.get('accuracy'))}, ECE {fmt(t.get('ece'))}, OOD AUROC {fmt(t.get('ood_auroc'))}"
@@ -482,9 +528,7 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              f"  latency       {lat_txt} ({t.get('latency_basis')})"
              + (f"; best round p90 {ms(best.get('p90'))}" if best.get("p90") is not None else ""),
              f"  size          {fmt(t.get('model_mb'), 'MB')}",
-             f"  memory        {fmt(t.get('memory_mb'), 'MB')} ({t.get('memory_basis')})"
-             + (f"; the whole process: runtime {fmt(t['memory_runtime_baseline_mb'], 'MB')} + model with the "
-                f"runtime's set-up {fmt(t['memory_model_mb'], 'MB')}" if t.get("memory_model_mb") is not None else "")]
+             f"  memory        {fmt(t.get('memory_mb'), 'MB')} " + _memory_note(t)]
     for key, b in dict_or_empty(t.get("budgets")).items():
         label, unit = BUDGETS.get(key, (key, ""))
         limit = "not set" if b.get("limit") is None else f"<= {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
@@ -494,5 +538,7 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
     lines.append(f"  verdict       {t.get('verdict')}" + (" (predicted)" if predicted else "")
                  + (f", exit code {exit_code}" if exit_code is not None else ""))
     lines.append(f"  report        {t.get('report')}")
-    return lines
+    for i, step in enumerate(t.get("finish") or []):
+        lines.append(f"  {'to finish' if i == 0 else '':13s} {i + 1}. {step}")
+    return [line.replace("µs", "us") for line in lines]   # a terminal may not print µs
 

@@ -135,7 +135,7 @@ def _tags(pairs):
     return tags
 
 
-def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, rounds, batch_size):
+def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, rounds, batch_size, say=None):
     """Time each model a spec lists, with the same protocol as a bundle's benchmark.
 
     The spec is JSON: {"example": "x.npy", "models": [{"id": ..., "file": ..., "runtime": "onnxruntime"},
@@ -175,13 +175,18 @@ def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, ro
     # Models are timed in interleaved rounds, so a slow spell of the device falls on a few rounds of every
     # model instead of on all rounds of the model that happened to run then (latency_summary).
     timings = [[] for _ in backends]
+    start = time.monotonic()
     for r in range(rounds):
         for i, backend in enumerate(backends):
             timings[i].append(timed_round(backend, batch, r, rounds, warmup, min_runs, min_seconds))
+        if say is not None:   # one line a round: a sweep of tens of models takes tens of seconds
+            spent = time.monotonic() - start
+            say(f"timing {len(backends)} models: round {r + 1}/{rounds} in {spent:.0f} s, "
+                f"about {spent / (r + 1) * (rounds - r - 1):.0f} s left")
     timed = []
     for entry, model_rounds in zip(spec["models"], timings):
         summary = latency_summary(model_rounds, batch_size)
-        del summary["samples_ms"]
+        del summary["samples_ms"], summary["histogram"]
         timed.append({"id": entry["id"], **summary})
     runtime_info = backends[-1].info() if backends else None
     write_json(out, {
@@ -205,7 +210,7 @@ def main(argv=None):
     if args.time_models:
         try:
             time_models(args.time_models, args.out, args.warmup, args.min_runs, args.min_seconds, args.threads,
-                        tags, args.rounds, args.batch_size)
+                        tags, args.rounds, args.batch_size, say=None if args.quiet else say)
         except RuntimeProblem as exc:
             print(f"runner: {exc}", file=sys.stderr)
             return EXIT_RUNTIME
@@ -344,6 +349,7 @@ def main(argv=None):
         "ood": ood,
         "selective": selective_prediction(probs, y),
         "latency_samples_ms": timing["samples_ms"],
+        "latency_histogram": timing["histogram"],   # every timed run, counted (timing.run_histogram)
         "reference": manifest["reference"],
         "max_abs_prob_diff": max_diff,
         "started_at": started_at,

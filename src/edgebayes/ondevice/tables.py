@@ -43,6 +43,12 @@ RUNTIME_MODULES = {
     "tensorrt": ("tensorrt",),
 }
 RUNTIMES = tuple(RUNTIME_MODULES)
+# What a board installs for each runtime (the finishing steps of a report of predictions say it).
+RUNTIME_PACKAGES = {
+    "onnxruntime": "pip install onnxruntime",
+    "tflite": "pip install ai-edge-litert (or tflite-runtime)",
+    "tensorrt": "JetPack's TensorRT Python bindings (python3-libnvinfer)",
+}
 
 # The runtime of a manifest's "format" (a bundle without "artifacts").
 FORMAT_TO_RUNTIME = {f.bundle_format: f.runtime for f in FORMATS.values()}
