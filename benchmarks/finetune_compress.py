@@ -14,6 +14,8 @@ Per net and seed:
                (benchmarks/main.py there): "l1" = BasePruner + MagnitudeImportance(p=1) and "group_norm" =
                GroupNormPruner + GroupMagnitudeImportance(p=2), one-shot, layer-wise (global_pruning=False),
                without the sparsity-learning pass ("group_sl"), which would be training beyond the shared budget.
+  dense-ft     the dense net trained the same E more epochs, uncompressed: how much of a row's change is the
+               extra training (the issue's criteria compare with the dense row).
 FLOPs: paper 000's formula (compressed/structure.py paper_flops) on the network after surgery / pruning,
 relative to the dense net; the ratio of one sample (the MC model runs M of them).
 
@@ -303,8 +305,9 @@ def run(args, data, out, rows):
 
     for net_name in args.nets:
         for seed in args.seeds:
-            wanted = [(m, t) for t in args.targets for m in eb_methods + tp_methods]
-            if all((net_name, m, t, seed) in done for m, t in wanted) and (net_name, "dense", None, seed) in done:
+            wanted = [(m, t) for t in args.targets for m in eb_methods + tp_methods] + [("dense", None)]
+            wanted += [("dense-ft", None)] if "dense-ft" in args.methods else []
+            if all((net_name, m, t, seed) in done for m, t in wanted):
                 continue
             trained, seconds = dense_model(net_name, seed, data, args, device, Path(args.cache))
             dense = plain_metrics(trained, *data["test"])
@@ -313,6 +316,14 @@ def run(args, data, out, rows):
             add({**base, "method": "dense", "target": None, "fine_tune_epochs": 0, "dense_epochs": args.dense_epochs,
                  "train_seconds": seconds, "flops_ratio_physical": 1.0, "params_ratio": 1.0, **dense,
                  "dense_flops": paper_flops(trained, SHAPE), "dense_params": count_weights(trained)})
+            if "dense-ft" in args.methods and (net_name, "dense-ft", None, seed) not in done:
+                # the same E more epochs without compression: how much of a row's change is the extra training
+                model, t0 = copy.deepcopy(trained), time.perf_counter()
+                torch.manual_seed(seed)
+                train_plain(model, *data["train"], args.epochs, seed, device)
+                add({**base, "method": "dense-ft", "target": None, "fine_tune_epochs": args.epochs,
+                     "fine_tune_seconds": time.perf_counter() - t0, "flops_ratio_physical": 1.0, "params_ratio": 1.0,
+                     **plain_metrics(model, *data["test"])})
             for target in args.targets:
                 for method in eb_methods + tp_methods:
                     if (net_name, method, target, seed) in done:
@@ -398,7 +409,9 @@ def markdown(result):
              f"target (within {TP_TOLERANCE:.0%} where channels allow), then fine-tuned. FLOPs: paper 000's "
              "formula on the network after surgery / pruning, relative to the dense net (one sample; the MC model "
              "runs M). Params: weights and biases of the Conv / Linear layers, same ratio. Seconds: wall clock on "
-             "the machine of the JSON, indicative only.", "", data_line(args), "",
+             "the machine of the JSON, indicative only. dense-ft: the dense net trained the same "
+             f"{_epochs(args.epochs)} more, uncompressed (how much of a row's change is the extra training).", "",
+             data_line(args), "",
              f"Command: `{result['command']}`", "",
              f"Commit {prov.get('git_commit')}, {prov.get('created_at')}; machine and versions in the JSON.", "",
              "Criteria (the issue's Done when), edgebayes rows: physical FLOPs <= target, accuracy within "
@@ -409,10 +422,10 @@ def markdown(result):
                   "| target | method | seed | FLOPs physical | params | accuracy % | vs dense (pts) | ECE | NLL | "
                   "fine-tune s | criteria |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         mine = [r for r in rows if r["net"] == net]
-        order = ["dense"] + list(EDGEBAYES) + list(TORCH_PRUNING)
+        order = ["dense", "dense-ft"] + list(EDGEBAYES) + list(TORCH_PRUNING)
         mine.sort(key=lambda r: (r["target"] is not None, -(r["target"] or 0), r["seed"], order.index(r["method"])))
         for r in mine:
-            target = "dense" if r["target"] is None else r["target"]
+            target = "—" if r["target"] is None else r["target"]
             if "error" in r:
                 lines.append("| " + " | ".join([str(target), r["method"], str(r["seed"]), f"failed: {r['error']}"]
                                                + [""] * 7) + " |")
@@ -459,7 +472,7 @@ def plot(rows, path):
     cols = min(2, len(nets))
     n_rows = (len(nets) + cols - 1) // cols
     fig, axes = plt.subplots(n_rows, cols, figsize=(5.5 * cols, 4 * n_rows), squeeze=False)
-    markers = {"dense": "*", "edgebayes-ss-gl": "o", "edgebayes-ss-ghs": "s", "edgebayes-bn3": "D",
+    markers = {"dense": "*", "dense-ft": "P", "edgebayes-ss-gl": "o", "edgebayes-ss-ghs": "s", "edgebayes-bn3": "D",
                "tp-magnitude": "v", "tp-group-norm": "^"}
     for ax, net in zip(axes.flat, nets):
         for method, marker in markers.items():
@@ -497,8 +510,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nets", nargs="+", default=["resnet18", "mobilenet_v2", "efficientnet_b0", "custom"],
                         choices=NETS)
-    parser.add_argument("--methods", nargs="+", default=[*EDGEBAYES, *TORCH_PRUNING],
-                        choices=[*EDGEBAYES, *TORCH_PRUNING])
+    parser.add_argument("--methods", nargs="+", default=["dense-ft", *EDGEBAYES, *TORCH_PRUNING],
+                        choices=["dense-ft", *EDGEBAYES, *TORCH_PRUNING],
+                        help="dense-ft: the dense net trained E more epochs, uncompressed (the dense rows always run)")
     parser.add_argument("--targets", nargs="+", type=float, default=[0.5, 0.25],
                         help="FLOPs fractions of the dense net")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])

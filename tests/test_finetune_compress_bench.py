@@ -23,18 +23,19 @@ ISSUE_KEYS = {"net", "method", "seed", "target", "fine_tune_epochs", "flops_rati
 
 def test_quick_run_writes_one_row_per_method_with_the_issues_keys(tmp_path):
     out, cache = tmp_path / "r", tmp_path / "cache"
-    argv = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--methods", "edgebayes-ss-gl",
-            *fc.TORCH_PRUNING, "--out", str(out), "--cache", str(cache)]
+    argv = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--methods", "dense-ft",
+            "edgebayes-ss-gl", *fc.TORCH_PRUNING, "--out", str(out), "--cache", str(cache)]
     assert fc.main(argv) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"dense", "edgebayes-ss-gl", *fc.TORCH_PRUNING}
+    assert set(rows) == {"dense", "dense-ft", "edgebayes-ss-gl", *fc.TORCH_PRUNING}
     dense = rows["dense"]
     for r in rows.values():
         assert "error" not in r, r
         assert ISSUE_KEYS <= set(r)
         assert r["dense_accuracy"] == dense["accuracy"] and r["dense_ece"] == dense["ece"]   # one trained net
         assert 0 <= r["accuracy"] <= 1 and 0 < r["flops_ratio_physical"] <= 1 and 0 < r["params_ratio"] <= 1
+    assert rows["dense-ft"]["fine_tune_epochs"] == 1 and rows["dense-ft"]["flops_ratio_physical"] == 1
     eb = rows["edgebayes-ss-gl"]
     assert eb["mc_samples"] == 2 and eb["fine_tune_epochs"] == 1 and eb["target"] == 0.5
     reached = eb["flops_ratio_physical"] <= 0.5 * (1 + fc.TP_TOLERANCE)
