@@ -9,8 +9,7 @@ Per net and seed:
                (edgebayes_row: the one function the recipe lives in).
   3. tp-*      Torch-Pruning on a copy of the trained net, pruned to the physical FLOPs of the edgebayes rows
                of the same target that reached it (the target itself if none did; tp_flops_wanted), then
-               fine-tuned with the same optimizer,
-               batch and E epochs. The two pruners as Torch-Pruning's own benchmarks define them
+               fine-tuned with the same optimizer, batch and E epochs. The two pruners as Torch-Pruning's own benchmarks define them
                (benchmarks/main.py there): "l1" = BasePruner + MagnitudeImportance(p=1) and "group_norm" =
                GroupNormPruner + GroupMagnitudeImportance(p=2), one-shot, layer-wise (global_pruning=False),
                without the sparsity-learning pass ("group_sl"), which would be training beyond the shared budget.
@@ -100,8 +99,8 @@ def make_net(name, classes=10):
 def load_images(dataset, root, sizes, seed=0):
     """{train, val, test: (x, y)} at 3x32x32: edgebayes' own loader (data.py reads MNIST's .gz files where
     torchvision insists on extracted ones), then seeded subsets, bilinear to 32x32, gray to 3 channels.
-    Train and validation come from MNIST's training set (load_data carves validation out with `seed`), test
-    from its test set."""
+    Train and validation come from the training set (load_data carves validation out with `seed`), test from
+    the test set (MNIST's own; digits: carved out too)."""
     splits = load_data(DataConfig(dataset=dataset, root=root), seed)
     test = torch.randperm(len(splits.test_x), generator=torch.Generator().manual_seed(seed))[: sizes["test_size"]]
 
@@ -135,19 +134,19 @@ def train_plain(model, x, y, epochs, seed, device):
     return model.cpu().eval()
 
 
-def test_metrics(probs, y):
+def metrics_of(probs, y):
     m = classification_metrics(probs.numpy(), y.numpy())
     return {"accuracy": m["accuracy"], "ece": m["ece"], "nll": m["nll"]}
 
 
 def plain_metrics(model, x, y):
-    return test_metrics(predict(nn.Sequential(model.eval(), nn.Softmax(-1)), x), y)
+    return metrics_of(predict(nn.Sequential(model.eval(), nn.Softmax(-1)), x), y)
 
 
 # ---------------------------------------------------------------------------------------------
 # edgebayes: the recipe a user runs on their trained network
 # ---------------------------------------------------------------------------------------------
-def edgebayes_knob(net, target, m, seed):
+def edgebayes_knob(net, target, seed):
     """The operating point compressed at. Spike-and-slab: the inclusion threshold 0.5 (the family's default).
     Nested (bn3): the widest width whose physical FLOPs ratio is within `target` (the narrowest if none is),
     found by FLOPs alone, no labels."""
@@ -178,7 +177,7 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
     history = eb.fit(net, x, y, val=data["val"], epochs=epochs, seed=seed, log=log, **train)
     seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    knob = edgebayes_knob(net, target, m, seed)
+    knob = edgebayes_knob(net, target, seed)
     c = eb.compress(net, knob=knob, m=m, seed=seed)
     s = structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)
     dense_flops = s["dense_flops"]
@@ -188,7 +187,7 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
            "flops_ratio_physical_samples": [paper_flops(p, SHAPE) / dense_flops for p in c.samples],
            "val_accuracy": history[-1].get("val_accuracy") if history else None,
            "flops_target_passed": "flops_target" in train}
-    row.update(test_metrics(predict(c.mc_model(), data["test"][0]), data["test"][1]))
+    row.update(metrics_of(predict(c.mc_model(), data["test"][0]), data["test"][1]))
     row["compress_seconds"] = time.perf_counter() - t0
     return row
 
