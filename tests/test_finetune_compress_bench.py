@@ -1,0 +1,116 @@
+"""benchmarks/finetune_compress.py (issue 33): its quick path end to end on a small home-made CNN and
+scikit-learn's digits (offline, seconds), and Torch-Pruning pruned to the FLOPs it is asked for."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from edgebayes.compressed.structure import paper_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import finetune_compress as fc  # noqa: E402
+
+pytest.importorskip("torch_pruning")
+
+ISSUE_KEYS = {"net", "method", "seed", "target", "fine_tune_epochs", "flops_ratio_physical", "params_ratio",
+              "accuracy", "dense_accuracy", "ece", "nll", "dense_ece", "dense_nll"}
+
+
+def test_quick_run_writes_one_row_per_method_with_the_issues_keys(tmp_path):
+    out, cache = tmp_path / "r", tmp_path / "cache"
+    argv = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--methods", "dense-ft",
+            "edgebayes-ss-gl", *fc.TORCH_PRUNING, "--out", str(out), "--cache", str(cache)]
+    assert fc.main(argv) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"dense", "dense-ft", "edgebayes-ss-gl", *fc.TORCH_PRUNING}
+    dense = rows["dense"]
+    for r in rows.values():
+        assert "error" not in r, r
+        assert ISSUE_KEYS <= set(r)
+        assert r["dense_accuracy"] == dense["accuracy"] and r["dense_ece"] == dense["ece"]   # one trained net
+        assert 0 <= r["accuracy"] <= 1 and 0 < r["flops_ratio_physical"] <= 1 and 0 < r["params_ratio"] <= 1
+    assert rows["dense-ft"]["fine_tune_epochs"] == 1 and rows["dense-ft"]["flops_ratio_physical"] == 1
+    eb = rows["edgebayes-ss-gl"]
+    assert eb["mc_samples"] == 2 and eb["fine_tune_epochs"] == 1 and eb["target"] == 0.5
+    reached = eb["flops_ratio_physical"] <= 0.5 * (1 + fc.TP_TOLERANCE)
+    for method in fc.TORCH_PRUNING:   # pruned to the edgebayes row's physical FLOPs where it reached the target
+        tp = rows[method]
+        assert tp["flops_ratio_wanted"] == (eb["flops_ratio_physical"] if reached else 0.5)
+        assert tp["matched_to"] == ("edgebayes-ss-gl" if reached else "target")
+        # within what the channels of a 32 / 64-channel net allow (a 5% FLOPs step at most)
+        assert abs(tp["flops_ratio_physical"] / tp["flops_ratio_wanted"] - 1) <= 0.06
+        assert tp["fine_tune_epochs"] == 1 and "mc_samples" not in tp
+    prov = result["provenance"]
+    assert prov["git_commit"] and "torch" in prov["versions"] and prov["machine"]
+    assert result["args"]["sizes"] == {"train": 256, "val": 64, "test": 128}
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("# Compress a trained network") and result["command"] in md and "## small-cnn" in md
+    assert "| 0.5 | tp-group-norm | 0 |" in md and "digits" in md and "256 training" in md
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert len(list(cache.glob("small-cnn-seed0-*.pt"))) == 1   # the trained dense net, for later runs
+
+    # --resume keeps every row of a finished run and trains nothing
+    before = out.with_suffix(".json").read_text()
+    assert fc.main(argv + ["--resume"]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["rows"] == json.loads(before)["rows"]
+    with pytest.raises(SystemExit):   # other settings: refused, nothing mixed
+        fc.main(argv + ["--resume", "--epochs", "2"])
+
+
+def conv_stack(widths=(48, 80, 112, 144)):
+    """Layers of different widths: FLOPs fine-grained enough in the pruning ratio for TP_TOLERANCE (a net
+    whose layers share one width moves in steps of 1/width of every layer at once)."""
+    layers, c = [], 3
+    for w in widths:
+        layers += [nn.Conv2d(c, w, 3, padding=1, stride=1 if c == 3 else 2, bias=False), nn.BatchNorm2d(w), nn.ReLU()]
+        c = w
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
+
+
+def test_torch_pruning_is_given_the_most_flops_of_the_edgebayes_rows_that_reached_the_target():
+    def row(method, flops, target=0.5, net="n", seed=0, **kw):
+        return {"net": net, "seed": seed, "target": target, "method": method, "flops_ratio_physical": flops, **kw}
+    rows = [row("edgebayes-ss-gl", 0.43), row("edgebayes-ss-ghs", 0.48), row("edgebayes-bn3", 0.71),
+            row("edgebayes-ss-gl", 0.49, seed=1), row("edgebayes-ss-ghs", 0.30, target=0.25),
+            row("edgebayes-ss-gl", 0.20, net="other"), row("edgebayes-ss-gl", 0.1, seed=2, error="x"),
+            row("tp-magnitude", 0.45)]
+    assert fc.tp_flops_wanted(rows, "n", 0, 0.5) == (0.48, "edgebayes-ss-ghs")   # bn3 missed 0.5: not it
+    assert fc.tp_flops_wanted(rows, "n", 1, 0.5) == (0.49, "edgebayes-ss-gl")
+    assert fc.tp_flops_wanted(rows, "n", 0, 0.25) == (0.25, "target")             # none reached 0.25
+    assert fc.tp_flops_wanted(rows, "n", 2, 0.5) == (0.5, "target")               # a failed row is no row
+
+
+@pytest.mark.parametrize("method", fc.TORCH_PRUNING)
+def test_torch_pruning_reaches_the_flops_asked_for(method):
+    torch.manual_seed(0)
+    net = conv_stack()
+    dense = paper_flops(net, fc.SHAPE)
+    for wanted in (0.5, 0.37, 0.25):
+        model, flops, ratio = fc.tp_match_flops(net, method, wanted, 10)
+        assert flops == pytest.approx(paper_flops(model, fc.SHAPE) / dense)   # counted on the pruned net
+        assert abs(flops / wanted - 1) <= fc.TP_TOLERANCE and 0 < ratio < 1
+        assert model(torch.zeros((2,) + fc.SHAPE)).shape == (2, 10)
+    model, flops, ratio = fc.tp_match_flops(net, method, 1.0, 10)
+    assert (flops, ratio) == (1.0, 0.0) and model is not net
+
+
+def test_a_network_torch_pruning_breaks_is_a_failed_row_not_a_crash():
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="forward pass fails"):
+        fc.tp_prune(fc.make_net("custom"), "tp-magnitude", 0.3, 10)   # concatenation -> flatten -> Linear
+
+
+def test_bad_arguments_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        fc.main(["--epochs", "6", "--out", str(tmp_path / "r")])
+    assert "--epochs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fc.main(["--targets", "0", "--out", str(tmp_path / "r")])
+    assert fc.main(["--quick", "--mnist-root", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    assert "MNIST" in capsys.readouterr().err and not list(tmp_path.glob("r.*"))
