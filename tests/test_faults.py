@@ -360,10 +360,11 @@ BAD_DEVICE = {
                     r"connection\.user: must not be empty or start with '-'"),
     "host option": ({"connection": {"kind": "ssh", "host": "-oProxyCommand=x"}}, r"connection\.host: must not"),
     "ProxyCommand": ({"connection": {"kind": "ssh", "host": "board", "options": ["ProxyCommand=touch /tmp/x"]}},
-                     r"connection\.options: 'ProxyCommand=touch /tmp/x' makes ssh run a command on this machine"),
+                     r"connection\.options: ssh reads ProxyCommand 'touch /tmp/x' from them, which makes ssh run "
+                     r"code on this machine; allowed only with `connection\.trusted: true`"),
     "LocalCommand": ({"connection": {"kind": "ssh", "host": "board",
                                      "options": ["PermitLocalCommand=yes", "localcommand=touch /tmp/x"]}},
-                     r"connection\.options: 'PermitLocalCommand=yes' makes ssh run a command"),
+                     r"connection\.options: ssh reads LocalCommand 'touch /tmp/x' from them, which makes ssh run"),
     "min_free_mb": ({"connection": {"min_free_mb": -1}}, r"connection\.min_free_mb: expected a number >= 0"),
 }
 
@@ -548,3 +549,93 @@ def test_select_advises_profiling_only_when_the_device_is_unavailable(base):
     measured, predictor, _ = _latencies(cfg, profile, Device(DeviceUnavailable("device measured: host unreachable")),
                                         [], example, bench, base.runs, logged.append)
     assert predictor is not None and "host unreachable" in logged[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 3: ssh settings judged as ssh reads them (`ssh -G`), before ssh runs
+# ---------------------------------------------------------------------------------------------
+# Profile connections that would make ssh run `touch CANARY` on this machine ({tmp}: the test's folder,
+# whose config files _ssh_files writes), and the message each gets.
+HOSTILE_SSH = {
+    "quoted keyword": ({"options": ['"ProxyCommand"=touch {canary}']},
+                       r"connection\.options: ssh reads ProxyCommand 'touch "),
+    "keyword's case and spaces": ({"options": ["  pRoXyCoMmAnD = touch {canary}"]},
+                                  r"connection\.options: ssh reads ProxyCommand"),
+    "LocalCommand": ({"options": ["permitlocalcommand=yes", "LocalCommand=touch {canary}"]},
+                     r"connection\.options: ssh reads LocalCommand"),
+    "KnownHostsCommand": ({"options": ["KnownHostsCommand=touch {canary}"]},
+                          r"connection\.options: ssh reads KnownHostsCommand"),
+    "a library loaded": ({"options": ["PKCS11Provider={tmp}/evil.so"]}, r"connection\.options: ssh reads PKCS11Provider"),
+    "config file's ProxyCommand": ({"ssh_config": "{tmp}/proxy.conf"},
+                                   r"connection\.ssh_config \(.*proxy\.conf\): ssh reads ProxyCommand"),
+    "Match exec behind a condition": ({"ssh_config": "{tmp}/match.conf"},
+                                      r"connection\.ssh_config: .*match\.conf has a `Match exec`"),
+    "Match exec in an Include": ({"ssh_config": "{tmp}/include.conf"},
+                                 r"connection\.ssh_config: .*inc1\.conf has a `Match exec` \(included by .*include\.conf\)"),
+    "jump host's ProxyCommand": ({"ssh_config": "{tmp}/jump.conf"},
+                                 r"connection\.ssh_config \(.*jump\.conf\) for jump host gw: ssh reads ProxyCommand"),
+    "agent forwarded": ({"ssh_config": "{tmp}/agent.conf"}, r"connection\.ssh_config \(.*agent\.conf\): ssh reads "
+                                                            r"ForwardAgent 'yes' from them, which opens this machine"),
+    "FIFO as ssh_config": ({"ssh_config": "{tmp}/fifo"}, r"connection\.ssh_config: .*fifo is not a readable file"),
+    "host with a command": ({"host": "board;touch {canary}"}, r"connection\.host: expected a host name .* or an IP address"),
+    "host as a URI": ({"host": "ssh://board"}, r"connection\.host: expected a host name"),
+    "user with a command": ({"user": "$(touch {canary})"}, r"connection\.user: expected a user name"),
+    "jump host with a command": ({"proxy_jump": "gw;touch {canary}"}, r"connection\.proxy_jump: expected \[user@\]host"),
+}
+
+
+def _ssh_files(tmp, canary):
+    touch = f"touch {canary}"
+    (tmp / "proxy.conf").write_text(f'Host *\n  "ProxyCommand"={touch}\n')
+    (tmp / "match.conf").write_text(f'Host other\n  User x\nMATCH host board !Exec "{touch}"\n  User bob\n')
+    (tmp / "include.conf").write_text(f"Include {tmp}/inc*.conf\n")
+    (tmp / "inc1.conf").write_text(f'Match exec "{touch}"\n  Port 2\n')
+    (tmp / "jump.conf").write_text(f"Host gw\n  ProxyCommand {touch}\nHost board\n  ProxyJump gw\n")
+    (tmp / "agent.conf").write_text("Host board\n  ForwardAgent yes\n")
+    os.mkfifo(tmp / "fifo")
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no OpenSSH client: nothing can run ssh here")
+@pytest.mark.parametrize("case", list(HOSTILE_SSH))
+def test_ssh_settings_that_run_a_command_here_are_refused_as_ssh_reads_them(case, tmp_path, capsys):
+    canary = tmp_path / "pwned"
+    _ssh_files(tmp_path, canary)
+    changes, pattern = HOSTILE_SSH[case]
+    connection = {k: [o.format(tmp=tmp_path, canary=canary) for o in v] if isinstance(v, list)
+                  else v.format(tmp=tmp_path, canary=canary) for k, v in changes.items()}
+    device = write_device(tmp_path / "board.yaml", connection={"kind": "ssh", "host": "board", **connection})
+    code, _, err = cli(capsys, "devices", "check", device)
+    assert code == EXIT_BAD_INPUT and one_line(err), err
+    assert re.search(re.escape(str(device)) + ": " + pattern, err), err
+    assert not canary.exists()
+    if "expected" not in pattern:   # the same profile, marked trusted by its author, loads
+        from edgebayes.config import load_device_profile
+
+        write_device(device, connection={"trusted": True})
+        if "fifo" not in case.lower():
+            assert load_device_profile(str(device)).connection.trusted
+        assert not canary.exists()
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no OpenSSH client")
+def test_ssh_G_never_runs_a_match_exec_it_reads(tmp_path):
+    """The judgement itself reads the configuration with a shell that does not exist: a Match exec it
+    reaches stops ssh -G instead of running (ssh -G does run them otherwise)."""
+    from edgebayes.deploy.transport import _effective_ssh_config, _MatchExec
+
+    canary = tmp_path / "pwned"
+    config = tmp_path / "c.conf"
+    config.write_text(f'Match exec "touch {canary}"\n  User bob\n')
+    with pytest.raises(_MatchExec):
+        _effective_ssh_config(["-F", str(config)], "board")
+    assert not canary.exists()
+    assert _effective_ssh_config(["-F", os.devnull, "-o", "User=pi"], "board")["user"] == ["pi"]
+
+
+@pytest.mark.parametrize("host", ["board", "board-2.lan", "my_alias", "10.0.0.7", "::1", "fe80::1%eth0", "jetson."])
+def test_host_names_and_addresses_are_accepted(host, tmp_path):
+    from edgebayes.config import load_device_profile
+
+    device = write_device(tmp_path / "board.yaml", connection={"kind": "ssh", "host": host, "user": "pi",
+                                                               "proxy_jump": "me@gw:2200,[fd00::2]:22"})
+    assert load_device_profile(str(device)).connection.host == host

@@ -335,6 +335,36 @@ class Budgets(Section):
 # ssh argv safety: a value starting with '-' would be read as an option (`user: -oProxyCommand=...`).
 SshArgument = Annotated[Optional[str], Check(lambda v: v.strip() and not v.startswith("-"),
                                              lambda v: f"must not be empty or start with '-', got {_show(v)}")]
+# Host and user names as names: ssh puts them into %h / %r of the commands a config runs (Match exec,
+# ProxyCommand) through a shell, so a `;` or `$(` there would be code (OpenSSH 9.6 refuses them too).
+HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*\.?")
+USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}\$?")
+# ProxyJump: [user@]host[:port] hops, comma-separated (an IPv6 address in brackets)
+JUMP_HOP = re.compile(rf"(?:(?P<user>[^@,]+)@)?(?:\[(?P<ip6>[0-9A-Fa-f:.%]+)\]|(?P<host>[^:,]+))(?::(?P<port>\d{{1,5}}))?")
+
+
+def is_host(value: str) -> bool:
+    """A host name (or a Host alias of the ssh config, which has the same shape) or an IP address."""
+    import ipaddress
+
+    try:
+        return bool(ipaddress.ip_address(value))
+    except ValueError:
+        return HOST.fullmatch(value) is not None
+
+
+def _is_jump(value: str) -> bool:
+    hops = [JUMP_HOP.fullmatch(hop) for hop in value.split(",")]
+    return all(m and (m["user"] is None or USER.fullmatch(m["user"])) and is_host(m["ip6"] or m["host"])
+               and (m["port"] is None or 0 < int(m["port"]) < 65536) for m in hops)
+
+
+HostName = Annotated[SshArgument, Check(is_host, lambda v: "expected a host name (letters, digits, '-', '_', "
+                                        f"dots) or an IP address, got {_show(v)}")]
+UserName = Annotated[SshArgument, Check(lambda v: USER.fullmatch(v) is not None, lambda v: "expected a user name "
+                                        f"(letters, digits, '.', '_', '-', '@'), got {_show(v)}")]
+JumpHosts = Annotated[SshArgument, Check(_is_jump, lambda v: "expected [user@]host[:port] hops separated by "
+                                         f"commas, got {_show(v)}")]
 
 
 class Connection(Section):
@@ -345,11 +375,11 @@ class Connection(Section):
     python: Optional[str] = None        # interpreter on the device; null: this one (local) or python3 (ssh)
     workdir: Optional[str] = None       # where the bundle is copied; null: run folder (local), ~/edgebayes (ssh)
     # ssh only; each may also come from ~/.ssh/config (host may be a Host alias there).
-    host: SshArgument = None
-    user: SshArgument = None
+    host: HostName = None
+    user: UserName = None
     port: Annotated[Optional[int], Range("expected a port number in 1..65535", gt=0, lt=65536)] = None
     identity_file: Optional[str] = None
-    proxy_jump: SshArgument = None      # ssh -J: [user@]jumphost[:port][,...]
+    proxy_jump: JumpHosts = None        # ssh -J: [user@]jumphost[:port][,...]
     ssh_config: Optional[str] = None    # ssh -F: a config file other than ~/.ssh/config
     # extra `ssh -o` options, e.g. "UserKnownHostsFile=..."
     options: Annotated[Optional[Items[str]], Check(lambda v: all("=" in o for o in v),
@@ -634,11 +664,6 @@ def _profile_path(name: str) -> Path:
     return path
 
 
-# ssh options that make ssh run a command on this machine (ssh_config(5)); PermitLocalCommand enables
-# LocalCommand. Allowed only in a profile marked `connection.trusted: true`.
-LOCAL_COMMAND_OPTIONS = ("proxycommand", "localcommand", "permitlocalcommand", "knownhostscommand")
-
-
 def load_device_profile(name: str) -> DeviceProfile:
     """Load devices/<name>.yaml; `name` may also be a path to a YAML file.
 
@@ -658,11 +683,10 @@ def load_device_profile(name: str) -> DeviceProfile:
     profile = _validate(DeviceProfile, data, path)
     p, c, lm = str(path), profile.connection, profile.latency_model
     _check(c.kind != "ssh" or bool(c.host), f"{p}: connection.host", "required when connection.kind is ssh")
-    for option in c.options or []:
-        key = re.split(r"[\s=]", option.strip(), maxsplit=1)[0].lower()
-        _check(c.trusted or key not in LOCAL_COMMAND_OPTIONS, f"{p}: connection.options",
-               f"{_show(option)} makes ssh run a command on this machine; allowed only with "
-               f"`connection.trusted: true` in a profile you wrote or checked")
+    if c.kind == "ssh":   # what ssh would do with these options, as ssh itself reads them
+        from edgebayes.deploy.transport import judge_ssh_config
+
+        judge_ssh_config(c, p)
     _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
            "a positive number is required when latency_model.kind is flops")
     return profile
