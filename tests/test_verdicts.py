@@ -152,7 +152,8 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     board = tmp_path / "board"
     shutil.copytree(run / "export/far-board/bundle", board / "bundle")
     done = subprocess.run([sys.executable, "bundle/runner.pyz", "--bundle", "bundle", "--out", "results.json", "--min-runs",
-                           "30", "--min-seconds", "0", "--quiet"], cwd=board, capture_output=True, text=True)
+                           "30", "--min-seconds", "0", "--quiet", "--tag", "device=far-board"],   # as the steps say
+                          cwd=board, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     code, out, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs,
                          "--results", board / "results.json", "--json")

@@ -478,6 +478,7 @@ def run_deploy(ctx):
     so `edgebayes deploy` simply runs again.
     """
     from edgebayes.deploy.report import fmt_ms
+    from edgebayes.deploy.results import ResultsError, check_results
     from edgebayes.deploy.transport import runner_failure, transport_for
 
     bundle = ctx.require("export", "bundle") / "bundle"
@@ -513,7 +514,11 @@ def run_deploy(ctx):
             raise StageError(transport.disk_full(err) or runner_failure(
                 r.name, code, err, f" (artifact {name}); local artifacts are kept, re-run {again}"))
         transport.get(result_file, out / result_file)
-        res = read_json(out / result_file)
+        try:   # of this bundle's artifact on this device: a shared work folder must not swap results
+            res = check_results(out / result_file, manifest, bundle, r, name if "artifacts" in manifest else None)
+        except ResultsError as e:
+            (out / result_file).unlink(missing_ok=True)
+            raise StageError(f"device {r.name} returned results that are not this run's: {e}") from None
         results_by_artifact[name] = res
         lat, ms = res["latency_ms"], lambda v: fmt_ms(v, ascii_only=True)
         ctx.log(f"deploy: {name} on {r.name} ({transport.where()}): accuracy {res['metrics']['accuracy']:.4f}, "
@@ -556,7 +561,12 @@ def run_report(ctx):
     if not (ctx.stage_dir("deploy") / "results.json").is_file():
         raise StageError(f"{ctx.stage_dir('deploy') / 'results.json'} is missing: run `{ctx.command('deploy')}`; "
                          f"for a device this machine cannot reach: {finish_hint(ctx)}")
-    inputs = _report_inputs(ctx, read_json(ctx.require("deploy", "results.json") / "results.json"))
+    from edgebayes.deploy.results import check_results
+
+    bundle = ctx.require("export", "bundle/manifest.json") / "bundle"   # results of this bundle, this device
+    results = check_results(ctx.require("deploy", "results.json") / "results.json",
+                            read_json(bundle / "manifest.json"), bundle, ctx.profile)
+    inputs = _report_inputs(ctx, results)
     report = write_report(inputs, ctx.stage_dir("report"))
     lat = report["summary"]["latency_prediction"]
     if lat["error"] is not None:
@@ -708,31 +718,29 @@ def write_predicted_report(ctx, error):
 
 def import_results(ctx, path):
     """`edgebayes report --results FILE`: the results.json of the runner run by hand on the device become
-    this run's deploy results (checked to be of this run's bundle), and the report is written from them
-    as after a deploy. InputError (exit 2) when the file is not results of this bundle."""
-    from edgebayes.errors import InputError
+    this run's deploy results, and the report is written from them as after a deploy. The file is checked
+    before anything changes (deploy/results.py: a regular file of a few MB, the runner's strict schema, the
+    model, artifact, format, precision, runtime and device of this run's choice for this profile):
+    ResultsError (exit 2) otherwise, with every marker and report as they were."""
+    from edgebayes.deploy.results import check_results, identity
 
-    ctx.begin("deploy")
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
     manifest = read_json(bundle / "manifest.json")
-    try:
-        res = read_json(path)
-        sha = res["bundle"]["model_sha256"]
-        res["metrics"]["accuracy"], res["latency_ms"]["p50"]   # noqa: B018 (the keys the report needs)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{path}: not a runner results file ({type(e).__name__}: {e})") from None
-    expected = manifest["files"][manifest["model_file"]]["sha256"]
-    if sha != expected:
-        raise InputError(f"{path}: results of model {sha[:12]}..., but this run's bundle for {ctx.profile.name} "
-                         f"holds {expected[:12]}... ({manifest['model_file']}): results of another bundle; "
-                         f"run the bundle of {bundle} there")
+    choice = read_json(ctx.require("select", "choice.json") / "choice.json")
+    res = check_results(path, manifest, bundle, ctx.profile)
+    identity(res, {"bundle.artifact": choice["format"], "bundle.precision": choice["precision"],
+                   "bundle.mc_samples": choice["mc_samples"],
+                   "runtime.name": choice["candidate"]["runtime"]},
+             path, ctx.profile.name)
+    ctx.begin("deploy")
+    ctx.require("export", "bundle/manifest.json")
     out = ctx.stage_dir("deploy")
     write_json(out / "results.json", res)
-    write_json(out / "artifacts.json", {res["bundle"].get("artifact") or manifest["format"]: {
+    write_json(out / "artifacts.json", {res["bundle"]["artifact"]: {
         k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
                                 "peak_rss_mb", "memory", "cold_start")}})
     ctx.mark_done("deploy")
-    ctx.log(f"deploy: results of {res['bundle'].get('artifact')} on {res.get('device', {}).get('hostname', '?')} "
+    ctx.log(f"deploy: results of {res['bundle']['artifact']} on {res['device'].get('hostname', '?')} "
             f"imported from {path}")
     ctx.begin("report")
     run_report(ctx)

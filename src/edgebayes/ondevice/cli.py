@@ -34,7 +34,8 @@ import numpy as np
 
 from .atomic import write_json
 from .backends import RuntimeProblem
-from .bundle import SCHEMA_VERSION, BundleError, load_eval_set, load_ood_set, select_artifact, verify_bundle
+from .bundle import (SCHEMA_VERSION, BundleError, load_eval_set, load_ood_set, select_artifact, sha256_file,
+                     verify_bundle)
 from .machine import current_rss_mb, device_info, peak_rss_mb, reset_peak_rss, utc_now
 from .metrics import classification_metrics, ood_detection, reliability_bins, selective_prediction
 from .runtimes import BACKENDS, load_runtime, make_backend, predict_all
@@ -250,6 +251,11 @@ def main(argv=None):
     # A fixed batch, reused every run; wrap around if the eval set is smaller.
     batch = np.ascontiguousarray(x[np.arange(args.batch_size) % len(x)])
     n_classes = reference_probs.shape[1]
+    # The sha256 of the model measured, taken again just before it is loaded and after the last inference:
+    # the results name the model they measured, and a file replaced meanwhile (another run writing the
+    # same folder) is an error, not a mix of two models' figures.
+    expected_sha = manifest["files"][artifact["model_file"]]["sha256"]
+    measured_sha = sha256_file(model_path)
     peak_before = peak_rss_mb()
     before_model = current_rss_mb()
     peak_reset = reset_peak_rss()
@@ -291,6 +297,10 @@ def main(argv=None):
     except RuntimeProblem as exc:
         print(f"runner: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+    if not measured_sha == sha256_file(model_path) == expected_sha:
+        print(f"runner: bundle {args.bundle}: {artifact['model_file']} changed after the bundle was verified "
+              f"(another run writing the same folder?); nothing written", file=sys.stderr)
+        return EXIT_BUNDLE
 
     def minus(a, b):
         return None if a is None or b is None else max(0.0, a - b)
@@ -308,7 +318,7 @@ def main(argv=None):
             "mc_samples": manifest["mc_samples"],
             "knob": manifest["knob"],
             "model_file": artifact["model_file"],
-            "model_sha256": manifest["files"][artifact["model_file"]]["sha256"],
+            "model_sha256": measured_sha,   # of the file loaded and measured (checked above)
         },
         "runtime": runtime_info,
         "device": device_info(),
