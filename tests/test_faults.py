@@ -639,3 +639,95 @@ def test_host_names_and_addresses_are_accepted(host, tmp_path):
     device = write_device(tmp_path / "board.yaml", connection={"kind": "ssh", "host": host, "user": "pi",
                                                                "proxy_jump": "me@gw:2200,[fd00::2]:22"})
     assert load_device_profile(str(device)).connection.host == host
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 2: `report --results` checked before anything changes
+# ---------------------------------------------------------------------------------------------
+def _state(runs):
+    """The bytes of every marker and report file of the run: what a refused import must leave alone."""
+    return {p: p.read_bytes() for p in sorted((runs / "faults").rglob("*"))
+            if p.is_file() and (p.name == "stage.json" or "report" in p.parts or "deploy" in p.parts)}
+
+
+def _set(results, field, value):
+    *parents, last = field.split(".")
+    node = results
+    for key in parents:
+        node = node[key]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+
+
+HOSTILE_RESULTS = {   # field: (value, what the message says)
+    "negative latency": ("latency_ms.p90", -5, r"latency_ms\.p90: expected a latency in ms: positive, finite"),
+    "accuracy above 1": ("metrics.accuracy", 1.7, r"metrics\.accuracy: expected a number in \[0, 1\], got 1\.7"),
+    "accuracy as a word": ("metrics.accuracy", "high", r"metrics\.accuracy: expected a number in \[0, 1\], got \"high\""),
+    "NaN": ("metrics.ece", float("nan"), r"metrics\.ece: expected a number in \[0, 1\], got NaN"),
+    "Infinity": ("latency_ms.p99", float("inf"), r"latency_ms\.p99: expected a latency in ms: positive, finite.*got Infinity"),
+    "1e308": ("latency_ms.max", 1e308, r"latency_ms\.max: expected a latency in ms: positive, finite, at most"),
+    "count as a float": ("runs", 300.5, r"runs: expected an integer in 1\.\."),
+    "flag as a count": ("metrics.n", True, r"metrics\.n: expected an integer"),
+    "unknown key": ("metrics.verdict", "pass", r"metrics\.verdict: unknown key \(not one the runner writes\)"),
+    "missing key": ("latency_ms.p90", KeyError, r"latency_ms\.p90: missing \(the runner writes it\)"),
+    "percentiles out of order": ("latency_ms.p50", 1e6, r"latency_ms: expected min <= p50 <= p90 <= p99 <= max"),
+    "another device's name": ("tags.device", "other-board", r"tags\.device: \"other-board\", but this run's profile "
+                                                           r"for flops has \"flops\": results of another device"),
+    "another model": ("bundle.model_sha256", "ab" * 32, r"bundle\.model_sha256: (ab){6}\.\.\., but this run's "
+                                                        r"choice for flops has .*: results of another bundle's model"),
+    "another runtime": ("runtime.name", "tensorrt", r"runtime\.name: \"tensorrt\", but .* has \"onnxruntime\""),
+    "another precision": ("bundle.precision", "fp16", r"bundle\.precision: \"fp16\", but .* has \"fp32\""),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_RESULTS))
+def test_hostile_results_are_refused_with_every_marker_and_report_untouched(case, base, runs, tmp_path, capsys):
+    field, value, pattern = HOSTILE_RESULTS[case]
+    results = json.loads((runs / "faults/deploy/flops/results.json").read_text())
+    _set(results, field, value)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))   # json writes NaN and Infinity as Python's json reads them
+    before = _state(runs)
+    code, _, err = cli(capsys, "report", "--config", base.config, "--device", base.device, "--runs-dir", runs,
+                       "--results", path)
+    assert code == EXIT_BAD_INPUT and one_line(err), err
+    assert re.search(re.escape(f"edgebayes: {path}: ") + pattern, err), err
+    assert _state(runs) == before
+    # and the run is as it was: pipeline finds every stage done
+    out = pipeline(capsys, base, runs)
+    assert "deploy: up to date" in out and "report: up to date" in out
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "/dev/zero", "9 MB", "a folder"])
+def test_results_that_are_not_a_small_regular_file_are_refused_at_once(kind, base, runs, tmp_path):
+    path = {"/dev/zero": Path("/dev/zero")}.get(kind, tmp_path / "results.json")
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "9 MB":
+        path.write_text(" " * (9 << 20) + "{}")
+    elif kind == "a folder":
+        path.mkdir()
+    before = _state(runs)
+    proc = subprocess.run([sys.executable, "-m", "edgebayes.cli", "report", "--config", str(base.config), "--device",
+                           str(base.device), "--runs-dir", str(runs), "--results", str(path)],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_BAD_INPUT and one_line(proc.stderr), proc.stderr
+    assert f"edgebayes: {path}: " in proc.stderr
+    assert ("larger than 8 MB" if kind == "9 MB" else "not a regular file") in proc.stderr
+    assert _state(runs) == before
+
+
+def test_another_devices_results_are_not_reported_as_the_boards(base, runs, tmp_path, capsys):
+    """The issue's case: this machine's onnxruntime results imported for the Jetson (TensorRT fp16) were
+    reported as its measured pass. Refused, and the Jetson's report of predictions stays as it was."""
+    code, out, err = cli(capsys, "pipeline", "--config", base.config, "--device", "jetson", "--runs-dir", runs)
+    assert code == 4, err
+    before = _state(runs)
+    code, _, err = cli(capsys, "report", "--config", base.config, "--device", "jetson", "--runs-dir", runs,
+                       "--results", runs / "faults/deploy/flops/results.json")
+    assert code == EXIT_BAD_INPUT and one_line(err), err
+    assert re.search(r"bundle\.artifact: \"onnx\", but this run's choice for jetson-orin-nano has \"tensorrt-fp16\": "
+                     r"results of another artifact", err), err
+    assert _state(runs) == before and not (runs / "faults/deploy/jetson-orin-nano/stage.json").exists()
