@@ -731,3 +731,107 @@ def test_another_devices_results_are_not_reported_as_the_boards(base, runs, tmp_
     assert re.search(r"bundle\.artifact: \"onnx\", but this run's choice for jetson-orin-nano has \"tensorrt-fp16\": "
                      r"results of another artifact", err), err
     assert _state(runs) == before and not (runs / "faults/deploy/jetson-orin-nano/stage.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 1: a device shared by many runs
+# ---------------------------------------------------------------------------------------------
+def _ssh_board(path, sshd, workdir):
+    return write_device(path, connection={
+        "kind": "ssh", "host": "127.0.0.1", "port": sshd.port, "identity_file": str(sshd.client_key),
+        "python": sys.executable, "workdir": str(workdir),
+        "options": [f"UserKnownHostsFile={sshd.known_hosts}", "StrictHostKeyChecking=yes", "IdentitiesOnly=yes"]})
+
+
+def test_two_runs_deploying_to_one_device_at_once_each_report_their_own_model(base, runs, sshd, tmp_path):
+    """The issue's case: two configs deployed to one SSH device at once, and one run's report showed the
+    other's model (one work folder for all). Each run and bundle now has a folder of its own there, and
+    the results name the model measured, checked against the bundle."""
+    board = _ssh_board(tmp_path / "board.yaml", sshd, tmp_path / "board-disk")
+    other = yaml.safe_load(base.config.read_text())
+    other.update(name="faults-b")
+    other["select"].update(knob_values=[0.9], mc_samples=[1])
+    other["export"]["opset"] = 16                   # a different model file whatever the choice
+    config_b = tmp_path / "b.yaml"
+    config_b.write_text(yaml.safe_dump(other))
+    shutil.copytree(runs / "faults/train", runs / "faults-b/train")   # the same training (name is not in it)
+    procs = [subprocess.Popen([sys.executable, "-m", "edgebayes.cli", "pipeline", "--config", str(c), "--device",
+                               str(board), "--runs-dir", str(runs)], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in (base.config, config_b)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (out, err)
+        assert "train: up to date" in out
+    for name in ("faults", "faults-b"):
+        run = runs / name
+        manifest = json.loads((run / "export/board/bundle/manifest.json").read_text())
+        results = json.loads((run / "deploy/board/results.json").read_text())
+        report = json.loads((run / "report/board/report.json").read_text())
+        own = manifest["files"][manifest["model_file"]]["sha256"]
+        assert results["bundle"]["model_sha256"] == own
+        assert report["results"]["metrics"]["accuracy"] == manifest["reference"]["accuracy"]
+    shas = {json.loads((runs / n / "deploy/board/results.json").read_text())["bundle"]["model_sha256"]
+            for n in ("faults", "faults-b")}
+    assert len(shas) == 2
+    assert list((tmp_path / "board-disk" / "runs").iterdir()) == []   # each run's folder removed after
+
+
+def test_two_latency_tables_measured_on_one_device_at_once(base, tmp_path):
+    """Two `devices profile` on one device: they shared one timing folder (KeyError: 'onnx-w4x4-m1').
+    Each now sends its models to a folder of its own, and the runner's timing lock makes one wait."""
+    device = write_device(tmp_path / "shared.yaml", latency_model={"kind": "measure"})
+    runs = tmp_path / "runs"
+    procs = [subprocess.Popen([sys.executable, "-m", "edgebayes.cli", "devices", "profile", str(device), "--config",
+                               str(base.config), "--runs-dir", str(runs)], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        assert "table written to" in out
+    table = json.loads((runs / "devices/shared/latency_table.json").read_text())
+    assert len(table["rows"]) == len({row["id"] for row in table["rows"]}) > 0
+    assert all(row["latency_ms"]["p50"] > 0 for row in table["rows"])
+    assert list((runs / "devices/shared/device/runs").iterdir()) == []
+
+
+def test_a_runner_waits_for_another_timing_on_the_device_then_fails_in_one_line(base, tmp_path, monkeypatch):
+    import tempfile
+
+    from edgebayes.ondevice.machine import timing_lock
+
+    bundle = base.runs / "faults/export/flops/bundle"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))       # this test's own machine-wide folder
+    with timing_lock(10):
+        proc = subprocess.run([sys.executable, str(bundle / "runner.pyz"), "--bundle", str(bundle), "--out",
+                               str(tmp_path / "r.json"), "--min-runs", "5", "--min-seconds", "0",
+                               "--lock-wait-s", "0.5"], env={**ENV, "TMPDIR": str(tmp_path)},
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    assert re.search(r"runner: another edgebayes run \(pid \d+ on .+\) has been timing models on this device for "
+                     r"more than 0\.5 s; run again when it is done\n$", proc.stderr), proc.stderr
+    assert "waiting for another edgebayes run" in proc.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_the_runner_names_the_model_it_measured_and_refuses_one_replaced_meanwhile(base, tmp_path, monkeypatch,
+                                                                                   capsys):
+    from edgebayes.ondevice import cli as runner
+    from edgebayes.ondevice.bundle import sha256_file
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(base.runs / "faults/export/flops/bundle", bundle)
+    args = ["--bundle", str(bundle), "--out", str(tmp_path / "r.json"), "--min-runs", "5", "--min-seconds", "0",
+            "--warmup", "1", "--rounds", "1", "--quiet"]
+    assert runner.main(args) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["bundle"]["model_sha256"] == sha256_file(bundle / "model.onnx")
+    (tmp_path / "r.json").unlink()
+    load = runner.make_backend
+
+    def load_then_replace(runtime, path, *a, **k):   # another run writing the same folder meanwhile
+        backend = load(runtime, path, *a, **k)
+        flip_byte(Path(path))
+        return backend
+    monkeypatch.setattr(runner, "make_backend", load_then_replace)
+    capsys.readouterr()
+    assert runner.main(args) == 2
+    assert "model.onnx changed after the bundle was verified" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

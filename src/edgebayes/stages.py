@@ -477,9 +477,7 @@ def run_deploy(ctx):
     before anything is copied; on any failure the local artifacts stay and the stage is not marked done,
     so `edgebayes deploy` simply runs again.
     """
-    from edgebayes.deploy.report import fmt_ms
-    from edgebayes.deploy.results import ResultsError, check_results
-    from edgebayes.deploy.transport import runner_failure, transport_for
+    from edgebayes.deploy.transport import transport_for
 
     bundle = ctx.require("export", "bundle") / "bundle"
     manifest = read_json(bundle / "manifest.json")
@@ -488,7 +486,24 @@ def run_deploy(ctx):
                          f"run `edgebayes export --force`, then `edgebayes deploy`")
     out = ctx.stage_dir("deploy")
     r = ctx.profile
-    transport = transport_for(r, out / "device")
+    # A folder of the device's own for this run and bundle (removed after): two runs deploying to one
+    # device at once never run or fetch each other's bundle or results; TensorRT's engines stay shared.
+    tag = f"{ctx.cfg.name}-{manifest['files'][manifest['model_file']]['sha256'][:12]}"
+    with transport_for(r, out / "device").own_folder(tag) as transport:
+        results_by_artifact, skipped = _deploy_on(ctx, transport, bundle, manifest, out)
+    write_json(out / "artifacts.json", {
+        **{name: {k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
+                                          "peak_rss_mb", "memory", "cold_start")} for name, res in results_by_artifact.items()},
+        **{name: {"skipped": why} for name, why in skipped.items()}})
+
+
+def _deploy_on(ctx, transport, bundle, manifest, out):
+    """run_deploy in the run's own folder of the device: copy, run each artifact, fetch and check results."""
+    from edgebayes.deploy.report import fmt_ms
+    from edgebayes.deploy.results import ResultsError, check_results
+    from edgebayes.deploy.transport import runner_failure
+
+    r = ctx.profile
     size = sum(f.stat().st_size for f in bundle.iterdir())
     transport.preflight(r.runtime.name, size, r.connection.min_free_mb)
     transport.put(bundle, "bundle")
@@ -507,7 +522,8 @@ def run_deploy(ctx):
         result_file = "results.json" if primary else f"results-{name}.json"
         code, err = transport.run(runner_args(ctx, out=result_file, runtime=runtime,
                                               artifact=name if "artifacts" in manifest else None,
-                                              progress=sys.stderr.isatty()))
+                                              progress=sys.stderr.isatty(),   # engines: the work folder's
+                                              engine_cache="../../trt-engines" if runtime == "tensorrt" else None))
         if code != 0:
             # Exit code 2 is the runner's "invalid bundle": deploying again would copy the same bundle.
             again = "`edgebayes export --force`, then `edgebayes deploy`" if code == 2 else "`edgebayes deploy`"
@@ -525,10 +541,7 @@ def run_deploy(ctx):
                 f"ECE {res['metrics']['ece']:.4f}, max |p - p_ref| {res['max_abs_prob_diff']:.2e}; latency p50 "
                 f"{ms(lat['p50'])} / p90 {ms(lat['p90'])} / p99 {ms(lat['p99'])} / max {ms(lat['max'])} over all "
                 f"{res['runs']} runs")
-    write_json(out / "artifacts.json", {
-        **{name: {k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
-                                          "peak_rss_mb", "memory", "cold_start")} for name, res in results_by_artifact.items()},
-        **{name: {"skipped": why} for name, why in skipped.items()}})
+    return results_by_artifact, skipped
 
 
 def _report_inputs(ctx, results):

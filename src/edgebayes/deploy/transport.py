@@ -15,17 +15,21 @@ Every failure becomes one `TransportError` that says what went wrong and what to
 never touched, so the stage can simply be re-run.
 """
 
+import copy
 import glob
 import io
 import json
 import os
+import posixpath
 import re
+import secrets
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from edgebayes.config import JUMP_HOP, expand_repo
@@ -171,6 +175,28 @@ class Transport:
                                  "free space there or set connection.workdir to a roomier disk")
         return facts
 
+    @contextmanager
+    def own_folder(self, tag):
+        """This transport in a folder of the work folder for one run's files alone, `runs/<tag>-<pid>-<random>`
+        (tag: the run and its bundle), removed when done: runs sharing a device (two configs, two machines)
+        never read each other's bundle, results or timing files."""
+        own = copy.copy(self)
+        own.workdir = self._join(f"runs/{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            yield own
+        except DeviceUnavailable:
+            raise      # nothing to remove where nothing can be reached (and no second connect timeout)
+        except BaseException:
+            own._remove_quietly()
+            raise
+        own._remove_quietly()
+
+    def _remove_quietly(self):
+        try:
+            self.remove_workdir()
+        except TransportError:
+            pass   # the device went away meanwhile: the folder stays, named as a run's leftover
+
     def _python_failure(self, code, err):
         last = err[-1] if err else f"exit code {code}"
         return (f"device {self.name}: python {self.python!r} did not run on {self.where()} ({last}); "
@@ -190,6 +216,12 @@ class LocalTransport(Transport):
 
     def where(self):
         return "this machine"
+
+    def _join(self, sub):
+        return self.workdir / sub
+
+    def remove_workdir(self):
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def run_python(self, args, echo=False):
         try:
@@ -247,6 +279,12 @@ class SSHTransport(Transport):
 
     def where(self):
         return self.destination + (f":{self.port}" if self.port else "")
+
+    def _join(self, sub):
+        return posixpath.join(self.workdir, sub)
+
+    def remove_workdir(self):
+        self._ssh(self._remote(["rm", "-rf", self.workdir]))
 
     def _remote(self, *commands):
         """One remote shell line from argument lists, every word quoted; the lines joined with &&."""
