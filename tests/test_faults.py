@@ -835,3 +835,75 @@ def test_the_runner_names_the_model_it_measured_and_refuses_one_replaced_meanwhi
     assert runner.main(args) == 2
     assert "model.onnx changed after the bundle was verified" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 4: selection decides on what the validation split can tell apart
+# ---------------------------------------------------------------------------------------------
+def _scored(ident, probs, y, m, latency, mb, fmt="onnx"):
+    """A candidate as score_candidates writes it, and its per-example evidence."""
+    from edgebayes.ondevice.metrics import classification_metrics, per_example
+
+    c = {"id": ident, "knob": "nonzero_rate", "knob_value": 0.5, "mc_samples": m, "format": fmt, "precision": "fp32",
+         "val": classification_metrics(probs, y), "cost": {"latency_ms": latency, "model_mb": mb},
+         "fits": True, "violations": []}
+    return c, per_example(probs, y)
+
+
+def _val_probs(n=5000, classes=10, accuracy=0.97, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, n)
+    logits = rng.normal(0, 1, (n, classes))
+    right = rng.random(n) < accuracy
+    logits[np.arange(n), np.where(right, y, (y + 1) % classes)] += 4.0
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    return probs, y
+
+
+def test_differences_within_the_validation_noise_go_to_the_cheaper_candidate():
+    """The issue's MNIST case on synthetic candidates: every candidate at one accuracy, the fp32 ONNX's NLL
+    lower in the 10th digit than the codebook file of the same sample (24x smaller), M=2 better than M=1 by
+    an NLL of 3e-5 on 5,000 images. Ties all: the cheapest ships (M=1, then the smaller file), and the
+    choice lists the tied candidates."""
+    from edgebayes.config import Budgets
+    from edgebayes.deploy.selection import choose
+
+    probs, y = _val_probs()
+    sharper = probs ** 1.0005 / (probs ** 1.0005).sum(1, keepdims=True)      # NLL 3e-5 lower, same argmax
+    nudged = probs * (1 + 1e-10)
+    scored = [_scored("m2-onnx", sharper, y, 2, 0.050, 0.72), _scored("m2-codebook", sharper * (1 + 1e-10), y, 2, 0.049, 0.030, "onnx-codebook"),
+              _scored("m1-onnx", nudged, y, 1, 0.030, 0.36), _scored("m1-codebook", probs, y, 1, 0.0301, 0.015, "onnx-codebook")]
+    candidates, evidence = [c for c, _ in scored], {c["id"]: e for c, e in scored}
+    assert len({c["val"]["accuracy"] for c in candidates}) == 1
+    assert candidates[0]["val"]["nll"] < candidates[3]["val"]["nll"] < candidates[3]["val"]["nll"] + 1e-4
+    choice = choose(candidates, "accuracy", Budgets(), evidence=evidence)
+    assert choice["best_by_objective"] in ("m2-onnx", "m2-codebook")
+    assert choice["candidate"]["id"] == "m1-codebook"
+    assert set(choice["tied"]) == {c["id"] for c in candidates} and all(c["tied_with_best"] for c in candidates)
+    assert "tied with the chosen: " in choice["reason"] and "m2-onnx" in choice["reason"]
+    assert "paired bootstrap over 5000 images" in choice["reason"]
+    # the same figures without the per-example evidence: only identical figures tie, the NLL decides
+    assert choose(candidates, "accuracy", Budgets())["candidate"]["id"] in ("m2-onnx", "m2-codebook")
+
+
+def test_a_difference_the_validation_split_can_tell_is_not_a_tie():
+    """Accuracy 0.97 against 0.95 on 5,000 images (about 4 standard errors of the paired difference): the
+    better candidate wins although it needs more samples and a bigger file; so does a clearly better NLL."""
+    from edgebayes.config import Budgets
+    from edgebayes.deploy.selection import choose
+
+    probs, y = _val_probs(accuracy=0.97)
+    worse = probs.copy()
+    rng = np.random.default_rng(1)
+    flip = rng.choice(np.flatnonzero(worse.argmax(1) == y), 100, replace=False)   # 2% more errors
+    worse[flip] = np.roll(worse[flip], 1, axis=1)
+    scored = [_scored("good-m4", probs, y, 4, 0.2, 1.0), _scored("cheap-m1", worse, y, 1, 0.05, 0.1)]
+    choice = choose([c for c, _ in scored], "accuracy", Budgets(), evidence={c["id"]: e for c, e in scored})
+    assert choice["candidate"]["id"] == "good-m4" and choice["tied"] == ["good-m4"]
+    assert "no other candidate within the validation split's noise" in choice["reason"]
+    # a clearly better NLL at the same accuracy: calibration the split can see
+    soft = probs ** 0.5 / (probs ** 0.5).sum(1, keepdims=True)
+    scored = [_scored("sharp-m4", probs, y, 4, 0.2, 1.0), _scored("soft-m1", soft, y, 1, 0.05, 0.1)]
+    assert scored[0][0]["val"]["accuracy"] == scored[1][0]["val"]["accuracy"]
+    choice = choose([c for c, _ in scored], "nll", Budgets(), evidence={c["id"]: e for c, e in scored})
+    assert choice["candidate"]["id"] == "sharp-m4"

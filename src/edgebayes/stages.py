@@ -365,14 +365,14 @@ def run_select(ctx):
     out = ctx.stage_dir("select")
     transport = transport_for(ctx.profile, out / "device")
     calib_x = splits.train_x[: ctx.cfg.export.calibration_size]
-    candidates, measured_on = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y, calib_x,
-                                               transport, ctx.runs_dir, log=ctx.log)
+    candidates, measured_on, evidence = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y,
+                                                         calib_x, transport, ctx.runs_dir, log=ctx.log)
     s = ctx.cfg.select
     common = {"device": ctx.profile.name, "budgets": as_dict(ctx.profile.budgets), "objective": s.objective,
               "max_ece": s.max_ece, "latency_measured_on": measured_on, "provenance": ctx.provenance("select")}
+    choice = choose(candidates, s.objective, ctx.profile.budgets, s.max_ece, evidence, ctx.cfg.seed)
     write_json(out / "candidates.json", {**common, "candidates": candidates,
                                          "pareto": [c["id"] for c in candidates if c["pareto"]]})
-    choice = choose(candidates, s.objective, ctx.profile.budgets, s.max_ece)
     write_json(out / "choice.json", {**common, **choice})
     c = choice["candidate"]
     predicted = c["cost"]["predicted_latency_ms"]
