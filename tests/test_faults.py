@@ -219,8 +219,8 @@ def test_altered_checkpoint_reruns_train_from_scratch(base, runs, capsys):
 def test_altered_bundle_reruns_export_and_stale_temporaries_go(base, runs, capsys):
     export = runs / "faults/export/flops"
     flip_byte(export / "bundle/model.onnx")
-    (export / ".artifacts.killed").mkdir()              # what a killed export leaves behind
-    (export / ".artifacts.killed/onnx.onnx").write_bytes(b"partial")
+    (export / ".artifacts.k1ll3d_0").mkdir()            # what a killed export leaves behind (tempfile's name)
+    (export / ".artifacts.k1ll3d_0/onnx.onnx").write_bytes(b"partial")
     code, _, err = cli(capsys, "deploy", "--config", base.config, "--device", base.device, "--runs-dir", runs)
     assert code == EXIT_FAILED and one_line(err), err
     assert "bundle/model.onnx is not what the export stage wrote" in err and "run `edgebayes export --config " in err
@@ -907,3 +907,23 @@ def test_a_difference_the_validation_split_can_tell_is_not_a_tie():
     assert scored[0][0]["val"]["accuracy"] == scored[1][0]["val"]["accuracy"]
     choice = choose([c for c, _ in scored], "nll", Budgets(), evidence={c["id"]: e for c, e in scored})
     assert choice["candidate"]["id"] == "sharp-m4"
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 6: a stage owns only the files it writes
+# ---------------------------------------------------------------------------------------------
+def test_files_a_user_puts_in_a_stage_folder_are_neither_recorded_nor_removed(base, runs, capsys):
+    report = runs / "faults/report/flops"
+    (report / "notes.txt").write_text("what I saw")
+    (report / ".mine").write_text("hidden, mine too")
+    (report / ".report.json.abcd1234.tmp").write_text("an interrupted write")   # edgebayes's temporary
+    code, out, err = cli(capsys, "report", "--config", base.config, "--device", base.device, "--runs-dir", runs,
+                         "--force")
+    assert code == 0, err
+    marker = json.loads((report / "stage.json").read_text())
+    assert "notes.txt" not in marker["outputs"] and "report.json" in marker["outputs"]
+    assert (report / "notes.txt").read_text() == "what I saw" and (report / ".mine").exists()
+    assert not (report / ".report.json.abcd1234.tmp").exists()
+    (report / "notes.txt").write_text("edited")     # the user's file changing is not the stage's output changing
+    out = pipeline(capsys, base, runs)
+    assert "report: up to date" in out and (report / "notes.txt").read_text() == "edited"

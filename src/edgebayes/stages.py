@@ -26,6 +26,7 @@ Selection depends on the device, so its folder is per device (DESIGN.md puts it 
 
 import fcntl
 import os
+import re
 import shutil
 import sys
 from contextlib import contextmanager
@@ -54,17 +55,34 @@ def _digest(path):
     return sha256_file(path) if path.is_file() else None
 
 
-def _files(folder):
-    """{path relative to folder: sha256} of a stage's outputs: every file but the marker, the device
-    stand-in and dot-named temporaries."""
-    found = {}
+# The temporaries edgebayes writes beside their destination (tempfile's 8 random characters: atomic_path's
+# `.NAME.XXXXXXXX.tmp`, export's `.artifacts.XXXXXXXX`, the bundle's `.bundle.XXXXXXXX`): an interrupted
+# run's are removed; any other dot-named file is the user's and stays.
+TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}(\.tmp)?")
+
+
+def _candidate_files(folder):
+    """The files of a stage folder that may be outputs: all but the marker, the device stand-in and
+    dot-named ones."""
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder)
         if rel.parts[0] in (MARKER, DEVICE_STANDIN) or any(p.startswith(".") for p in rel.parts):
             continue
         if path.is_file():
-            found[rel.as_posix()] = sha256_file(path)
-    return found
+            yield rel.as_posix(), path
+
+
+def _stat(path):
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _files(folder, before=None, recorded=()):
+    """{path relative to folder: sha256} of a stage's outputs: every candidate file (`_candidate_files`),
+    or with `before` (what the folder held before the stage ran) only those the stage wrote or that its
+    last marker recorded: a file the user put there is never recorded, so never removed as an output."""
+    return {rel: sha256_file(path) for rel, path in _candidate_files(folder)
+            if before is None or rel in recorded or before.get(rel) != _stat(path)}
 
 
 @dataclass
@@ -78,6 +96,10 @@ class Context:
     device_arg: str = "local"            # --device as given (a relaunch under torchrun passes it on)
     # upstream files the running stage read (require): {path under run_dir: sha256}, written to its marker
     reads: dict = field(default_factory=dict, repr=False)
+    # what the running stage's folder held before it ran: {path: (inode, mtime, size)}, and the outputs its
+    # last marker recorded; mark_done records as outputs only those and what the stage wrote (owned)
+    found_before: dict = field(default=None, repr=False)
+    recorded_before: set = field(default_factory=set, repr=False)
 
     @property
     def run_dir(self):
@@ -151,7 +173,7 @@ class Context:
         that differ from what the marker recorded (never resume from an altered checkpoint) and the
         dot-named temporaries an interrupted run left behind (the run lock makes them nobody's)."""
         folder = self.stage_dir(stage)
-        self.reads = {}
+        self.reads, self.found_before, self.recorded_before = {}, {}, set()
         if not folder.is_dir():
             return
         done = self._marker(stage)
@@ -161,13 +183,17 @@ class Context:
                 path.unlink()
         (folder / MARKER).unlink(missing_ok=True)
         for entry in folder.glob(".*"):
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            if TEMPORARY.fullmatch(entry.name):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        self.found_before = {rel: _stat(path) for rel, path in _candidate_files(folder)}
+        self.recorded_before = set(done["outputs"]) if done else set()
 
     def mark_done(self, stage):
         """Written last: the fingerprint, the code version, the hash of every output and every input read."""
         write_json(self.stage_dir(stage) / MARKER, {
             "stage": stage, "fingerprint": self.fingerprint(stage), "code_version": code_version(),
-            "outputs": _files(self.stage_dir(stage)), "inputs": dict(sorted(self.reads.items()))})
+            "outputs": _files(self.stage_dir(stage), self.found_before, self.recorded_before),
+            "inputs": dict(sorted(self.reads.items()))})
 
     def provenance(self, stage):
         return provenance(self.fingerprint(stage))
