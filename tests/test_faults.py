@@ -245,7 +245,7 @@ def test_code_version_is_part_of_the_fingerprint(base, runs, monkeypatch, capsys
     """An upgrade (another code version) re-runs the stages instead of reusing older code's artifacts."""
     import edgebayes.stages
 
-    monkeypatch.setattr(edgebayes.stages, "code_version", lambda: "9.9.9+other")
+    monkeypatch.setattr(edgebayes.stages, "stage_code", lambda stage: "other code")
     code, out, err = cli(capsys, "train", "--config", base.config, "--device", base.device, "--runs-dir", runs)
     assert code == 0, err
     assert "train: running (config, device profile or code changed)" in out
@@ -927,3 +927,37 @@ def test_files_a_user_puts_in_a_stage_folder_are_neither_recorded_nor_removed(ba
     (report / "notes.txt").write_text("edited")     # the user's file changing is not the stage's output changing
     out = pipeline(capsys, base, runs)
     assert "report: up to date" in out and (report / "notes.txt").read_text() == "edited"
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 7: a stage's fingerprint covers the code it runs
+# ---------------------------------------------------------------------------------------------
+def test_editing_report_code_reruns_the_report_not_training(base, runs, tmp_path):
+    """The same run with a copy of edgebayes whose report (then deploy) code was edited: only what runs
+    that code runs again. Training's hash moves with training's own code."""
+    src = tmp_path / "src"
+    shutil.copytree(Path(edgebayes.__file__).resolve().parent, src / "edgebayes",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**ENV, "PYTHONPATH": str(src)}
+
+    def run_with_edit(module):
+        with open(src / "edgebayes" / module, "a") as f:
+            f.write("\n# an edit\n")
+        proc = subprocess.run([sys.executable, "-m", "edgebayes.cli", "pipeline", "--config", str(base.config),
+                               "--device", str(base.device), "--runs-dir", str(runs)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    out = run_with_edit("deploy/summary.py")
+    assert all(f"{s}: up to date" in out for s in ("train", "select", "export", "deploy"))
+    assert "report: running (config, device profile or code changed)" in out
+    out = run_with_edit("deploy/results.py")
+    assert all(f"{s}: up to date" in out for s in ("train", "select", "export"))
+    assert "deploy: running (config, device profile or code changed)" in out
+    probe = ("import sys; from edgebayes.stages import stage_code; print(stage_code('train'))")
+    before = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout
+    with open(src / "edgebayes/train/kl.py", "a") as f:
+        f.write("\n# an edit\n")
+    after = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout
+    assert before.strip() and before != after

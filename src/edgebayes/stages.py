@@ -4,8 +4,8 @@ Each stage reads the previous stage's artifacts from disk and writes its own und
 stage can be re-run alone. A stage is skipped when its marker, `stage.json`, still tells the truth:
 
 - the fingerprint matches: the hash of the config sections it depends on, the fingerprints of the stages
-  it reads and the code's version (provenance.code_version), so a changed config, device or code re-runs
-  exactly what depends on it;
+  it reads and the code it runs (stage_code: its modules and theirs), so a changed config, device or code
+  re-runs exactly what depends on it (editing the report's code does not retrain);
 - every output it recorded still has the recorded sha256 (an altered checkpoint or bundle re-runs the
   stage, and an altered output is removed first: it is not resumed from);
 - every upstream file it read (Context.require, which also checks that file against the upstream
@@ -41,11 +41,38 @@ from edgebayes.data import data_fingerprint, load_data
 from edgebayes.errors import StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
-from edgebayes.provenance import (code_version, load_checkpoint, provenance, read_json,
+from edgebayes.provenance import (code_hash, code_version, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
 from edgebayes.train.accel import set_threads
 from edgebayes.train.distributed import is_main_process
+
+# The code each stage runs, as the roots of provenance.code_hash (every edgebayes module they import
+# counts too), and its own functions here: a stage's fingerprint covers its code, so editing the report's
+# code re-runs the report, not training, and an upgrade keeps the training its code would redo unchanged.
+STAGE_CODE = {
+    "train": ("train/families.py", "train/trainer.py", "train/sqs.py", "train/distributed.py", "data.py"),
+    "select": ("deploy/selection.py",),
+    "export": ("export/bundle.py", "export/formats.py", "export/onnx_export.py", "compressed/samples.py",
+               "compressed/structure.py", "train/families.py"),
+    "deploy": ("deploy/transport.py", "deploy/results.py", "ondevice/cli.py"),
+    "report": ("deploy/report.py", "deploy/templates", "deploy/results.py"),
+}
+STAGE_FUNCTIONS = {"train": ("run_train", "splits_for", "load_trained_model"),
+                   "select": ("run_select", "splits_for", "load_trained_model"),
+                   "export": ("run_export", "splits_for", "load_trained_model"),
+                   "deploy": ("run_deploy", "_deploy_on", "runner_args"),
+                   "report": ("run_report", "_report_inputs")}
+
+
+def stage_code(stage):
+    """A hash of the code `stage` runs (STAGE_CODE, STAGE_FUNCTIONS)."""
+    import hashlib
+    import inspect
+
+    own = "".join(inspect.getsource(globals()[name]) for name in STAGE_FUNCTIONS[stage])
+    return code_hash(*STAGE_CODE[stage]) + hashlib.sha256(own.encode()).hexdigest()[:12]
+
 
 MARKER = "stage.json"
 DEVICE_STANDIN = "device"   # a local device's disk inside select/ and deploy/ (transport_for): not an output
@@ -128,14 +155,15 @@ class Context:
             contents = [h] if (h := data_fingerprint(c.data)) is not None else []
             if c.model.pretrained:
                 contents.append(["pretrained", stat_fingerprint(Path(c.model.pretrained))])
-            return fingerprint("train", code_version(), c.seed, c.data, c.model, c.prior, c.train, *own, *contents)
+            return fingerprint("train", stage_code("train"), c.seed, c.data, c.model, c.prior, c.train, *own,
+                               *contents)
         if stage == "select":
-            return fingerprint("select", self.fingerprint("train"), c.select, c.export, p)
+            return fingerprint("select", stage_code("select"), self.fingerprint("train"), c.select, c.export, p)
         if stage == "export":
-            return fingerprint("export", self.fingerprint("select"), c.export)
+            return fingerprint("export", stage_code("export"), self.fingerprint("select"), c.export)
         if stage == "deploy":
-            return fingerprint("deploy", self.fingerprint("export"), c.benchmark, p)
-        return fingerprint("report", self.fingerprint("deploy"))
+            return fingerprint("deploy", stage_code("deploy"), self.fingerprint("export"), c.benchmark, p)
+        return fingerprint("report", stage_code("report"), self.fingerprint("deploy"))
 
     def _marker(self, stage):
         """The stage's marker, or None when it is absent or unreadable (an interrupted write cannot leave
