@@ -961,3 +961,67 @@ def test_editing_report_code_reruns_the_report_not_training(base, runs, tmp_path
         f.write("\n# an edit\n")
     after = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout
     assert before.strip() and before != after
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 9: what was a traceback is one line naming the file, exit 2
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["non-UTF-8 byte", "100,000 levels deep", "a FIFO", "9 MB"])
+def test_unreadable_configs_are_one_line_naming_the_file(case, tmp_path):
+    config = tmp_path / "p.yaml"
+    if case == "non-UTF-8 byte":
+        config.write_bytes(b"name: x\nseed: 0\n# caf\xe9\n")
+        expected = r": line 3: byte 0xe9 is not UTF-8 text; save the file as UTF-8"
+    elif case == "100,000 levels deep":
+        config.write_text("a: " + "[" * 100_000 + "]" * 100_000 + "\n")
+        expected = r": line 1: nested more than 64 levels deep"
+    elif case == "a FIFO":
+        os.mkfifo(config)
+        expected = r": not a regular file"
+    else:
+        config.write_text("#" * (9 << 20) + "\n")
+        expected = r": larger than 4 MB; not a config"
+    proc = subprocess.run([sys.executable, "-m", "edgebayes.cli", "train", "--config", str(config), "--runs-dir",
+                           str(tmp_path / "runs")], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_BAD_INPUT and one_line(proc.stderr), proc.stderr[-2000:]
+    assert re.search(re.escape(f"edgebayes: {config}") + expected, proc.stderr), proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def _image_folder(root, odd=None):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(root / c / f"{i}.png")
+    if odd == "bomb":       # 20000 x 20000: over PIL's decompression-bomb limit (a 1-bit image: a small file)
+        Image.new("1", (20000, 20000)).save(root / "a" / "huge.png")
+        return root / "a" / "huge.png"
+    if odd == "truncated":  # cut after its header: the size reads, the pixels do not
+        data = (root / "b" / "0.png").read_bytes()
+        (root / "b" / "0.png").write_bytes(data[:60])
+        return root / "b" / "0.png"
+
+
+@pytest.mark.parametrize("case", ["decompression bomb", "truncated PNG", "FIFO as data.path", "/dev/zero as data.path"])
+def test_unreadable_data_is_one_line_naming_the_file(case, tmp_path, capsys):
+    data = {"dataset": "image-folder", "path": str(tmp_path / "images"), "ood": None}
+    if case == "decompression bomb":
+        bad = _image_folder(tmp_path / "images", "bomb")
+        expected = re.escape(f"{bad}: not a readable image (") + ".*decompression bomb"
+    elif case == "truncated PNG":
+        bad = _image_folder(tmp_path / "images", "truncated")
+        expected = re.escape(f"{bad}: not a readable image (")
+    elif case == "FIFO as data.path":
+        os.mkfifo(tmp_path / "data.npz")
+        data.update(dataset="npz", path=str(tmp_path / "data.npz"))
+        expected = r"reads a file, got something else \(a FIFO or a device: not a regular file\)"
+    else:
+        data.update(dataset="npz", path="/dev/zero")
+        expected = r"reads a file, got something else \(a FIFO or a device: not a regular file\)"
+    config = write_config(tmp_path / "c.yaml", data=data)
+    code, _, err = cli(capsys, "train", "--config", config, "--runs-dir", tmp_path / "runs")
+    assert code == EXIT_BAD_INPUT and one_line(err), err[-3000:]
+    assert re.search(expected, err, re.IGNORECASE), err

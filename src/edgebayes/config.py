@@ -479,6 +479,10 @@ def _validate(cls, data, path):
         raise ConfigError(_message(cls, data, first, str(path))) from None
 
 
+MAX_YAML_DEPTH = 64
+MAX_CONFIG_BYTES = 4 << 20
+
+
 class _Refused(yaml.YAMLError):
     """YAML that parses but is refused: an alias or a key given twice (the message has the line)."""
 
@@ -496,7 +500,15 @@ class _Yaml12Loader(yaml.SafeLoader):
             event = self.peek_event()
             raise _Refused(f"line {event.start_mark.line + 1}: alias *{event.anchor[:40]}: YAML aliases "
                            f"are not accepted in a config; write the value out")
-        return super().compose_node(parent, index)
+        # Nesting is composed recursively: 100,000 levels were a RecursionError of 3,000 lines.
+        self.depth = getattr(self, "depth", 0) + 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise _Refused(f"line {self.peek_event().start_mark.line + 1}: nested more than {MAX_YAML_DEPTH} "
+                               f"levels deep; no config needs that")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -522,9 +534,19 @@ _Yaml12Loader.add_implicit_resolver(
 
 def _load_yaml(path: Path):
     if not path.is_file():
-        raise ConfigError(f"{path}: file not found")
+        raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'}")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MB; not a config")
     try:
-        data = yaml.load(path.read_text(), Loader=_Yaml12Loader)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line}: byte 0x{raw[e.start]:02x} is not UTF-8 text; save the file "
+                          f"as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_Yaml12Loader)
     except _Refused as e:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
