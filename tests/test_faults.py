@@ -1025,3 +1025,55 @@ def test_unreadable_data_is_one_line_naming_the_file(case, tmp_path, capsys):
     code, _, err = cli(capsys, "train", "--config", config, "--runs-dir", tmp_path / "runs")
     assert code == EXIT_BAD_INPUT and one_line(err), err[-3000:]
     assert re.search(expected, err, re.IGNORECASE), err
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 8: the throwaway sshd shared by commands at once; SIGTERM as Ctrl-C
+# ---------------------------------------------------------------------------------------------
+def _listening(port):
+    import socket
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists(), reason="no sshd binary")
+def test_two_commands_at_once_share_one_throwaway_sshd_and_the_last_stops_it(tmp_path):
+    from edgebayes.deploy import localsshd
+
+    keys, port = tmp_path / "sshd", localsshd.free_port()
+    device = write_device(tmp_path / "own.yaml", connection={
+        "kind": "ssh", "local_sshd": True, "host": "127.0.0.1", "port": port,
+        "identity_file": str(keys / "client_key"), "python": sys.executable, "workdir": str(tmp_path / "disk"),
+        "options": [f"UserKnownHostsFile={keys / 'known_hosts'}", "StrictHostKeyChecking=yes", "IdentitiesOnly=yes"]})
+    procs = [subprocess.Popen([sys.executable, "-m", "edgebayes.cli", "devices", "check", str(device)], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "ready to deploy" in out, err
+    assert not _listening(port) and localsshd._sshd_pids(keys) == []
+
+
+@pytest.mark.skipif(shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists(), reason="no sshd binary")
+def test_a_stale_sshd_without_its_pid_file_is_found_and_stopped(tmp_path):
+    from edgebayes.deploy import localsshd
+
+    server = localsshd.start(tmp_path / "sshd")
+    (tmp_path / "sshd/sshd.pid").unlink()                  # what a lost race left: no pid file
+    assert _listening(server.port) and localsshd._sshd_pids(tmp_path / "sshd") == [server.pid]
+    proc = subprocess.run([sys.executable, "-m", "edgebayes.deploy.localsshd", "stop", "--dir", str(tmp_path / "sshd")],
+                          env=ENV, capture_output=True, text=True, timeout=60)   # make sshd-localhost-stop
+    assert proc.returncode == 0, proc.stderr
+    assert not _listening(server.port) and localsshd._sshd_pids(tmp_path / "sshd") == []
+
+
+def test_sigterm_during_training_is_one_line_and_exit_143(base, runs):
+    proc = start(base, runs, "train", "--config", str(base.config), "--force")
+    wait_for_epoch(proc, runs / "faults/train/checkpoint.pt", 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.decode().splitlines()[-1] == "edgebayes: terminated (SIGTERM); run again to resume"
+    assert "Traceback" not in err.decode()

@@ -22,6 +22,7 @@ fails a budget on the device, or a budget could not be judged there (the report 
 import argparse
 import json
 import pickle
+import signal
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from edgebayes import STAGES
 from edgebayes.config import load_device_profile, load_pipeline_config
 from edgebayes.errors import InputError, StageError
 
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 EXIT_BUDGET, EXIT_PREDICTED = 3, 4
 
 
@@ -235,6 +236,23 @@ def _run(args):
         return _finish(ctx, args)
 
 
+class Terminated(BaseException):
+    """SIGTERM (a job scheduler, `kill`, a container stopping): unwinds like Ctrl-C, so what a stage holds
+    (the run lock, a throwaway sshd, temporaries) is released, and ends in one line with exit 143."""
+
+
+def _terminate_like_ctrl_c():
+    """SIGTERM raises Terminated in the main thread; returns the handler it replaces (None elsewhere)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise Terminated()
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def _os_error(e: OSError) -> str:
     """`path: reason` (both paths of a rename or copy) instead of errno's tuple."""
     paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
@@ -247,6 +265,7 @@ def main(argv=None) -> int:
     misplaced runs folder, memory) or of a file's content (JSON, a checkpoint torch refuses to unpickle)."""
     args = build_parser().parse_args(argv)
     what = f"{args.command} {args.action}" if args.command in ("devices", "config") else args.command
+    previous = _terminate_like_ctrl_c()
     try:
         return _run(args)
     except InputError as e:
@@ -255,12 +274,17 @@ def main(argv=None) -> int:
         message, code = f"{what} failed: {e}", EXIT_FAILED
     except KeyboardInterrupt:
         message, code = "interrupted; run again to resume", EXIT_INTERRUPTED
+    except Terminated:
+        message, code = "terminated (SIGTERM); run again to resume", EXIT_TERMINATED
     except OSError as e:
         message, code = f"{what} failed: {_os_error(e)}", EXIT_FAILED
     except MemoryError as e:
         message, code = f"{what} failed: out of memory{f' ({e})' if str(e) else ''}", EXIT_FAILED
     except (json.JSONDecodeError, pickle.UnpicklingError) as e:  # read_json and load_checkpoint name the file
         message, code = f"{what} failed: unreadable file content ({type(e).__name__}: {e})", EXIT_FAILED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print(f"edgebayes: {message}", file=sys.stderr)
     return code
 
