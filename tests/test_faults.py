@@ -1077,3 +1077,27 @@ def test_sigterm_during_training_is_one_line_and_exit_143(base, runs):
     assert proc.returncode == 143, err
     assert err.decode().splitlines()[-1] == "edgebayes: terminated (SIGTERM); run again to resume"
     assert "Traceback" not in err.decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 5: every budget outcome is a verdict with a report
+# ---------------------------------------------------------------------------------------------
+def test_no_operating_point_fitting_is_exit_3_with_a_report_of_every_candidate(base, runs, tmp_path, capsys):
+    device = write_device(tmp_path / "tight.yaml", budgets={"latency_ms": 1e-6})
+    code, out, err = cli(capsys, "pipeline", "--config", base.config, "--device", device, "--runs-dir", runs)
+    assert code == 3, err
+    assert "select: no operating point fits the device budgets; closest candidates:" in out
+    assert "no fit        no operating point fits the budgets" in out and "verdict       fail (predicted), exit code 3" in out
+    report = json.loads((runs / "faults/report/tight/report.json").read_text())
+    s = report["summary"]
+    assert s["no_fit"] and s["overall_verdict"] == "fail"
+    assert len(report["candidates"]) == 4
+    assert all(not c["fits"] and "> budget 1e-06 ms" in c["violations"][0] for c in report["candidates"])
+    assert not (runs / "faults/deploy/tight/results.json").exists()          # nothing deployed
+    assert "No operating point fits" in (runs / "faults/report/tight/report.html").read_text()
+    # cached: the same verdict; `select` alone says so with exit 3 too
+    code, out, err = cli(capsys, "pipeline", "--config", base.config, "--device", device, "--runs-dir", runs)
+    assert code == 3 and "report: up to date" in out, err
+    assert cli(capsys, "select", "--config", base.config, "--device", device, "--runs-dir", runs)[0] == 3
+    code, _, err = cli(capsys, "deploy", "--config", base.config, "--device", device, "--runs-dir", runs)
+    assert code == 1 and "no operating point fits the budgets of tight: nothing to deploy" in err

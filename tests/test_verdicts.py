@@ -101,7 +101,7 @@ def test_memory_is_judged_on_the_models_own_memory(trained_runs, quick_config, t
     assert "runtime set-up subtracted" in html_text
     device = write_profile(tmp_path / "tiny-ram.yaml", base="local", budgets={"memory_mb": 0.01})
     code, out, err = cli(capsys, "select", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
-    assert code == 1 and "no operating point fits" in err and "own memory (estimated)" in err and "> budget 0.01" in err
+    assert code == 3 and "no operating point fits" in out and "own memory (estimated)" in out and "> budget 0.01" in out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -197,11 +197,13 @@ def _finish(ctx, args):
     reached). Read from report.json, so a run whose stages were all cached ends the same way."""
     from edgebayes.deploy.report import summary_text, terminal_summary
 
+    if args.command == "select":   # no operating point fits: a budget verdict (select's log lists them)
+        return EXIT_BUDGET if json.loads((ctx.stage_dir("select") / "choice.json").read_text()).get("fits") is False else 0
     if args.command not in ("pipeline", "report"):
         return 0
     path = ctx.stage_dir("report") / "report.json"
     summary = terminal_summary(json.loads(path.read_text()), path.with_name("report.html"))
-    code = (EXIT_PREDICTED if summary["mode"] == "predicted" else
+    code = (EXIT_BUDGET if summary["no_fit"] else EXIT_PREDICTED if summary["mode"] == "predicted" else
             0 if summary["verdict"] in ("pass", "not set") else EXIT_BUDGET)
     if args.json:
         print(json.dumps({**summary, "exit_code": code}, indent=2))

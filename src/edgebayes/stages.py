@@ -429,6 +429,9 @@ def run_select(ctx):
                                          "pareto": [c["id"] for c in candidates if c["pareto"]]})
     write_json(out / "choice.json", {**common, **choice})
     c = choice["candidate"]
+    if not choice["fits"]:
+        ctx.log(f"select: {choice['reason']}")
+        return
     predicted = c["cost"]["predicted_latency_ms"]
     from edgebayes.deploy.report import fmt_ms
 
@@ -533,6 +536,9 @@ def run_deploy(ctx):
     """
     from edgebayes.deploy.transport import transport_for
 
+    if no_fit(ctx):
+        raise StageError(f"no operating point fits the budgets of {ctx.profile.name}: nothing to deploy; "
+                         f"`{ctx.command('report')}` reports every candidate against them")
     bundle = ctx.require("export", "bundle") / "bundle"
     manifest = read_json(bundle / "manifest.json")
     if manifest.get("runner") != RUNNER_FILE:
@@ -622,9 +628,16 @@ def _report_inputs(ctx, results):
     }
 
 
+def no_fit(ctx):
+    """Selection found no operating point within the budgets (its choice is the closest, `fits` false)."""
+    return read_json(ctx.require("select", "choice.json") / "choice.json").get("fits") is False
+
+
 def run_report(ctx):
     from edgebayes.deploy.report import fmt_ms, write_report
 
+    if no_fit(ctx):
+        return write_predicted_report(ctx, "no operating point fits the device budgets", no_fit=True)
     if not (ctx.stage_dir("deploy") / "results.json").is_file():
         raise StageError(f"{ctx.stage_dir('deploy') / 'results.json'} is missing: run `{ctx.command('deploy')}`; "
                          f"for a device this machine cannot reach: {finish_hint(ctx)}")
@@ -680,6 +693,9 @@ def run_pipeline(ctx, stages=STAGES):
 
     try:
         for stage in stages:
+            if stage == "deploy" and no_fit(ctx):   # a budget verdict: nothing to deploy, every candidate reported
+                run_stage(ctx, "report") if "report" in stages else None
+                return
             try:
                 run_stage(ctx, stage)
             except DeviceUnavailable as e:
@@ -757,7 +773,7 @@ def _results_here(ctx, bundle, manifest):
     return {**{k: res.get(k) for k in keep}, "measured_on": "this machine", "runtime_used": runtime}, None
 
 
-def write_predicted_report(ctx, error):
+def write_predicted_report(ctx, error, no_fit=False):
     """deploy found the device unavailable: write the report from what exists, marked predicted.
 
     Selection's figures (latency by the device's latency model, memory estimate) and the exported file's
@@ -768,15 +784,16 @@ def write_predicted_report(ctx, error):
     """
     from edgebayes.deploy.report import write_report
 
-    ctx.begin("report")   # no marker: the next `pipeline` deploys and reports when the device is back
+    if not no_fit:
+        ctx.begin("report")   # no marker: the next `pipeline` deploys and reports when the device is back
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
     ctx.log(f"deploy: {error}")
-    ctx.log(f"report: {ctx.profile.name} is not available: writing a report of predictions (selection's latency "
-            f"and memory, the bundle's accuracy on this machine)")
+    ctx.log(f"report: {'no operating point fits: a report of every candidate against the budgets, the closest' if no_fit else ctx.profile.name + ' is not available: writing a report of predictions'} "
+            f"(selection's latency and memory, the bundle's accuracy on this machine)")
     here, why_not = _results_here(ctx, bundle, read_json(bundle / "manifest.json"))
     inputs = _report_inputs(ctx, None)
-    inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not,
-                           "finish": finish_steps(ctx)}
+    inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not, "no_fit": no_fit,
+                           "finish": [] if no_fit else finish_steps(ctx)}
     report = write_report(inputs, ctx.stage_dir("report"))
     ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted; to finish on the device: "
             + " ; ".join(finish_steps(ctx)) + ")")

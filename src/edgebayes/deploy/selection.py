@@ -23,7 +23,8 @@ tied with it, and the cheapest tied candidate wins: fewest MC samples, then the
 lowest latency (within SAME_LATENCY, the measurement's own noise), then the smallest file. (An NLL lower in
 its 10th digit or by 3e-5 on 5,000 images must not ship a 24x bigger file or twice the samples.) The choice
 lists the tied candidates. The Pareto front (accuracy up, latency and size down) is marked on every candidate. The memory measured after deployment is set against the estimate in the
-report. If nothing fits, the error lists the closest candidates and what each exceeds.
+report. If nothing fits, the closest candidate is the choice, marked `fits: false`: the pipeline exports it,
+deploys nothing and ends with a report of every candidate against the budgets and exit code 3.
 """
 
 import sys
@@ -253,7 +254,8 @@ def mark_pareto(candidates):
 
 def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
     """The cheapest fitting candidate tied with the best (module docstring, `tied_with`), with the reason;
-    SelectionError listing the closest ones if none fits. Marks `tied_with_best` on every candidate."""
+    if none fits, the closest one with `fits` false and the reason listing the closest ones. Marks
+    `tied_with_best` on every candidate."""
     fitting = [c for c in candidates if c["fits"]]
     if not fitting:
         def excess(c):
@@ -265,10 +267,18 @@ def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
             if budgets.memory_mb is not None and cost.get("memory_estimate_mb") is not None:
                 total += max(0.0, cost["memory_estimate_mb"] / budgets.memory_mb - 1)
             return total
-        closest = sorted(candidates, key=excess)[:3]
+        # A budget verdict, not a failure: the closest candidate stands as the choice, marked as not
+        # fitting, so the pipeline reports every candidate against the budgets and exits 3.
+        closest = sorted(candidates, key=excess)
         lines = [f"  {c['knob']} {c['knob_value']}, M={c['mc_samples']}, {c['precision']}: " + "; ".join(c["violations"])
-                 for c in closest]
-        raise SelectionError("no operating point fits the device budgets; closest candidates:\n" + "\n".join(lines))
+                 for c in closest[:3]]
+        for c in candidates:
+            c["tied_with_best"] = False
+        best = closest[0]
+        return {"knob": best["knob"], "knob_value": best["knob_value"], "mc_samples": best["mc_samples"],
+                "format": best["format"], "precision": best["precision"], "candidate": best, "fits": False,
+                "reason": "no operating point fits the device budgets; closest candidates:\n" + "\n".join(lines),
+                "best_by_objective": None, "tied": []}
     if objective in ("accuracy", "ece-constrained-accuracy"):
         key = lambda c: (-c["val"]["accuracy"], c["val"]["nll"], c["cost"]["latency_ms"])  # noqa: E731
         why = "highest validation accuracy" + (f" with val ECE <= {max_ece}" if max_ece is not None else "")
@@ -297,7 +307,7 @@ def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
     reason += f"; among {len(fitting)} of {len(candidates)} candidates within the budgets"
     return {"knob": chosen["knob"], "knob_value": chosen["knob_value"], "mc_samples": chosen["mc_samples"],
             "format": chosen["format"], "precision": chosen["precision"], "reason": reason, "candidate": chosen,
-            "best_by_objective": best["id"], "tied": list(tied)}
+            "fits": True, "best_by_objective": best["id"], "tied": list(tied)}
 
 
 def tied_with(best, candidates, evidence=None, seed=0):
