@@ -1101,3 +1101,23 @@ def test_no_operating_point_fitting_is_exit_3_with_a_report_of_every_candidate(b
     assert cli(capsys, "select", "--config", base.config, "--device", device, "--runs-dir", runs)[0] == 3
     code, _, err = cli(capsys, "deploy", "--config", base.config, "--device", device, "--runs-dir", runs)
     assert code == 1 and "no operating point fits the budgets of tight: nothing to deploy" in err
+
+
+def test_a_board_measured_before_and_unreachable_now_gets_exit_4_and_predictions(base, runs, sshd, tmp_path, capsys):
+    """Measured over ssh, then the config changes while the board is down: a report of predictions and exit
+    4 (it was exit 1, "deploy/stage.json is missing", with the old measured report left as it was)."""
+    from edgebayes.deploy import localsshd
+
+    board = _ssh_board(tmp_path / "board.yaml", sshd, tmp_path / "board-disk")
+    assert cli(capsys, "pipeline", "--config", base.config, "--device", board, "--runs-dir", runs)[0] == 0
+    profile = yaml.safe_load(board.read_text())
+    profile["connection"].update(port=localsshd.free_port(), connect_timeout_s=5)     # down now
+    board.write_text(yaml.safe_dump(profile))
+    changed = yaml.safe_load(base.config.read_text())
+    changed["benchmark"]["min_runs"] = 21
+    config = tmp_path / "changed.yaml"
+    config.write_text(yaml.safe_dump(changed))
+    code, out, err = cli(capsys, "pipeline", "--config", config, "--device", board, "--runs-dir", runs)
+    assert code == 4, err
+    assert "host unreachable" in out and "(predicted), exit code 4" in out
+    assert json.loads((runs / "faults/report/board/report.json").read_text())["summary"]["mode"] == "predicted"

@@ -612,7 +612,7 @@ def _report_inputs(ctx, results):
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     export = read_json(ctx.require("export", "export.json") / "export.json")
     artifact_results = ctx.stage_dir("deploy") / "artifacts.json"
-    if artifact_results.is_file():
+    if results is not None and artifact_results.is_file():   # a report of predictions reads no deploy file
         ctx.require("deploy", "artifacts.json")
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
     # default knob value; the training metrics stay as they are.
@@ -795,8 +795,8 @@ def write_predicted_report(ctx, error, no_fit=False):
     inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not, "no_fit": no_fit,
                            "finish": [] if no_fit else finish_steps(ctx)}
     report = write_report(inputs, ctx.stage_dir("report"))
-    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted; to finish on the device: "
-            + " ; ".join(finish_steps(ctx)) + ")")
+    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted" + ("; no operating point fits)" if no_fit
+            else "; to finish on the device: " + " ; ".join(finish_steps(ctx)) + ")"))
     return report
 
 
