@@ -1062,7 +1062,7 @@ def test_a_stale_sshd_without_its_pid_file_is_found_and_stopped(tmp_path):
 
     server = localsshd.start(tmp_path / "sshd")
     (tmp_path / "sshd/sshd.pid").unlink()                  # what a lost race left: no pid file
-    assert _listening(server.port) and localsshd._sshd_pids(tmp_path / "sshd") == [server.pid]
+    assert server.pid in localsshd._sshd_pids(tmp_path / "sshd")   # (and the children of a connection, if any)
     proc = subprocess.run([sys.executable, "-m", "edgebayes.deploy.localsshd", "stop", "--dir", str(tmp_path / "sshd")],
                           env=ENV, capture_output=True, text=True, timeout=60)   # make sshd-localhost-stop
     assert proc.returncode == 0, proc.stderr

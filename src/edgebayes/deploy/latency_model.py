@@ -209,10 +209,10 @@ def measure_models(transport, profile, models, example, bench, log=print):
         (folder / "spec.json").write_text(json.dumps(spec))
         write_runner(folder / RUNNER_FILE)
         size = sum(f.stat().st_size for f in folder.iterdir())
+        transport.preflight(profile.runtime.name, size, profile.connection.min_free_mb)
         # A timing folder of this call's own on the device (removed after): two runs timing there at once
         # never read each other's spec or results; the runner's timing lock makes the second one wait.
         with transport.own_folder(f"timing-{profile.name}") as device:
-            device.preflight(profile.runtime.name, size, profile.connection.min_free_mb)
             device.put(folder, "timing")
             log(f"timing {len(models)} models on {profile.name} ({device.where()})")
             code, err = device.run(command_line(f"timing/{RUNNER_FILE}", "timing/results.json",
