@@ -13,9 +13,10 @@
 Exit codes: 0 done, and the chosen point meets every budget on the device; 1 a stage failed (its message
 says why; artifacts of finished stages are kept); 2 bad input (config, device profile, data files, a
 results file of another bundle), reported with one message naming the file and key; 3 the chosen point
-fails a budget on the device, or a budget could not be judged there (the report says which);
+fails a budget on the device, or a budget could not be judged there, or no operating point fits (the report
+says which);
 4 the device could not be reached: the report holds predictions only (`pipeline`), and says how to finish.
-130 interrupted (Ctrl-C): run the same command again to resume.
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): run the same command again to resume.
 `pipeline` and `report` end with a summary block (`--json`: the same as JSON, alone on stdout).
 """
 
