@@ -7,6 +7,7 @@ artifacts and leave the stage resumable (not marked done; the next run succeeds)
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -201,8 +202,10 @@ def test_pipeline_over_real_ssh(trained_runs, ssh_device, capsys):
     assert lp["measured_ms"] == results["latency_ms"]["p90"] and lp["predicted_ms"] > 0
     print(f"chosen point: predicted {lp['predicted_ms']:.4f} ms, measured {lp['measured_ms']:.4f} ms, "
           f"error {100 * lp['error']:+.1f} %")
-    # Default workdir: relative to the remote home, i.e. ~/edgebayes/<device>.
-    assert (Path.home() / "edgebayes/ssh-dev/results.json").is_file()
+    # Default workdir: relative to the remote home, i.e. ~/edgebayes/<device>; each run's folder under
+    # its runs/ is removed once its results are fetched.
+    assert (Path.home() / "edgebayes/ssh-dev/runs").is_dir()
+    assert list((Path.home() / "edgebayes/ssh-dev/runs").iterdir()) == []
     shutil.rmtree(Path.home() / "edgebayes/ssh-dev")
 
 
@@ -337,7 +340,7 @@ def _cand(ident, acc, nll, ece, lat, mb, m=1, precision="fp32"):
 
 def test_objectives_pareto_front_and_mc_budget():
     from edgebayes.config import Budgets
-    from edgebayes.deploy.selection import SelectionError, choose, mark_pareto, violations
+    from edgebayes.deploy.selection import choose, mark_pareto, violations
 
     cands = [_cand("a", 0.95, 0.20, 0.010, 1.0, 0.1), _cand("b", 0.97, 0.15, 0.050, 2.0, 0.2, m=4),
              _cand("c", 0.96, 0.10, 0.020, 3.0, 0.15, m=8), _cand("d", 0.94, 0.30, 0.010, 2.5, 0.3)]
@@ -358,8 +361,9 @@ def test_objectives_pareto_front_and_mc_budget():
     for c in cands:
         c["violations"] = violations(c, tight)
         c["fits"] = not c["violations"]
-    with pytest.raises(SelectionError, match=r"(?s)closest candidates.*latency p90 1.000 ms > budget 0.5 ms"):
-        choose(cands, "accuracy", tight)
+    nofit = choose(cands, "accuracy", tight)     # a budget verdict: the closest, marked (issue 36)
+    assert nofit["fits"] is False and nofit["candidate"]["id"] == "a"
+    assert re.search(r"(?s)closest candidates.*latency p90 1.000 ms > budget 0.5 ms", nofit["reason"])
     assert "M=8 > budget mc_samples_max 2" in cands[2]["violations"]
 
 

@@ -219,8 +219,8 @@ def test_altered_checkpoint_reruns_train_from_scratch(base, runs, capsys):
 def test_altered_bundle_reruns_export_and_stale_temporaries_go(base, runs, capsys):
     export = runs / "faults/export/flops"
     flip_byte(export / "bundle/model.onnx")
-    (export / ".artifacts.killed").mkdir()              # what a killed export leaves behind
-    (export / ".artifacts.killed/onnx.onnx").write_bytes(b"partial")
+    (export / ".artifacts.k1ll3d_0").mkdir()            # what a killed export leaves behind (tempfile's name)
+    (export / ".artifacts.k1ll3d_0/onnx.onnx").write_bytes(b"partial")
     code, _, err = cli(capsys, "deploy", "--config", base.config, "--device", base.device, "--runs-dir", runs)
     assert code == EXIT_FAILED and one_line(err), err
     assert "bundle/model.onnx is not what the export stage wrote" in err and "run `edgebayes export --config " in err
@@ -245,7 +245,7 @@ def test_code_version_is_part_of_the_fingerprint(base, runs, monkeypatch, capsys
     """An upgrade (another code version) re-runs the stages instead of reusing older code's artifacts."""
     import edgebayes.stages
 
-    monkeypatch.setattr(edgebayes.stages, "code_version", lambda: "9.9.9+other")
+    monkeypatch.setattr(edgebayes.stages, "stage_code", lambda stage: "other code")
     code, out, err = cli(capsys, "train", "--config", base.config, "--device", base.device, "--runs-dir", runs)
     assert code == 0, err
     assert "train: running (config, device profile or code changed)" in out
@@ -361,10 +361,11 @@ BAD_DEVICE = {
                     r"connection\.user: must not be empty or start with '-'"),
     "host option": ({"connection": {"kind": "ssh", "host": "-oProxyCommand=x"}}, r"connection\.host: must not"),
     "ProxyCommand": ({"connection": {"kind": "ssh", "host": "board", "options": ["ProxyCommand=touch /tmp/x"]}},
-                     r"connection\.options: 'ProxyCommand=touch /tmp/x' makes ssh run a command on this machine"),
+                     r"connection\.options: ssh reads ProxyCommand 'touch /tmp/x' from them, which makes ssh run "
+                     r"code on this machine; allowed only with `connection\.trusted: true`"),
     "LocalCommand": ({"connection": {"kind": "ssh", "host": "board",
                                      "options": ["PermitLocalCommand=yes", "localcommand=touch /tmp/x"]}},
-                     r"connection\.options: 'PermitLocalCommand=yes' makes ssh run a command"),
+                     r"connection\.options: ssh reads LocalCommand 'touch /tmp/x' from them, which makes ssh run"),
     "min_free_mb": ({"connection": {"min_free_mb": -1}}, r"connection\.min_free_mb: expected a number >= 0"),
 }
 
@@ -549,3 +550,575 @@ def test_select_advises_profiling_only_when_the_device_is_unavailable(base):
     measured, predictor, _ = _latencies(cfg, profile, Device(DeviceUnavailable("device measured: host unreachable")),
                                         [], example, bench, base.runs, logged.append)
     assert predictor is not None and "host unreachable" in logged[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 3: ssh settings judged as ssh reads them (`ssh -G`), before ssh runs
+# ---------------------------------------------------------------------------------------------
+# Profile connections that would make ssh run `touch CANARY` on this machine ({tmp}: the test's folder,
+# whose config files _ssh_files writes), and the message each gets.
+HOSTILE_SSH = {
+    "quoted keyword": ({"options": ['"ProxyCommand"=touch {canary}']},
+                       r"connection\.options: ssh reads ProxyCommand 'touch "),
+    "keyword's case and spaces": ({"options": ["  pRoXyCoMmAnD = touch {canary}"]},
+                                  r"connection\.options: ssh reads ProxyCommand"),
+    "LocalCommand": ({"options": ["permitlocalcommand=yes", "LocalCommand=touch {canary}"]},
+                     r"connection\.options: ssh reads LocalCommand"),
+    "KnownHostsCommand": ({"options": ["KnownHostsCommand=touch {canary}"]},
+                          r"connection\.options: ssh reads KnownHostsCommand"),
+    "a library loaded": ({"options": ["PKCS11Provider={tmp}/evil.so"]}, r"connection\.options: ssh reads PKCS11Provider"),
+    "config file's ProxyCommand": ({"ssh_config": "{tmp}/proxy.conf"},
+                                   r"connection\.ssh_config \(.*proxy\.conf\): ssh reads ProxyCommand"),
+    "Match exec behind a condition": ({"ssh_config": "{tmp}/match.conf"},
+                                      r"connection\.ssh_config: .*match\.conf has a `Match exec`"),
+    "Match exec in an Include": ({"ssh_config": "{tmp}/include.conf"},
+                                 r"connection\.ssh_config: .*inc1\.conf has a `Match exec` \(included by .*include\.conf\)"),
+    "jump host's ProxyCommand": ({"ssh_config": "{tmp}/jump.conf"},
+                                 r"connection\.ssh_config \(.*jump\.conf\) for jump host gw: ssh reads ProxyCommand"),
+    "agent forwarded": ({"ssh_config": "{tmp}/agent.conf"}, r"connection\.ssh_config \(.*agent\.conf\): ssh reads "
+                                                            r"ForwardAgent 'yes' from them, which opens this machine"),
+    "FIFO as ssh_config": ({"ssh_config": "{tmp}/fifo"}, r"connection\.ssh_config: .*fifo is not a readable file"),
+    "host with a command": ({"host": "board;touch {canary}"}, r"connection\.host: expected a host name .* or an IP address"),
+    "host as a URI": ({"host": "ssh://board"}, r"connection\.host: expected a host name"),
+    "user with a command": ({"user": "$(touch {canary})"}, r"connection\.user: expected a user name"),
+    "jump host with a command": ({"proxy_jump": "gw;touch {canary}"}, r"connection\.proxy_jump: expected \[user@\]host"),
+}
+
+
+def _ssh_files(tmp, canary):
+    touch = f"touch {canary}"
+    (tmp / "proxy.conf").write_text(f'Host *\n  "ProxyCommand"={touch}\n')
+    (tmp / "match.conf").write_text(f'Host other\n  User x\nMATCH host board !Exec "{touch}"\n  User bob\n')
+    (tmp / "include.conf").write_text(f"Include {tmp}/inc*.conf\n")
+    (tmp / "inc1.conf").write_text(f'Match exec "{touch}"\n  Port 2\n')
+    (tmp / "jump.conf").write_text(f"Host gw\n  ProxyCommand {touch}\nHost board\n  ProxyJump gw\n")
+    (tmp / "agent.conf").write_text("Host board\n  ForwardAgent yes\n")
+    os.mkfifo(tmp / "fifo")
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no OpenSSH client: nothing can run ssh here")
+@pytest.mark.parametrize("case", list(HOSTILE_SSH))
+def test_ssh_settings_that_run_a_command_here_are_refused_as_ssh_reads_them(case, tmp_path, capsys):
+    canary = tmp_path / "pwned"
+    _ssh_files(tmp_path, canary)
+    changes, pattern = HOSTILE_SSH[case]
+    connection = {k: [o.format(tmp=tmp_path, canary=canary) for o in v] if isinstance(v, list)
+                  else v.format(tmp=tmp_path, canary=canary) for k, v in changes.items()}
+    device = write_device(tmp_path / "board.yaml", connection={"kind": "ssh", "host": "board", **connection})
+    code, _, err = cli(capsys, "devices", "check", device)
+    assert code == EXIT_BAD_INPUT and one_line(err), err
+    assert re.search(re.escape(str(device)) + ": " + pattern, err), err
+    assert not canary.exists()
+    if "expected" not in pattern:   # the same profile, marked trusted by its author, loads
+        from edgebayes.config import load_device_profile
+
+        write_device(device, connection={"trusted": True})
+        if "fifo" not in case.lower():
+            assert load_device_profile(str(device)).connection.trusted
+        assert not canary.exists()
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no OpenSSH client")
+def test_ssh_G_never_runs_a_match_exec_it_reads(tmp_path):
+    """The judgement itself reads the configuration with a shell that does not exist: a Match exec it
+    reaches stops ssh -G instead of running (ssh -G does run them otherwise)."""
+    from edgebayes.deploy.transport import _effective_ssh_config, _MatchExec
+
+    canary = tmp_path / "pwned"
+    config = tmp_path / "c.conf"
+    config.write_text(f'Match exec "touch {canary}"\n  User bob\n')
+    with pytest.raises(_MatchExec):
+        _effective_ssh_config(["-F", str(config)], "board")
+    assert not canary.exists()
+    assert _effective_ssh_config(["-F", os.devnull, "-o", "User=pi"], "board")["user"] == ["pi"]
+
+
+@pytest.mark.parametrize("host", ["board", "board-2.lan", "my_alias", "10.0.0.7", "::1", "fe80::1%eth0", "jetson."])
+def test_host_names_and_addresses_are_accepted(host, tmp_path):
+    from edgebayes.config import load_device_profile
+
+    device = write_device(tmp_path / "board.yaml", connection={"kind": "ssh", "host": host, "user": "pi",
+                                                               "proxy_jump": "me@gw:2200,[fd00::2]:22"})
+    assert load_device_profile(str(device)).connection.host == host
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 2: `report --results` checked before anything changes
+# ---------------------------------------------------------------------------------------------
+def _state(runs):
+    """The bytes of every marker and report file of the run: what a refused import must leave alone."""
+    return {p: p.read_bytes() for p in sorted((runs / "faults").rglob("*"))
+            if p.is_file() and (p.name == "stage.json" or "report" in p.parts or "deploy" in p.parts)}
+
+
+def _set(results, field, value):
+    *parents, last = field.split(".")
+    node = results
+    for key in parents:
+        node = node[key]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+
+
+HOSTILE_RESULTS = {   # field: (value, what the message says)
+    "negative latency": ("latency_ms.p90", -5, r"latency_ms\.p90: expected a latency in ms: positive, finite"),
+    "accuracy above 1": ("metrics.accuracy", 1.7, r"metrics\.accuracy: expected a number in \[0, 1\], got 1\.7"),
+    "accuracy as a word": ("metrics.accuracy", "high", r"metrics\.accuracy: expected a number in \[0, 1\], got \"high\""),
+    "NaN": ("metrics.ece", float("nan"), r"metrics\.ece: expected a number in \[0, 1\], got NaN"),
+    "Infinity": ("latency_ms.p99", float("inf"), r"latency_ms\.p99: expected a latency in ms: positive, finite.*got Infinity"),
+    "1e308": ("latency_ms.max", 1e308, r"latency_ms\.max: expected a latency in ms: positive, finite, at most"),
+    "count as a float": ("runs", 300.5, r"runs: expected an integer in 1\.\."),
+    "flag as a count": ("metrics.n", True, r"metrics\.n: expected an integer"),
+    "unknown key": ("metrics.verdict", "pass", r"metrics\.verdict: unknown key \(not one the runner writes\)"),
+    "missing key": ("latency_ms.p90", KeyError, r"latency_ms\.p90: missing \(the runner writes it\)"),
+    "percentiles out of order": ("latency_ms.p50", 1e6, r"latency_ms: expected min <= p50 <= p90 <= p99 <= max"),
+    "another device's name": ("tags.device", "other-board", r"tags\.device: \"other-board\", but this run's profile "
+                                                           r"for flops has \"flops\": results of another device"),
+    "another model": ("bundle.model_sha256", "ab" * 32, r"bundle\.model_sha256: (ab){6}\.\.\., but this run's "
+                                                        r"choice for flops has .*: results of another bundle's model"),
+    "another runtime": ("runtime.name", "tensorrt", r"runtime\.name: \"tensorrt\", but .* has \"onnxruntime\""),
+    "another precision": ("bundle.precision", "fp16", r"bundle\.precision: \"fp16\", but .* has \"fp32\""),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_RESULTS))
+def test_hostile_results_are_refused_with_every_marker_and_report_untouched(case, base, runs, tmp_path, capsys):
+    field, value, pattern = HOSTILE_RESULTS[case]
+    results = json.loads((runs / "faults/deploy/flops/results.json").read_text())
+    _set(results, field, value)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))   # json writes NaN and Infinity as Python's json reads them
+    before = _state(runs)
+    code, _, err = cli(capsys, "report", "--config", base.config, "--device", base.device, "--runs-dir", runs,
+                       "--results", path)
+    assert code == EXIT_BAD_INPUT and one_line(err), err
+    assert re.search(re.escape(f"edgebayes: {path}: ") + pattern, err), err
+    assert _state(runs) == before
+    # and the run is as it was: pipeline finds every stage done
+    out = pipeline(capsys, base, runs)
+    assert "deploy: up to date" in out and "report: up to date" in out
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "/dev/zero", "9 MB", "a folder"])
+def test_results_that_are_not_a_small_regular_file_are_refused_at_once(kind, base, runs, tmp_path):
+    path = {"/dev/zero": Path("/dev/zero")}.get(kind, tmp_path / "results.json")
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "9 MB":
+        path.write_text(" " * (9 << 20) + "{}")
+    elif kind == "a folder":
+        path.mkdir()
+    before = _state(runs)
+    proc = subprocess.run([sys.executable, "-m", "edgebayes.cli", "report", "--config", str(base.config), "--device",
+                           str(base.device), "--runs-dir", str(runs), "--results", str(path)],
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_BAD_INPUT and one_line(proc.stderr), proc.stderr
+    assert f"edgebayes: {path}: " in proc.stderr
+    assert ("larger than 8 MB" if kind == "9 MB" else "not a regular file") in proc.stderr
+    assert _state(runs) == before
+
+
+def test_another_devices_results_are_not_reported_as_the_boards(base, runs, tmp_path, capsys):
+    """The issue's case: this machine's onnxruntime results imported for the Jetson (TensorRT fp16) were
+    reported as its measured pass. Refused, and the Jetson's report of predictions stays as it was."""
+    code, out, err = cli(capsys, "pipeline", "--config", base.config, "--device", "jetson", "--runs-dir", runs)
+    assert code == 4, err
+    before = _state(runs)
+    code, _, err = cli(capsys, "report", "--config", base.config, "--device", "jetson", "--runs-dir", runs,
+                       "--results", runs / "faults/deploy/flops/results.json")
+    assert code == EXIT_BAD_INPUT and one_line(err), err
+    assert re.search(r"bundle\.artifact: \"onnx\", but this run's choice for jetson-orin-nano has \"tensorrt-fp16\": "
+                     r"results of another artifact", err), err
+    assert _state(runs) == before and not (runs / "faults/deploy/jetson-orin-nano/stage.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 1: a device shared by many runs
+# ---------------------------------------------------------------------------------------------
+def _ssh_board(path, sshd, workdir):
+    return write_device(path, connection={
+        "kind": "ssh", "host": "127.0.0.1", "port": sshd.port, "identity_file": str(sshd.client_key),
+        "python": sys.executable, "workdir": str(workdir),
+        "options": [f"UserKnownHostsFile={sshd.known_hosts}", "StrictHostKeyChecking=yes", "IdentitiesOnly=yes"]})
+
+
+def test_two_runs_deploying_to_one_device_at_once_each_report_their_own_model(base, runs, sshd, tmp_path):
+    """The issue's case: two configs deployed to one SSH device at once, and one run's report showed the
+    other's model (one work folder for all). Each run and bundle now has a folder of its own there, and
+    the results name the model measured, checked against the bundle."""
+    board = _ssh_board(tmp_path / "board.yaml", sshd, tmp_path / "board-disk")
+    other = yaml.safe_load(base.config.read_text())
+    other.update(name="faults-b")
+    other["select"].update(knob_values=[0.9], mc_samples=[1])
+    other["export"]["opset"] = 16                   # a different model file whatever the choice
+    config_b = tmp_path / "b.yaml"
+    config_b.write_text(yaml.safe_dump(other))
+    shutil.copytree(runs / "faults/train", runs / "faults-b/train")   # the same training (name is not in it)
+    procs = [subprocess.Popen([sys.executable, "-m", "edgebayes.cli", "pipeline", "--config", str(c), "--device",
+                               str(board), "--runs-dir", str(runs)], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in (base.config, config_b)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (out, err)
+        assert "train: up to date" in out
+    for name in ("faults", "faults-b"):
+        run = runs / name
+        manifest = json.loads((run / "export/board/bundle/manifest.json").read_text())
+        results = json.loads((run / "deploy/board/results.json").read_text())
+        report = json.loads((run / "report/board/report.json").read_text())
+        own = manifest["files"][manifest["model_file"]]["sha256"]
+        assert results["bundle"]["model_sha256"] == own
+        assert report["results"]["metrics"]["accuracy"] == manifest["reference"]["accuracy"]
+    shas = {json.loads((runs / n / "deploy/board/results.json").read_text())["bundle"]["model_sha256"]
+            for n in ("faults", "faults-b")}
+    assert len(shas) == 2
+    assert list((tmp_path / "board-disk" / "runs").iterdir()) == []   # each run's folder removed after
+
+
+def test_two_latency_tables_measured_on_one_device_at_once(base, tmp_path):
+    """Two `devices profile` on one device: they shared one timing folder (KeyError: 'onnx-w4x4-m1').
+    Each now sends its models to a folder of its own, and the runner's timing lock makes one wait."""
+    device = write_device(tmp_path / "shared.yaml", latency_model={"kind": "measure"})
+    runs = tmp_path / "runs"
+    procs = [subprocess.Popen([sys.executable, "-m", "edgebayes.cli", "devices", "profile", str(device), "--config",
+                               str(base.config), "--runs-dir", str(runs)], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        assert "table written to" in out
+    table = json.loads((runs / "devices/shared/latency_table.json").read_text())
+    assert len(table["rows"]) == len({row["id"] for row in table["rows"]}) > 0
+    assert all(row["latency_ms"]["p50"] > 0 for row in table["rows"])
+    assert list((runs / "devices/shared/device/runs").iterdir()) == []
+
+
+def test_a_runner_waits_for_another_timing_on_the_device_then_fails_in_one_line(base, tmp_path, monkeypatch):
+    import tempfile
+
+    from edgebayes.ondevice.machine import timing_lock
+
+    bundle = base.runs / "faults/export/flops/bundle"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))       # this test's own machine-wide folder
+    with timing_lock(10):
+        proc = subprocess.run([sys.executable, str(bundle / "runner.pyz"), "--bundle", str(bundle), "--out",
+                               str(tmp_path / "r.json"), "--min-runs", "5", "--min-seconds", "0",
+                               "--lock-wait-s", "0.5"], env={**ENV, "TMPDIR": str(tmp_path)},
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    assert re.search(r"runner: another edgebayes run \(pid \d+ on .+\) has been timing models on this device for "
+                     r"more than 0\.5 s; run again when it is done\n$", proc.stderr), proc.stderr
+    assert "waiting for another edgebayes run" in proc.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_the_runner_names_the_model_it_measured_and_refuses_one_replaced_meanwhile(base, tmp_path, monkeypatch,
+                                                                                   capsys):
+    from edgebayes.ondevice import cli as runner
+    from edgebayes.ondevice.bundle import sha256_file
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(base.runs / "faults/export/flops/bundle", bundle)
+    args = ["--bundle", str(bundle), "--out", str(tmp_path / "r.json"), "--min-runs", "5", "--min-seconds", "0",
+            "--warmup", "1", "--rounds", "1", "--quiet"]
+    assert runner.main(args) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["bundle"]["model_sha256"] == sha256_file(bundle / "model.onnx")
+    (tmp_path / "r.json").unlink()
+    load = runner.make_backend
+
+    def load_then_replace(runtime, path, *a, **k):   # another run writing the same folder meanwhile
+        backend = load(runtime, path, *a, **k)
+        flip_byte(Path(path))
+        return backend
+    monkeypatch.setattr(runner, "make_backend", load_then_replace)
+    capsys.readouterr()
+    assert runner.main(args) == 2
+    assert "model.onnx changed after the bundle was verified" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 4: selection decides on what the validation split can tell apart
+# ---------------------------------------------------------------------------------------------
+def _scored(ident, probs, y, m, latency, mb, fmt="onnx"):
+    """A candidate as score_candidates writes it, and its per-example evidence."""
+    from edgebayes.ondevice.metrics import classification_metrics, per_example
+
+    c = {"id": ident, "knob": "nonzero_rate", "knob_value": 0.5, "mc_samples": m, "format": fmt, "precision": "fp32",
+         "val": classification_metrics(probs, y), "cost": {"latency_ms": latency, "model_mb": mb},
+         "fits": True, "violations": []}
+    return c, per_example(probs, y)
+
+
+def _val_probs(n=5000, classes=10, accuracy=0.97, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, n)
+    logits = rng.normal(0, 1, (n, classes))
+    right = rng.random(n) < accuracy
+    logits[np.arange(n), np.where(right, y, (y + 1) % classes)] += 4.0
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    return probs, y
+
+
+def test_differences_within_the_validation_noise_go_to_the_cheaper_candidate():
+    """The issue's MNIST case on synthetic candidates: every candidate at one accuracy, the fp32 ONNX's NLL
+    lower in the 10th digit than the codebook file of the same sample (24x smaller), M=2 better than M=1 by
+    an NLL of 3e-5 on 5,000 images. Ties all: the cheapest ships (M=1, then the smaller file), and the
+    choice lists the tied candidates."""
+    from edgebayes.config import Budgets
+    from edgebayes.deploy.selection import choose
+
+    probs, y = _val_probs()
+    sharper = probs ** 1.0005 / (probs ** 1.0005).sum(1, keepdims=True)      # NLL 3e-5 lower, same argmax
+    nudged = probs * (1 + 1e-10)
+    scored = [_scored("m2-onnx", sharper, y, 2, 0.050, 0.72), _scored("m2-codebook", sharper * (1 + 1e-10), y, 2, 0.049, 0.030, "onnx-codebook"),
+              _scored("m1-onnx", nudged, y, 1, 0.030, 0.36), _scored("m1-codebook", probs, y, 1, 0.0301, 0.015, "onnx-codebook")]
+    candidates, evidence = [c for c, _ in scored], {c["id"]: e for c, e in scored}
+    assert len({c["val"]["accuracy"] for c in candidates}) == 1
+    assert candidates[0]["val"]["nll"] < candidates[3]["val"]["nll"] < candidates[3]["val"]["nll"] + 1e-4
+    choice = choose(candidates, "accuracy", Budgets(), evidence=evidence)
+    assert choice["best_by_objective"] in ("m2-onnx", "m2-codebook")
+    assert choice["candidate"]["id"] == "m1-codebook"
+    assert set(choice["tied"]) == {c["id"] for c in candidates} and all(c["tied_with_best"] for c in candidates)
+    assert "tied with the chosen: " in choice["reason"] and "m2-onnx" in choice["reason"]
+    assert "paired bootstrap over 5000 images" in choice["reason"]
+    # the same figures without the per-example evidence: only identical figures tie, the NLL decides
+    assert choose(candidates, "accuracy", Budgets())["candidate"]["id"] in ("m2-onnx", "m2-codebook")
+
+
+def test_a_difference_the_validation_split_can_tell_is_not_a_tie():
+    """Accuracy 0.97 against 0.95 on 5,000 images (about 4 standard errors of the paired difference): the
+    better candidate wins although it needs more samples and a bigger file; so does a clearly better NLL."""
+    from edgebayes.config import Budgets
+    from edgebayes.deploy.selection import choose
+
+    probs, y = _val_probs(accuracy=0.97)
+    worse = probs.copy()
+    rng = np.random.default_rng(1)
+    flip = rng.choice(np.flatnonzero(worse.argmax(1) == y), 100, replace=False)   # 2% more errors
+    worse[flip] = np.roll(worse[flip], 1, axis=1)
+    scored = [_scored("good-m4", probs, y, 4, 0.2, 1.0), _scored("cheap-m1", worse, y, 1, 0.05, 0.1)]
+    choice = choose([c for c, _ in scored], "accuracy", Budgets(), evidence={c["id"]: e for c, e in scored})
+    assert choice["candidate"]["id"] == "good-m4" and choice["tied"] == ["good-m4"]
+    assert "no other candidate within the validation split's noise" in choice["reason"]
+    # a clearly better NLL at the same accuracy: calibration the split can see
+    soft = probs ** 0.5 / (probs ** 0.5).sum(1, keepdims=True)
+    scored = [_scored("sharp-m4", probs, y, 4, 0.2, 1.0), _scored("soft-m1", soft, y, 1, 0.05, 0.1)]
+    assert scored[0][0]["val"]["accuracy"] == scored[1][0]["val"]["accuracy"]
+    choice = choose([c for c, _ in scored], "nll", Budgets(), evidence={c["id"]: e for c, e in scored})
+    assert choice["candidate"]["id"] == "sharp-m4"
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 6: a stage owns only the files it writes
+# ---------------------------------------------------------------------------------------------
+def test_files_a_user_puts_in_a_stage_folder_are_neither_recorded_nor_removed(base, runs, capsys):
+    report = runs / "faults/report/flops"
+    (report / "notes.txt").write_text("what I saw")
+    (report / ".mine").write_text("hidden, mine too")
+    (report / ".report.json.abcd1234.tmp").write_text("an interrupted write")   # edgebayes's temporary
+    code, out, err = cli(capsys, "report", "--config", base.config, "--device", base.device, "--runs-dir", runs,
+                         "--force")
+    assert code == 0, err
+    marker = json.loads((report / "stage.json").read_text())
+    assert "notes.txt" not in marker["outputs"] and "report.json" in marker["outputs"]
+    assert (report / "notes.txt").read_text() == "what I saw" and (report / ".mine").exists()
+    assert not (report / ".report.json.abcd1234.tmp").exists()
+    (report / "notes.txt").write_text("edited")     # the user's file changing is not the stage's output changing
+    out = pipeline(capsys, base, runs)
+    assert "report: up to date" in out and (report / "notes.txt").read_text() == "edited"
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 7: a stage's fingerprint covers the code it runs
+# ---------------------------------------------------------------------------------------------
+def test_editing_report_code_reruns_the_report_not_training(base, runs, tmp_path):
+    """The same run with a copy of edgebayes whose report (then deploy) code was edited: only what runs
+    that code runs again. Training's hash moves with training's own code."""
+    src = tmp_path / "src"
+    shutil.copytree(Path(edgebayes.__file__).resolve().parent, src / "edgebayes",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**ENV, "PYTHONPATH": str(src)}
+
+    def run_with_edit(module):
+        with open(src / "edgebayes" / module, "a") as f:
+            f.write("\n# an edit\n")
+        proc = subprocess.run([sys.executable, "-m", "edgebayes.cli", "pipeline", "--config", str(base.config),
+                               "--device", str(base.device), "--runs-dir", str(runs)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    out = run_with_edit("deploy/summary.py")
+    assert all(f"{s}: up to date" in out for s in ("train", "select", "export", "deploy"))
+    assert "report: running (config, device profile or code changed)" in out
+    out = run_with_edit("deploy/results.py")
+    assert all(f"{s}: up to date" in out for s in ("train", "select", "export"))
+    assert "deploy: running (config, device profile or code changed)" in out
+    probe = ("import sys; from edgebayes.stages import stage_code; print(stage_code('train'))")
+    before = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout
+    with open(src / "edgebayes/train/kl.py", "a") as f:
+        f.write("\n# an edit\n")
+    after = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True).stdout
+    assert before.strip() and before != after
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 9: what was a traceback is one line naming the file, exit 2
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["non-UTF-8 byte", "100,000 levels deep", "a FIFO", "9 MB"])
+def test_unreadable_configs_are_one_line_naming_the_file(case, tmp_path):
+    config = tmp_path / "p.yaml"
+    if case == "non-UTF-8 byte":
+        config.write_bytes(b"name: x\nseed: 0\n# caf\xe9\n")
+        expected = r": line 3: byte 0xe9 is not UTF-8 text; save the file as UTF-8"
+    elif case == "100,000 levels deep":
+        config.write_text("a: " + "[" * 100_000 + "]" * 100_000 + "\n")
+        expected = r": line 1: nested more than 64 levels deep"
+    elif case == "a FIFO":
+        os.mkfifo(config)
+        expected = r": not a regular file"
+    else:
+        config.write_text("#" * (9 << 20) + "\n")
+        expected = r": larger than 4 MB; not a config"
+    proc = subprocess.run([sys.executable, "-m", "edgebayes.cli", "train", "--config", str(config), "--runs-dir",
+                           str(tmp_path / "runs")], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_BAD_INPUT and one_line(proc.stderr), proc.stderr[-2000:]
+    assert re.search(re.escape(f"edgebayes: {config}") + expected, proc.stderr), proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def _image_folder(root, odd=None):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(root / c / f"{i}.png")
+    if odd == "bomb":       # 20000 x 20000: over PIL's decompression-bomb limit (a 1-bit image: a small file)
+        Image.new("1", (20000, 20000)).save(root / "a" / "huge.png")
+        return root / "a" / "huge.png"
+    if odd == "truncated":  # cut after its header: the size reads, the pixels do not
+        data = (root / "b" / "0.png").read_bytes()
+        (root / "b" / "0.png").write_bytes(data[:60])
+        return root / "b" / "0.png"
+
+
+@pytest.mark.parametrize("case", ["decompression bomb", "truncated PNG", "FIFO as data.path", "/dev/zero as data.path"])
+def test_unreadable_data_is_one_line_naming_the_file(case, tmp_path, capsys):
+    data = {"dataset": "image-folder", "path": str(tmp_path / "images"), "ood": None}
+    if case == "decompression bomb":
+        bad = _image_folder(tmp_path / "images", "bomb")
+        expected = re.escape(f"{bad}: not a readable image (") + ".*decompression bomb"
+    elif case == "truncated PNG":
+        bad = _image_folder(tmp_path / "images", "truncated")
+        expected = re.escape(f"{bad}: not a readable image (")
+    elif case == "FIFO as data.path":
+        os.mkfifo(tmp_path / "data.npz")
+        data.update(dataset="npz", path=str(tmp_path / "data.npz"))
+        expected = r"reads a file, got something else \(a FIFO or a device: not a regular file\)"
+    else:
+        data.update(dataset="npz", path="/dev/zero")
+        expected = r"reads a file, got something else \(a FIFO or a device: not a regular file\)"
+    config = write_config(tmp_path / "c.yaml", data=data)
+    code, _, err = cli(capsys, "train", "--config", config, "--runs-dir", tmp_path / "runs")
+    assert code == EXIT_BAD_INPUT and one_line(err), err[-3000:]
+    assert re.search(expected, err, re.IGNORECASE), err
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 8: the throwaway sshd shared by commands at once; SIGTERM as Ctrl-C
+# ---------------------------------------------------------------------------------------------
+def _listening(port):
+    import socket
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists(), reason="no sshd binary")
+def test_two_commands_at_once_share_one_throwaway_sshd_and_the_last_stops_it(tmp_path):
+    from edgebayes.deploy import localsshd
+
+    keys, port = tmp_path / "sshd", localsshd.free_port()
+    device = write_device(tmp_path / "own.yaml", connection={
+        "kind": "ssh", "local_sshd": True, "host": "127.0.0.1", "port": port,
+        "identity_file": str(keys / "client_key"), "python": sys.executable, "workdir": str(tmp_path / "disk"),
+        "options": [f"UserKnownHostsFile={keys / 'known_hosts'}", "StrictHostKeyChecking=yes", "IdentitiesOnly=yes"]})
+    procs = [subprocess.Popen([sys.executable, "-m", "edgebayes.cli", "devices", "check", str(device)], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "ready to deploy" in out, err
+    assert not _listening(port) and localsshd._sshd_pids(keys) == []
+
+
+@pytest.mark.skipif(shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists(), reason="no sshd binary")
+def test_a_stale_sshd_without_its_pid_file_is_found_and_stopped(tmp_path):
+    from edgebayes.deploy import localsshd
+
+    server = localsshd.start(tmp_path / "sshd")
+    (tmp_path / "sshd/sshd.pid").unlink()                  # what a lost race left: no pid file
+    assert server.pid in localsshd._sshd_pids(tmp_path / "sshd")   # (and the children of a connection, if any)
+    proc = subprocess.run([sys.executable, "-m", "edgebayes.deploy.localsshd", "stop", "--dir", str(tmp_path / "sshd")],
+                          env=ENV, capture_output=True, text=True, timeout=60)   # make sshd-localhost-stop
+    assert proc.returncode == 0, proc.stderr
+    assert not _listening(server.port) and localsshd._sshd_pids(tmp_path / "sshd") == []
+
+
+def test_sigterm_during_training_is_one_line_and_exit_143(base, runs):
+    proc = start(base, runs, "train", "--config", str(base.config), "--force")
+    wait_for_epoch(proc, runs / "faults/train/checkpoint.pt", 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.decode().splitlines()[-1] == "edgebayes: terminated (SIGTERM); run again to resume"
+    assert "Traceback" not in err.decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, item 5: every budget outcome is a verdict with a report
+# ---------------------------------------------------------------------------------------------
+def test_no_operating_point_fitting_is_exit_3_with_a_report_of_every_candidate(base, runs, tmp_path, capsys):
+    device = write_device(tmp_path / "tight.yaml", budgets={"latency_ms": 1e-6})
+    code, out, err = cli(capsys, "pipeline", "--config", base.config, "--device", device, "--runs-dir", runs)
+    assert code == 3, err
+    assert "select: no operating point fits the device budgets; closest candidates:" in out
+    assert "no fit        no operating point fits the budgets" in out and "verdict       fail (predicted), exit code 3" in out
+    report = json.loads((runs / "faults/report/tight/report.json").read_text())
+    s = report["summary"]
+    assert s["no_fit"] and s["overall_verdict"] == "fail"
+    assert len(report["candidates"]) == 4
+    assert all(not c["fits"] and "> budget 1e-06 ms" in c["violations"][0] for c in report["candidates"])
+    assert not (runs / "faults/deploy/tight/results.json").exists()          # nothing deployed
+    assert "No operating point fits" in (runs / "faults/report/tight/report.html").read_text()
+    # cached: the same verdict; `select` alone says so with exit 3 too
+    code, out, err = cli(capsys, "pipeline", "--config", base.config, "--device", device, "--runs-dir", runs)
+    assert code == 3 and "report: up to date" in out, err
+    assert cli(capsys, "select", "--config", base.config, "--device", device, "--runs-dir", runs)[0] == 3
+    code, _, err = cli(capsys, "deploy", "--config", base.config, "--device", device, "--runs-dir", runs)
+    assert code == 1 and "no operating point fits the budgets of tight: nothing to deploy" in err
+
+
+def test_a_board_measured_before_and_unreachable_now_gets_exit_4_and_predictions(base, runs, sshd, tmp_path, capsys):
+    """Measured over ssh, then the config changes while the board is down: a report of predictions and exit
+    4 (it was exit 1, "deploy/stage.json is missing", with the old measured report left as it was)."""
+    from edgebayes.deploy import localsshd
+
+    board = _ssh_board(tmp_path / "board.yaml", sshd, tmp_path / "board-disk")
+    assert cli(capsys, "pipeline", "--config", base.config, "--device", board, "--runs-dir", runs)[0] == 0
+    profile = yaml.safe_load(board.read_text())
+    profile["connection"].update(port=localsshd.free_port(), connect_timeout_s=5)     # down now
+    board.write_text(yaml.safe_dump(profile))
+    changed = yaml.safe_load(base.config.read_text())
+    changed["benchmark"]["min_runs"] = 21
+    config = tmp_path / "changed.yaml"
+    config.write_text(yaml.safe_dump(changed))
+    code, out, err = cli(capsys, "pipeline", "--config", config, "--device", board, "--runs-dir", runs)
+    assert code == 4, err
+    assert "host unreachable" in out and "(predicted), exit code 4" in out
+    assert json.loads((runs / "faults/report/board/report.json").read_text())["summary"]["mode"] == "predicted"

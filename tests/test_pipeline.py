@@ -83,10 +83,10 @@ def test_budget_nothing_meets_lists_closest_candidates(run, tmp_path, capsys):
     device = tmp_path / "impossible.yaml"
     device.write_text(yaml.safe_dump(profile))
     assert main(["select", "--config", str(ROOT / "pipeline.yaml"), "--device", str(device),
-                 "--runs-dir", str(run.parent)]) == 1
-    err = capsys.readouterr().err
-    assert "no operating point fits" in err and "model" in err and "> budget" in err
-    assert not (run / "select/impossible/choice.json").exists()
+                 "--runs-dir", str(run.parent)]) == 3          # a budget verdict (issue 36)
+    out = capsys.readouterr().out
+    assert "no operating point fits" in out and "model" in out and "> budget" in out
+    assert json.loads((run / "select/impossible/choice.json").read_text())["fits"] is False
 
 
 def test_deploy_refuses_a_corrupted_bundle(run, tmp_path, capsys):

@@ -101,7 +101,7 @@ def test_memory_is_judged_on_the_models_own_memory(trained_runs, quick_config, t
     assert "runtime set-up subtracted" in html_text
     device = write_profile(tmp_path / "tiny-ram.yaml", base="local", budgets={"memory_mb": 0.01})
     code, out, err = cli(capsys, "select", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
-    assert code == 1 and "no operating point fits" in err and "own memory (estimated)" in err and "> budget 0.01" in err
+    assert code == 3 and "no operating point fits" in out and "own memory (estimated)" in out and "> budget 0.01" in out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +154,8 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     board = tmp_path / "board"
     shutil.copytree(run / "export/far-board/bundle", board / "bundle")
     done = subprocess.run([sys.executable, "bundle/runner.pyz", "--bundle", "bundle", "--out", "results.json", "--min-runs",
-                           "30", "--min-seconds", "0", "--quiet"], cwd=board, capture_output=True, text=True)
+                           "30", "--min-seconds", "0", "--quiet", "--tag", "device=far-board"],   # as the steps say
+                          cwd=board, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     code, out, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs,
                          "--results", board / "results.json", "--json")

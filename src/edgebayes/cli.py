@@ -13,15 +13,17 @@
 Exit codes: 0 done, and the chosen point meets every budget on the device; 1 a stage failed (its message
 says why; artifacts of finished stages are kept); 2 bad input (config, device profile, data files, a
 results file of another bundle), reported with one message naming the file and key; 3 the chosen point
-fails a budget on the device, or a budget could not be judged there (the report says which);
+fails a budget on the device, or a budget could not be judged there, or no operating point fits (the report
+says which);
 4 the device could not be reached: the report holds predictions only (`pipeline`), and says how to finish.
-130 interrupted (Ctrl-C): run the same command again to resume.
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): run the same command again to resume.
 `pipeline` and `report` end with a summary block (`--json`: the same as JSON, alone on stdout).
 """
 
 import argparse
 import json
 import pickle
+import signal
 import sys
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from edgebayes import STAGES
 from edgebayes.config import load_device_profile, load_pipeline_config
 from edgebayes.errors import InputError, StageError
 
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 EXIT_BUDGET, EXIT_PREDICTED = 3, 4
 # What each exit code means: every command's help, and the Makefile's line after a run (`make` itself
 # exits 2 whatever the CLI's code was, so it prints this one).
@@ -364,11 +366,13 @@ def _finish(ctx, args):
     reached). Read from report.json, so a run whose stages were all cached ends the same way."""
     from edgebayes.deploy.report import summary_text, terminal_summary
 
+    if args.command == "select":   # no operating point fits: a budget verdict (select's log lists them)
+        return EXIT_BUDGET if json.loads((ctx.stage_dir("select") / "choice.json").read_text()).get("fits") is False else 0
     if args.command not in ("pipeline", "report"):
         return 0
     path = ctx.stage_dir("report") / "report.json"
     summary = terminal_summary(json.loads(path.read_text()), path.with_name("report.html"))
-    code = (EXIT_PREDICTED if summary["mode"] == "predicted" else
+    code = (EXIT_BUDGET if summary["no_fit"] else EXIT_PREDICTED if summary["mode"] == "predicted" else
             0 if summary["verdict"] in ("pass", "not set") else EXIT_BUDGET)
     if args.json:
         print(json.dumps({**summary, "exit_code": code}, indent=2))
@@ -404,6 +408,23 @@ def _run(args):
         return _finish(ctx, args)
 
 
+class Terminated(BaseException):
+    """SIGTERM (a job scheduler, `kill`, a container stopping): unwinds like Ctrl-C, so what a stage holds
+    (the run lock, a throwaway sshd, temporaries) is released, and ends in one line with exit 143."""
+
+
+def _terminate_like_ctrl_c():
+    """SIGTERM raises Terminated in the main thread; returns the handler it replaces (None elsewhere)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise Terminated()
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def _os_error(e: OSError) -> str:
     """`path: reason` (both paths of a rename or copy) instead of errno's tuple."""
     paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
@@ -416,6 +437,7 @@ def main(argv=None) -> int:
     misplaced runs folder, memory) or of a file's content (JSON, a checkpoint torch refuses to unpickle)."""
     args = build_parser().parse_args(argv)
     what = f"{args.command} {args.action}" if args.command in ("devices", "config") else args.command
+    previous = _terminate_like_ctrl_c()
     try:
         return _run(args)
     except InputError as e:
@@ -424,12 +446,17 @@ def main(argv=None) -> int:
         message, code = f"{what} failed: {e}", EXIT_FAILED
     except KeyboardInterrupt:
         message, code = "interrupted; run again to resume", EXIT_INTERRUPTED
+    except Terminated:
+        message, code = "terminated (SIGTERM); run again to resume", EXIT_TERMINATED
     except OSError as e:
         message, code = f"{what} failed: {_os_error(e)}", EXIT_FAILED
     except MemoryError as e:
         message, code = f"{what} failed: out of memory{f' ({e})' if str(e) else ''}", EXIT_FAILED
     except (json.JSONDecodeError, pickle.UnpicklingError) as e:  # read_json and load_checkpoint name the file
         message, code = f"{what} failed: unreadable file content ({type(e).__name__}: {e})", EXIT_FAILED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print(f"edgebayes: {message}", file=sys.stderr)
     return code
 

@@ -388,6 +388,36 @@ class Budgets(Section):
 # ssh argv safety: a value starting with '-' would be read as an option (`user: -oProxyCommand=...`).
 SshArgument = Annotated[Optional[str], Check(lambda v: v.strip() and not v.startswith("-"),
                                              lambda v: f"must not be empty or start with '-', got {_show(v)}")]
+# Host and user names as names: ssh puts them into %h / %r of the commands a config runs (Match exec,
+# ProxyCommand) through a shell, so a `;` or `$(` there would be code (OpenSSH 9.6 refuses them too).
+HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*\.?")
+USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}\$?")
+# ProxyJump: [user@]host[:port] hops, comma-separated (an IPv6 address in brackets)
+JUMP_HOP = re.compile(rf"(?:(?P<user>[^@,]+)@)?(?:\[(?P<ip6>[0-9A-Fa-f:.%]+)\]|(?P<host>[^:,]+))(?::(?P<port>\d{{1,5}}))?")
+
+
+def is_host(value: str) -> bool:
+    """A host name (or a Host alias of the ssh config, which has the same shape) or an IP address."""
+    import ipaddress
+
+    try:
+        return bool(ipaddress.ip_address(value))
+    except ValueError:
+        return HOST.fullmatch(value) is not None
+
+
+def _is_jump(value: str) -> bool:
+    hops = [JUMP_HOP.fullmatch(hop) for hop in value.split(",")]
+    return all(m and (m["user"] is None or USER.fullmatch(m["user"])) and is_host(m["ip6"] or m["host"])
+               and (m["port"] is None or 0 < int(m["port"]) < 65536) for m in hops)
+
+
+HostName = Annotated[SshArgument, Check(is_host, lambda v: "expected a host name (letters, digits, '-', '_', "
+                                        f"dots) or an IP address, got {_show(v)}")]
+UserName = Annotated[SshArgument, Check(lambda v: USER.fullmatch(v) is not None, lambda v: "expected a user name "
+                                        f"(letters, digits, '.', '_', '-', '@'), got {_show(v)}")]
+JumpHosts = Annotated[SshArgument, Check(_is_jump, lambda v: "expected [user@]host[:port] hops separated by "
+                                         f"commas, got {_show(v)}")]
 
 
 class Connection(Section):
@@ -401,24 +431,28 @@ class Connection(Section):
     workdir: Optional[str] = Field(None, description=(
         "where bundles go; null: the run folder (local), edgebayes/<device> under the remote home (ssh)"))
     # ssh only; each may also come from ~/.ssh/config (host may be a Host alias there).
-    host: SshArgument = Field(None, description=(
+    host: HostName = Field(None, description=(
         "ssh: host name, address or a Host alias of ~/.ssh/config (required for ssh)"))
-    user: SshArgument = Field(None, description="ssh: login; null: ssh's default or ~/.ssh/config")
+    user: UserName = Field(None, description="ssh: login; null: ssh's default or ~/.ssh/config")
     port: Annotated[Optional[int], Range("expected a port number in 1..65535", gt=0, lt=65536)] = Field(
         None, description="ssh: port; null: 22 or ~/.ssh/config")
     identity_file: Optional[str] = Field(None, description=(
         "ssh -i: the private key; null: ssh's default or ~/.ssh/config"))
-    proxy_jump: SshArgument = Field(None, description="ssh -J: [user@]jumphost[:port][,...]")
+    proxy_jump: JumpHosts = Field(None, description="ssh -J: [user@]jumphost[:port][,...]")
     ssh_config: Optional[str] = Field(None, description="ssh -F: a config file other than ~/.ssh/config")
     options: Annotated[Optional[Items[str]], Check(lambda v: all("=" in o for o in v),
                                                    "expected `Key=value` ssh options")] = Field(None, description=(
-        "extra `ssh -o Key=value` options; ProxyCommand, LocalCommand, PermitLocalCommand and KnownHostsCommand "
-        "(they run a command on this machine) only with trusted: true"))
+        "extra `ssh -o Key=value` options; those that make ssh run code on this machine or open it to the device "
+        "only with trusted: true"))
     connect_timeout_s: PositiveInt = Field(10, description="ssh ConnectTimeout, seconds")
     min_free_mb: AtLeastZero = Field(50.0, description="a deploy needs this much free disk beyond the files it copies")
     trusted: bool = Field(False, description=(
-        "options that make ssh run a local command (ProxyCommand, LocalCommand, ...) need this: a profile is data, "
-        "and using one must not run a command on this machine unless its author is trusted"))
+        "true lets the profile make ssh run code on this machine or open it to the device; set it only in a profile "
+        "you wrote or read. Without it the profile's settings are read as ssh reads them (ssh -G with its options "
+        "and ssh_config file, and each jump host's) and refused where ssh would get ProxyCommand, LocalCommand / "
+        "PermitLocalCommand, KnownHostsCommand, XAuthLocation, PKCS11Provider, SecurityKeyProvider, agent / X11 / "
+        "port forwarding or Tunnel that ssh's defaults and your own ~/.ssh/config do not give that host, or a "
+        "Match exec (found without running it)"))
 
 
 class LatencyModel(Section):
@@ -531,6 +565,10 @@ def _validate(cls, data, path, set_keys=()):
         raise ConfigError(_message(cls, data, first, str(path), set_keys)) from None
 
 
+MAX_YAML_DEPTH = 64
+MAX_CONFIG_BYTES = 4 << 20
+
+
 class _Refused(yaml.YAMLError):
     """YAML that parses but is refused: an alias or a key given twice (the message has the line)."""
 
@@ -548,7 +586,15 @@ class _Yaml12Loader(yaml.SafeLoader):
             event = self.peek_event()
             raise _Refused(f"line {event.start_mark.line + 1}: alias *{event.anchor[:40]}: YAML aliases "
                            f"are not accepted in a config; write the value out")
-        return super().compose_node(parent, index)
+        # Nesting is composed recursively: 100,000 levels were a RecursionError of 3,000 lines.
+        self.depth = getattr(self, "depth", 0) + 1
+        try:
+            if self.depth > MAX_YAML_DEPTH:
+                raise _Refused(f"line {self.peek_event().start_mark.line + 1}: nested more than {MAX_YAML_DEPTH} "
+                               f"levels deep; no config needs that")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -574,9 +620,19 @@ _Yaml12Loader.add_implicit_resolver(
 
 def _load_yaml(path: Path):
     if not path.is_file():
-        raise ConfigError(f"{path}: file not found")
+        raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'}")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MB; not a config")
     try:
-        data = yaml.load(path.read_text(), Loader=_Yaml12Loader)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line}: byte 0x{raw[e.start]:02x} is not UTF-8 text; save the file "
+                          f"as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_Yaml12Loader)
     except _Refused as e:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
@@ -750,11 +806,6 @@ def _profile_path(name: str) -> Path:
     return path
 
 
-# ssh options that make ssh run a command on this machine (ssh_config(5)); PermitLocalCommand enables
-# LocalCommand. Allowed only in a profile marked `connection.trusted: true`.
-LOCAL_COMMAND_OPTIONS = ("proxycommand", "localcommand", "permitlocalcommand", "knownhostscommand")
-
-
 def load_device_profile(name: str) -> DeviceProfile:
     """Load devices/<name>.yaml; `name` may also be a path to a YAML file.
 
@@ -774,11 +825,10 @@ def load_device_profile(name: str) -> DeviceProfile:
     profile = _validate(DeviceProfile, data, path)
     p, c, lm = str(path), profile.connection, profile.latency_model
     _check(c.kind != "ssh" or bool(c.host), f"{p}: connection.host", "required when connection.kind is ssh")
-    for option in c.options or []:
-        key = re.split(r"[\s=]", option.strip(), maxsplit=1)[0].lower()
-        _check(c.trusted or key not in LOCAL_COMMAND_OPTIONS, f"{p}: connection.options",
-               f"{_show(option)} makes ssh run a command on this machine; allowed only with "
-               f"`connection.trusted: true` in a profile you wrote or checked")
+    if c.kind == "ssh":   # what ssh would do with these options, as ssh itself reads them
+        from edgebayes.deploy.transport import judge_ssh_config
+
+        judge_ssh_config(c, p)
     _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
            "a positive number is required when latency_model.kind is flops")
     return profile

@@ -171,7 +171,8 @@ def _path(cfg, folder: bool) -> Path:
         raise DataError(f"data.path: {path}: data.dataset image-folder reads a folder "
                         f"(<path>/<class>/*.png, or <path>/train/<class>/ and <path>/test/<class>/), got a file")
     if not folder and not path.is_file():
-        raise DataError(f"data.path: {path}: data.dataset {cfg.dataset} reads a file, got a folder")
+        got = "a folder" if path.is_dir() else "something else (a FIFO or a device: not a regular file)"
+        raise DataError(f"data.path: {path}: data.dataset {cfg.dataset} reads a file, got {got}")
     return path
 
 
@@ -365,7 +366,7 @@ def _image_folder(cfg):
             try:
                 with Image.open(f) as image:
                     modes[f], sizes[f] = _is_gray(image), image.size
-            except (OSError, UnidentifiedImageError) as e:
+            except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
                 raise DataError(f"{where}: {f}: not a readable image ({e})") from None
     channels = 1 if all(modes.values()) else 3
     if cfg.image_size:
@@ -382,8 +383,11 @@ def _image_folder(cfg):
     for s, pairs in files.items():
         x = np.empty((len(pairs), size[1], size[0]) + ((3,) if channels == 3 else ()), dtype=np.float32)
         for i, (f, _) in enumerate(pairs):
-            with Image.open(f) as image:
-                x[i] = _pixels(image, channels, size)
+            try:   # a file cut after its header decodes only now
+                with Image.open(f) as image:
+                    x[i] = _pixels(image, channels, size)
+            except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
+                raise DataError(f"{where}: {f}: not a readable image ({e})") from None
         x = torch.from_numpy(x)
         x = x.unsqueeze(1) if channels == 1 else x.permute(0, 3, 1, 2).contiguous()
         sets[s] = (x, np.array([label for _, label in pairs], dtype=np.int64))

@@ -61,6 +61,75 @@ def code_version() -> str:
     return f"{edgebayes.__version__}+{digest.hexdigest()[:12]}"
 
 
+# Modules whose imports inside functions are not followed: config.py's lazy imports check settings of
+# other stages' code (the architecture, the data files, ssh), they do not shape what a stage computes.
+LEAF_MODULES = ("config.py",)
+
+
+def _imported(path: Path, package: Path) -> set:
+    """The edgebayes modules a source file imports, at module level or inside functions (a stage imports
+    lazily; LEAF_MODULES: module level only), as files of the package."""
+    import ast
+
+    tree = ast.parse(path.read_bytes(), str(path))
+    nodes = tree.body if path.relative_to(package).as_posix() in LEAF_MODULES else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.level:      # from .x import y (the device runner's)
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+            names = [".".join(filter(None, [node.module, alias.name])) for alias in node.names]
+            found |= {_module_file(package, base.relative_to(package).parts + tuple(n.split("."))) for n in names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("edgebayes"):
+            parts = tuple(node.module.split(".")[1:])
+            found |= {_module_file(package, parts + (alias.name,)) or _module_file(package, parts)
+                      for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {_module_file(package, tuple(a.name.split(".")[1:])) for a in node.names
+                      if a.name.startswith("edgebayes.")}
+    return found - {None}
+
+
+def _module_file(package: Path, parts: tuple):
+    """The file of module `parts` under the package (a module, or a package's __init__), or None."""
+    if not parts:
+        return package / "__init__.py"
+    base = package.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def code_hash(*roots: str) -> str:
+    """A hash of the code reached from `roots` (files or folders of the package, e.g. "train/families.py",
+    "deploy/templates"): those files and every edgebayes module they import, transitively. A stage's
+    fingerprint takes the hash of the code it runs (stages.STAGE_CODE), so editing the report's code
+    re-runs the report, not training, and an upgrade that leaves training's code as it was keeps hours
+    of training (issue 36)."""
+    import edgebayes
+
+    package = Path(edgebayes.__file__).resolve().parent
+    todo = [package / r for r in roots]
+    files = set()
+    while todo:
+        path = todo.pop()
+        if path in files:
+            continue
+        if path.is_dir():
+            todo.extend(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+            continue
+        files.add(path)
+        if path.suffix == ".py":
+            todo.extend(_imported(path, package) - files)
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def stat_fingerprint(path: Path, suffixes=None) -> str:
     """A hash of what a file, or a folder's files (those ending in `suffixes`, if given), hold now: each
     relative path, size and modification time (stat only, no reading). Size and mtime change with any

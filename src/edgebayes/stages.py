@@ -4,8 +4,8 @@ Each stage reads the previous stage's artifacts from disk and writes its own und
 stage can be re-run alone. A stage is skipped when its marker, `stage.json`, still tells the truth:
 
 - the fingerprint matches: the hash of the config sections it depends on, the fingerprints of the stages
-  it reads and the code's version (provenance.code_version), so a changed config, device or code re-runs
-  exactly what depends on it;
+  it reads and the code it runs (stage_code: its modules and theirs), so a changed config, device or code
+  re-runs exactly what depends on it (editing the report's code does not retrain);
 - every output it recorded still has the recorded sha256 (an altered checkpoint or bundle re-runs the
   stage, and an altered output is removed first: it is not resumed from);
 - every upstream file it read (Context.require, which also checks that file against the upstream
@@ -26,6 +26,7 @@ Selection depends on the device, so its folder is per device (DESIGN.md puts it 
 
 import fcntl
 import os
+import re
 import shutil
 import sys
 from contextlib import contextmanager
@@ -40,11 +41,38 @@ from edgebayes.data import data_fingerprint, load_data
 from edgebayes.errors import StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
-from edgebayes.provenance import (code_version, load_checkpoint, provenance, read_json,
+from edgebayes.provenance import (code_hash, code_version, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
 from edgebayes.train.accel import set_threads
 from edgebayes.train.distributed import is_main_process
+
+# The code each stage runs, as the roots of provenance.code_hash (every edgebayes module they import
+# counts too), and its own functions here: a stage's fingerprint covers its code, so editing the report's
+# code re-runs the report, not training, and an upgrade keeps the training its code would redo unchanged.
+STAGE_CODE = {
+    "train": ("train/families.py", "train/trainer.py", "train/sqs.py", "train/distributed.py", "data.py"),
+    "select": ("deploy/selection.py",),
+    "export": ("export/bundle.py", "export/formats.py", "export/onnx_export.py", "compressed/samples.py",
+               "compressed/structure.py", "train/families.py"),
+    "deploy": ("deploy/transport.py", "deploy/results.py", "ondevice/cli.py"),
+    "report": ("deploy/report.py", "deploy/templates", "deploy/results.py"),
+}
+STAGE_FUNCTIONS = {"train": ("run_train", "splits_for", "load_trained_model"),
+                   "select": ("run_select", "splits_for", "load_trained_model"),
+                   "export": ("run_export", "splits_for", "load_trained_model"),
+                   "deploy": ("run_deploy", "_deploy_on", "runner_args"),
+                   "report": ("run_report", "_report_inputs")}
+
+
+def stage_code(stage):
+    """A hash of the code `stage` runs (STAGE_CODE, STAGE_FUNCTIONS)."""
+    import hashlib
+    import inspect
+
+    own = "".join(inspect.getsource(globals()[name]) for name in STAGE_FUNCTIONS[stage])
+    return code_hash(*STAGE_CODE[stage]) + hashlib.sha256(own.encode()).hexdigest()[:12]
+
 
 MARKER = "stage.json"
 DEVICE_STANDIN = "device"   # a local device's disk inside select/ and deploy/ (transport_for): not an output
@@ -54,17 +82,34 @@ def _digest(path):
     return sha256_file(path) if path.is_file() else None
 
 
-def _files(folder):
-    """{path relative to folder: sha256} of a stage's outputs: every file but the marker, the device
-    stand-in and dot-named temporaries."""
-    found = {}
+# The temporaries edgebayes writes beside their destination (tempfile's 8 random characters: atomic_path's
+# `.NAME.XXXXXXXX.tmp`, export's `.artifacts.XXXXXXXX`, the bundle's `.bundle.XXXXXXXX`): an interrupted
+# run's are removed; any other dot-named file is the user's and stays.
+TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}(\.tmp)?")
+
+
+def _candidate_files(folder):
+    """The files of a stage folder that may be outputs: all but the marker, the device stand-in and
+    dot-named ones."""
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder)
         if rel.parts[0] in (MARKER, DEVICE_STANDIN) or any(p.startswith(".") for p in rel.parts):
             continue
         if path.is_file():
-            found[rel.as_posix()] = sha256_file(path)
-    return found
+            yield rel.as_posix(), path
+
+
+def _stat(path):
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _files(folder, before=None, recorded=()):
+    """{path relative to folder: sha256} of a stage's outputs: every candidate file (`_candidate_files`),
+    or with `before` (what the folder held before the stage ran) only those the stage wrote or that its
+    last marker recorded: a file the user put there is never recorded, so never removed as an output."""
+    return {rel: sha256_file(path) for rel, path in _candidate_files(folder)
+            if before is None or rel in recorded or before.get(rel) != _stat(path)}
 
 
 @dataclass
@@ -80,6 +125,10 @@ class Context:
     program: str = "edgebayes"           # the command the user ran (.venv/bin/edgebayes): hints repeat it
     # upstream files the running stage read (require): {path under run_dir: sha256}, written to its marker
     reads: dict = field(default_factory=dict, repr=False)
+    # what the running stage's folder held before it ran: {path: (inode, mtime, size)}, and the outputs its
+    # last marker recorded; mark_done records as outputs only those and what the stage wrote (owned)
+    found_before: dict = field(default=None, repr=False)
+    recorded_before: set = field(default_factory=set, repr=False)
 
     @property
     def run_dir(self):
@@ -108,14 +157,15 @@ class Context:
             contents = [h] if (h := data_fingerprint(c.data)) is not None else []
             if c.model.pretrained:
                 contents.append(["pretrained", stat_fingerprint(Path(c.model.pretrained))])
-            return fingerprint("train", code_version(), c.seed, c.data, c.model, c.prior, c.train, *own, *contents)
+            return fingerprint("train", stage_code("train"), c.seed, c.data, c.model, c.prior, c.train, *own,
+                               *contents)
         if stage == "select":
-            return fingerprint("select", self.fingerprint("train"), c.select, c.export, p)
+            return fingerprint("select", stage_code("select"), self.fingerprint("train"), c.select, c.export, p)
         if stage == "export":
-            return fingerprint("export", self.fingerprint("select"), c.export)
+            return fingerprint("export", stage_code("export"), self.fingerprint("select"), c.export)
         if stage == "deploy":
-            return fingerprint("deploy", self.fingerprint("export"), c.benchmark, p)
-        return fingerprint("report", self.fingerprint("deploy"))
+            return fingerprint("deploy", stage_code("deploy"), self.fingerprint("export"), c.benchmark, p)
+        return fingerprint("report", stage_code("report"), self.fingerprint("deploy"))
 
     def _marker(self, stage):
         """The stage's marker, or None when it is absent or unreadable (an interrupted write cannot leave
@@ -153,7 +203,7 @@ class Context:
         that differ from what the marker recorded (never resume from an altered checkpoint) and the
         dot-named temporaries an interrupted run left behind (the run lock makes them nobody's)."""
         folder = self.stage_dir(stage)
-        self.reads = {}
+        self.reads, self.found_before, self.recorded_before = {}, {}, set()
         if not folder.is_dir():
             return
         done = self._marker(stage)
@@ -163,13 +213,17 @@ class Context:
                 path.unlink()
         (folder / MARKER).unlink(missing_ok=True)
         for entry in folder.glob(".*"):
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            if TEMPORARY.fullmatch(entry.name):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        self.found_before = {rel: _stat(path) for rel, path in _candidate_files(folder)}
+        self.recorded_before = set(done["outputs"]) if done else set()
 
     def mark_done(self, stage):
         """Written last: the fingerprint, the code version, the hash of every output and every input read."""
         write_json(self.stage_dir(stage) / MARKER, {
             "stage": stage, "fingerprint": self.fingerprint(stage), "code_version": code_version(),
-            "outputs": _files(self.stage_dir(stage)), "inputs": dict(sorted(self.reads.items()))})
+            "outputs": _files(self.stage_dir(stage), self.found_before, self.recorded_before),
+            "inputs": dict(sorted(self.reads.items()))})
 
     def provenance(self, stage):
         return provenance(self.fingerprint(stage))
@@ -371,16 +425,19 @@ def run_select(ctx):
     out = ctx.stage_dir("select")
     transport = transport_for(ctx.profile, out / "device")
     calib_x = splits.train_x[: ctx.cfg.export.calibration_size]
-    candidates, measured_on = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y, calib_x,
-                                               transport, ctx.runs_dir, log=ctx.log)
+    candidates, measured_on, evidence = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y,
+                                                         calib_x, transport, ctx.runs_dir, log=ctx.log)
     s = ctx.cfg.select
     common = {"device": ctx.profile.name, "budgets": as_dict(ctx.profile.budgets), "objective": s.objective,
               "max_ece": s.max_ece, "latency_measured_on": measured_on, "provenance": ctx.provenance("select")}
+    choice = choose(candidates, s.objective, ctx.profile.budgets, s.max_ece, evidence, ctx.cfg.seed)
     write_json(out / "candidates.json", {**common, "candidates": candidates,
                                          "pareto": [c["id"] for c in candidates if c["pareto"]]})
-    choice = choose(candidates, s.objective, ctx.profile.budgets, s.max_ece)
     write_json(out / "choice.json", {**common, **choice})
     c = choice["candidate"]
+    if not choice["fits"]:
+        ctx.log(f"select: {choice['reason']}")
+        return
     predicted = c["cost"]["predicted_latency_ms"]
     from edgebayes.deploy.report import fmt_ms
     from edgebayes.deploy.summary import latency_basis
@@ -487,9 +544,11 @@ def run_deploy(ctx):
     before anything is copied; on any failure the local artifacts stay and the stage is not marked done,
     so `edgebayes deploy` simply runs again.
     """
-    from edgebayes.deploy.report import fmt_ms
-    from edgebayes.deploy.transport import runner_failure, transport_for
+    from edgebayes.deploy.transport import transport_for
 
+    if no_fit(ctx):
+        raise StageError(f"no operating point fits the budgets of {ctx.profile.name}: nothing to deploy; "
+                         f"`{ctx.command('report')}` reports every candidate against them")
     bundle = ctx.require("export", "bundle") / "bundle"
     manifest = read_json(bundle / "manifest.json")
     if manifest.get("runner") != RUNNER_FILE:
@@ -497,7 +556,24 @@ def run_deploy(ctx):
                          f"run `edgebayes export --force`, then `edgebayes deploy`")
     out = ctx.stage_dir("deploy")
     r = ctx.profile
-    transport = transport_for(r, out / "device")
+    # A folder of the device's own for this run and bundle (removed after): two runs deploying to one
+    # device at once never run or fetch each other's bundle or results; TensorRT's engines stay shared.
+    tag = f"{ctx.cfg.name}-{manifest['files'][manifest['model_file']]['sha256'][:12]}"
+    with transport_for(r, out / "device").own_folder(tag) as transport:
+        results_by_artifact, skipped = _deploy_on(ctx, transport, bundle, manifest, out)
+    write_json(out / "artifacts.json", {
+        **{name: {k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
+                                          "peak_rss_mb", "memory", "cold_start")} for name, res in results_by_artifact.items()},
+        **{name: {"skipped": why} for name, why in skipped.items()}})
+
+
+def _deploy_on(ctx, transport, bundle, manifest, out):
+    """run_deploy in the run's own folder of the device: copy, run each artifact, fetch and check results."""
+    from edgebayes.deploy.report import fmt_ms
+    from edgebayes.deploy.results import ResultsError, check_results
+    from edgebayes.deploy.transport import runner_failure
+
+    r = ctx.profile
     size = sum(f.stat().st_size for f in bundle.iterdir())
     transport.preflight(r.runtime.name, size, r.connection.min_free_mb)
     transport.put(bundle, "bundle")
@@ -516,24 +592,26 @@ def run_deploy(ctx):
         result_file = "results.json" if primary else f"results-{name}.json"
         code, err = transport.run(runner_args(ctx, out=result_file, runtime=runtime,
                                               artifact=name if "artifacts" in manifest else None,
-                                              progress=sys.stderr.isatty()))
+                                              progress=sys.stderr.isatty(),   # engines: the work folder's
+                                              engine_cache="../../trt-engines" if runtime == "tensorrt" else None))
         if code != 0:
             # Exit code 2 is the runner's "invalid bundle": deploying again would copy the same bundle.
             again = "`edgebayes export --force`, then `edgebayes deploy`" if code == 2 else "`edgebayes deploy`"
             raise StageError(transport.disk_full(err) or runner_failure(
                 r.name, code, err, f" (artifact {name}); local artifacts are kept, re-run {again}"))
         transport.get(result_file, out / result_file)
-        res = read_json(out / result_file)
+        try:   # of this bundle's artifact on this device: a shared work folder must not swap results
+            res = check_results(out / result_file, manifest, bundle, r, name if "artifacts" in manifest else None)
+        except ResultsError as e:
+            (out / result_file).unlink(missing_ok=True)
+            raise StageError(f"device {r.name} returned results that are not this run's: {e}") from None
         results_by_artifact[name] = res
         lat, ms = res["latency_ms"], lambda v: fmt_ms(v, ascii_only=True)
         ctx.log(f"deploy: {name} on {r.name} ({transport.where()}): accuracy {res['metrics']['accuracy']:.4f}, "
                 f"ECE {res['metrics']['ece']:.4f}, max |p - p_ref| {res['max_abs_prob_diff']:.2e}; latency p50 "
                 f"{ms(lat['p50'])} / p90 {ms(lat['p90'])} / p99 {ms(lat['p99'])} / max {ms(lat['max'])} over all "
                 f"{res['runs']} runs")
-    write_json(out / "artifacts.json", {
-        **{name: {k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
-                                          "peak_rss_mb", "memory", "cold_start")} for name, res in results_by_artifact.items()},
-        **{name: {"skipped": why} for name, why in skipped.items()}})
+    return results_by_artifact, skipped
 
 
 def _report_inputs(ctx, results):
@@ -544,7 +622,7 @@ def _report_inputs(ctx, results):
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     export = read_json(ctx.require("export", "export.json") / "export.json")
     artifact_results = ctx.stage_dir("deploy") / "artifacts.json"
-    if artifact_results.is_file():
+    if results is not None and artifact_results.is_file():   # a report of predictions reads no deploy file
         ctx.require("deploy", "artifacts.json")
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
     # default knob value; the training metrics stay as they are.
@@ -562,13 +640,25 @@ def _report_inputs(ctx, results):
     }
 
 
+def no_fit(ctx):
+    """Selection found no operating point within the budgets (its choice is the closest, `fits` false)."""
+    return read_json(ctx.require("select", "choice.json") / "choice.json").get("fits") is False
+
+
 def run_report(ctx):
     from edgebayes.deploy.report import fmt_ms, write_report
 
+    if no_fit(ctx):
+        return write_predicted_report(ctx, "no operating point fits the device budgets", no_fit=True)
     if not (ctx.stage_dir("deploy") / "results.json").is_file():
         raise StageError(f"{ctx.stage_dir('deploy') / 'results.json'} is missing: run `{ctx.command('deploy')}`; "
                          f"for a device this machine cannot reach: {finish_hint(ctx)}")
-    inputs = _report_inputs(ctx, read_json(ctx.require("deploy", "results.json") / "results.json"))
+    from edgebayes.deploy.results import check_results
+
+    bundle = ctx.require("export", "bundle/manifest.json") / "bundle"   # results of this bundle, this device
+    results = check_results(ctx.require("deploy", "results.json") / "results.json",
+                            read_json(bundle / "manifest.json"), bundle, ctx.profile)
+    inputs = _report_inputs(ctx, results)
     report = write_report(inputs, ctx.stage_dir("report"))
     lat = report["summary"]["latency_prediction"]
     if lat["error"] is not None:
@@ -615,6 +705,9 @@ def run_pipeline(ctx, stages=STAGES):
 
     try:
         for stage in stages:
+            if stage == "deploy" and no_fit(ctx):   # a budget verdict: nothing to deploy, every candidate reported
+                run_stage(ctx, "report") if "report" in stages else None
+                return
             try:
                 run_stage(ctx, stage)
             except DeviceUnavailable as e:
@@ -697,7 +790,7 @@ def _results_here(ctx, bundle, manifest):
     return {**{k: res.get(k) for k in keep}, "measured_on": "this machine", "runtime_used": runtime}, None
 
 
-def write_predicted_report(ctx, error):
+def write_predicted_report(ctx, error, no_fit=False):
     """deploy found the device unavailable: write the report from what exists, marked predicted.
 
     Selection's figures (latency by the device's latency model, memory estimate) and the exported file's
@@ -708,48 +801,47 @@ def write_predicted_report(ctx, error):
     """
     from edgebayes.deploy.report import write_report
 
-    ctx.begin("report")   # no marker: the next `pipeline` deploys and reports when the device is back
+    if not no_fit:
+        ctx.begin("report")   # no marker: the next `pipeline` deploys and reports when the device is back
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
     ctx.log(f"deploy: {error}")
-    ctx.log(f"report: {ctx.profile.name} is not available: writing a report of predictions (selection's latency "
-            f"and memory, the bundle's accuracy on this machine)")
+    ctx.log(f"report: {'no operating point fits: a report of every candidate against the budgets, the closest' if no_fit else ctx.profile.name + ' is not available: writing a report of predictions'} "
+            f"(selection's latency and memory, the bundle's accuracy on this machine)")
     here, why_not = _results_here(ctx, bundle, read_json(bundle / "manifest.json"))
     inputs = _report_inputs(ctx, None)
-    inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not,
-                           "finish": finish_steps(ctx)}
+    inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not, "no_fit": no_fit,
+                           "finish": [] if no_fit else finish_steps(ctx)}
     report = write_report(inputs, ctx.stage_dir("report"))
-    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted; the summary lists the steps that "
-            f"finish it on the device)")
+    ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted" + ("; no operating point fits)" if no_fit
+            else "; the summary lists the steps that finish it on the device)"))
     return report
 
 
 def import_results(ctx, path):
     """`edgebayes report --results FILE`: the results.json of the runner run by hand on the device become
-    this run's deploy results (checked to be of this run's bundle), and the report is written from them
-    as after a deploy. InputError (exit 2) when the file is not results of this bundle."""
-    from edgebayes.errors import InputError
+    this run's deploy results, and the report is written from them as after a deploy. The file is checked
+    before anything changes (deploy/results.py: a regular file of a few MB, the runner's strict schema, the
+    model, artifact, format, precision, runtime and device of this run's choice for this profile):
+    ResultsError (exit 2) otherwise, with every marker and report as they were."""
+    from edgebayes.deploy.results import check_results, identity
 
-    ctx.begin("deploy")
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
     manifest = read_json(bundle / "manifest.json")
-    try:
-        res = read_json(path)
-        sha = res["bundle"]["model_sha256"]
-        res["metrics"]["accuracy"], res["latency_ms"]["p50"]   # noqa: B018 (the keys the report needs)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{path}: not a runner results file ({type(e).__name__}: {e})") from None
-    expected = manifest["files"][manifest["model_file"]]["sha256"]
-    if sha != expected:
-        raise InputError(f"{path}: results of model {sha[:12]}..., but this run's bundle for {ctx.profile.name} "
-                         f"holds {expected[:12]}... ({manifest['model_file']}): results of another bundle; "
-                         f"run the bundle of {bundle} there")
+    choice = read_json(ctx.require("select", "choice.json") / "choice.json")
+    res = check_results(path, manifest, bundle, ctx.profile)
+    identity(res, {"bundle.artifact": choice["format"], "bundle.precision": choice["precision"],
+                   "bundle.mc_samples": choice["mc_samples"],
+                   "runtime.name": choice["candidate"]["runtime"]},
+             path, ctx.profile.name)
+    ctx.begin("deploy")
+    ctx.require("export", "bundle/manifest.json")
     out = ctx.stage_dir("deploy")
     write_json(out / "results.json", res)
-    write_json(out / "artifacts.json", {res["bundle"].get("artifact") or manifest["format"]: {
+    write_json(out / "artifacts.json", {res["bundle"]["artifact"]: {
         k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
                                 "peak_rss_mb", "memory", "cold_start")}})
     ctx.mark_done("deploy")
-    ctx.log(f"deploy: results of {res['bundle'].get('artifact')} on {res.get('device', {}).get('hostname', '?')} "
+    ctx.log(f"deploy: results of {res['bundle']['artifact']} on {res['device'].get('hostname', '?')} "
             f"imported from {path}")
     ctx.begin("report")
     run_report(ctx)

@@ -265,17 +265,24 @@ def measure_models(transport, profile, models, example, bench, log=print):
         write_runner(folder / RUNNER_FILE)
         size = sum(f.stat().st_size for f in folder.iterdir())
         transport.preflight(profile.runtime.name, size, profile.connection.min_free_mb)
-        transport.put(folder, "timing")
-        log(f"timing {len(models)} models on {profile.name} ({transport.where()})")
-        code, err = transport.run(command_line(f"timing/{RUNNER_FILE}", "timing/results.json",
-                                               time_models="timing/spec.json", **bench,
-                                               batch_size=profile.budgets.batch_size,
-                                               threads=profile.runtime.threads, tags={"device": profile.name}))
-        if code != 0:
-            raise TransportError(transport.disk_full(err) or runner_failure(profile.name, code, err))
-        transport.get("timing/results.json", folder / "results.json")
+        # A timing folder of this call's own on the device (removed after): two runs timing there at once
+        # never read each other's spec or results; the runner's timing lock makes the second one wait.
+        with transport.own_folder(f"timing-{profile.name}") as device:
+            device.put(folder, "timing")
+            log(f"timing {len(models)} models on {profile.name} ({device.where()})")
+            code, err = device.run(command_line(f"timing/{RUNNER_FILE}", "timing/results.json",
+                                                time_models="timing/spec.json", **bench,
+                                                batch_size=profile.budgets.batch_size,
+                                                threads=profile.runtime.threads, tags={"device": profile.name}))
+            if code != 0:
+                raise TransportError(device.disk_full(err) or runner_failure(profile.name, code, err))
+            device.get("timing/results.json", folder / "results.json")
         results = read_json(folder / "results.json")
-    timed = {m["id"]: m for m in results["models"]}
+    timed = {m["id"]: m for m in results.get("models") or []}
+    missing = [ident for ident, _, _ in models if ident not in timed]
+    if missing:
+        raise TransportError(f"device {profile.name}: the timing results lack {', '.join(missing[:3])}"
+                             f"{' ...' if len(missing) > 3 else ''}: not the models sent; run again")
     timed[None] = {"runtime": results["runtime"], "device": results["device"], "protocol": results["protocol"],
                    "memory": results.get("memory"), "latency_statistic": "all samples"}
     return timed

@@ -156,39 +156,95 @@ def running(directory, port=None):
     return LocalSSHD(directory, old_port, pid) if _alive(pid) and port in (None, old_port) else None
 
 
+def _flock(path, mode):
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, mode)
+    return fd
+
+
 def ensure(connection):
     """Start the throwaway sshd of a `local_sshd` profile unless it runs: in the folder of its
-    identity_file (the client key is made there), on its port. One started here is stopped by
-    stop_started (at the latest when this process exits). Raises SSHDUnavailable."""
+    identity_file (the client key is made there), on its port. Commands running at once share one sshd:
+    the start is serialized (an flock on `start.lock`), each command holds a shared lock on `users.lock`
+    while it may use the sshd, and the last one to leave stops an sshd that `ensure` started (one that
+    `make sshd-localhost` started runs until `make sshd-localhost-stop`). Raises SSHDUnavailable."""
+    import fcntl
+
     if not connection.identity_file:
         raise SSHDUnavailable("connection.local_sshd needs connection.identity_file: the sshd's folder is its folder")
     directory = Path(expand_repo(connection.identity_file)).expanduser().resolve().parent
-    if running(directory, connection.port) is not None:
+    directory.mkdir(parents=True, exist_ok=True)
+    if any(d == directory for d, _ in _started):
         return None
-    server = start(directory, connection.port)
+    start_lock = _flock(directory / "start.lock", fcntl.LOCK_EX)
+    try:
+        server = None
+        if running(directory, connection.port) is None:
+            server = start(directory, connection.port)
+            (directory / "started-by-command").touch()
+        user = _flock(directory / "users.lock", fcntl.LOCK_SH)
+    finally:
+        os.close(start_lock)
     if not _started:
         atexit.register(stop_started)
-    _started.append(server.dir)
+    _started.append((directory, user))
     return server
 
 
 def stop_started():
-    """Stop every sshd that `ensure` started in this process."""
+    """Leave every sshd that `ensure` found or started in this process; stop it if this process is its last
+    user and a command (not `make sshd-localhost`) started it."""
+    import fcntl
+
     while _started:
-        stop(_started.pop())
+        directory, user = _started.pop()
+        os.close(user)
+        start_lock = _flock(directory / "start.lock", fcntl.LOCK_EX)
+        try:
+            last = _flock(directory / "users.lock", fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            last = None          # another command still uses it: the last one stops it
+        try:
+            if last is not None and (directory / "started-by-command").exists():
+                stop(directory)
+        finally:
+            for fd in (last, start_lock):
+                if fd is not None:
+                    os.close(fd)
+
+
+def _sshd_pids(directory):
+    """The pids of every sshd running with this folder's config, PidFile or not (a start that raced
+    another could lose its PidFile): read from /proc, where there is one."""
+    config = b"-f " + str(Path(directory).resolve() / "sshd_config").encode() + b" "
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:   # sshd rewrites its title as one string: "sshd: /usr/sbin/sshd -f CONFIG -E LOG [listener] ..."
+            text = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if text.startswith(b"sshd") or b"/sshd " in text.split(b" -f ")[0] + b" ":
+            if config in text:
+                pids.append(int(entry.name))
+    return pids
 
 
 def stop(directory=None):
-    """Stop the sshd started from `directory` (by the pid in its own PidFile)."""
-    pidfile = Path(directory or default_dir()) / "sshd.pid"
-    pid = _pid(pidfile)
-    if pid is not None:
+    """Stop the sshd started from `directory`: the pid in its PidFile, and any other sshd running with
+    its config (a stale one)."""
+    directory = Path(directory or default_dir())
+    pidfile = directory / "sshd.pid"
+    pids = {p for p in [_pid(pidfile), *_sshd_pids(directory)] if p is not None}
+    for pid in pids:
         if _alive(pid):
             os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 5.0   # gone before we return: the port is free again
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        pidfile.unlink(missing_ok=True)
+    deadline = time.monotonic() + 5.0   # gone before we return: the port is free again
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pidfile.unlink(missing_ok=True)
+    (directory / "started-by-command").unlink(missing_ok=True)
 
 
 def main(argv=None):
@@ -205,6 +261,7 @@ def main(argv=None):
     except SSHDUnavailable as e:
         print(f"localsshd: {e}", file=sys.stderr)
         return 1
+    (server.dir / "started-by-command").unlink(missing_ok=True)   # started by hand: runs until `stop`
     print(f"localsshd: sshd (pid {server.pid}) on 127.0.0.1:{server.port}, keys in {server.dir}")
     return 0
 

@@ -14,17 +14,24 @@ PyTorch fp32 graph, and the candidate says so) and costed:
     runtime's baseline and one-off set-up as the runner measured them on the device (at selection, or in
     its latency table) it also gives the whole deployed process's estimate.
 Constraints: the device budgets (latency, memory, model size, allowed M) and, for the
-ece-constrained-accuracy objective, select.max_ece. The best-scoring candidate that meets them wins (accuracy: ties broken by NLL,
-then latency; nll: lowest NLL, then latency); among candidates with the same validation figures and a latency
-within SAME_LATENCY of the winner's, the smallest file. The Pareto front (accuracy up, latency and size down) is
-marked on every candidate. The memory measured after deployment is set against the estimate in the
-report. If nothing fits, the error lists the closest candidates and what each exceeds.
+ece-constrained-accuracy objective, select.max_ece. Among the candidates that meet them, the best by the
+objective (accuracy: ties broken by NLL, then latency; nll: lowest NLL, then latency) is only the reference:
+selection decides on what the validation split can tell apart. Every fitting candidate whose accuracy, NLL
+and ECE are not worse than the best's beyond their noise (`tied_with`: worse only where a paired bootstrap
+over the validation images tells them apart at 95% and by more than the best's own figure is uncertain) is
+tied with it, and the cheapest tied candidate wins: fewest MC samples, then the
+lowest latency (within SAME_LATENCY, the measurement's own noise), then the smallest file. (An NLL lower in
+its 10th digit or by 3e-5 on 5,000 images must not ship a 24x bigger file or twice the samples.) The choice
+lists the tied candidates. The Pareto front (accuracy up, latency and size down) is marked on every candidate. The memory measured after deployment is set against the estimate in the
+report. If nothing fits, the closest candidate is the choice, marked `fits: false`: the pipeline exports it,
+deploys nothing and ends with a report of every candidate against the budgets and exit code 3.
 """
 
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -36,6 +43,7 @@ from edgebayes.deploy.memory import deployed_estimate, memory_estimate
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError
 from edgebayes.ondevice.backends import RuntimeProblem
+from edgebayes.ondevice.metrics import per_example
 from edgebayes.ondevice.runtimes import make_backend, predict_all
 from edgebayes.train.metrics import classification_metrics
 
@@ -43,6 +51,9 @@ from edgebayes.train.metrics import classification_metrics
 # Latencies closer than this (relative) do not tell two candidates apart: a round-to-round spread of a few
 # per cent is usual on a shared CPU (the report shows each run's own spread).
 SAME_LATENCY = 0.05
+# The paired bootstrap that decides which validation differences are noise: resamples and the level of
+# the interval of (candidate - best) that must exclude 0 for a candidate to be worse.
+BOOTSTRAP_RESAMPLES, TIE_LEVEL = 1000, 0.95
 
 
 class SelectionError(StageError):
@@ -160,7 +171,8 @@ def _measure_uncovered(uncovered, measured, measured_on, predictor, profile, tra
 
 
 def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs_dir, log=print):
-    """Every (knob value, M, format) candidate with its validation metrics and device cost.
+    """Every (knob value, M, format) candidate with its validation metrics and device cost, the facts the
+    runner measured on (or None) and each candidate's per-example terms on val (`per_example`, for `choose`).
 
     calib_x: training inputs that calibrate the int8 formats (as export calibrates the deployed one)."""
     from edgebayes.export.formats import export_artifact
@@ -171,7 +183,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     batch = val_x[torch.arange(b.batch_size) % len(val_x)]
     grid = [(k, m) for k in model.operating_points(cfg.select.knob_values) for m in sorted(cfg.select.mc_samples)]
     layout = cfg.export.layout
-    candidates, models = [], []
+    candidates, models, evidence = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
         progress = tqdm(total=len(grid) * len(fmts), desc="select", unit="candidate",
                         disable=not sys.stderr.isatty())   # a bar only on a terminal; select logs its result
@@ -195,6 +207,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
                     raise SelectionError(f"device {profile.name}: cannot export format {fmt.name} here: {e}") from None
                 probs, scored_as = _val_probs(fmt, path, mc_model, val_x)
+                evidence[ident] = per_example(probs, val_y.numpy())
                 candidates.append({
                     "id": ident, "knob": model.knob, "knob_value": knob_value, "mc_samples": m,
                     "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime, "layout": layout,
@@ -255,7 +268,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
         c["violations"] = violations(c, b, cfg.select.max_ece)
         c["fits"] = not c["violations"]
     mark_pareto(candidates)
-    return candidates, measured_on
+    return candidates, measured_on, evidence
 
 
 def _dominates(a, b):
@@ -275,8 +288,10 @@ def mark_pareto(candidates):
             for o in candidates)
 
 
-def choose(candidates, objective, budgets, max_ece=None):
-    """The best fitting candidate, with the reason; SelectionError listing the closest ones if none fits."""
+def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
+    """The cheapest fitting candidate tied with the best (module docstring, `tied_with`), with the reason;
+    if none fits, the closest one with `fits` false and the reason listing the closest ones. Marks
+    `tied_with_best` on every candidate."""
     fitting = [c for c in candidates if c["fits"]]
     if not fitting:
         def excess(c):
@@ -288,27 +303,97 @@ def choose(candidates, objective, budgets, max_ece=None):
             if budgets.memory_mb is not None and cost.get("memory_estimate_mb") is not None:
                 total += max(0.0, cost["memory_estimate_mb"] / budgets.memory_mb - 1)
             return total
-        closest = sorted(candidates, key=excess)[:3]
+        # A budget verdict, not a failure: the closest candidate stands as the choice, marked as not
+        # fitting, so the pipeline reports every candidate against the budgets and exits 3.
+        closest = sorted(candidates, key=excess)
         lines = [f"  {c['knob']} {c['knob_value']}, M={c['mc_samples']}, {c['precision']}: " + "; ".join(c["violations"])
-                 for c in closest]
-        raise SelectionError("no operating point fits the device budgets; closest candidates:\n" + "\n".join(lines))
+                 for c in closest[:3]]
+        for c in candidates:
+            c["tied_with_best"] = False
+        best = closest[0]
+        return {"knob": best["knob"], "knob_value": best["knob_value"], "mc_samples": best["mc_samples"],
+                "format": best["format"], "precision": best["precision"], "candidate": best, "fits": False,
+                "reason": "no operating point fits the device budgets; closest candidates:\n" + "\n".join(lines),
+                "best_by_objective": None, "tied": []}
     if objective in ("accuracy", "ece-constrained-accuracy"):
         key = lambda c: (-c["val"]["accuracy"], c["val"]["nll"], c["cost"]["latency_ms"])  # noqa: E731
         why = "highest validation accuracy" + (f" with val ECE <= {max_ece}" if max_ece is not None else "")
-        why += "; ties broken by NLL, then latency"
     else:
         key = lambda c: (c["val"]["nll"], c["cost"]["latency_ms"])  # noqa: E731
-        why = "lowest validation NLL; ties broken by latency"
+        why = "lowest validation NLL"
     best = min(fitting, key=key)
-    # The same predictions in a smaller file (SQS's onnx-codebook beside the fp32 ONNX of the same sample):
-    # a latency difference inside the measurement's noise must not ship the bigger file.
-    same = [c for c in fitting if c["val"] == best["val"]
-            and c["cost"]["latency_ms"] <= (1 + SAME_LATENCY) * best["cost"]["latency_ms"]]
-    smallest = min(same, key=lambda c: c["cost"]["model_mb"])
-    if smallest["cost"]["model_mb"] < best["cost"]["model_mb"]:
-        best = smallest
-        why += (f", then the smaller file among the same predictions within {SAME_LATENCY:.0%} of the fastest's "
-                "latency")
-    reason = f"{why}, among {len(fitting)} of {len(candidates)} candidates within the budgets"
-    return {"knob": best["knob"], "knob_value": best["knob_value"], "mc_samples": best["mc_samples"],
-            "format": best["format"], "precision": best["precision"], "reason": reason, "candidate": best}
+    tied = tied_with(best, fitting, evidence, seed)
+    for c in candidates:
+        c["tied_with_best"] = c["id"] in tied
+    # The cheapest of the tied: fewest MC samples, then the lowest latency (within the measurement's
+    # noise), then the smallest file.
+    fewest = [c for c in tied.values() if c["mc_samples"] == min(t["mc_samples"] for t in tied.values())]
+    fastest = min(c["cost"]["latency_ms"] for c in fewest)
+    chosen = min((c for c in fewest if c["cost"]["latency_ms"] <= (1 + SAME_LATENCY) * fastest),
+                 key=lambda c: (c["cost"]["model_mb"], c["cost"]["latency_ms"]))
+    n = best["val"].get("n")
+    if len(tied) == 1:
+        reason = f"{why}; no other candidate within the validation split's noise of it"
+    else:
+        names = ", ".join(t for t in tied if t != chosen["id"])
+        how = f"paired bootstrap over {n} images, {TIE_LEVEL:.0%}" if evidence else "identical figures"
+        reason = (f"the best by {why} is {best['id']}; {len(tied)} candidates are within the validation split's "
+                  f"noise of it ({how}) and the cheapest wins: fewest MC samples, then latency (within "
+                  f"{SAME_LATENCY:.0%}), then the smaller file; tied with the chosen: {names}")
+    reason += f"; among {len(fitting)} of {len(candidates)} candidates within the budgets"
+    return {"knob": chosen["knob"], "knob_value": chosen["knob_value"], "mc_samples": chosen["mc_samples"],
+            "format": chosen["format"], "precision": chosen["precision"], "reason": reason, "candidate": chosen,
+            "fits": True, "best_by_objective": best["id"], "tied": list(tied)}
+
+
+def tied_with(best, candidates, evidence=None, seed=0):
+    """{id: candidate} of the candidates the validation split cannot tell from `best` (itself included):
+    none is worse than it on accuracy, NLL or ECE beyond noise. With `evidence` (score_candidates' per-
+    example terms), from a bootstrap over the validation images, the same resamples for every candidate:
+    a candidate is worse on a metric when both (a) the paired TIE_LEVEL interval of (its metric - best's)
+    lies wholly on the worse side of 0, and (b) the difference exceeds the noise of the best's own figure
+    (the half-width of its TIE_LEVEL interval, what the report's figure itself is uncertain by). (a) alone
+    would call a consistent 1e-10 of NLL between two files of one sample a difference; (b) alone would
+    call one a difference the split cannot even detect. Without evidence (candidates of another origin)
+    only identical figures tie."""
+    metrics = ("accuracy", "nll", "ece")
+    if not evidence or any(c["id"] not in evidence for c in (best, *candidates)):
+        return {c["id"]: c for c in candidates if all(c["val"][k] == best["val"][k] for k in metrics)}
+    n_bins = 15
+
+    def features(ident):   # n x (2 + bins): correct, nll, (correct - confidence) in its bin
+        correct, nll, bins, gap = evidence[ident]
+        binned = np.zeros((len(correct), n_bins))
+        binned[np.arange(len(correct)), bins] = gap
+        return np.column_stack([correct, nll, binned])
+
+    def scores(sums):      # resamples x 3: accuracy, nll, ece
+        return np.column_stack([sums[:, 0], sums[:, 1], np.abs(sums[:, 2:]).sum(axis=1)])
+
+    n = len(evidence[best["id"]][0])
+    rng = np.random.default_rng(seed)
+    feats = {c["id"]: features(c["id"]) for c in candidates}
+    feats.setdefault(best["id"], features(best["id"]))
+    own, diffs = [], {ident: [] for ident in feats}
+    for start in range(0, BOOTSTRAP_RESAMPLES, 100):    # 100 resamples at a time: memory n x 100
+        idx = rng.integers(0, n, size=(min(100, BOOTSTRAP_RESAMPLES - start), n))
+        weights = np.stack([np.bincount(row, minlength=n) for row in idx]).astype(np.float64) / n
+        ref = scores(weights @ feats[best["id"]])
+        own.append(ref)
+        for ident, f in feats.items():
+            diffs[ident].append(scores(weights @ f) - ref)
+    tail = 100 * (1 - TIE_LEVEL) / 2
+    own = np.concatenate(own)
+    noise = (np.percentile(own, 100 - tail, axis=0) - np.percentile(own, tail, axis=0)) / 2
+    sign = np.array([-1.0, 1.0, 1.0])                      # worse: accuracy lower; NLL, ECE higher
+    observed = {c["id"]: np.array([c["val"][k] - best["val"][k] for k in metrics]) for c in candidates}
+    tied = {}
+    for c in candidates:
+        d = np.concatenate(diffs[c["id"]]) * sign
+        # worse beyond noise: the split tells them apart (the paired interval lies above 0) and the
+        # difference is larger than the noise of the best's own figure (the half-width of its interval)
+        worse = (np.percentile(d, tail, axis=0) > 0) & (observed[c["id"]] * sign > noise)
+        if not worse.any():
+            tied[c["id"]] = c
+    tied.setdefault(best["id"], best)
+    return tied

@@ -310,6 +310,11 @@ def summarize(d: dict) -> dict:
                             "measured_as": source, "verdict": verdict, "basis": basis[key]}
     verdicts = [r["verdict"] for r in budget_rows.values() if r["verdict"] != "not set"]
     overall = next((v for v in VERDICT_ORDER if v in verdicts), "not set")
+    no_fit = bool(get(predicted_in, "no_fit"))   # no operating point fits: the closest one, not deployed
+    if no_fit:
+        overall = "fail"
+        warnings.append("No operating point fits the device budgets (the candidates table shows each against "
+                        "them): nothing was deployed; the figures are the closest candidate's, predicted.")
 
     onnx_params, kept_total = export.get("onnx_params"), export.get("kept_weights_total")
     params_match = (None if num(onnx_params) is None or num(kept_total) is None
@@ -406,6 +411,7 @@ def summarize(d: dict) -> dict:
         "latency_budget_ms": num(budgets.get("latency_ms")),
         "budgets": budget_rows,
         "overall_verdict": overall,
+        "no_fit": no_fit,
         "memory": memory_block,
         "ood": {"auroc": num(ood.get("auroc")), "aupr": num(ood.get("aupr")), "score": ood.get("score"),
                 "n_out": ood.get("n_out"), "train_auroc": num(ood_train.get("auroc")),
@@ -491,7 +497,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "memory_setup_mb": get(s, "memory", "subtracted_setup_mb"),
         "budgets": {k: {"limit": r.get("limit"), "value": r.get("measured"), "basis": r.get("basis"),
                         "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
-        "verdict": s.get("overall_verdict"),
+        "verdict": s.get("overall_verdict"), "no_fit": bool(s.get("no_fit")),
         "finish": s.get("finish"),   # a report of predictions: the steps that finish it on the device
         "report": None if report_path is None else str(report_path),
     }
@@ -535,6 +541,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
         value = ms(b.get("value")) if unit == "ms" else fmt(b.get("value"), unit)
         lines.append(f"  budget        {label} {value} {limit}: {b.get('verdict')}"
                      + (f" ({b.get('basis')})" if b.get("basis") not in (None, "measured", "file") else ""))
+    if t.get("no_fit"):
+        lines.append("  no fit        no operating point fits the budgets: the closest candidate, not deployed")
     lines.append(f"  verdict       {t.get('verdict')}" + (" (predicted)" if predicted else "")
                  + (f", exit code {exit_code}" if exit_code is not None else ""))
     lines.append(f"  report        {t.get('report')}")

@@ -21,7 +21,8 @@ same where edgebayes is installed). In this order:
 Defaults of the timing protocol are tables.PROTOCOL, the same as config.BenchmarkConfig's.
 
 Exit codes: 0 success, 1 could not write the results, 2 invalid bundle (or bad command line), 3 runtime
-problem (unknown/unavailable runtime, model failed to load or run).
+problem (unknown/unavailable runtime, model failed to load or run), 4 the device is busy: another runner
+kept its timing lock (machine.timing_lock) longer than --lock-wait-s.
 """
 
 import argparse
@@ -34,14 +35,15 @@ import numpy as np
 
 from .atomic import write_json
 from .backends import RuntimeProblem
-from .bundle import SCHEMA_VERSION, BundleError, load_eval_set, load_ood_set, select_artifact, verify_bundle
-from .machine import current_rss_mb, device_info, peak_rss_mb, reset_peak_rss, utc_now
+from .bundle import (SCHEMA_VERSION, BundleError, load_eval_set, load_ood_set, select_artifact, sha256_file,
+                     verify_bundle)
+from .machine import DeviceBusy, current_rss_mb, device_info, peak_rss_mb, reset_peak_rss, timing_lock, utc_now
 from .metrics import classification_metrics, ood_detection, reliability_bins, selective_prediction
 from .runtimes import BACKENDS, load_runtime, make_backend, predict_all
 from .tables import PROTOCOL
 from .timing import latency_summary, measure_rounds, timed_round
 
-EXIT_OK, EXIT_WRITE, EXIT_BUNDLE, EXIT_RUNTIME = 0, 1, 2, 3
+EXIT_OK, EXIT_WRITE, EXIT_BUNDLE, EXIT_RUNTIME, EXIT_BUSY = 0, 1, 2, 3, 4
 
 
 def _non_negative_int(text):
@@ -99,6 +101,8 @@ def build_parser():
                         help="folder of cached TensorRT engines (default: trt-engines/ beside the bundle)")
     parser.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
                         help="a fact to copy into the results' tags (e.g. device=jetson-orin-nano)")
+    parser.add_argument("--lock-wait-s", type=_non_negative_float, default=1800.0,
+                        help="how long to wait for another runner timing models on this device (exit 4 after)")
     parser.add_argument("--quiet", action="store_true", help="no progress or summary on stderr")
     parser.add_argument("--progress", action="store_true",
                         help="draw the timing progress bar even when stderr is not a terminal (deploy passes "
@@ -135,7 +139,8 @@ def _tags(pairs):
     return tags
 
 
-def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, rounds, batch_size, say=None):
+def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, rounds, batch_size, lock=None,
+                say=None):
     """Time each model a spec lists, with the same protocol as a bundle's benchmark.
 
     The spec is JSON: {"example": "x.npy", "models": [{"id": ..., "file": ..., "runtime": "onnxruntime"},
@@ -160,6 +165,18 @@ def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, ro
                for entry in spec["models"]]
     for runtime in sorted({e["runtime"] for e in entries}):
         load_runtime(runtime)
+    with lock or timing_lock(0):
+        timed, memory, runtime_info = _time_entries(spec, entries, batch, threads, rounds, warmup, min_runs,
+                                                    min_seconds, batch_size, say)
+    write_json(out, {
+        "schema": SCHEMA_VERSION, "models": timed, "runtime": runtime_info, "device": device_info(),
+        "memory": memory,
+        "protocol": {"warmup": warmup, "min_runs": min_runs, "min_seconds": min_seconds, "rounds": rounds,
+                     "batch_size": batch_size, "threads": threads},
+        "tags": tags, "finished_at": utc_now()})
+
+
+def _time_entries(spec, entries, batch, threads, rounds, warmup, min_runs, min_seconds, batch_size, say=None):
     baseline = current_rss_mb()
     memory = {"runtime_baseline_mb": baseline, "runtime_setup_mb": None, "setup_measured_with": None}
     # The smallest model first: what its loading and first run add beyond its own bytes is the runtime's.
@@ -188,13 +205,7 @@ def time_models(spec_path, out, warmup, min_runs, min_seconds, threads, tags, ro
         summary = latency_summary(model_rounds, batch_size)
         del summary["samples_ms"], summary["histogram"]
         timed.append({"id": entry["id"], **summary})
-    runtime_info = backends[-1].info() if backends else None
-    write_json(out, {
-        "schema": SCHEMA_VERSION, "models": timed, "runtime": runtime_info, "device": device_info(),
-        "memory": memory,
-        "protocol": {"warmup": warmup, "min_runs": min_runs, "min_seconds": min_seconds, "rounds": rounds,
-                     "batch_size": batch_size, "threads": threads},
-        "tags": tags, "finished_at": utc_now()})
+    return timed, memory, backends[-1].info() if backends else None
 
 
 def main(argv=None):
@@ -210,10 +221,14 @@ def main(argv=None):
     if args.time_models:
         try:
             time_models(args.time_models, args.out, args.warmup, args.min_runs, args.min_seconds, args.threads,
-                        tags, args.rounds, args.batch_size, say=None if args.quiet else say)
+                        tags, args.rounds, args.batch_size, timing_lock(args.lock_wait_s, say),
+                        say=None if args.quiet else say)
         except RuntimeProblem as exc:
             print(f"runner: {exc}", file=sys.stderr)
             return EXIT_RUNTIME
+        except DeviceBusy as exc:
+            print(f"runner: {exc}", file=sys.stderr)
+            return EXIT_BUSY
         except (OSError, ValueError, KeyError) as exc:
             print(f"runner: {args.time_models}: {exc}", file=sys.stderr)
             return EXIT_WRITE if isinstance(exc, OSError) else EXIT_BUNDLE
@@ -255,10 +270,17 @@ def main(argv=None):
     # A fixed batch, reused every run; wrap around if the eval set is smaller.
     batch = np.ascontiguousarray(x[np.arange(args.batch_size) % len(x)])
     n_classes = reference_probs.shape[1]
+    # The sha256 of the model measured, taken again just before it is loaded and after the last inference:
+    # the results name the model they measured, and a file replaced meanwhile (another run writing the
+    # same folder) is an error, not a mix of two models' figures.
+    expected_sha = manifest["files"][artifact["model_file"]]["sha256"]
+    measured_sha = sha256_file(model_path)
     peak_before = peak_rss_mb()
     before_model = current_rss_mb()
     peak_reset = reset_peak_rss()
+    lock = timing_lock(args.lock_wait_s, say)
     try:
+        lock.__enter__()   # released below, once the last inference is done
         # Cold start, as TFLite's benchmark_model reports it: creating the session (a TensorRT engine
         # built now included, and also given apart), then the first inference, before any warm-up.
         t0 = time.perf_counter()
@@ -296,6 +318,15 @@ def main(argv=None):
     except RuntimeProblem as exc:
         print(f"runner: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+    except DeviceBusy as exc:
+        print(f"runner: {exc}", file=sys.stderr)
+        return EXIT_BUSY
+    finally:
+        lock.__exit__(None, None, None)
+    if not measured_sha == sha256_file(model_path) == expected_sha:
+        print(f"runner: bundle {args.bundle}: {artifact['model_file']} changed after the bundle was verified "
+              f"(another run writing the same folder?); nothing written", file=sys.stderr)
+        return EXIT_BUNDLE
 
     def minus(a, b):
         return None if a is None or b is None else max(0.0, a - b)
@@ -313,7 +344,7 @@ def main(argv=None):
             "mc_samples": manifest["mc_samples"],
             "knob": manifest["knob"],
             "model_file": artifact["model_file"],
-            "model_sha256": manifest["files"][artifact["model_file"]]["sha256"],
+            "model_sha256": measured_sha,   # of the file loaded and measured (checked above)
         },
         "runtime": runtime_info,
         "device": device_info(),

@@ -80,3 +80,73 @@ def device_info():
 
 def utc_now():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+TIMING_LOCK = "edgebayes-timing.lock"   # in the device's temporary folder: one per machine, every user's
+
+
+class DeviceBusy(Exception):
+    """Another edgebayes runner kept this machine's timing lock past the wait."""
+
+
+class timing_lock:
+    """Held while a runner times models: two runs timing on one device at once would each measure the
+    other's load (and a latency table fitted to that is wrong for both). A second runner waits for the
+    first, up to `wait_s` seconds, then raises DeviceBusy. An flock on a file in the temporary folder:
+    released by the kernel when the process dies, shared by every user and every work folder of the
+    machine (opened read-only where another user created it). Without fcntl (Windows) no lock is taken."""
+
+    def __init__(self, wait_s, say=lambda message: None):
+        self.wait_s, self.say, self.fd = wait_s, say, None
+
+    def __enter__(self):
+        try:
+            import fcntl
+            import tempfile
+        except ImportError:
+            return self
+        import time
+
+        path = os.path.join(tempfile.gettempdir(), TIMING_LOCK)
+        flags = os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            try:
+                self.fd = os.open(path, os.O_RDWR | flags, 0o644)
+            except PermissionError:
+                self.fd = os.open(path, os.O_RDONLY | flags)
+        except OSError as e:   # e.g. a link planted in its place: time without it, saying so
+            self.say(f"no timing lock ({path}: {e.strerror}); timing without one")
+            return self
+        deadline, told = time.monotonic() + self.wait_s, False
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = self._holder()
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    self.fd = None
+                    raise DeviceBusy(f"another edgebayes run ({holder}) has been timing models on this device for "
+                                     f"more than {self.wait_s:g} s; run again when it is done") from None
+                if not told:
+                    self.say(f"waiting for another edgebayes run ({holder}) timing models on this device")
+                    told = True
+                time.sleep(0.2)
+        try:   # who holds it, for the message of the next one
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except OSError:
+            pass
+        return self
+
+    def _holder(self):
+        try:
+            return os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "pid unknown"
+        except OSError:
+            return "pid unknown"
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)   # releases the flock
+            self.fd = None

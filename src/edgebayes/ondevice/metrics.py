@@ -60,6 +60,20 @@ def _confidence_bins(probs, y, n_bins):
     return counts, sum_conf, sum_correct
 
 
+def per_example(probs, y, n_bins=15):
+    """Each example's share of accuracy, NLL and ECE: (correct, nll, bin index, correct - confidence).
+
+    accuracy and nll are the means of the first two, and ECE = sum_b |sum_{i in b} (correct_i - conf_i)| / N
+    with the bins of `_confidence_bins`, so a paired bootstrap can re-weight the examples and recompute all
+    three for several models at once (deploy/selection.py)."""
+    probs, y = _check_probs_labels(probs, y)
+    conf = probs.max(axis=1)
+    correct = (probs.argmax(axis=1) == y).astype(np.float64)
+    nll = -np.log(np.clip(probs[np.arange(len(y)), y], NLL_CLIP, 1.0))
+    bin_idx = np.searchsorted(np.linspace(0.0, 1.0, n_bins + 1)[1:-1], conf, side="left")
+    return correct, nll, bin_idx, correct - conf
+
+
 def expected_calibration_error(probs, y, n_bins=15):
     """Expected calibration error with `n_bins` equal-width confidence bins.
 
