@@ -587,3 +587,44 @@ def test_effective_flops_do_not_count_a_live_unit_that_is_off_on_the_probe_as_de
         net[0].bias[0] = -100.0
     _zero_rows(net[0], [2])
     assert paper_flops(net, (4,), effective=True) == (4 + 1) * 2 + (2 + 1) * 2
+
+
+class _Versioned(nn.Module):
+    """A module that converts old states when it loads one, as torchvision's MNASNet does: it refuses a
+    state dict that does not say which version saved it (its `_metadata`)."""
+
+    _version = 3
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if local_metadata.get("version") != self._version:
+            raise ValueError(f"version should be {self._version} instead of {local_metadata.get('version')}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+@pytest.mark.parametrize("make", [_Versioned, "mnasnet0_5"])
+def test_posterior_samples_keep_the_modules_state_dict_metadata(make):
+    """A posterior sample is loaded like the user's module loads its own state dict, versions included:
+    before the fix the merged dict lost `_metadata` and MNASNet raised 'version should be set to 1 or 2
+    instead of None' from train/models.py. The sample then compresses and matches its masked network."""
+    from edgebayes.train.families import bayesianize
+
+    torch.manual_seed(0)
+    if isinstance(make, str):
+        import torchvision
+
+        module = getattr(torchvision.models, make)(weights=None, num_classes=10).eval()
+    else:
+        module = make().eval()
+    net = bayesianize(module, "ss-gl", input_shape=(3, 16, 16), n_train=100).eval()
+    sample, kept = net.posterior_sample(0.5, torch.Generator().manual_seed(0))
+    assert type(sample) is type(module)
+    compressed = compress(net, 0.5, 2, seed=0)
+    _assert_same_outputs(compressed.samples[0], compressed.dense_sample, (3, 16, 16))
