@@ -401,6 +401,8 @@ def run_export(ctx):
     e = ctx.cfg.export
     knob_value, m = choice["knob_value"], choice["mc_samples"]
     compressed = compress(model, knob_value, m, ctx.cfg.seed)
+    if compressed.not_pruned:
+        ctx.log(f"export: WARNING {compressed.not_pruned}")
     mc_model = compressed.mc_model()
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
@@ -452,6 +454,7 @@ def run_export(ctx):
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
                                      "physical_flops_ratio")},
         "kept_units": {name: int(k.sum()) for name, k in compressed.kept.items()},
+        "surgery": {"not_pruned": compressed.not_pruned, "layers": compressed.surgery},
         "onnx_params": onnx_params, "kept_weights_per_sample": kept_per_sample,
         "kept_weights_total": kept_per_sample * m,
         "params_match": None if onnx_params is None else onnx_params == kept_per_sample * m,

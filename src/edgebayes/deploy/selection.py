@@ -159,6 +159,8 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 log(f"select: {e}; skipped")
                 progress.update(len(fmts))
                 continue
+            if compressed.not_pruned:
+                log(f"select: {model.knob} {knob_value}, M={m}: {compressed.not_pruned}")
             mc_model = compressed.mc_model()
             kept_weights = sum(count_weights(s, fold_batch_norm=True) for s in compressed.samples)
             activations = activation_mb(compressed.samples[0], batch)
@@ -176,6 +178,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                     "id": ident, "knob": model.knob, "knob_value": knob_value, "mc_samples": m,
                     "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime, "layout": layout,
                     "kept_units": {name: int(mask.sum()) for name, mask in compressed.kept.items()},
+                    "not_pruned": compressed.not_pruned,
                     "val": classification_metrics(probs, val_y.numpy()), "val_scored_as": scored_as,
                     "cost": {"model_mb": path.stat().st_size / 1e6,
                              "flops": m * paper_flops(compressed.samples[0], val_x.shape[1:]),
