@@ -749,3 +749,43 @@ def test_a_module_torch_pruning_cannot_trace_is_returned_masked_with_the_reason(
     for row in report.values():
         assert row["removed"] == 0
         assert all(w.startswith("not pruned: Torch-Pruning cannot trace the module (ZeroDivisionError") for w in row["kept"])
+
+
+class _Grouped(nn.Module):
+    """1x1 conv -> BN -> ReLU -> 3x3 conv with 4 groups of 3 -> BN -> ReLU -> 1x1 conv: RegNet's and
+    ResNeXt's block without the residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn_a = nn.Conv2d(3, 12, 1, bias=False), nn.BatchNorm2d(12)
+        self.b, self.bn_b = nn.Conv2d(12, 8, 3, padding=1, groups=4, bias=False), nn.BatchNorm2d(8)
+        self.c = nn.Conv2d(8, 5, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.bn_a(self.a(x)))
+        return self.c(torch.relu(self.bn_b(self.b(h)))).mean((2, 3))
+
+
+@pytest.mark.parametrize("dead_a, removed_a", [([0, 4, 7, 9], 4), ([0, 1, 4, 7, 10], 4), ([0, 1, 3, 4], 0)])
+def test_grouped_convolution_loses_as_many_channels_in_every_group(dead_a, removed_a):
+    """Dead inputs of a grouped convolution go where every group can lose as many (one each of groups
+    {0,1,2}, {3,4,5}, ... here), at different positions in each group: Torch-Pruning kept the first columns
+    of every group, so removing them gave another network; a group with fewer dead inputs caps all groups,
+    and the channels beyond stay with the reason. Dead outputs of b (its groups of 2) go likewise."""
+    torch.manual_seed(0)
+    net = _Grouped().eval()
+    with torch.no_grad():
+        for bn in (net.bn_a, net.bn_b):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 1.5)
+    _zero_rows(net.a, dead_a, net.bn_a)
+    _zero_rows(net.b, [1, 2, 5, 7], net.bn_b)   # one output in each group of two
+    report = {}
+    pruned = remove_dead_units(net, {"a": _keep(12, dead_a), "b": _keep(8, [1, 2, 5, 7])}, torch.zeros(1, 3, 6, 6),
+                               report=report)
+    _assert_same_outputs(pruned, net, (3, 6, 6))
+    assert report["a"]["removed"] == removed_a and report["b"] == {"dead": 4, "removed": 4, "kept": {}}
+    assert (pruned.a.out_channels, pruned.b.in_channels, pruned.b.out_channels, pruned.b.groups) == \
+        (12 - removed_a, 12 - removed_a, 4, 4)
+    for why in report["a"]["kept"]:
+        assert why.startswith("grouped convolution b keeps equal group sizes")

@@ -27,7 +27,8 @@ does no work that survives. "Constant where read" is measured, not assumed (`pro
 constant only if it takes one value over the batch and every position of a random probe and of a second
 batch in which everything that depends on the input is driven to large values of both signs, so a live
 unit that happens to be inactive on the probe cannot pass for a constant. Channels the rules do not cover
-stay: read by a grouped convolution, normalized together with other channels (GroupNorm / LayerNorm), a
+stay: beyond the number every group of a grouped convolution can lose (PyTorch's groups have one size,
+`_equal_groups`), normalized together with other channels (GroupNorm / LayerNorm), a
 residual stream channel that another block writes, a constant read by a padded convolution, the last
 channel of a layer, a channel that goes through a split, slice, reshape or expand that changes the
 channel dimension (torch.chunk, x[:, :k], a channel shuffle: the sizes after it are in the code).
@@ -445,7 +446,7 @@ def _remove(original, dead_sets, probe, kept, only=None):
     with _tolerant_index_mapping(unmapped):
         try:
             with torch.enable_grad(), recorder:  # Torch-Pruning traces the graph through autograd
-                graph = tp.DependencyGraph().build_dependency(pruned, example_inputs=probe[:1], verbose=False)
+                graph = _dependency_graph().build_dependency(pruned, example_inputs=probe[:1], verbose=False)
         except Exception as e:
             raise _Untraceable(f"Torch-Pruning cannot trace the module ({_where(e)}); the masked network is "
                                f"kept, its FLOPs and bytes are the dense ones") from None
@@ -462,7 +463,7 @@ def _remove(original, dead_sets, probe, kept, only=None):
             if root not in graph.module2node:  # e.g. an auxiliary head that eval mode skips
                 reasons.update({(name, o): "not reached by the forward pass" for o in dead})
                 continue
-            fn = tp.prune_linear_out_channels if isinstance(root, nn.Linear) else tp.prune_conv_out_channels
+            fn = graph.get_pruner_of_module(root).prune_out_channels
             try:
                 while candidates:
                     _map_concats(owned)
@@ -543,10 +544,6 @@ def _check_group(graph, group, names, in_map, ranges, root, recorder, unmapped):
             for r in item.root_idxs:
                 blocked.setdefault(r, f"normalized together with other channels by {label}")
             continue
-        if isinstance(m, nn.Conv2d) and m.groups > 1 and not _is_depthwise(m):
-            for r in item.root_idxs:  # Torch-Pruning cuts a grouped convolution's weights, not its groups
-                blocked.setdefault(r, f"coupled to grouped convolution {label}")
-            continue
         if not graph.is_in_channel_pruning_fn(handler) or _is_depthwise(m):
             continue  # writers, batch norms, element-wise ops; a depthwise layer: its readers decide
         if not isinstance(m, AFFINE) or m not in ranges:
@@ -554,7 +551,7 @@ def _check_group(graph, group, names, in_map, ranges, root, recorder, unmapped):
                 blocked.setdefault(r, f"read by {type(m).__name__} {label}, which surgery has no rule for")
             continue
         for k, r in zip(item.idxs, item.root_idxs):
-            if bool((m.weight[:, k] == 0).all()):
+            if bool((_reading(m, k) == 0).all()):
                 continue  # the reader multiplies it by zero
             is_constant, c = constant(ranges[m], int(in_map[m][k]))
             if not is_constant:
@@ -564,16 +561,86 @@ def _check_group(graph, group, names, in_map, ranges, root, recorder, unmapped):
                                       f"convolution {label}")
             elif float(c) != 0:
                 folds.append((m, k, c))
-    return blocked, folds
+    return blocked or _equal_groups(graph, group, names), folds
+
+
+def _grouped(m):
+    return isinstance(m, nn.Conv2d) and m.groups > 1 and not _is_depthwise(m)
+
+
+def _reading(m, k):
+    """The weights with which m reads its input channel k, [outputs reading it, ...]: a grouped
+    convolution's channel k is read by the outputs of its group only, with the weights of its position."""
+    if not isinstance(m, nn.Conv2d) or m.groups == 1:
+        return m.weight[:, k]
+    rows, per = m.out_channels // m.groups, m.in_channels // m.groups
+    return m.weight[k // per * rows: (k // per + 1) * rows, k % per]
+
+
+def _equal_groups(graph, group, names):
+    """{root index: why it stays} so that every grouped convolution of the group loses as many channels in
+    each of its groups (PyTorch's groups have one size): k = the fewest any group can lose, at most all
+    but one (an empty group would change the number of groups). The channels beyond k of a group stay."""
+    blocked = {}
+    for item in group:
+        m, handler = item.dep.target.module, item.dep.handler
+        if not _grouped(m):
+            continue
+        out = graph.is_out_channel_pruning_fn(handler)
+        if not out and not graph.is_in_channel_pruning_fn(handler):
+            continue
+        size = (m.out_channels if out else m.in_channels) // m.groups
+        per_group = {}
+        for i, r in sorted(zip(item.idxs, item.root_idxs)):
+            per_group.setdefault(i // size, []).append(r)
+        k = min(size - 1, min(len(per_group.get(g, ())) for g in range(m.groups)))
+        for g, roots in per_group.items():
+            for r in roots[k:]:
+                blocked.setdefault(r, f"grouped convolution {names.get(m)} keeps equal group sizes "
+                                      f"({'outputs' if out else 'inputs'}: {k} can go from every group)")
+    return blocked
 
 
 def _fold(m, k, c):
     """Add the contribution of the constant input channel k (value c) to m's bias: exact without padding."""
-    w = m.weight.detach()
-    contribution = w[:, k] * c if isinstance(m, nn.Linear) else w[:, k].sum((1, 2)) * c
+    w = _reading(m, k).detach()
+    contribution = w * c if isinstance(m, nn.Linear) else w.sum((1, 2)) * c
     if m.bias is None:
-        m.bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype))
-    m.bias.data += contribution
+        m.bias = nn.Parameter(torch.zeros(m.weight.shape[0], dtype=w.dtype))
+    if isinstance(m, nn.Conv2d) and m.groups > 1:
+        rows, per = m.out_channels // m.groups, m.in_channels // m.groups
+        m.bias.data[k // per * rows: (k // per + 1) * rows] += contribution
+    else:
+        m.bias.data += contribution
+
+
+class _GroupedConvPruner(tp.pruner.function.ConvPruner):
+    """Torch-Pruning's ConvPruner, right for grouped convolutions. Its prune_in_channels keeps the first
+    columns of the weight whatever the group, which is right only when every group loses the same
+    positions; here each group keeps the columns of its own remaining channels (`_equal_groups` makes
+    the counts equal). Output channels are rows: Torch-Pruning's way is right."""
+
+    def prune_in_channels(self, layer, idxs):
+        if not isinstance(layer, nn.Conv2d) or layer.groups == 1 or layer.transposed:
+            return super().prune_in_channels(layer, idxs)
+        rows, per, gone = layer.out_channels // layer.groups, layer.in_channels // layer.groups, set(idxs)
+        columns = [[i - g * per for i in range(g * per, (g + 1) * per) if i not in gone] for g in range(layer.groups)]
+        if len({len(c) for c in columns}) != 1:
+            raise ValueError(f"unequal groups after removing input channels {sorted(gone)}")
+        w = layer.weight.detach()
+        layer.weight = nn.Parameter(torch.cat([w[g * rows: (g + 1) * rows, c] for g, c in enumerate(columns)]))
+        layer.in_channels -= len(gone)
+        return layer
+
+
+def _dependency_graph():
+    """A Torch-Pruning dependency graph whose convolutions are pruned by _GroupedConvPruner."""
+    graph = tp.DependencyGraph()
+    graph.REGISTERED_PRUNERS[tp.ops.OPTYPE.CONV] = _GroupedConvPruner()
+    pruners = [p for p in graph.REGISTERED_PRUNERS.values() if p is not None]
+    graph._in_channel_pruning_fn = {p.prune_in_channels for p in pruners}
+    graph._out_channel_pruning_fn = {p.prune_out_channels for p in pruners}
+    return graph
 
 
 def _drop(index, idxs):
