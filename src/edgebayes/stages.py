@@ -292,6 +292,10 @@ def run_train(ctx):
             checkpoint.unlink()
         write_json(marker, {"fingerprint": ctx.fingerprint("train")})
 
+    if distributed.is_main_process() and not checkpoint.exists():   # fail in seconds, not after training
+        from edgebayes.export.preflight import preflight
+
+        preflight(cfg, ctx.profile, splits, ctx.log)
     family = family_of(cfg)
     model, history = family.fit(cfg, splits, checkpoint, ctx.log)
     if not distributed.is_main_process():
