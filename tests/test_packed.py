@@ -336,3 +336,22 @@ def test_packed_torchvision_models_in_onnx(name, tmp_path):
         assert all(entry["reason"].startswith("follows ") for entry in packed.unfolded_batch_norms)
     else:
         assert packed.unfolded_batch_norms == []
+
+
+def test_a_network_the_packed_layout_refuses_is_exported_unrolled_and_says_why(tmp_path):
+    """export_artifact in the packed layout (the default) on a network the packer refuses (a PReLU: a
+    module with weights it has no rule for) writes the unrolled graph instead of failing, and its details
+    say why and what the unrolled layout costs; the artifact computes the MC average."""
+    from edgebayes.export.formats import artifact_predict, export_artifact
+
+    torch.manual_seed(0)
+    samples = [nn.Sequential(nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 3)).eval() for _ in range(2)]
+    mc, x = MCAverage(samples).eval(), torch.randn(16, 8)
+    details = {}
+    path = export_artifact(mc, "onnx", tmp_path / "m.onnx", x, layout="packed", details=details)
+    assert details["layout"] == "unrolled"
+    assert "PReLU" in details["packed_refused"] and "runs each layer M times" in details["packed_refused"]
+    with torch.no_grad():
+        assert np.abs(artifact_predict(path, "onnx", x.numpy()) - mc(x).numpy()).max() <= 1e-5
+    with pytest.raises(PackingError, match="PReLU"):
+        mc_graph(mc, "packed", x)   # without a fallback the refusal stands

@@ -423,6 +423,8 @@ def run_export(ctx):
             path = Path(tmp) / f"{fmt}{f.suffix}"
             facts = {}
             export_artifact(mc_model, fmt, path, x[:16], calib_x, e.opset, layout=e.layout, details=facts)
+            if "packed_refused" in facts:
+                ctx.log(f"export: {fmt}: {facts['packed_refused']}")
             # TensorRT engines are built on the target: here the shipped ONNX is checked with onnxruntime.
             probs = artifact_predict(path, "onnx" if f.runtime == "tensorrt" else fmt, x.numpy())
             line = fidelity(probs, reference_probs, y)
@@ -432,7 +434,7 @@ def run_export(ctx):
                 line["measured_with"] = "onnxruntime on the shipped ONNX; the engine's own figures come from the device"
             artifacts[fmt] = {"path": path, **facts, "format": f.bundle_format, "bytes": path.stat().st_size,
                               "fidelity": line}
-            ctx.log(f"export: {fmt} ({e.layout}): accuracy {line['accuracy']:.4f} (PyTorch {line['reference']['accuracy']:.4f}), "
+            ctx.log(f"export: {fmt} ({facts['layout']}): accuracy {line['accuracy']:.4f} (PyTorch {line['reference']['accuracy']:.4f}), "
                     f"NLL {line['nll']:.4f}, ECE {line['ece']:.4f}, max |p - p_torch| {line['max_abs_prob_diff']:.2e}: "
                     f"{'ok' if line['check']['passed'] else 'FAILED'} ({line['check']['rule']})")
             if not line["check"]["passed"]:
@@ -452,7 +454,7 @@ def run_export(ctx):
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
     summary = {
-        "format": formats[0], "precision": primary["precision"], "layout": e.layout,
+        "format": formats[0], "precision": primary["precision"], "layout": primary["layout"],
         "mc_samples": m, "knob": model.knob, "knob_value": knob_value,
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",

@@ -147,7 +147,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     example = val_x[:1]
     batch = val_x[torch.arange(b.batch_size) % len(val_x)]
     grid = [(k, m) for k in model.operating_points(cfg.select.knob_values) for m in sorted(cfg.select.mc_samples)]
-    layout = cfg.export.layout
+    layout, refused_logged = cfg.export.layout, False
     candidates, models = [], []
     with tempfile.TemporaryDirectory() as tmp:
         progress = tqdm(total=len(grid) * len(fmts), desc="select", unit="candidate",
@@ -173,10 +173,13 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                                            calib_x, cfg.export.opset, layout=layout, details=details)
                 except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
                     raise SelectionError(f"device {profile.name}: cannot export format {fmt.name} here: {e}") from None
+                if "packed_refused" in details and not refused_logged:
+                    refused_logged = log(f"select: {details['packed_refused']}") or True
                 probs, scored_as = _val_probs(fmt, path, mc_model, val_x)
                 candidates.append({
                     "id": ident, "knob": model.knob, "knob_value": knob_value, "mc_samples": m,
-                    "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime, "layout": layout,
+                    "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime,
+                    "layout": details["layout"], "packed_refused": details.get("packed_refused"),
                     "kept_units": {name: int(mask.sum()) for name, mask in compressed.kept.items()},
                     "not_pruned": compressed.not_pruned,
                     "val": classification_metrics(probs, val_y.numpy()), "val_scored_as": scored_as,

@@ -632,8 +632,17 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC
     return packed
 
 
-def mc_graph(mc_model, layout: str, example: torch.Tensor) -> nn.Module:
-    """The MC-averaged module to export in `layout` ('packed' or 'unrolled') from an MCAverage."""
+# What the unrolled layout costs where packing was refused (benchmarks/results/export_packed_latency.md,
+# onnxruntime, batch 1): at M = 8 the packed graph took 0.51x-0.87x of the unrolled one's time.
+UNROLLED_COST = ("the unrolled layout runs each layer M times: at M = 8 the packed layout took 0.51-0.87x its "
+                 "latency on the nets measured (benchmarks/results/export_packed_latency.md)")
+
+
+def mc_graph(mc_model, layout: str, example: torch.Tensor, fallback=None) -> nn.Module:
+    """The MC-averaged module to export in `layout` ('packed' or 'unrolled') from an MCAverage.
+
+    fallback: called with the reason when the packed layout refuses the network (a PackingError), which is
+    then exported unrolled; without it the PackingError propagates."""
     if layout == "unrolled":
         return mc_model.eval()
     if layout == "packed":
@@ -641,5 +650,11 @@ def mc_graph(mc_model, layout: str, example: torch.Tensor) -> nn.Module:
             # One sample: nothing to pack. The plain graph runs Gemms where the packed one runs 1x1
             # convolutions and reshapes, slower in onnxruntime (benchmarks/results/export_packed_latency.md, M = 1).
             return mc_model.eval()
-        return pack_samples(mc_model.samples, example)
+        try:
+            return pack_samples(mc_model.samples, example)
+        except PackingError as e:
+            if fallback is None:
+                raise
+            fallback(str(e))
+            return mc_model.eval()
     raise ValueError(f"unknown MC layout {layout!r}; expected one of {LAYOUTS}")
