@@ -1,7 +1,8 @@
 """Fail in seconds, not after training: compress and export the untrained network first.
 
 `train` (and `pipeline`, which starts with it) builds the configured family's network, freshly
-initialised, compresses it at the family's default knob with the largest M of select.mc_samples, and
+initialised, compresses it at the family's default knob with M = 2 samples (1 where select.mc_samples
+asks for no more; the packed layout is built alike for every M >= 2), and
 exports it in every format it will be asked for (the device's formats that select scores, and
 export.formats) in export.layout, before the first epoch. A network that one of them cannot handle (an
 operation ONNX or TFLite has no conversion for, a layout it cannot take) is refused there, with the
@@ -34,7 +35,7 @@ def preflight(cfg, profile, splits, log=print):
 
     formats = requested_formats(cfg, profile)
     model = build(cfg, splits).cpu().eval()
-    m = max(cfg.select.mc_samples)
+    m = min(2, max(cfg.select.mc_samples))   # the packed graph is rewritten alike for every M >= 2
     x = splits.train_x[:2]
     what = "train: refused before the first epoch (compress and export of the untrained network)"
     try:
