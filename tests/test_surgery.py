@@ -789,3 +789,19 @@ def test_grouped_convolution_loses_as_many_channels_in_every_group(dead_a, remov
         (12 - removed_a, 12 - removed_a, 4, 4)
     for why in report["a"]["kept"]:
         assert why.startswith("grouped convolution b keeps equal group sizes")
+
+
+def test_compress_says_when_it_could_not_prune_the_network(monkeypatch):
+    """compress keeps sample 0's surgery report; `not_pruned` carries the reason to select and export when
+    Torch-Pruning cannot trace the network (the samples are then the masked networks, dense shapes)."""
+    import torch_pruning as tp
+
+    model = _model("ss-gl")
+    _kill_random_half(model)
+    assert compress(model, 0.5, 2, seed=0).not_pruned is None
+    monkeypatch.setattr(tp.DependencyGraph, "build_dependency",
+                        lambda *a, **k: (_ for _ in ()).throw(ZeroDivisionError("integer division or modulo by zero")))
+    c = compress(model, 0.5, 2, seed=0)
+    assert c.not_pruned.startswith("Torch-Pruning cannot trace the module (ZeroDivisionError")
+    assert [layer.out_features for layer in _linears(c.samples[0])] == HIDDEN + [CLASSES]
+    _assert_same_outputs(c.samples[0], c.dense_sample, INPUT_SHAPE)
