@@ -11,7 +11,8 @@ Input 3x32x32 where the network takes it, else the smallest of 64, 75, 96, 128, 
 `input` key says which; vit_b_16 is built with image_size=32). Per row: `status` ("ok", or "degraded: ..."
 when surgery could not prune the network or the packed layout fell back to unrolled; "error: ..." would be
 a bug), dead units and how many surgery removed (overall, and of those not coupled to a live residual
-stream), max |pruned - masked| over a probe batch, the FLOPs the masks promise (paper 000's formula)
+stream), max |pruned - masked| over a probe batch (and relative to the largest |logit|: float rounding
+grows with it, and untrained nets with a quarter of their batch norms zeroed reach 1e5), the FLOPs the masks promise (paper 000's formula)
 against the physical FLOPs after surgery, the ONNX's largest probability difference against PyTorch in
 the packed layout (what the pipeline ships; `layout_shipped` is unrolled where it fell back) and in the
 unrolled one, surgery's per-layer account of every dead channel it kept and why, and the seconds.
@@ -136,7 +137,8 @@ def measure(net, x_eval, shape, m):
     compressed = compress(net.eval(), 0.5, m, 0)
     dense, pruned, report = compressed.dense_sample, compressed.samples[0], compressed.surgery
     with torch.no_grad():
-        gap = float((pruned(x_eval[:8]) - dense(x_eval[:8])).abs().max())
+        masked = dense(x_eval[:8])
+        gap = float((pruned(x_eval[:8]) - masked).abs().max())
     structure = structure_report(dense, pruned, compressed.kept, shape)
     kept_why = {}
     for layer in report.values():
@@ -149,7 +151,8 @@ def measure(net, x_eval, shape, m):
            "units": sum(int(k.numel()) for k in compressed.kept.values()),
            "dead_units": dead, "dead_removed": removed, "dead_not_residual": dead - residual,
            "removed_of_not_residual": removed / (dead - residual) if dead > residual else None,
-           "pruned_vs_masked": gap, "flops_promised": structure["flops_ratio"],
+           "pruned_vs_masked": gap, "masked_max_abs_logit": float(masked.abs().max()),
+           "pruned_vs_masked_relative": gap / max(1.0, float(masked.abs().max())), "flops_promised": structure["flops_ratio"],
            "flops_physical": structure["physical_flops_ratio"], "surgery_kept": kept_why,
            "surgery_report": report}
     degraded = [compressed.not_pruned] if compressed.not_pruned else []
@@ -227,11 +230,15 @@ def markdown(rows, args):
     for r in rows:
         share = r.get("removed_of_not_residual")
         share = "—" if share is None else f"{share:.0%} of {r['dead_not_residual']}"
+        logit = r.get("masked_max_abs_logit", 0)
+        scale = "" if logit <= 1 else f" (max abs logit {logit:.0e})"
         status = r["status"] if len(r["status"]) < 120 else r["status"][:117] + "..."
         lines.append(f"| {r['net']} | {r['input']} | {r['family']} {r['case']} | {status} | "
                      f"{r.get('dead_removed', '—')}/{r.get('dead_units', '—')} | "
                      f"{share} | "
-                     f"{_fmt(r.get('pruned_vs_masked'), '.1e')} | {_fmt(r.get('flops_promised'), '.3f')} | "
+                     f"{_fmt(r.get('pruned_vs_masked'), '.1e')}"
+                     f"{scale} | "
+                     f"{_fmt(r.get('flops_promised'), '.3f')} | "
                      f"{_fmt(r.get('flops_physical'), '.3f')} | {_fmt(r.get('onnx_max_abs_prob_diff_packed'), '.1e')}"
                      f"{' (unrolled)' if r.get('layout_shipped') == 'unrolled' else ''} | "
                      f"{_fmt(r.get('onnx_max_abs_prob_diff_unrolled'), '.1e')} | {r['seconds']:.0f} |")
