@@ -463,3 +463,32 @@ def test_an_adaptive_pool_onnx_cannot_take_is_exported_as_its_averages(size, out
         path = export_artifact(mc, "onnx", tmp_path / f"{layout}.onnx", x, layout=layout)
         with torch.no_grad():
             assert np.abs(artifact_predict(path, "onnx", x.numpy()) - mc(x).numpy()).max() <= 1e-5
+
+
+def test_multihead_attention_exports_to_onnx(tmp_path):
+    """nn.MultiheadAttention in eval runs a fused fast-path operator that torch.onnx cannot convert
+    (vit_b_16 failed so); export turns the fast path off, and the packed layout, which has no rule for the
+    attention's weights, falls back to unrolled."""
+    from edgebayes.export.formats import artifact_predict, export_artifact
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch = nn.Conv2d(3, 8, 2, stride=2)
+            self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            t = self.patch(x).flatten(2).transpose(1, 2)
+            return self.fc(self.attention(t, t, t, need_weights=False)[0].mean(1))
+
+    samples = []
+    for i in range(2):
+        torch.manual_seed(i)
+        samples.append(Tokens().eval())
+    mc, x = MCAverage(samples).eval(), torch.randn(8, 3, 4, 4)
+    details = {}
+    path = export_artifact(mc, "onnx", tmp_path / "m.onnx", x, layout="packed", details=details)
+    assert details["layout"] == "unrolled"
+    with torch.no_grad():
+        assert np.abs(artifact_predict(path, "onnx", x.numpy()) - mc(x).numpy()).max() <= 1e-5

@@ -67,11 +67,18 @@ def exportable(module: torch.nn.Module, example: torch.Tensor) -> torch.nn.Modul
 def export_onnx(module: torch.nn.Module, example: torch.Tensor, path, opset: int = 17):
     """Write `module` to `path` with input 'input', output 'probs' and a dynamic batch dimension."""
     module = exportable(module.eval(), example)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(module.eval(), (example,), str(path), input_names=["input"], output_names=["probs"],
-                          dynamic_axes={"input": {0: "batch"}, "probs": {0: "batch"}},
-                          opset_version=opset, dynamo=False)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    # nn.MultiheadAttention's eval fast path is one fused operator ONNX has no conversion for (vit_b_16):
+    # off, it runs as the matrix products and softmax it computes, which export.
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(module.eval(), (example,), str(path), input_names=["input"], output_names=["probs"],
+                              dynamic_axes={"input": {0: "batch"}, "probs": {0: "batch"}},
+                              opset_version=opset, dynamo=False)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
     onnx.checker.check_model(str(path))
 
 
