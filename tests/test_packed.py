@@ -492,3 +492,24 @@ def test_multihead_attention_exports_to_onnx(tmp_path):
     assert details["layout"] == "unrolled"
     with torch.no_grad():
         assert np.abs(artifact_predict(path, "onnx", x.numpy()) - mc(x).numpy()).max() <= 1e-5
+
+
+def test_numbers_computed_from_the_input_size_are_packed():
+    """vit_b_16's patch count, h // p * (w // p) from the input's shape, used in a reshape of a convolution's
+    output: the packed layout refused it ('does not produce one tensor') and fell back to unrolled."""
+    class Patches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.fc = nn.Conv2d(3, 6, 2, stride=2), nn.Linear(6, 4)
+
+        def forward(self, x):
+            n, _, h, w = x.shape
+            t = self.proj(x).reshape(n, 6, (h // 2) * (w // 2)).permute(0, 2, 1)
+            return self.fc(t.mean(1))
+
+    samples = []
+    for i in range(2):
+        torch.manual_seed(i)
+        samples.append(Patches().eval())
+    x = torch.randn(8, 3, 4, 6)
+    assert pack_samples(samples, x)(x).shape == (8, 4)   # equal to the unrolled average: checked

@@ -278,6 +278,8 @@ class _Packer:
             return value
         if layout == SIZE:
             return self.size_of(node)
+        if not hasattr(node.meta.get("tensor_meta"), "shape"):
+            return value   # a number computed from sizes (vit's h // patch): the same for every sample
         if node not in self.batched_views:
             shape = self.shape(node)
             if layout == SHARED:
@@ -318,8 +320,8 @@ class _Packer:
         inputs = node.all_input_nodes
         size_ops = self._is_view(node) or (node.op == "call_function" and node.target is operator.getitem
                                            and inputs and inputs[0] in self.sizes)
-        if any(self.env[a][1] == SIZE for a in inputs) and not size_ops:
-            return self.per_example(node)   # arithmetic on sizes, a size passed to an operation
+        if not size_ops and any(not hasattr(a.meta.get("tensor_meta"), "shape") for a in inputs):
+            return self.per_example(node)   # arithmetic on sizes, a number or tuple passed to an operation
         for a in inputs:
             if self.env[a][1] == BATCHED:
                 meta = a.meta.get("tensor_meta")
