@@ -222,7 +222,11 @@ def markdown(rows, args):
              f"M = {args['m']} posterior samples at inclusion threshold 0.5; 'forced': 25% of every prunable layer's "
              f"units off; 'trained': {args['train_epochs']} epochs on digits. FLOPs by paper 000's formula, relative to "
              f"the dense net. 'not residual': dead channels that are not kept because a live block writes the same "
-             f"residual-stream channel. ONNX differences over {args['probes']} digits inputs, fp32, onnxruntime.", "",
+             f"residual-stream channel. ONNX differences over {args['probes']} digits inputs, fp32, onnxruntime. "
+             f"In vit_b_16 and swin_t the prunable units are the Linear layers' outputs (the patch embedding is a "
+             f"convolution): the MLP hidden units of every encoder block go; attention projections and the "
+             f"residual stream, normalized together by LayerNorm or read by the class token / position embedding "
+             f"parameters, stay. 'input': the smallest size of 32, 64, 75, ... the net runs on.", "",
              f"    {args['command']}", "",
              "| net | input | case | status | dead removed | of not residual | max abs pruned - masked | FLOPs promised | "
              "FLOPs physical | ONNX packed (shipped) | ONNX unrolled | s |",
