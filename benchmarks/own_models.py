@@ -1,20 +1,27 @@
 """Users' own networks through the whole compression path: bayesianize -> posterior samples -> surgery ->
-packed MC graph -> ONNX, for torchvision classifiers and a home-made net, on the CPU.
+MC graph -> ONNX in both layouts, for every torchvision classification CNN builder (and the Linear layers
+of vit_b_16 and swin_t) and a home-made net, on the CPU.
 
-For each network and family (ss-gl, ss-ghs), two cases:
+For each network and family, the cases:
   forced   the bayesianized net with 25% of the units of every prunable layer switched off (inclusion
            logits set to -10, seeded): what surgery can cut when a quarter of everything is dead;
-  trained  the bayesianized net after a short real training on digits (8x8 upscaled to 32x32, 3 channels),
-           kl_weight 0.1 as the embedded default: the channels the posterior itself switched off.
-Per case: max |pruned - masked| over a probe batch (surgery's exactness), the FLOPs the masks promise
-(paper 000's formula, `flops_ratio`) against the physical FLOPs after surgery, surgery's per-layer account
-of every dead channel it kept and why, the packed M=4 ONNX's largest probability difference against
-PyTorch, and the batch norms left unfolded in the packed graph.
+  trained  (--cases trained) the bayesianized net after a short real training on digits (8x8 upscaled,
+           3 channels), kl_weight 0.1 as the embedded default: the channels the posterior switched off.
+Input 3x32x32 where the network takes it, else the smallest of 64, 75, 96, 128, 160, 224 it runs on (the
+`input` key says which; vit_b_16 is built with image_size=32). Per row: `status` ("ok", or "degraded: ..."
+when surgery could not prune the network or the packed layout fell back to unrolled; "error: ..." would be
+a bug), dead units and how many surgery removed (overall, and of those not coupled to a live residual
+stream), max |pruned - masked| over a probe batch (and relative to the largest |logit|: float rounding
+grows with it, and untrained nets with a quarter of their batch norms zeroed reach 1e5), the FLOPs the masks promise (paper 000's formula)
+against the physical FLOPs after surgery, the ONNX's largest probability difference against PyTorch in
+the packed layout (what the pipeline ships; `layout_shipped` is unrolled where it fell back) and in the
+unrolled one, surgery's per-layer account of every dead channel it kept and why, and the seconds.
 
-    python benchmarks/own_models.py                     # all nets, both families, 2 training epochs
-    python benchmarks/own_models.py --nets custom resnet18 --families ss-gl --train-epochs 1 --quick
+    python benchmarks/own_models.py                     # every net, ss-gl, forced
+    python benchmarks/own_models.py --nets custom resnet18 --families ss-gl ss-ghs --cases forced trained
 
-Results: benchmarks/results/own_models.{json,md} (machine, commit and versions in the JSON).
+Results: benchmarks/results/own_models.{json,md} (machine, commit and versions in the JSON); rows are
+written as they come, so an interrupted run keeps the nets it finished (--resume skips them).
 """
 
 import argparse
@@ -31,14 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgebayes.compressed.samples import compress
-from edgebayes.compressed.surgery import remove_dead_units
 from edgebayes.export.formats import artifact_predict, export_artifact
 from edgebayes.provenance import atomic_path, provenance
 from edgebayes.train.families import bayesianize
 from edgebayes.compressed.structure import structure_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPE = (3, 32, 32)
 
 
 class Custom(nn.Module):
@@ -67,21 +72,41 @@ class Custom(nn.Module):
         return self.fc2(self.relu(self.fc1(flat))) + self.head(F.adaptive_avg_pool2d(c, 1).flatten(1))
 
 
+NETS = ["custom", "alexnet", "vgg11_bn", "resnet18", "resnext50_32x4d", "wide_resnet50_2", "densenet121",
+        "googlenet", "inception_v3", "squeezenet1_1", "mobilenet_v2", "mobilenet_v3_small", "mnasnet0_5",
+        "shufflenet_v2_x0_5", "efficientnet_b0", "efficientnet_v2_s", "regnet_x_400mf", "regnet_y_400mf",
+        "convnext_tiny", "vit_b_16", "swin_t"]
+SIZES = (32, 64, 75, 96, 128, 160, 224)
+
+
 def make_net(name, classes=10):
     if name == "custom":
         return Custom(classes)
     import torchvision
 
-    return getattr(torchvision.models, name)(weights=None, num_classes=classes)
+    options = {"image_size": 32} if name.startswith("vit_") else {}
+    return getattr(torchvision.models, name)(weights=None, num_classes=classes, **options)
 
 
-def digits_32(seed=0):
-    """scikit-learn's digits, bilinear to 32x32, gray replicated to 3 channels; seeded 80/20 split."""
+def input_shape(module):
+    """(3, s, s) for the smallest s of SIZES the module runs on in eval mode."""
+    for size in SIZES:
+        try:
+            with torch.no_grad():
+                module.eval()(torch.zeros(1, 3, size, size))
+            return (3, size, size)
+        except Exception:
+            continue
+    raise ValueError(f"runs on none of the sizes {SIZES}")
+
+
+def digits(shape, seed=0):
+    """scikit-learn's digits, bilinear to the input size, gray replicated to 3 channels; seeded 80/20 split."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16
-    x = F.interpolate(x, size=SHAPE[1:], mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    x = F.interpolate(x, size=shape[1:], mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
     y = torch.tensor(d.target)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     k = len(x) // 5
@@ -103,74 +128,89 @@ def onnx_batch_norms(path):
     return ops.count("BatchNormalization"), ops.count("Mul")
 
 
-def measure(net, x_eval, m=4, seed=0):
+RESIDUAL = "residual stream"
+
+
+def measure(net, x_eval, shape, m):
+    """One row's measurements (see the module docstring) of a bayesianized net with its units switched off."""
     t0 = time.perf_counter()
-    compressed = compress(net.eval(), 0.5, m, seed)
-    dense, pruned = compressed.dense_sample, compressed.samples[0]
+    compressed = compress(net.eval(), 0.5, m, 0)
+    dense, pruned, report = compressed.dense_sample, compressed.samples[0], compressed.surgery
     with torch.no_grad():
-        gap = float((pruned(x_eval[:8]) - dense(x_eval[:8])).abs().max())
-    structure = structure_report(dense, pruned, compressed.kept, SHAPE)
-    report = {}   # surgery again on sample 0, for its account of each dead channel it kept
-    remove_dead_units(dense, compressed.kept, x_eval[:1], report=report)
+        masked = dense(x_eval[:8])
+        gap = float((pruned(x_eval[:8]) - masked).abs().max())
+    structure = structure_report(dense, pruned, compressed.kept, shape)
     kept_why = {}
     for layer in report.values():
         for reason, n in layer["kept"].items():
             kept_why[reason] = kept_why.get(reason, 0) + n
+    dead = sum(layer["dead"] for layer in report.values())
+    removed = sum(layer["removed"] for layer in report.values())
+    residual = sum(n for reason, n in kept_why.items() if reason.startswith(RESIDUAL))
     row = {"kept_units": sum(int(k.sum()) for k in compressed.kept.values()),
            "units": sum(int(k.numel()) for k in compressed.kept.values()),
-           "dead_units": sum(layer["dead"] for layer in report.values()),
-           "dead_removed": sum(layer["removed"] for layer in report.values()),
-           "pruned_vs_masked": gap, "flops_promised": structure["flops_ratio"],
+           "dead_units": dead, "dead_removed": removed, "dead_not_residual": dead - residual,
+           "removed_of_not_residual": removed / (dead - residual) if dead > residual else None,
+           "pruned_vs_masked": gap, "masked_max_abs_logit": float(masked.abs().max()),
+           "pruned_vs_masked_relative": gap / max(1.0, float(masked.abs().max())), "flops_promised": structure["flops_ratio"],
            "flops_physical": structure["physical_flops_ratio"], "surgery_kept": kept_why,
            "surgery_report": report}
+    degraded = [compressed.not_pruned] if compressed.not_pruned else []
     mc = compressed.mc_model()
+    with torch.no_grad():
+        reference = mc(x_eval).numpy()
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model.onnx"
-        details = {}
-        export_artifact(mc, "onnx", path, x_eval[:16], opset=17, layout="packed", details=details)
-        probs = artifact_predict(path, "onnx", x_eval.numpy())
-        with torch.no_grad():
-            reference = mc(x_eval).numpy()
-        row["onnx_max_abs_prob_diff"] = float(np.abs(probs - reference).max())
-        row["onnx_batch_norm_nodes"], row["onnx_mul_nodes"] = onnx_batch_norms(path)
-    from edgebayes.export.packed import pack_samples
-    packed = pack_samples(compressed.samples, x_eval[:16])
-    row["unfolded_batch_norms"] = len(getattr(packed, "unfolded_batch_norms", []) or [])
+        for layout in ("packed", "unrolled"):
+            path, details = Path(tmp) / f"{layout}.onnx", {}
+            export_artifact(mc, "onnx", path, x_eval[:16], opset=17, layout=layout, details=details)
+            probs = artifact_predict(path, "onnx", x_eval.numpy())
+            row[f"onnx_max_abs_prob_diff_{layout}"] = float(np.abs(probs - reference).max())
+            row[f"onnx_mb_{layout}"] = path.stat().st_size / 1e6
+            if layout == "packed":
+                row["layout_shipped"] = details["layout"]
+                row["onnx_batch_norm_nodes"], row["onnx_mul_nodes"] = onnx_batch_norms(path)
+                if "packed_refused" in details:
+                    degraded.append(f"packed layout refused, shipped unrolled: {details['packed_refused'].split('. ')[0]}")
+            path.unlink()
+    row["status"] = "degraded: " + "; ".join(degraded) if degraded else "ok"
     row["seconds"] = time.perf_counter() - t0
     return row
 
 
-def run(nets, families, epochs, quick):
+def run(args, done=()):
     import edgebayes as eb
 
-    x_train, y_train, x_val, y_val = digits_32()
-    if quick:
-        x_train, y_train = x_train[:256], y_train[:256]
-    x_eval = x_val[:64]
-    rows = []
-    for name in nets:
-        for family in families:
-            torch.manual_seed(0)
-            module = make_net(name).eval()
-            bn = sum(isinstance(mod, nn.BatchNorm2d) for mod in module.modules())
-            for case in ("forced", "trained"):
-                net = bayesianize(module, family, input_shape=SHAPE, n_train=len(x_train))
-                row = {"net": name, "family": family, "case": case, "batch_norms": bn}
-                if case == "forced":
-                    force_dead(net)
-                else:
-                    t0 = time.perf_counter()
-                    history = eb.fit(net, x_train, y_train, val=(x_val, y_val), epochs=epochs, batch_size=64,
-                                     lr=1e-3, kl_weight=0.1, log=lambda *_: None)
-                    row.update(epochs=epochs, train_seconds=time.perf_counter() - t0,
-                               val_accuracy=history[-1]["val_accuracy"])
+    for name in args.nets:
+        torch.manual_seed(0)
+        module = make_net(name).eval()
+        shape = input_shape(module)
+        x_train, y_train, x_val, y_val = digits(shape)
+        x_train, y_train = x_train[: args.train_size], y_train[: args.train_size]
+        x_eval = x_val[: args.probes]
+        for family in args.families:
+            for case in args.cases:
+                if (name, family, case) in done:
+                    continue
+                row = {"net": name, "family": family, "case": case, "input": "x".join(map(str, shape)),
+                       "batch_norms": sum(isinstance(mod, nn.BatchNorm2d) for mod in module.modules()),
+                       "linear_layers": sum(isinstance(mod, nn.Linear) for mod in module.modules()),
+                       "conv_layers": sum(isinstance(mod, nn.Conv2d) for mod in module.modules())}
+                t0 = time.perf_counter()
                 try:
-                    row.update(measure(net, x_eval))
-                except Exception as e:  # a failure is a result: say which step and why
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "surgery_report"}), flush=True)
-    return rows
+                    net = bayesianize(module, family, input_shape=shape, n_train=len(x_train))
+                    if case == "forced":
+                        force_dead(net)
+                    else:
+                        history = eb.fit(net, x_train, y_train, val=(x_val, y_val), epochs=args.train_epochs,
+                                         batch_size=64, lr=1e-3, kl_weight=0.1, log=lambda *_: None)
+                        row.update(epochs=args.train_epochs, val_accuracy=history[-1]["val_accuracy"])
+                    row.update(measure(net, x_eval, shape, args.m))
+                except Exception as e:  # a bug: the row says where, the run goes on
+                    row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                row["seconds"] = time.perf_counter() - t0
+                print(json.dumps({k: v for k, v in row.items() if k not in ("surgery_report", "surgery_kept")}),
+                      flush=True)
+                yield row
 
 
 def _fmt(v, spec):
@@ -178,69 +218,89 @@ def _fmt(v, spec):
 
 
 def markdown(rows, args):
-    lines = ["# Users' own networks: bayesianize -> surgery -> packed ONNX (benchmarks/own_models.py)", "",
-             f"Input 3x32x32; M = 4 posterior samples at inclusion threshold 0.5; 'forced': 25% of every prunable "
-             f"layer's units off; 'trained': {args.train_epochs} epochs on digits upscaled to 32x32 "
-             f"(batch 64, Adam 1e-3, kl_weight 0.1). FLOPs by paper 000's formula, relative to the dense net.", "",
-             "| net | family | case | kept units | dead removed | max abs pruned - masked | FLOPs promised | "
-             "FLOPs physical | ONNX max abs p - p_torch | BN in net | BN unfolded | val acc | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["# Users' own networks: bayesianize -> surgery -> ONNX (benchmarks/own_models.py)", "",
+             f"M = {args['m']} posterior samples at inclusion threshold 0.5; 'forced': 25% of every prunable layer's "
+             f"units off; 'trained': {args['train_epochs']} epochs on digits. FLOPs by paper 000's formula, relative to "
+             f"the dense net. 'not residual': dead channels that are not kept because a live block writes the same "
+             f"residual-stream channel. ONNX differences over {args['probes']} digits inputs, fp32, onnxruntime. "
+             f"In vit_b_16 and swin_t the prunable units are the Linear layers' outputs (the patch embedding is a "
+             f"convolution): the MLP hidden units of every encoder block go; attention projections and the "
+             f"residual stream, normalized together by LayerNorm or read by the class token / position embedding "
+             f"parameters, stay. 'input': the smallest size of 32, 64, 75, ... the net runs on.", "",
+             f"    {args['command']}", "",
+             "| net | input | case | status | dead removed | of not residual | max abs pruned - masked | FLOPs promised | "
+             "FLOPs physical | ONNX packed (shipped) | ONNX unrolled | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        note = r.get("error", "")
-        lines.append(f"| {r['net']} | {r['family']} | {r['case']} | {r.get('kept_units', '—')}/{r.get('units', '—')} | "
+        share = r.get("removed_of_not_residual")
+        share = "—" if share is None else f"{share:.0%} of {r['dead_not_residual']}"
+        logit = r.get("masked_max_abs_logit", 0)
+        scale = "" if logit <= 1 else f" (max abs logit {logit:.0e})"
+        status = r["status"] if len(r["status"]) < 120 else r["status"][:117] + "..."
+        lines.append(f"| {r['net']} | {r['input']} | {r['family']} {r['case']} | {status} | "
                      f"{r.get('dead_removed', '—')}/{r.get('dead_units', '—')} | "
-                     f"{_fmt(r.get('pruned_vs_masked'), '.1e')} | {_fmt(r.get('flops_promised'), '.3f')} | "
-                     f"{_fmt(r.get('flops_physical'), '.3f')} | {_fmt(r.get('onnx_max_abs_prob_diff'), '.1e')} | "
-                     f"{r['batch_norms']} | {r.get('unfolded_batch_norms', '—')} | "
-                     f"{_fmt(r.get('val_accuracy'), '.3f')} | {note} |")
+                     f"{share} | "
+                     f"{_fmt(r.get('pruned_vs_masked'), '.1e')}"
+                     f"{scale} | "
+                     f"{_fmt(r.get('flops_promised'), '.3f')} | "
+                     f"{_fmt(r.get('flops_physical'), '.3f')} | {_fmt(r.get('onnx_max_abs_prob_diff_packed'), '.1e')}"
+                     f"{' (unrolled)' if r.get('layout_shipped') == 'unrolled' else ''} | "
+                     f"{_fmt(r.get('onnx_max_abs_prob_diff_unrolled'), '.1e')} | {r['seconds']:.0f} |")
     kept = [(r["net"], r["family"], r["case"], r["surgery_kept"]) for r in rows if r.get("surgery_kept")]
     if kept:
-        lines += ["", "## Dead channels surgery kept, and why (per-layer tables in the JSON's surgery_report)", "",
-                  "A residual-stream channel is dead in one writer and alive in another: plain modules cannot drop "
-                  "it from one block only. A dead expand channel feeding a live depthwise channel still carries "
-                  "its batch-norm shift, a constant that the depthwise convolution's zero padding turns into a "
-                  "non-constant map, so it cannot be folded exactly. Both are where physical FLOPs stay above the "
-                  "promise; mobilenet_v3_small and efficientnet_b0 end below it because the producer of every dead "
-                  "depthwise channel goes too, which the masks do not count.", ""]
+        lines += ["", "## Dead channels surgery kept, and why (per-layer tables in the JSON's surgery_report)", ""]
         for net, family, case, why in kept:
             kinds = {}   # "residual stream: also written by live layer1.0.conv2" -> "residual stream"
             for reason, n in why.items():
-                kind = reason.split(":")[0].split(" of ")[0]
+                kind = reason.split(":")[0].split(" of ")[0].split(" (")[0]
+                kind = " ".join(w for w in kind.split() if "." not in w)   # layer names out
                 kinds[kind] = kinds.get(kind, 0) + n
             lines.append(f"- {net} / {family} / {case}: " + "; ".join(f"{n} {kind}" for kind, n in kinds.items()))
     return "\n".join(lines) + "\n"
 
 
+def write(out, rows, args):
+    result = {"rows": rows, "args": args, "provenance": provenance("benchmark")}
+    with atomic_path(out.with_suffix(".json")) as tmp:
+        Path(tmp).write_text(json.dumps(result, indent=1, default=str))
+    with atomic_path(out.with_suffix(".md")) as tmp:
+        Path(tmp).write_text(markdown(rows, args))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nets", nargs="+", default=["custom", "resnet18", "mobilenet_v3_small", "densenet121",
-                                                      "efficientnet_b0"])
-    parser.add_argument("--families", nargs="+", default=["ss-gl", "ss-ghs"], choices=["ss-ig", "ss-gl", "ss-ghs"])
+    parser.add_argument("--nets", nargs="+", default=NETS)
+    parser.add_argument("--families", nargs="+", default=["ss-gl"], choices=["ss-ig", "ss-gl", "ss-ghs"])
+    parser.add_argument("--cases", nargs="+", default=["forced"], choices=["forced", "trained"])
+    parser.add_argument("--m", type=int, default=2, help="posterior samples in the MC graph")
+    parser.add_argument("--probes", type=int, default=16, help="inputs of the ONNX and surgery checks")
     parser.add_argument("--train-epochs", type=int, default=2)
+    parser.add_argument("--train-size", type=int, default=1437)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="256 training images; nothing written")
+    parser.add_argument("--quick", action="store_true", help="nothing written")
+    parser.add_argument("--resume", action="store_true", help="keep the rows of the results file, run the others")
     parser.add_argument("--out", default=str(RESULTS / "own_models"))
     parser.add_argument("--markdown-only", action="store_true", help="rewrite the .md from the .json, run nothing")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.markdown_only:
         saved = json.loads(out.with_suffix(".json").read_text())
-        args.train_epochs = saved["args"]["train_epochs"]
         with atomic_path(out.with_suffix(".md")) as tmp:
-            Path(tmp).write_text(markdown(saved["rows"], args))
+            Path(tmp).write_text(markdown(saved["rows"], saved["args"]))
         return 0
-    if args.train_epochs < 1:
-        parser.error("--train-epochs: expected a positive integer")
+    if args.train_epochs < 1 or args.m < 1:
+        parser.error("--train-epochs and --m: expected positive integers")
     torch.set_num_threads(args.threads)
-    rows = run(args.nets, args.families, args.train_epochs, args.quick)
-    if args.quick:
-        return 0
-    result = {"rows": rows, "args": vars(args), "provenance": provenance("benchmark")}
-    with atomic_path(out.with_suffix(".json")) as tmp:
-        Path(tmp).write_text(json.dumps(result, indent=1, default=str))
-    with atomic_path(out.with_suffix(".md")) as tmp:
-        Path(tmp).write_text(markdown(rows, args))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    settings = {k: v for k, v in vars(args).items() if k not in ("quick", "resume", "markdown_only")}
+    settings["command"] = "python benchmarks/own_models.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"] if args.resume else []
+    done = {(r["net"], r["family"], r["case"]) for r in rows}
+    for row in run(args, done):
+        rows.append(row)
+        if not args.quick:   # after every row: an interrupted run keeps what it measured
+            write(out, rows, settings)
+    if not args.quick:
+        print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 0
 
 

@@ -160,6 +160,9 @@ def test_packed_mlp_linears_run_as_grouped_convolutions_without_reshapes_between
 
 
 def test_unsupported_operation_is_refused_by_name():
+    """An operation with weights the packer has no rule for, or one mixing the examples of the batch, is
+    refused by name. (torch.sort over the features, refused before, acts on each example alone: it runs
+    on the samples folded into the batch, equal to the unrolled average.)"""
     class Sorts(nn.Module):
         def __init__(self):
             super().__init__()
@@ -168,8 +171,15 @@ def test_unsupported_operation_is_refused_by_name():
         def forward(self, x):
             return self.fc(torch.sort(x, dim=1).values)
 
-    with pytest.raises(PackingError, match="sort"):
-        pack_samples([Sorts().eval(), Sorts().eval()], torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    assert pack_samples([Sorts().eval(), Sorts().eval()], x)(x).shape == (4, 3)   # equal to unrolled: checked
+
+    class BatchMean(Sorts):
+        def forward(self, x):
+            return self.fc(x) - self.fc(x).mean(0)
+
+    with pytest.raises(PackingError, match="mean over the batch"):
+        pack_samples([BatchMean().eval(), BatchMean().eval()], x)
 
     rnn = nn.Sequential(nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 3)).eval()
     with pytest.raises(PackingError, match="PReLU"):
@@ -275,29 +285,41 @@ def test_channel_broadcasts_view_the_samples_apart():
     assert sum(n.target is operator.mul for n in graph.nodes) == 3  # the two excitations and h * a
 
 
-@pytest.mark.parametrize("forward, name", [
-    (lambda self, x: self.fc(torch.flatten(x, 1)) / x.size(0), r"size = x\.size\(0\)"),
-    (lambda self, x: self.fc(x.view(x.size(0), x.size(1) * 16)), r"size_1 = x\.size\(1\)"),
-    (lambda self, x: self.fc(x.reshape(x.shape[0], -1)) * x.shape[1], r"getitem_1 = x\.shape\[1\]"),
-])
-def test_a_size_used_outside_a_reshape_is_refused_by_name(forward, name):
-    class Sizes(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(2 * 16, 3)
+SIZES = [lambda self, x: self.fc(x.view(x.size(0), x.size(1) * 16)),
+         lambda self, x: self.fc(x.reshape(x.shape[0], -1)) * x.shape[1],
+         lambda self, x: self.fc(x.mean(1).flatten(1).repeat(1, 2))]
 
-    Sizes.forward = forward
-    with pytest.raises(PackingError, match=name):
-        pack_samples([Sizes().eval(), Sizes().eval()], torch.randn(4, 2, 4, 4))
+
+class _Sizes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2 * 16, 3)
+
+
+@pytest.mark.parametrize("forward", SIZES)
+def test_sizes_and_reductions_of_one_example_are_packed(forward):
+    """A size other than the batch's used in arithmetic, a mean over the channels: per example, so they run
+    on the samples folded into the batch (pack_samples checks the result against the unrolled average)."""
+    _Sizes.forward = forward
+    x = torch.randn(4, 2, 4, 4)
+    torch.manual_seed(0)
+    samples = [_Sizes().eval(), _Sizes().eval()]
+    assert pack_samples(samples, x)(x).shape == (4, 3)
+
+
+def test_the_batch_size_used_outside_a_reshape_is_refused_by_name():
+    _Sizes.forward = lambda self, x: self.fc(torch.flatten(x, 1)) / x.size(0)
+    with pytest.raises(PackingError, match=r"size = x\.size\(0\)"):
+        pack_samples([_Sizes().eval(), _Sizes().eval()], torch.randn(4, 2, 4, 4))
 
 
 @pytest.mark.parametrize("forward, features, what", [
     (lambda self, x: self.fc(x.view(1, -1)), 32, "first dimension is not the batch size"),
     (lambda self, x: self.fc(x.view(-1, 16)), 16, "does not keep the batch dimension"),
-    (lambda self, x: self.fc(x.mean(1).flatten(1)), 16, "mean over the batch or channel"),
+    (lambda self, x: self.fc(x.mean(0).flatten().expand(x.size(0), -1)), 32, "mean over the batch"),
 ])
 def test_reshapes_and_reductions_across_samples_are_refused(forward, features, what):
-    """Reshapes that fold the batch into the features and reductions over the channels would mix the M samples."""
+    """Reshapes that fold the batch into the features and reductions over the batch mix the examples."""
     class Bad(nn.Module):
         def __init__(self):
             super().__init__()
@@ -336,3 +358,158 @@ def test_packed_torchvision_models_in_onnx(name, tmp_path):
         assert all(entry["reason"].startswith("follows ") for entry in packed.unfolded_batch_norms)
     else:
         assert packed.unfolded_batch_norms == []
+
+
+def test_a_network_the_packed_layout_refuses_is_exported_unrolled_and_says_why(tmp_path):
+    """export_artifact in the packed layout (the default) on a network the packer refuses (a PReLU: a
+    module with weights it has no rule for) writes the unrolled graph instead of failing, and its details
+    say why and what the unrolled layout costs; the artifact computes the MC average."""
+    from edgebayes.export.formats import artifact_predict, export_artifact
+
+    torch.manual_seed(0)
+    samples = [nn.Sequential(nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 3)).eval() for _ in range(2)]
+    mc, x = MCAverage(samples).eval(), torch.randn(16, 8)
+    details = {}
+    path = export_artifact(mc, "onnx", tmp_path / "m.onnx", x, layout="packed", details=details)
+    assert details["layout"] == "unrolled"
+    assert "PReLU" in details["packed_refused"] and "runs each layer M times" in details["packed_refused"]
+    with torch.no_grad():
+        assert np.abs(artifact_predict(path, "onnx", x.numpy()) - mc(x).numpy()).max() <= 1e-5
+    with pytest.raises(PackingError, match="PReLU"):
+        mc_graph(mc, "packed", x)   # without a fallback the refusal stands
+
+
+class _RealCode(nn.Module):
+    """The idioms the packed layout refused (PackingError at select, after training): squeeze-and-excitation
+    by x[:, :, None, None], expand_as, torch.max / torch.min with dim (CBAM's channel pooling), chunk and
+    split over channels, a channel slice, a channel shuffle (view-transpose-view), and a Linear fed by
+    torch.max's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.se1, self.se2 = nn.Linear(8, 4), nn.Linear(4, 8)
+        self.spatial = nn.Conv2d(2, 1, 3, padding=1)
+        self.left, self.right = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.fc = nn.Linear(8 + 3, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        s = torch.sigmoid(self.se2(torch.relu(self.se1(h.mean((2, 3))))))
+        h = h * s[:, :, None, None].expand_as(h)
+        pooled = torch.cat([torch.max(h, dim=1, keepdim=True)[0], torch.min(h, 1, keepdim=True).values], 1)
+        h = h * torch.sigmoid(self.spatial(pooled))
+        a, b = h.chunk(2, dim=1)
+        h = torch.cat([self.left(a), self.right(torch.split(h, [4, 4], dim=1)[1] + b)], 1)
+        n, c, height, width = h.size()
+        h = h.view(n, 2, c // 2, height, width).transpose(1, 2).contiguous().view(n, c, height, width)
+        top = torch.max(h[:, :3], dim=1).values.amax((1, 2))[:, None].expand(-1, 3)
+        return self.fc(torch.cat([h.mean((2, 3)), top * h[:, 5:].mean((1, 2, 3))[:, None]], 1))
+
+
+def test_the_packed_layout_takes_real_code_idioms(tmp_path):
+    """Every idiom of _RealCode packs (no fallback to unrolled), equal to the unrolled average (pack_samples
+    checks 1e-5), and through ONNX; operations with no rule of their own run with the samples folded into
+    the batch."""
+    samples = [_random_batch_norms_seeded(_RealCode, i) for i in range(3)]
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    packed = pack_samples(samples, x)
+    with torch.no_grad():
+        assert (packed(x) - MCAverage(samples).eval()(x)).abs().max() <= 1e-5
+    assert _onnx_gap(packed, x, tmp_path / "packed.onnx") <= 1e-5
+    from edgebayes.export.formats import export_artifact
+
+    details = {}
+    export_artifact(MCAverage(samples).eval(), "onnx", tmp_path / "m.onnx", x, layout="packed", details=details)
+    assert details["layout"] == "packed" and "packed_refused" not in details
+
+
+def _random_batch_norms_seeded(cls, i):
+    torch.manual_seed(i)
+    net = cls().eval()
+    with torch.no_grad():
+        for mod in net.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.uniform_(-0.3, 0.3)
+                mod.running_var.uniform_(0.5, 1.5)
+    return net
+
+
+@pytest.mark.parametrize("size, out", [(1, 7), (5, 3), (3, (2, None))])
+def test_an_adaptive_pool_onnx_cannot_take_is_exported_as_its_averages(size, out, tmp_path):
+    """alexnet's and vgg's 7x7 adaptive pool after a 1x1 map (32 px inputs) made torch.onnx fail ('output
+    size that are not factor of input size'); the pool is exported as the same averages (two matrix
+    products), equal to PyTorch, in both layouts."""
+    from edgebayes.export.formats import artifact_predict, export_artifact
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.pool = nn.Conv2d(3, 4, 1), nn.AdaptiveAvgPool2d(out)
+            self.fc = nn.LazyLinear(5)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(self.pool(torch.relu(self.conv(x))), 1))
+
+    x = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(0))
+    samples = []
+    for i in range(2):
+        torch.manual_seed(i)
+        net = Pooled()
+        net(x)   # materialise the lazy Linear
+        samples.append(net.eval())
+    mc = MCAverage(samples).eval()
+    for layout in ("packed", "unrolled"):
+        path = export_artifact(mc, "onnx", tmp_path / f"{layout}.onnx", x, layout=layout)
+        with torch.no_grad():
+            assert np.abs(artifact_predict(path, "onnx", x.numpy()) - mc(x).numpy()).max() <= 1e-5
+
+
+def test_multihead_attention_exports_to_onnx(tmp_path):
+    """nn.MultiheadAttention in eval runs a fused fast-path operator that torch.onnx cannot convert
+    (vit_b_16 failed so); export turns the fast path off, and the packed layout, which has no rule for the
+    attention's weights, falls back to unrolled."""
+    from edgebayes.export.formats import artifact_predict, export_artifact
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch = nn.Conv2d(3, 8, 2, stride=2)
+            self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            t = self.patch(x).flatten(2).transpose(1, 2)
+            return self.fc(self.attention(t, t, t, need_weights=False)[0].mean(1))
+
+    samples = []
+    for i in range(2):
+        torch.manual_seed(i)
+        samples.append(Tokens().eval())
+    mc, x = MCAverage(samples).eval(), torch.randn(8, 3, 4, 4)
+    details = {}
+    path = export_artifact(mc, "onnx", tmp_path / "m.onnx", x, layout="packed", details=details)
+    assert details["layout"] == "unrolled"
+    with torch.no_grad():
+        assert np.abs(artifact_predict(path, "onnx", x.numpy()) - mc(x).numpy()).max() <= 1e-5
+
+
+def test_numbers_computed_from_the_input_size_are_packed():
+    """vit_b_16's patch count, h // p * (w // p) from the input's shape, used in a reshape of a convolution's
+    output: the packed layout refused it ('does not produce one tensor') and fell back to unrolled."""
+    class Patches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.fc = nn.Conv2d(3, 6, 2, stride=2), nn.Linear(6, 4)
+
+        def forward(self, x):
+            n, _, h, w = x.shape
+            t = self.proj(x).reshape(n, 6, (h // 2) * (w // 2)).permute(0, 2, 1)
+            return self.fc(t.mean(1))
+
+    samples = []
+    for i in range(2):
+        torch.manual_seed(i)
+        samples.append(Patches().eval())
+    x = torch.randn(8, 3, 4, 6)
+    assert pack_samples(samples, x)(x).shape == (8, 4)   # equal to the unrolled average: checked

@@ -197,13 +197,16 @@ def test_dead_unit_behind_an_activation_with_nonzero_at_zero_is_folded_into_the_
         torch.testing.assert_close(pruned(x), module(x), rtol=0, atol=1e-6)
 
 
-def test_surgery_refuses_to_remove_output_units():
+def test_surgery_keeps_output_units_and_says_why():
     module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     with torch.no_grad():
         module[2].weight[1] = 0
         module[2].bias[1] = 0
-    with pytest.raises(SurgeryError, match="output"):
-        remove_dead_units(module, {"2": torch.tensor([True, False])}, torch.zeros(1, 4))
+    report = {}
+    pruned = remove_dead_units(module, {"2": torch.tensor([True, False])}, torch.zeros(1, 4), report=report)
+    assert pruned[2].out_features == 2
+    (why,) = report["2"]["kept"]
+    assert "outputs of the model" in why
 
 
 def test_surgery_refuses_bad_inputs():
@@ -459,24 +462,55 @@ def test_constant_after_batch_norm_is_folded_where_exact_and_kept_behind_padding
     _assert_same_outputs(pruned, net, (3, 6, 6))
 
 
-def test_failures_inside_surgery_are_surgery_errors_that_name_the_layer(monkeypatch):
-    """Torch-Pruning raising (here an IndexError like the concatenation bug's), or the module failing on
-    the example input, comes out as a SurgeryError (exit code 1 at the CLI) naming the layer, not as a raw
-    IndexError / RuntimeError. A layer the forward pass never reaches keeps its channels, with the reason."""
+def test_failures_inside_surgery_keep_the_group_and_say_why(monkeypatch):
+    """Torch-Pruning raising while it finds a group (here an IndexError like the concatenation bug's) keeps
+    that layer's dead channels, the reason naming the error; raising half-way through removing one spoils
+    the copy, so surgery runs again without that group. The module failing on the example input is a
+    SurgeryError naming the layer. A layer the forward pass never reaches keeps its channels, with the reason."""
     import torch_pruning as tp
 
-    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).eval()
+    module = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2)).eval()
     _zero_rows(module[0], [1])
+    _zero_rows(module[2], [0])
+    dead_units = {"0": _keep(3, [1]), "2": _keep(3, [0])}
     with pytest.raises(SurgeryError, match=r"'0' fails on an input of shape \(\d+, 5\): RuntimeError"):
-        remove_dead_units(module, {"0": _keep(3, [1])}, torch.zeros(1, 5))
+        remove_dead_units(module, dead_units, torch.zeros(1, 5))
 
-    def broken(*args, **kwargs):
-        raise IndexError("index 60 is out of bounds for dimension 0 with size 56")
+    find = tp.DependencyGraph.get_pruning_group
+
+    def broken(graph, layer, *args, **kwargs):
+        if layer is graph.model[0]:
+            raise IndexError("index 60 is out of bounds for dimension 0 with size 56")
+        return find(graph, layer, *args, **kwargs)
 
     with monkeypatch.context() as patch:
         patch.setattr(tp.DependencyGraph, "get_pruning_group", broken)
-        with pytest.raises(SurgeryError, match="dead channels of '0': IndexError: index 60"):
-            remove_dead_units(module, {"0": _keep(3, [1])}, torch.zeros(1, 4))
+        report = {}
+        pruned = remove_dead_units(module, dead_units, torch.zeros(1, 4), report=report)
+    (why,) = report["0"]["kept"]
+    assert "could not find the channels coupled" in why and "IndexError: index 60" in why
+    assert report["2"] == {"dead": 1, "removed": 1, "kept": {}}
+    assert (pruned[0].out_features, pruned[2].out_features) == (3, 2)
+    _assert_same_outputs(pruned, module, (4,))
+
+    from torch_pruning.dependency.group import Group
+
+    prune = Group.prune
+
+    def half_way(group, *args, **kwargs):
+        if group[0].dep.target.module is group._DG.model[2]:
+            group[0].dep.target.module.weight.data = group[0].dep.target.module.weight.data[:1]  # spoilt
+            raise RuntimeError("half-way")
+        return prune(group, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Group, "prune", half_way)
+        report = {}
+        pruned = remove_dead_units(module, dead_units, torch.zeros(1, 4), report=report)
+    assert report["0"] == {"dead": 1, "removed": 1, "kept": {}}
+    (why,) = report["2"]["kept"]
+    assert "failed removing them" in why and "RuntimeError: half-way" in why
+    _assert_same_outputs(pruned, module, (4,))
 
     class Aux(nn.Module):  # an auxiliary head that the forward pass skips (torchvision googlenet's aux1)
         def __init__(self):
@@ -587,3 +621,187 @@ def test_effective_flops_do_not_count_a_live_unit_that_is_off_on_the_probe_as_de
         net[0].bias[0] = -100.0
     _zero_rows(net[0], [2])
     assert paper_flops(net, (4,), effective=True) == (4 + 1) * 2 + (2 + 1) * 2
+
+
+class _Versioned(nn.Module):
+    """A module that converts old states when it loads one, as torchvision's MNASNet does: it refuses a
+    state dict that does not say which version saved it (its `_metadata`)."""
+
+    _version = 3
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if local_metadata.get("version") != self._version:
+            raise ValueError(f"version should be {self._version} instead of {local_metadata.get('version')}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+@pytest.mark.parametrize("make", [_Versioned, "mnasnet0_5"])
+def test_posterior_samples_keep_the_modules_state_dict_metadata(make):
+    """A posterior sample is loaded like the user's module loads its own state dict, versions included:
+    before the fix the merged dict lost `_metadata` and MNASNet raised 'version should be set to 1 or 2
+    instead of None' from train/models.py. The sample then compresses and matches its masked network."""
+    from edgebayes.train.families import bayesianize
+
+    torch.manual_seed(0)
+    if isinstance(make, str):
+        import torchvision
+
+        module = getattr(torchvision.models, make)(weights=None, num_classes=10).eval()
+    else:
+        module = make().eval()
+    net = bayesianize(module, "ss-gl", input_shape=(3, 16, 16), n_train=100).eval()
+    sample, kept = net.posterior_sample(0.5, torch.Generator().manual_seed(0))
+    assert type(sample) is type(module)
+    compressed = compress(net, 0.5, 2, seed=0)
+    _assert_same_outputs(compressed.samples[0], compressed.dense_sample, (3, 16, 16))
+
+
+class _SplitShuffle(nn.Module):
+    """Idioms whose channel sizes are fixed in the code: torch.chunk over channels then torch.cat (a raw
+    IndexError from surgery before), a channel shuffle (view-transpose-view: Torch-Pruning's reshape mapping
+    divided by zero, so torchvision's shufflenet could not be traced), a channel slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.c, self.d = nn.Conv2d(16, 16, 1), nn.Conv2d(16, 12, 1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        u, v = torch.chunk(torch.relu(self.a(x)), 2, dim=1)
+        h = torch.relu(self.c(torch.cat([u, torch.relu(self.b(v))], 1)))
+        n, c, height, width = h.size()
+        h = h.view(n, 2, c // 2, height, width).transpose(1, 2).contiguous().view(n, c, height, width)
+        h = torch.cat([h[:, :4], torch.relu(self.d(h))], 1)   # 4 + 12 channels
+        return self.fc(h.mean((2, 3)))
+
+
+def _split_shuffle(seed=0):
+    torch.manual_seed(seed)
+    net = _SplitShuffle().eval()
+    g = torch.Generator().manual_seed(seed)
+    dead_units = {}
+    for name in ("a", "b", "c", "d"):
+        layer = getattr(net, name)
+        dead = torch.randperm(layer.out_channels, generator=g)[: layer.out_channels // 3].tolist()
+        _zero_rows(layer, dead)
+        dead_units[name] = _keep(layer.out_channels, dead)
+    return net, dead_units
+
+
+def test_channels_through_a_split_shuffle_or_slice_stay_and_the_others_go():
+    """b's dead channels go (c reads them through the concatenation), and d's (through the concatenation
+    into the mean and the classifier); a's pass through a chunk, c's through a channel shuffle's view and a
+    channel slice, whose sizes the code fixes: they stay, the report naming that operation. The outputs are
+    the masked network's."""
+    net, dead_units = _split_shuffle()
+    report = {}
+    pruned = remove_dead_units(net, dead_units, torch.zeros(1, 3, 8, 8), report=report)
+    _assert_same_outputs(pruned, net, (3, 8, 8))
+    assert report["b"]["removed"] == report["b"]["dead"] == 2 and report["d"]["removed"] == report["d"]["dead"] == 4
+    assert (pruned.b.out_channels, pruned.c.in_channels, pruned.c.out_channels, pruned.d.out_channels) == (6, 14, 16, 8)
+    assert pruned.fc.in_features == 12
+    for name in ("a", "c"):
+        (why,) = report[name]["kept"]
+        assert why.startswith("passes through ") and "fixed in the network's code" in why
+    assert report["a"]["kept"] and next(iter(report["a"]["kept"])).startswith("passes through chunk")
+    assert report["c"]["kept"] and next(iter(report["c"]["kept"])).startswith("passes through view")
+
+
+def test_an_output_difference_is_narrowed_to_the_group_that_causes_it(monkeypatch):
+    """With the rule for splits switched off, removing a's dead channels makes the chunk split the wrong
+    channels and the check fails: surgery bisects over the groups it removed, keeps a's (the reason names
+    the layer and the operation that failed), and removes the rest; before, one error failed everything."""
+    import edgebayes.compressed.surgery as surgery
+
+    net, dead_units = _split_shuffle()
+    monkeypatch.setattr(surgery, "_channel_op_reason", lambda node, recorder: None)
+    report = {}
+    pruned = remove_dead_units(net, dead_units, torch.zeros(1, 3, 8, 8), report=report)
+    _assert_same_outputs(pruned, net, (3, 8, 8))
+    (why,) = report["a"]["kept"]
+    assert why.startswith("removing them changed the pruned module") and "'b'" in why
+    assert report["b"]["removed"] == report["b"]["dead"]
+
+
+def test_a_module_torch_pruning_cannot_trace_is_returned_masked_with_the_reason(monkeypatch):
+    import torch_pruning as tp
+
+    net, dead_units = _split_shuffle()
+
+    def untraceable(*args, **kwargs):
+        raise ZeroDivisionError("integer division or modulo by zero")
+
+    monkeypatch.setattr(tp.DependencyGraph, "build_dependency", untraceable)
+    report = {}
+    pruned = remove_dead_units(net, dead_units, torch.zeros(1, 3, 8, 8), report=report)
+    assert [m.weight.shape for m in pruned.modules() if isinstance(m, nn.Conv2d)] == \
+        [m.weight.shape for m in net.modules() if isinstance(m, nn.Conv2d)]
+    _assert_same_outputs(pruned, net, (3, 8, 8))
+    for row in report.values():
+        assert row["removed"] == 0
+        assert all(w.startswith("not pruned: Torch-Pruning cannot trace the module (ZeroDivisionError") for w in row["kept"])
+
+
+class _Grouped(nn.Module):
+    """1x1 conv -> BN -> ReLU -> 3x3 conv with 4 groups of 3 -> BN -> ReLU -> 1x1 conv: RegNet's and
+    ResNeXt's block without the residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn_a = nn.Conv2d(3, 12, 1, bias=False), nn.BatchNorm2d(12)
+        self.b, self.bn_b = nn.Conv2d(12, 8, 3, padding=1, groups=4, bias=False), nn.BatchNorm2d(8)
+        self.c = nn.Conv2d(8, 5, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.bn_a(self.a(x)))
+        return self.c(torch.relu(self.bn_b(self.b(h)))).mean((2, 3))
+
+
+@pytest.mark.parametrize("dead_a, removed_a", [([0, 4, 7, 9], 4), ([0, 1, 4, 7, 10], 4), ([0, 1, 3, 4], 0)])
+def test_grouped_convolution_loses_as_many_channels_in_every_group(dead_a, removed_a):
+    """Dead inputs of a grouped convolution go where every group can lose as many (one each of groups
+    {0,1,2}, {3,4,5}, ... here), at different positions in each group: Torch-Pruning kept the first columns
+    of every group, so removing them gave another network; a group with fewer dead inputs caps all groups,
+    and the channels beyond stay with the reason. Dead outputs of b (its groups of 2) go likewise."""
+    torch.manual_seed(0)
+    net = _Grouped().eval()
+    with torch.no_grad():
+        for bn in (net.bn_a, net.bn_b):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 1.5)
+    _zero_rows(net.a, dead_a, net.bn_a)
+    _zero_rows(net.b, [1, 2, 5, 7], net.bn_b)   # one output in each group of two
+    report = {}
+    pruned = remove_dead_units(net, {"a": _keep(12, dead_a), "b": _keep(8, [1, 2, 5, 7])}, torch.zeros(1, 3, 6, 6),
+                               report=report)
+    _assert_same_outputs(pruned, net, (3, 6, 6))
+    assert report["a"]["removed"] == removed_a and report["b"] == {"dead": 4, "removed": 4, "kept": {}}
+    assert (pruned.a.out_channels, pruned.b.in_channels, pruned.b.out_channels, pruned.b.groups) == \
+        (12 - removed_a, 12 - removed_a, 4, 4)
+    for why in report["a"]["kept"]:
+        assert why.startswith("grouped convolution b keeps equal group sizes")
+
+
+def test_compress_says_when_it_could_not_prune_the_network(monkeypatch):
+    """compress keeps sample 0's surgery report; `not_pruned` carries the reason to select and export when
+    Torch-Pruning cannot trace the network (the samples are then the masked networks, dense shapes)."""
+    import torch_pruning as tp
+
+    model = _model("ss-gl")
+    _kill_random_half(model)
+    assert compress(model, 0.5, 2, seed=0).not_pruned is None
+    monkeypatch.setattr(tp.DependencyGraph, "build_dependency",
+                        lambda *a, **k: (_ for _ in ()).throw(ZeroDivisionError("integer division or modulo by zero")))
+    c = compress(model, 0.5, 2, seed=0)
+    assert c.not_pruned.startswith("Torch-Pruning cannot trace the module (ZeroDivisionError")
+    assert [layer.out_features for layer in _linears(c.samples[0])] == HIDDEN + [CLASSES]
+    _assert_same_outputs(c.samples[0], c.dense_sample, INPUT_SHAPE)

@@ -352,6 +352,10 @@ def run_train(ctx):
             checkpoint.unlink()
         write_json(marker, {"fingerprint": ctx.fingerprint("train")})
 
+    if distributed.is_main_process() and not checkpoint.exists():   # fail in seconds, not after training
+        from edgebayes.export.preflight import preflight
+
+        preflight(cfg, ctx.profile, splits, ctx.log)
     family = family_of(cfg)
     model, history = family.fit(cfg, splits, checkpoint, ctx.log)
     if not distributed.is_main_process():
@@ -468,6 +472,8 @@ def run_export(ctx):
     e = ctx.cfg.export
     knob_value, m = choice["knob_value"], choice["mc_samples"]
     compressed = compress(model, knob_value, m, ctx.cfg.seed)
+    if compressed.not_pruned:
+        ctx.log(f"export: WARNING {compressed.not_pruned}")
     mc_model = compressed.mc_model()
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
@@ -484,6 +490,8 @@ def run_export(ctx):
             path = Path(tmp) / f"{fmt}{f.suffix}"
             facts = {}
             export_artifact(mc_model, fmt, path, x[:16], calib_x, e.opset, layout=e.layout, details=facts)
+            if "packed_refused" in facts:
+                ctx.log(f"export: {fmt}: {facts['packed_refused']}")
             # TensorRT engines are built on the target: here the shipped ONNX is checked with onnxruntime.
             probs = artifact_predict(path, "onnx" if f.runtime == "tensorrt" else fmt, x.numpy())
             line = fidelity(probs, reference_probs, y)
@@ -493,7 +501,7 @@ def run_export(ctx):
                 line["measured_with"] = "onnxruntime on the shipped ONNX; the engine's own figures come from the device"
             artifacts[fmt] = {"path": path, **facts, "format": f.bundle_format, "bytes": path.stat().st_size,
                               "fidelity": line}
-            ctx.log(f"export: {fmt} ({e.layout}): accuracy {line['accuracy']:.4f} (PyTorch {line['reference']['accuracy']:.4f}), "
+            ctx.log(f"export: {fmt} ({facts['layout']}): accuracy {line['accuracy']:.4f} (PyTorch {line['reference']['accuracy']:.4f}), "
                     f"NLL {line['nll']:.4f}, ECE {line['ece']:.4f}, max |p - p_torch| {line['max_abs_prob_diff']:.2e}: "
                     f"{'ok' if line['check']['passed'] else 'FAILED'} ({line['check']['rule']})")
             if not line["check"]["passed"]:
@@ -513,12 +521,13 @@ def run_export(ctx):
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
     summary = {
-        "format": formats[0], "precision": primary["precision"], "layout": e.layout,
+        "format": formats[0], "precision": primary["precision"], "layout": primary["layout"],
         "mc_samples": m, "knob": model.knob, "knob_value": knob_value,
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
                                      "physical_flops_ratio")},
         "kept_units": {name: int(k.sum()) for name, k in compressed.kept.items()},
+        "surgery": {"not_pruned": compressed.not_pruned, "layers": compressed.surgery},
         "onnx_params": onnx_params, "kept_weights_per_sample": kept_per_sample,
         "kept_weights_total": kept_per_sample * m,
         "params_match": None if onnx_params is None else onnx_params == kept_per_sample * m,

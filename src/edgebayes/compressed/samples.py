@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgebayes.compressed.surgery import SurgeryError, remove_dead_units
+from edgebayes.compressed.surgery import NOT_PRUNED, SurgeryError, remove_dead_units
 
 
 class EmptyLayerError(SurgeryError):
@@ -45,6 +45,13 @@ class Compressed:
     samples: list           # M pruned plain modules
     dense_sample: nn.Module  # the first sample before surgery (dense shapes, dead rows zeroed)
     kept: dict               # name of each Linear in the plain module -> boolean mask of kept outputs
+    surgery: dict = None     # surgery's report on the first sample: per layer, dead / removed / why kept
+
+    @property
+    def not_pruned(self):
+        """Why surgery left the whole network masked (it could not trace it), or None."""
+        reasons = {why for row in (self.surgery or {}).values() for why in row["kept"]}
+        return next((why[len(NOT_PRUNED):] for why in sorted(reasons) if why.startswith(NOT_PRUNED)), None)
 
     def mc_model(self, m=None):
         return MCAverage(self.samples[: m or len(self.samples)]).eval()
@@ -59,18 +66,21 @@ def sample_generator(seed: int) -> torch.Generator:
 def compress(model, knob: float, m: int, seed: int) -> Compressed:
     """Draw m posterior samples at `knob` and physically remove their dead units.
 
-    Raises EmptyLayerError when the knob removes every unit of a layer (no network is left).
+    Raises EmptyLayerError when the knob removes every unit of a layer (no network is left). Surgery
+    degrades rather than fails (compressed/surgery.py): what it kept, and why, is in `surgery`, and
+    `not_pruned` says why when it could not prune the network at all.
     """
     gen = sample_generator(seed)
-    samples, dense0, kept = [], None, None
+    samples, dense0, kept, report = [], None, None, {}
     for _ in range(m):
         dense, kept = model.posterior_sample(knob, gen)
         empty = [name for name, mask in kept.items() if not bool(mask.any())]
         if empty:
             raise EmptyLayerError(f"{model.knob} {knob} removes every unit of layer(s) {empty}")
         dense0 = dense if dense0 is None else dense0
-        samples.append(remove_dead_units(dense, kept, torch.zeros((1,) + tuple(model.input_shape))))
-    return Compressed(knob, samples, dense0, kept)
+        samples.append(remove_dead_units(dense, kept, torch.zeros((1,) + tuple(model.input_shape)),
+                                         report=None if samples else report))
+    return Compressed(knob, samples, dense0, kept, report)
 
 
 @torch.no_grad()

@@ -27,23 +27,32 @@ does no work that survives. "Constant where read" is measured, not assumed (`pro
 constant only if it takes one value over the batch and every position of a random probe and of a second
 batch in which everything that depends on the input is driven to large values of both signs, so a live
 unit that happens to be inactive on the probe cannot pass for a constant. Channels the rules do not cover
-stay: read by a grouped convolution, normalized together with other channels (GroupNorm / LayerNorm), a
+stay: beyond the number every group of a grouped convolution can lose (PyTorch's groups have one size,
+`_equal_groups`), normalized together with other channels (GroupNorm / LayerNorm), a
 residual stream channel that another block writes, a constant read by a padded convolution, the last
-channel of a layer.
+channel of a layer, a channel that goes through a split, slice, reshape or expand that changes the
+channel dimension (torch.chunk, x[:, :k], a channel shuffle: the sizes after it are in the code).
 
-`report`, when a dict is passed, receives per layer of `dead_units` how many dead channels were removed
-and, for those that stay, why (`format_report` prints it). A final check compares the pruned module with
-the original on the probe and on a fresh batch; every failure (Torch-Pruning's included) is a
-SurgeryError that names the layer.
+Surgery degrades, it does not fail. `report`, when a dict is passed, receives per layer of `dead_units`
+how many dead channels were removed and, for those that stay, why, naming the layer or operation that
+kept them (`format_report` prints it). A final check compares the pruned module with the original on the
+probe and on a fresh batch; when it finds a difference (or Torch-Pruning fails inside a group), the layer
+whose group causes it is found by bisection and kept, and the rest is removed. A module Torch-Pruning
+cannot trace is returned masked and unpruned, the reason in the report. What remains an error is a
+SurgeryError naming the layer: dead_units that do not fit the module, a module that fails on the input.
 """
 
 import copy
+import traceback
 from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch_pruning as tp
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch_pruning.dependency import index_mapping as tp_index_mapping
 from torch_pruning.dependency.index_mapping import _ConcatIndexMapping
 
 from edgebayes.errors import StageError
@@ -180,26 +189,61 @@ def _run(module, x, names, what):
 
 
 # --------------------------------------------------------------------------------------------------
-# Concatenation. Torch-Pruning (1.6) infers a concatenation's offsets from its inputs' channel counts and
-# checks them against the channel count of the layer that reads it; when that count comes through a
-# flatten into a Linear (cat -> pool -> flatten -> Linear) it is C * H * W, not C, the check fails, and it
-# leaves the offsets unset: a channel of the second input is then mapped to the same index of the first
-# input (an IndexError, or a wrong cut that the final check refuses). The concatenations are recorded
-# while it traces, so their dimension and sizes are known, and their index mapping is set here from those
-# sizes, kept current by Torch-Pruning's own bookkeeping of `concat_sizes` as channels go.
-class _CatRecorder(TorchFunctionMode):
+# What Torch-Pruning traces, recorded beside it. Torch-Pruning (1.6) infers a concatenation's offsets
+# from its inputs' channel counts and checks them against the channel count of the layer that reads it;
+# when that count comes through a flatten into a Linear (cat -> pool -> flatten -> Linear) it is C * H * W,
+# not C, the check fails, and it leaves the offsets unset: a channel of the second input is then mapped to
+# the same index of the first input (an IndexError, or a wrong cut that the final check refuses). The
+# concatenations are recorded while it traces, so their dimension and sizes are known, and their index
+# mapping is set here from those sizes, kept current by Torch-Pruning's own bookkeeping of `concat_sizes`
+# as channels go. The input and output shapes of every other operation are recorded too: a group of
+# channels that passes through a split, slice, reshape or expand which changes the channel dimension
+# (torch.chunk / split, x[:, :k], a channel shuffle's view, [B, 1, H, W].expand(...)) cannot lose channels,
+# because the sizes on the other side are fixed in the network's code (`_channel_op_reason`).
+class _Recorder(TorchFunctionMode):
     def __init__(self):
         super().__init__()
-        self.cats = {}
+        self.cats, self.shapes = {}, {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _CAT and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+        if not outs or outs[0].grad_fn is None:
+            return out
+        if func in _CAT:
             tensors = args[0] if args else kwargs["tensors"]
             dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % out.dim()
             self.cats[out.grad_fn] = (dim, out.dim(), [t.shape[dim] for t in tensors])
+        source = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if source is not None and outs[0].grad_fn not in self.shapes:
+            self.shapes[outs[0].grad_fn] = (getattr(func, "__name__", str(func)), tuple(source.shape),
+                                            [tuple(t.shape) for t in outs])
         return out
+
+
+_SHAPE_OPS = ("SPLIT", "SLICE", "UNBIND", "RESHAPE", "EXPAND")
+
+
+def _channel_op_reason(node, recorder):
+    """Why channels cannot go through this Torch-Pruning node (a split, slice, reshape, expand), or None
+    when it keeps the channel dimension (a spatial slice, [B, C, 1, 1] -> [B, C], an expand over space)
+    or is the flatten [B, C, ...] -> [B, C * ...] whose index mapping Torch-Pruning keeps."""
+    if node.type.name not in _SHAPE_OPS:
+        return None
+    recorded = recorder.shapes.get(node.grad_fn)
+    if recorded is None:   # made inside an operator (F.linear's views): Torch-Pruning's mapping, and the check
+        return None
+    op, source, outs = recorded
+    if len(source) >= 2 and all(len(o) >= 2 and o[0] == source[0] and o[1] == source[1] for o in outs):
+        return None
+    flat = 1
+    for d in source[1:]:
+        flat *= d
+    if node.type.name == "RESHAPE" and len(outs) == 1 and outs[0] == (source[0], flat):
+        return None
+    return (f"{op} from {list(source)} to {', '.join(str(list(o)) for o in outs)}: the channel sizes after it are "
+            f"fixed in the network's code")
 
 
 def _own_concats(graph, cats):
@@ -240,17 +284,72 @@ def _map_concats(owned):
                     dep.index_mapping[1] = _ConcatIndexMapping(offset=offsets[k: k + 2], reverse=False)
 
 
+_MAPPING_UPDATES = ("update_concat_index_mapping", "update_split_index_mapping", "update_reshape_index_mapping",
+                    "update_unbind_index_mapping", "update_expand_index_mapping", "update_slice_index_mapping")
+
+
+@contextmanager
+def _tolerant_index_mapping(failed: dict):
+    """Torch-Pruning's index-mapping updates, each of which may raise on a shape it does not expect (a
+    channel shuffle's view: ZeroDivisionError in update_reshape_index_mapping, which made torchvision's
+    shufflenet untraceable), run per node: a node whose update fails is recorded in `failed` with the
+    error, and every group through it keeps its channels. Patched for the duration of one surgery (the
+    module-level functions are what Torch-Pruning looks up); not for threads sharing the process."""
+    originals = {name: getattr(tp_index_mapping, name) for name in _MAPPING_UPDATES}
+
+    def tolerant(name, update):
+        def run(graph, node):
+            try:
+                return update(graph, node)
+            except Exception as e:
+                failed.setdefault(node, f"Torch-Pruning's {name} fails on {node.grad_fn.name()} "
+                                        f"({type(e).__name__}: {e})")
+        return run
+
+    for name, update in originals.items():
+        setattr(tp_index_mapping, name, tolerant(name, update))
+    try:
+        yield
+    finally:
+        for name, update in originals.items():
+            setattr(tp_index_mapping, name, update)
+
+
 # --------------------------------------------------------------------------------------------------
+NOT_PRUNED = "not pruned: "   # the prefix of a reason that covers the whole module (nothing was removed)
+
+
+class _Untraceable(Exception):
+    pass
+
+
+class _GroupFailed(Exception):
+    """Removing one layer's group failed half-way: the attempt's copy is spoilt, the group must stay."""
+
+    def __init__(self, layer, reason):
+        super().__init__(reason)
+        self.layer, self.reason = layer, reason
+
+
 @torch.no_grad()
 def remove_dead_units(module: nn.Module, dead_units: dict, example_input: torch.Tensor, atol: float = 1e-5,
                       report: dict = None):
     """Return a copy of `module` with every removable dead unit / channel physically removed.
 
+    Surgery degrades, it does not fail: a dead channel that cannot be removed exactly stays (zero, or the
+    constant the masked network has there) and the report says which operation kept it. Each layer's
+    dead channels are removed as one group; when Torch-Pruning fails inside a group, or the final check
+    finds the outputs changed, the layer whose group causes it is found (by bisection over the groups in
+    the order they were removed) and kept, and surgery runs again without it. A module Torch-Pruning
+    cannot trace at all is returned unpruned (the masked network), with the reason in every layer's row.
+    The remaining errors are SurgeryErrors naming the layer: dead_units that do not fit the module, or
+    mark the model's outputs dead, and a module that fails on the example input.
+
     report: a dict to fill with {layer name: {"dead": n, "removed": n, "kept": {reason: n}}} for each layer
     of `dead_units` (format_report prints it).
     """
-    pruned = copy.deepcopy(module).cpu().eval()
-    layers = dict(pruned.named_modules())
+    original = copy.deepcopy(module).cpu().eval()
+    layers = dict(original.named_modules())
     names = {m: n for n, m in layers.items()}
     for name, mask in dead_units.items():
         if name not in layers or not isinstance(layers[name], AFFINE):
@@ -261,84 +360,147 @@ def remove_dead_units(module: nn.Module, dead_units: dict, example_input: torch.
     shape = tuple(example_input.shape[1:])
     probe = torch.randn((4,) + shape, generator=torch.Generator().manual_seed(0))
     check = torch.cat([probe, torch.randn((4,) + shape, generator=torch.Generator().manual_seed(2))])
-    reference = _run(pruned, check, names, "the original module")
+    reference = _run(original, check, names, "the original module")
+    tolerance = atol * max(1.0, float(reference.abs().max()))
+    dead_sets = {name: set((~mask.detach().cpu().to(torch.bool)).nonzero().flatten().tolist())
+                 for name, mask in dead_units.items()}
+    kept = {}   # layer name -> why all its dead channels stay (its group failed, or changed the outputs)
+
+    def attempt(only=None):
+        """(pruned, reasons, out_map, order, why its outputs are wrong or None), removing the groups of the
+        layers in `only` (all when None) but those of `kept`."""
+        pruned, reasons, out_map, order = _remove(original, dead_sets, probe, kept, only)
+        try:
+            out = _run(pruned, check, {m: n for n, m in pruned.named_modules()}, "check of the pruned module")
+        except SurgeryError as e:
+            return pruned, reasons, out_map, order, str(e).replace("surgery (check of the pruned module): ", "")
+        if out.shape != reference.shape:
+            return pruned, reasons, out_map, order, (f"they are outputs of the model (the output shape changed "
+                                                     f"from {tuple(reference.shape)} to {tuple(out.shape)})")
+        gap = float((out - reference).abs().max())
+        return pruned, reasons, out_map, order, (None if gap <= tolerance else f"the outputs changed by {gap:.2e}")
+
+    def fails(prefix):
+        try:
+            return attempt(set(prefix))[-1] is not None
+        except _GroupFailed:
+            return True
+
+    while True:
+        try:
+            pruned, reasons, out_map, order, why = attempt()
+        except _Untraceable as e:
+            pruned, out_map = original, {m: torch.arange(m.weight.shape[0]) for m in original.modules()
+                                         if isinstance(m, AFFINE)}
+            reasons = {(name, o): NOT_PRUNED + str(e) for name, dead in dead_sets.items() for o in dead}
+            break
+        except _GroupFailed as e:
+            kept[e.layer] = e.reason
+            continue
+        if why is None:
+            break
+        if not order:   # nothing was removed, and still the outputs differ: the module is not deterministic
+            raise SurgeryError(f"surgery: the module gives other outputs on a copy of itself ({why})")
+        kept[_first_failing(order, fails)] = f"removing them changed the pruned module: {why}"
+
+    if report is not None:
+        layers = dict(pruned.named_modules())
+        for name, dead in dead_sets.items():
+            left = set(out_map[layers[name]].tolist())
+            count = Counter(reasons.get((name, o), "not examined") for o in dead if o in left)
+            report[name] = {"dead": len(dead), "removed": len(dead) - sum(count.values()), "kept": dict(count)}
+    return pruned
+
+
+def _first_failing(order, fails):
+    """The layer of `order` whose group makes the removal fail: the last of the shortest failing prefix
+    (the empty prefix passes, the whole order fails); log2(len(order)) more attempts."""
+    lo, hi = 0, len(order)   # prefix lo passes, prefix hi fails
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fails(order[:mid]):
+            hi = mid
+        else:
+            lo = mid
+    return order[hi - 1]
+
+
+def _where(e):
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{type(e).__name__}: {e}, in {frame.name} of {Path(frame.filename).name}"
+
+
+def _remove(original, dead_sets, probe, kept, only=None):
+    """One attempt on a fresh copy of `original`: (pruned, {(layer, channel): why it stays}, out_map,
+    the layers whose groups were removed, in order)."""
+    pruned = copy.deepcopy(original)
+    layers = dict(pruned.named_modules())
+    names = {m: n for n, m in layers.items()}
     ranges = probe_inputs(pruned, probe, names)
     # Original index of every current output / input channel of each layer (indices shift as channels go).
     out_map = {m: torch.arange(m.weight.shape[0]) for m in pruned.modules() if isinstance(m, AFFINE)}
     in_map = {m: torch.arange(len(r[0])) for m, r in ranges.items()}
+    reasons, order = {}, []   # (layer name, original channel) -> why that dead channel stays
 
-    recorder = _CatRecorder()
-    try:
-        with torch.enable_grad(), recorder:  # Torch-Pruning traces the graph through autograd
-            graph = tp.DependencyGraph().build_dependency(pruned, example_inputs=probe[:1], verbose=False)
-    except Exception as e:
-        raise SurgeryError(f"Torch-Pruning cannot trace the module: {type(e).__name__}: {e}") from e
-    owned = _own_concats(graph, recorder.cats)
-    reasons = {}  # (layer name, original channel) -> why that dead channel stays
+    recorder, unmapped = _Recorder(), {}
+    with _tolerant_index_mapping(unmapped):
+        try:
+            with torch.enable_grad(), recorder:  # Torch-Pruning traces the graph through autograd
+                graph = _dependency_graph().build_dependency(pruned, example_inputs=probe[:1], verbose=False)
+        except Exception as e:
+            raise _Untraceable(f"Torch-Pruning cannot trace the module ({_where(e)}); the masked network is "
+                               f"kept, its FLOPs and bytes are the dense ones") from None
+        owned = _own_concats(graph, recorder.cats)
 
-    dead_sets = {name: set((~mask.detach().cpu().to(torch.bool)).nonzero().flatten().tolist())
-                 for name, mask in dead_units.items()}
-
-    for name, dead in dead_sets.items():
-        root = layers[name]
-        candidates = [i for i, o in enumerate(out_map[root].tolist()) if o in dead]
-        if candidates and root not in graph.module2node:  # e.g. an auxiliary head that eval mode skips
-            reasons.update({(name, o): "not reached by the forward pass" for o in dead})
-            continue
-        fn = tp.prune_linear_out_channels if isinstance(root, nn.Linear) else tp.prune_conv_out_channels
-
-        def coupled():
-            _map_concats(owned)
-            return graph.get_pruning_group(root, fn, candidates)
-
-        while candidates:
-            group = _tp_call(name, "find the channels coupled to", coupled)
-            blocked, folds = _check_group(graph, group, names, in_map, ranges, root)
-            if not blocked and not graph.check_pruning_group(group):
-                blocked = {candidates[-1]: "the last channel: a layer cannot be left empty"}
-            if not blocked:
-                break
-            for r, why in blocked.items():
-                reasons[(name, int(out_map[root][r]))] = why
-            candidates = [r for r in candidates if r not in blocked]
-        if not candidates:
-            continue
-        for m, k, c in folds:
-            _fold(m, k, c)
-        _tp_call(name, "remove", group.prune)
-        for item in group:
-            m, handler = item.dep.target.module, item.dep.handler
-            if m in out_map and graph.is_out_channel_pruning_fn(handler):
-                out_map[m] = _drop(out_map[m], item.idxs)
-            if m in in_map and graph.is_in_channel_pruning_fn(handler):
-                in_map[m] = _drop(in_map[m], item.idxs)
-
-    out = _run(pruned, check, names, "check of the pruned module")
-    if out.shape != reference.shape:
-        raise SurgeryError(f"surgery changed the output shape from {tuple(reference.shape)} to {tuple(out.shape)}: "
-                           "the layer that produces the model's outputs cannot lose units")
-    gap = float((out - reference).abs().max())
-    if gap > atol * max(1.0, float(reference.abs().max())):
-        raise SurgeryError(f"the pruned module's outputs differ from the original by {gap:.2e}")
-    if report is not None:
         for name, dead in dead_sets.items():
-            left = set(out_map[layers[name]].tolist())
-            kept = Counter(reasons.get((name, o), "not examined") for o in dead if o in left)
-            report[name] = {"dead": len(dead), "removed": len(dead) - sum(kept.values()), "kept": dict(kept)}
-    return pruned
+            root = layers[name]
+            candidates = [i for i, o in enumerate(out_map[root].tolist()) if o in dead]
+            if not candidates:
+                continue
+            if name in kept or (only is not None and name not in only):
+                reasons.update({(name, o): kept.get(name, "not tried") for o in dead})
+                continue
+            if root not in graph.module2node:  # e.g. an auxiliary head that eval mode skips
+                reasons.update({(name, o): "not reached by the forward pass" for o in dead})
+                continue
+            fn = graph.get_pruner_of_module(root).prune_out_channels
+            try:
+                while candidates:
+                    _map_concats(owned)
+                    group = graph.get_pruning_group(root, fn, candidates)
+                    blocked, folds = _check_group(graph, group, names, in_map, ranges, root, recorder, unmapped)
+                    if not blocked and not graph.check_pruning_group(group):
+                        blocked = {candidates[-1]: "the last channel: a layer cannot be left empty"}
+                    if not blocked:
+                        break
+                    for r, why in blocked.items():
+                        reasons[(name, int(out_map[root][r]))] = why
+                    candidates = [r for r in candidates if r not in blocked]
+            except SurgeryError:
+                raise
+            except Exception as e:   # nothing was changed yet: the group stays, the reason says why
+                why = f"Torch-Pruning could not find the channels coupled to them ({_where(e)})"
+                reasons.update({(name, int(out_map[root][r])): why for r in candidates})
+                continue
+            if not candidates:
+                continue
+            try:
+                for m, k, c in folds:
+                    _fold(m, k, c)
+                group.prune()
+            except Exception as e:
+                raise _GroupFailed(name, f"Torch-Pruning failed removing them ({_where(e)})") from None
+            order.append(name)
+            for item in group:
+                m, handler = item.dep.target.module, item.dep.handler
+                if m in out_map and graph.is_out_channel_pruning_fn(handler):
+                    out_map[m] = _drop(out_map[m], item.idxs)
+                if m in in_map and graph.is_in_channel_pruning_fn(handler):
+                    in_map[m] = _drop(in_map[m], item.idxs)
+    return pruned, reasons, out_map, order
 
 
-def _tp_call(name, what, call):
-    try:
-        return call()
-    except SurgeryError:
-        raise
-    except Exception as e:
-        raise SurgeryError(f"Torch-Pruning could not {what} the dead channels of {name!r}: "
-                           f"{type(e).__name__}: {e}") from e
-
-
-def _check_group(graph, group, names, in_map, ranges, root):
+def _check_group(graph, group, names, in_map, ranges, root, recorder, unmapped):
     """({root index: why it must stay}, [(reader, input index, constant to fold)]) for one group."""
     live_writers = {}  # root index -> layers that write that channel with non-zero weights, depthwise first
     for item in group:
@@ -369,16 +531,18 @@ def _check_group(graph, group, names, in_map, ranges, root):
     for item in group:
         m, handler = item.dep.target.module, item.dep.handler
         if isinstance(m, tp.ops._OutputOp):
-            raise SurgeryError(f"dead_units marks units of {names[root]!r} dead that are outputs of the model: "
-                               "the layer that produces the model's outputs cannot lose units")
+            for r in item.root_idxs:
+                blocked.setdefault(r, "they are outputs of the model")
+            continue
         label = names.get(m) or type(m).__name__
+        through = unmapped.get(item.dep.target) or _channel_op_reason(item.dep.target, recorder)
+        if through is not None:
+            for r in item.root_idxs:
+                blocked.setdefault(r, f"passes through {through}")
+            continue
         if isinstance(m, _MIXING_NORMS):
             for r in item.root_idxs:
                 blocked.setdefault(r, f"normalized together with other channels by {label}")
-            continue
-        if isinstance(m, nn.Conv2d) and m.groups > 1 and not _is_depthwise(m):
-            for r in item.root_idxs:  # Torch-Pruning cuts a grouped convolution's weights, not its groups
-                blocked.setdefault(r, f"coupled to grouped convolution {label}")
             continue
         if not graph.is_in_channel_pruning_fn(handler) or _is_depthwise(m):
             continue  # writers, batch norms, element-wise ops; a depthwise layer: its readers decide
@@ -387,7 +551,7 @@ def _check_group(graph, group, names, in_map, ranges, root):
                 blocked.setdefault(r, f"read by {type(m).__name__} {label}, which surgery has no rule for")
             continue
         for k, r in zip(item.idxs, item.root_idxs):
-            if bool((m.weight[:, k] == 0).all()):
+            if bool((_reading(m, k) == 0).all()):
                 continue  # the reader multiplies it by zero
             is_constant, c = constant(ranges[m], int(in_map[m][k]))
             if not is_constant:
@@ -397,16 +561,86 @@ def _check_group(graph, group, names, in_map, ranges, root):
                                       f"convolution {label}")
             elif float(c) != 0:
                 folds.append((m, k, c))
-    return blocked, folds
+    return blocked or _equal_groups(graph, group, names), folds
+
+
+def _grouped(m):
+    return isinstance(m, nn.Conv2d) and m.groups > 1 and not _is_depthwise(m)
+
+
+def _reading(m, k):
+    """The weights with which m reads its input channel k, [outputs reading it, ...]: a grouped
+    convolution's channel k is read by the outputs of its group only, with the weights of its position."""
+    if not isinstance(m, nn.Conv2d) or m.groups == 1:
+        return m.weight[:, k]
+    rows, per = m.out_channels // m.groups, m.in_channels // m.groups
+    return m.weight[k // per * rows: (k // per + 1) * rows, k % per]
+
+
+def _equal_groups(graph, group, names):
+    """{root index: why it stays} so that every grouped convolution of the group loses as many channels in
+    each of its groups (PyTorch's groups have one size): k = the fewest any group can lose, at most all
+    but one (an empty group would change the number of groups). The channels beyond k of a group stay."""
+    blocked = {}
+    for item in group:
+        m, handler = item.dep.target.module, item.dep.handler
+        if not _grouped(m):
+            continue
+        out = graph.is_out_channel_pruning_fn(handler)
+        if not out and not graph.is_in_channel_pruning_fn(handler):
+            continue
+        size = (m.out_channels if out else m.in_channels) // m.groups
+        per_group = {}
+        for i, r in sorted(zip(item.idxs, item.root_idxs)):
+            per_group.setdefault(i // size, []).append(r)
+        k = min(size - 1, min(len(per_group.get(g, ())) for g in range(m.groups)))
+        for g, roots in per_group.items():
+            for r in roots[k:]:
+                blocked.setdefault(r, f"grouped convolution {names.get(m)} keeps equal group sizes "
+                                      f"({'outputs' if out else 'inputs'}: {k} can go from every group)")
+    return blocked
 
 
 def _fold(m, k, c):
     """Add the contribution of the constant input channel k (value c) to m's bias: exact without padding."""
-    w = m.weight.detach()
-    contribution = w[:, k] * c if isinstance(m, nn.Linear) else w[:, k].sum((1, 2)) * c
+    w = _reading(m, k).detach()
+    contribution = w * c if isinstance(m, nn.Linear) else w.sum((1, 2)) * c
     if m.bias is None:
-        m.bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype))
-    m.bias.data += contribution
+        m.bias = nn.Parameter(torch.zeros(m.weight.shape[0], dtype=w.dtype))
+    if isinstance(m, nn.Conv2d) and m.groups > 1:
+        rows, per = m.out_channels // m.groups, m.in_channels // m.groups
+        m.bias.data[k // per * rows: (k // per + 1) * rows] += contribution
+    else:
+        m.bias.data += contribution
+
+
+class _GroupedConvPruner(tp.pruner.function.ConvPruner):
+    """Torch-Pruning's ConvPruner, right for grouped convolutions. Its prune_in_channels keeps the first
+    columns of the weight whatever the group, which is right only when every group loses the same
+    positions; here each group keeps the columns of its own remaining channels (`_equal_groups` makes
+    the counts equal). Output channels are rows: Torch-Pruning's way is right."""
+
+    def prune_in_channels(self, layer, idxs):
+        if not isinstance(layer, nn.Conv2d) or layer.groups == 1 or layer.transposed:
+            return super().prune_in_channels(layer, idxs)
+        rows, per, gone = layer.out_channels // layer.groups, layer.in_channels // layer.groups, set(idxs)
+        columns = [[i - g * per for i in range(g * per, (g + 1) * per) if i not in gone] for g in range(layer.groups)]
+        if len({len(c) for c in columns}) != 1:
+            raise ValueError(f"unequal groups after removing input channels {sorted(gone)}")
+        w = layer.weight.detach()
+        layer.weight = nn.Parameter(torch.cat([w[g * rows: (g + 1) * rows, c] for g, c in enumerate(columns)]))
+        layer.in_channels -= len(gone)
+        return layer
+
+
+def _dependency_graph():
+    """A Torch-Pruning dependency graph whose convolutions are pruned by _GroupedConvPruner."""
+    graph = tp.DependencyGraph()
+    graph.REGISTERED_PRUNERS[tp.ops.OPTYPE.CONV] = _GroupedConvPruner()
+    pruners = [p for p in graph.REGISTERED_PRUNERS.values() if p is not None]
+    graph._in_channel_pruning_fn = {p.prune_in_channels for p in pruners}
+    graph._out_channel_pruning_fn = {p.prune_out_channels for p in pruners}
+    return graph
 
 
 def _drop(index, idxs):
@@ -439,14 +673,26 @@ def coupled_channels(module: nn.Module, layer_names: list, example_input: torch.
     layers = dict(module.named_modules())
     names = {m: n for n, m in layers.items()}
     wanted = set(layer_names)
-    recorder = _CatRecorder()
-    try:
-        with torch.enable_grad(), recorder:
-            graph = tp.DependencyGraph().build_dependency(module.eval(), example_inputs=example_input[:1],
-                                                          verbose=False)
-    except Exception as e:
-        raise SurgeryError(f"Torch-Pruning cannot trace the module: {type(e).__name__}: {e}") from e
-    owned = _own_concats(graph, recorder.cats)
+    with _traced(module, example_input) as (graph, owned):
+        return _coupled(graph, owned, layers, names, wanted, layer_names)
+
+
+@contextmanager
+def _traced(module, example_input):
+    """(dependency graph, owned concatenations) of `module`, as remove_dead_units traces it; SurgeryError
+    when Torch-Pruning cannot trace it. Within the block, Torch-Pruning's index-mapping updates are tolerant."""
+    recorder, unmapped = _Recorder(), {}
+    with _tolerant_index_mapping(unmapped):
+        try:
+            with torch.enable_grad(), recorder:
+                graph = _dependency_graph().build_dependency(module.eval(), example_inputs=example_input[:1],
+                                                             verbose=False)
+        except Exception as e:
+            raise SurgeryError(f"Torch-Pruning cannot trace the module ({_where(e)})") from None
+        yield graph, _own_concats(graph, recorder.cats)
+
+
+def _coupled(graph, owned, layers, names, wanted, layer_names):
     parent = {}
 
     def find(a):
@@ -462,10 +708,13 @@ def coupled_channels(module: nn.Module, layer_names: list, example_input: torch.
         if root not in graph.module2node:
             blocked.add(name)
             continue
-        fn = tp.prune_linear_out_channels if isinstance(root, nn.Linear) else tp.prune_conv_out_channels
         _map_concats(owned)
-        group = _tp_call(name, "find the channels coupled to", lambda: graph.get_pruning_group(
-            root, fn, list(range(root.weight.shape[0]))))
+        try:
+            group = graph.get_pruning_group(root, graph.get_pruner_of_module(root).prune_out_channels,
+                                            list(range(root.weight.shape[0])))
+        except Exception:   # surgery will keep this layer's dead channels too, saying why
+            blocked.add(name)
+            continue
         for item in group:
             m, handler = item.dep.target.module, item.dep.handler
             if isinstance(m, tp.ops._OutputOp):
@@ -505,16 +754,16 @@ def order_channels(module: nn.Module, importance, example_input: torch.Tensor):
     outputs change (the model's own outputs, a module this cannot permute); a group with a grouped
     convolution or a norm over several channels keeps its order. Returns the names of the layers reordered.
     """
+    try:
+        with _traced(module, example_input) as (graph, owned):
+            return _order(module, importance, example_input, graph, owned)
+    except SurgeryError:   # an untraceable network keeps its order (surgery says why when it runs)
+        return []
+
+
+def _order(module, importance, example_input, graph, owned):
     layers = dict(module.named_modules())
     names = {m: n for n, m in layers.items()}
-    recorder = _CatRecorder()
-    try:
-        with torch.enable_grad(), recorder:
-            graph = tp.DependencyGraph().build_dependency(module.eval(), example_inputs=example_input[:1],
-                                                          verbose=False)
-    except Exception:   # an untraceable network keeps its order (surgery says why when it runs)
-        return []
-    owned = _own_concats(graph, recorder.cats)
     probe = torch.randn((4,) + tuple(example_input.shape[1:]), generator=torch.Generator().manual_seed(0))
     reference = module(probe)
     tolerance = 1e-5 * max(1.0, float(reference.abs().max()))
@@ -522,10 +771,10 @@ def order_channels(module: nn.Module, importance, example_input: torch.Tensor):
     for name, root in layers.items():
         if not isinstance(root, AFFINE) or root in done or root not in graph.module2node:
             continue
-        fn = tp.prune_linear_out_channels if isinstance(root, nn.Linear) else tp.prune_conv_out_channels
         _map_concats(owned)
         try:
-            group = graph.get_pruning_group(root, fn, list(range(root.weight.shape[0])))
+            group = graph.get_pruning_group(root, graph.get_pruner_of_module(root).prune_out_channels,
+                                            list(range(root.weight.shape[0])))
         except Exception:
             continue
         items = [(it.dep.target.module, it.dep.handler, list(it.idxs), list(it.root_idxs)) for it in group]

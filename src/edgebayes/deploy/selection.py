@@ -182,7 +182,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     example = val_x[:1]
     batch = val_x[torch.arange(b.batch_size) % len(val_x)]
     grid = [(k, m) for k in model.operating_points(cfg.select.knob_values) for m in sorted(cfg.select.mc_samples)]
-    layout = cfg.export.layout
+    layout, refused_logged = cfg.export.layout, False
     candidates, models, evidence = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
         progress = tqdm(total=len(grid) * len(fmts), desc="select", unit="candidate",
@@ -194,6 +194,8 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 log(f"select: {e}; skipped")
                 progress.update(len(fmts))
                 continue
+            if compressed.not_pruned:
+                log(f"select: {model.knob} {knob_value}, M={m}: {compressed.not_pruned}")
             mc_model = compressed.mc_model()
             kept_weights = sum(count_weights(s, fold_batch_norm=True) for s in compressed.samples)
             activations = activation_mb(compressed.samples[0], batch)
@@ -206,12 +208,16 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                                            calib_x, cfg.export.opset, layout=layout, details=details)
                 except (ImportError, RuntimeError, ValueError, NotImplementedError) as e:
                     raise SelectionError(f"device {profile.name}: cannot export format {fmt.name} here: {e}") from None
+                if "packed_refused" in details and not refused_logged:
+                    refused_logged = log(f"select: {details['packed_refused']}") or True
                 probs, scored_as = _val_probs(fmt, path, mc_model, val_x)
                 evidence[ident] = per_example(probs, val_y.numpy())
                 candidates.append({
                     "id": ident, "knob": model.knob, "knob_value": knob_value, "mc_samples": m,
-                    "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime, "layout": layout,
+                    "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime,
+                    "layout": details["layout"], "packed_refused": details.get("packed_refused"),
                     "kept_units": {name: int(mask.sum()) for name, mask in compressed.kept.items()},
+                    "not_pruned": compressed.not_pruned,
                     "val": classification_metrics(probs, val_y.numpy()), "val_scored_as": scored_as,
                     "cost": {"model_mb": path.stat().st_size / 1e6,
                              "flops": m * paper_flops(compressed.samples[0], val_x.shape[1:]),

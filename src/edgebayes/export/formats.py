@@ -38,7 +38,7 @@ import torch
 from edgebayes.errors import StageError
 from edgebayes.export.lowbit import breakdown, lowbit_onnx, weight_storage
 from edgebayes.export.onnx_export import export_onnx
-from edgebayes.export.packed import mc_graph
+from edgebayes.export.packed import UNROLLED_COST, mc_graph
 from edgebayes.ondevice.backends import native_noise_filtered
 from edgebayes.ondevice.metrics import classification_metrics
 from edgebayes.ondevice.runtimes import make_backend, predict_all
@@ -158,14 +158,19 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
     """Write the MC-averaged `mc_model` (an MCAverage) in format `fmt` to `path`; returns the path.
 
     example_x: a batch of inputs (shapes, and the packed-equals-unrolled check); calib_x: calibration inputs
-    from the training split (int8 formats); layout: 'packed' or 'unrolled'. Conversion facts (calibration
-    rows, ops left in fp32) are added to `details` when given.
+    from the training split (int8 formats); layout: 'packed' or 'unrolled' (a network the packed layout
+    refuses is exported unrolled, and `details` says so: "layout", "packed_refused"). Conversion facts
+    (calibration rows, ops left in fp32) are added to `details` when given.
     """
     f = get_format(fmt)
     path = Path(path)
     example_x = torch.as_tensor(example_x)
-    module = mc_graph(mc_model, layout, example_x[:16])
-    info = {"format": f.name, "precision": f.precision, "runtime": f.runtime, "layout": layout}
+    refused = []   # the packed layout refused this network: it is exported unrolled, and says why
+    module = mc_graph(mc_model, layout, example_x[:16], fallback=refused.append)
+    info = {"format": f.name, "precision": f.precision, "runtime": f.runtime,
+            "layout": "unrolled" if refused else layout}
+    if refused:
+        info["packed_refused"] = f"{refused[0]} Exported unrolled instead: {UNROLLED_COST}"
     with torch.no_grad():
         if f.suffix == ".onnx":
             if f.precision == "int8" or f.name in ("onnx-codebook", "onnx-fp16w"):

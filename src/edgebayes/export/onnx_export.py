@@ -6,6 +6,7 @@ graph simplifier runs afterwards (a simplifier would freeze random ops; ours has
 for every Bayesian graph).
 """
 
+import copy
 import warnings
 
 import numpy as np
@@ -13,13 +14,71 @@ import onnx
 import torch
 
 
+def _averaging(out, size):
+    """[out, size]: row i averages inputs floor(i size / out) .. ceil((i + 1) size / out) - 1, as
+    adaptive_avg_pool2d does along one dimension."""
+    a = torch.zeros(out, size)
+    for i in range(out):
+        start, end = (i * size) // out, -((-(i + 1) * size) // out)
+        a[i, start:end] = 1.0 / (end - start)
+    return a
+
+
+class AdaptiveAvgPoolAsMatmul(torch.nn.Module):
+    """nn.AdaptiveAvgPool2d at a fixed input size as two matrix products: the same averages. torch.onnx
+    exports an adaptive pool only when the output size divides the input size; alexnet's and vgg's 7x7 pool
+    after a 1x1 map (32 px inputs) does not."""
+
+    def __init__(self, in_hw, out_hw):
+        super().__init__()
+        self.register_buffer("rows", _averaging(out_hw[0], in_hw[0]))
+        self.register_buffer("cols", _averaging(out_hw[1], in_hw[1]).T.contiguous())
+
+    def forward(self, x):
+        return torch.matmul(torch.matmul(self.rows, x), self.cols)
+
+
+def exportable(module: torch.nn.Module, example: torch.Tensor) -> torch.nn.Module:
+    """`module`, or a copy with each adaptive average pool that ONNX cannot export as such (its output size
+    does not divide its input size at the example's size) replaced by AdaptiveAvgPoolAsMatmul."""
+    sizes = {}
+
+    def record(m, inputs, out):
+        sizes[m] = (tuple(inputs[0].shape[-2:]), tuple(out.shape[-2:]))
+
+    handles = [m.register_forward_hook(record) for m in module.modules() if isinstance(m, torch.nn.AdaptiveAvgPool2d)]
+    try:
+        with torch.no_grad():
+            module.eval()(example)
+    finally:
+        for h in handles:
+            h.remove()
+    bad = {m for m, (i, o) in sizes.items() if any(a % b for a, b in zip(i, o))}
+    if not bad:
+        return module
+    names = {m: n for n, m in module.named_modules() if m in bad}
+    module = copy.deepcopy(module)
+    for m, name in names.items():
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, child, AdaptiveAvgPoolAsMatmul(*sizes[m]))
+    return module
+
+
 def export_onnx(module: torch.nn.Module, example: torch.Tensor, path, opset: int = 17):
     """Write `module` to `path` with input 'input', output 'probs' and a dynamic batch dimension."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(module.eval(), (example,), str(path), input_names=["input"], output_names=["probs"],
-                          dynamic_axes={"input": {0: "batch"}, "probs": {0: "batch"}},
-                          opset_version=opset, dynamo=False)
+    module = exportable(module.eval(), example)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    # nn.MultiheadAttention's eval fast path is one fused operator ONNX has no conversion for (vit_b_16):
+    # off, it runs as the matrix products and softmax it computes, which export.
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.onnx.export(module.eval(), (example,), str(path), input_names=["input"], output_names=["probs"],
+                              dynamic_axes={"input": {0: "batch"}, "probs": {0: "batch"}},
+                              opset_version=opset, dynamo=False)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
     onnx.checker.check_model(str(path))
 
 

@@ -58,7 +58,8 @@ LAYOUTS = ("packed", "unrolled")
 SHARED = "shared"      # does not depend on the sample (the network input, and what only it feeds)
 CHANNELS = "channels"  # [B, M*C, ...]: sample m's channels (or features) at m*C .. (m+1)*C
 FEATURE_MAPS = "feature maps"  # per-sample [B, F] features held as [B, M*F, 1, 1], as a grouped 1x1 conv makes them
-SIZE = "size"          # an x.size() / x.shape value: no tensor, only the shape argument of a reshape
+SIZE = "size"          # an x.size() / x.shape value: no node until an operation needs it (`size_of`)
+BATCHED = "batched"    # [B*M, ...]: the samples folded into the batch, sample m of example b at row b*M + m
 
 # Parameter-free modules and functions acting per element or per channel: they keep the layout.
 ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
@@ -80,6 +81,10 @@ FOLDABLE = ((nn.Conv2d, nn.BatchNorm2d), (nn.Linear, nn.BatchNorm1d))  # (layer,
 
 class PackingError(StageError, ValueError):
     pass
+
+
+class _PerExample(PackingError):
+    """An operation with no channel-layout rule that acts on each example alone: `_Packer.per_example`."""
 
 
 class PackedMC(nn.Module):
@@ -207,6 +212,7 @@ class _Packer:
         self.reshaped_from = {}  # per-example reshape node of sample 0's graph -> the node it reshapes (no reshape)
         self.eval_identities = _eval_identities()
         self.n_constants = 0
+        self.batched_views = {}  # node of sample 0's graph -> its packed value as [B*M, ...] (per_example)
 
     # -- helpers -------------------------------------------------------------------------------
     def shape(self, node):
@@ -263,6 +269,71 @@ class _Packer:
             h = value[0] if value[1] == FEATURE_MAPS else self.lift(value, shape)  # FEATURE_MAPS: same memory order
             self.sample_major[node] = self.method("reshape", h, -1, self.m, *shape[1:])
         return self.sample_major[node]
+
+    def batched(self, node):
+        """The packed value of `node` with the samples folded into the batch: [B*M, ...] (BATCHED). Sample m's
+        values are contiguous in every layout, so it is one reshape; a shared value is repeated per sample."""
+        value, layout = self.env[node]
+        if layout == BATCHED:
+            return value
+        if layout == SIZE:
+            return self.size_of(node)
+        if not hasattr(node.meta.get("tensor_meta"), "shape"):
+            return value   # a number computed from sizes (vit's h // patch): the same for every sample
+        if node not in self.batched_views:
+            shape = self.shape(node)
+            if layout == SHARED:
+                value = self.method("expand", self.method("unsqueeze", value, 1), -1, self.m, *shape[1:])
+            self.batched_views[node] = self.method("reshape", value, -1, *shape[1:])
+        return self.batched_views[node]
+
+    def size_of(self, node, folded=True):
+        """A SIZE value as a node: the sizes of its tensor with the samples folded into the batch, or of the
+        shared tensor as it is (folded=False)."""
+        tensor, dims = self.sizes[node]
+        h = self.batched(tensor) if folded else self.env[tensor][0]
+        if isinstance(dims, int):
+            return self.method("size", h, dims)
+        return tuple(self.method("size", h, d) for d in dims)
+
+    def per_example(self, node):
+        """Any operation without weights that acts on each example alone (a transpose, a channel slice, chunk,
+        x[:, :, None, None], expand, a reduction over channels, a channel shuffle's views): run as written on
+        the samples folded into the batch, [B*M, ...], which is each sample's own computation. Whether it
+        really is per example is checked by pack_samples (packed against unrolled, on the example batch)."""
+        values = [self.env[a][1] for a in node.all_input_nodes]
+        if all(layout in (SHARED, SIZE) for layout in values) and \
+                all(self.env[self.sizes[a][0]][1] == SHARED for a in node.all_input_nodes if a in self.sizes):
+            convert, layout = (lambda a: self.size_of(a, folded=False) if a in self.sizes else self.env[a][0]), SHARED
+        else:
+            convert, layout = self.batched, BATCHED
+        args, kwargs = fx.node.map_arg(node.args, convert), fx.node.map_arg(node.kwargs, convert)
+        if node.op == "call_module":
+            name = f"{node.target.replace('.', '_')}_{self.n_constants}"
+            self.n_constants += 1
+            self.root.add_module(name, copy.deepcopy(self.modules[0][node.target]))
+            return self.graph.call_module(name, args, kwargs), layout
+        return self.graph.create_node(node.op, node.target, args, kwargs), layout
+
+    def rewrite_any(self, node):
+        """The packed value of `node`: by the rule for its operation (`rewrite`), or per example."""
+        inputs = node.all_input_nodes
+        size_ops = self._is_view(node) or (node.op == "call_function" and node.target is operator.getitem
+                                           and inputs and inputs[0] in self.sizes)
+        if not size_ops and any(not hasattr(a.meta.get("tensor_meta"), "shape") for a in inputs):
+            return self.per_example(node)   # arithmetic on sizes, a number or tuple passed to an operation
+        for a in inputs:
+            if self.env[a][1] == BATCHED:
+                meta = a.meta.get("tensor_meta")
+                if not hasattr(meta, "shape") or len(meta.shape) < 2 or \
+                        (node.op == "call_function" and node.target is operator.getitem):
+                    return self.per_example(node)
+                # back to [B, M*C, ...]: the operation has a rule of its own
+                self.env[a] = self.method("reshape", self.env[a][0], -1, self.m * meta.shape[1], *meta.shape[2:]), CHANNELS
+        try:
+            return self.rewrite(node)
+        except _PerExample:
+            return self.per_example(node)
 
     def only_feeds_linears(self, node):
         """Whether every use of `node` reaches a Linear through elementwise operations only."""
@@ -370,7 +441,7 @@ class _Packer:
                 d = self.sizes[s][1]
                 dims.extend(("size", i) for i in (d if isinstance(d, tuple) else (d,)))
             else:
-                self.unsupported(node, f"a reshape to a computed size {s}")
+                self.unsupported(node, f"a reshape to a computed size {s}", per_example=True)
         if dims[0] != ("size", 0) and dims[0] != ("fixed", -1):
             self.unsupported(node, "a reshape whose first dimension is not the batch size (x.size(0) or -1)")
         if ("size", 0) in dims[1:]:
@@ -380,10 +451,12 @@ class _Packer:
     def size_value(self, node, tensor, dims):
         """x.size(), x.size(d), x.shape, x.shape[d]: kept aside (no node) for the reshape that reads it.
 
-        The batch size is the one size that differs between the example and the deployed graph, and the
-        packed graph's dimension 1 is M times the sample's: a size is accepted only as a reshape's shape.
+        The batch size is the one size that differs between the example and the deployed graph (and B*M
+        where the samples are folded into the batch): a size that includes it is accepted only as a reshape's
+        shape. Other sizes are per example: an operation that needs one reads it off the value (`size_of`).
         """
-        for user in node.users:
+        has_batch = 0 in (dims if isinstance(dims, tuple) else (dims,))
+        for user in node.users if has_batch else ():
             ok = (user.op == "call_function" and user.target is operator.getitem and user.args[0] is node) or \
                  (self._is_view(user) and user.args[0] is not node)
             if not ok:
@@ -400,9 +473,10 @@ class _Packer:
 
     def flatten(self, node, x, start_dim, end_dim=-1):
         shape = self.shape(node.args[0])
+        if start_dim % len(shape) == 0:
+            self.unsupported(node, "a flatten of the batch dimension")
         if start_dim % len(shape) != 1 or end_dim % len(shape) != len(shape) - 1:
-            raise PackingError(f"{node.format_node()}: only flatten from dimension 1 to the last (per example) "
-                               f"is supported")
+            self.unsupported(node, "a flatten of some dimensions", per_example=True)
         # Sample m's channels are contiguous, so its C*H*W features are too: a plain flatten, or when a
         # Linear reads it, one reshape straight to the [B, M*F, 1, 1] that the Linear's convolution takes.
         if len(shape) == 2:  # already [B, F]
@@ -432,7 +506,7 @@ class _Packer:
             self.unsupported(node, f"{op} without explicit dimensions")
         dims = tuple(sorted(d % len(shape) for d in dims))
         if dims[0] < 2:
-            self.unsupported(node, f"{op} over the batch or channel/feature dimension")
+            self.unsupported(node, f"{op} over the batch or channel/feature dimension", per_example=dims[0] == 1)
         if x[1] == SHARED:
             return self.method(op, x[0], dims, keepdim=keepdim), SHARED
         h = self.lift(x, shape)
@@ -471,7 +545,7 @@ class _Packer:
         if len(tensors) == 2:
             (_, sa), (_, sb) = tensors
             if len(sa) != len(sb):
-                self.unsupported(node, f"broadcasting between a {len(sa)}-D and a {len(sb)}-D value")
+                self.unsupported(node, f"broadcasting between a {len(sa)}-D and a {len(sb)}-D value", per_example=True)
             if sa[1] != sb[1]:
                 out = self.shape(node)
                 joined = self.call(fn, self.by_sample(a), self.by_sample(b))
@@ -485,8 +559,11 @@ class _Packer:
         return (operator.add if node.target in (operator.add, operator.iadd, torch.add, "add") else
                 operator.sub if node.target in (operator.sub, operator.isub, torch.sub, "sub") else operator.mul)
 
-    def unsupported(self, node, what):
-        raise PackingError(f"the packed MC layout does not support {what} ({node.format_node()}); supported: "
+    def unsupported(self, node, what, per_example=False):
+        """Refuse `node`; per_example=True when the operation acts on each example alone, so that it can run
+        on the samples folded into the batch instead (`per_example`)."""
+        raise (_PerExample if per_example else PackingError)(
+            f"the packed MC layout does not support {what} ({node.format_node()}); supported: "
                            f"Conv2d, Linear, BatchNorm, elementwise activations, pooling, spatial mean/amax, "
                            f"per-example flatten/view/reshape, add/sub/mul, cat. Use export.layout: unrolled "
                            f"for this network")
@@ -507,7 +584,7 @@ class _Packer:
                 return self.flatten(node, x, mod.start_dim, mod.end_dim)
             if isinstance(mod, ELEMENTWISE_MODULES + CHANNELWISE_MODULES):
                 if isinstance(mod, CHANNELWISE_MODULES) and len(self.shape(arg)) != 4:
-                    self.unsupported(node, "pooling over features")
+                    self.unsupported(node, "pooling over features", per_example=True)
                 name = f"{node.target.replace('.', '_')}_{self.n_constants}"
                 self.n_constants += 1
                 mod = copy.deepcopy(mod)
@@ -515,7 +592,8 @@ class _Packer:
                     mod.inplace = False  # the packed graph's reshapes may alias or copy where the sample's did not
                 self.root.add_module(name, mod)
                 return self.graph.call_module(name, (x[0],)), x[1]
-            self.unsupported(node, f"module {type(mod).__name__}")
+            stateless = not any(True for _ in mod.parameters()) and not any(True for _ in mod.buffers())
+            self.unsupported(node, f"module {type(mod).__name__}", per_example=stateless)
         if node.op == "call_function":
             if node.target in ELEMENTWISE_FUNCTIONS or \
                     (node.target in CHANNELWISE_FUNCTIONS and len(self.shape(arg)) == 4):
@@ -543,7 +621,7 @@ class _Packer:
                 return self.binary(node, *node.args)
             if node.target is torch.cat:
                 return self.cat(node, list(arg), _arg(node, 1, "dim", 0))
-            self.unsupported(node, f"function {getattr(node.target, '__name__', node.target)}")
+            self.unsupported(node, f"function {getattr(node.target, '__name__', node.target)}", per_example=True)
         if node.op == "call_method":
             if node.target in ELEMENTWISE_METHODS and len(node.args) == 1:
                 return self.method(node.target, x[0]), x[1]
@@ -561,7 +639,7 @@ class _Packer:
                 dim = _arg(node, 1, "dim")
                 rank = len(self.shape(arg))
                 return self.size_value(node, arg, tuple(range(rank)) if dim is None else dim % rank)
-            self.unsupported(node, f"method .{node.target}()")
+            self.unsupported(node, f"method .{node.target}()", per_example=True)
         self.unsupported(node, f"a {node.op} node")
 
     def build(self, folded=(), unfolded=()) -> PackedMC:
@@ -584,7 +662,7 @@ class _Packer:
             elif node.op == "get_attr":
                 self.unsupported(node, "a tensor attribute used directly")
             else:
-                self.env[node] = self.rewrite(node)
+                self.env[node] = self.rewrite_any(node)
         module = fx.GraphModule(self.root, self.graph)
         module.graph.eliminate_dead_code()  # reshapes that a later reshape replaced
         module.graph.lint()
@@ -632,8 +710,17 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC
     return packed
 
 
-def mc_graph(mc_model, layout: str, example: torch.Tensor) -> nn.Module:
-    """The MC-averaged module to export in `layout` ('packed' or 'unrolled') from an MCAverage."""
+# What the unrolled layout costs where packing was refused (benchmarks/results/export_packed_latency.md,
+# onnxruntime, batch 1): at M = 8 the packed graph took 0.51x-0.87x of the unrolled one's time.
+UNROLLED_COST = ("the unrolled layout runs each layer M times: at M = 8 the packed layout took 0.51-0.87x its "
+                 "latency on the nets measured (benchmarks/results/export_packed_latency.md)")
+
+
+def mc_graph(mc_model, layout: str, example: torch.Tensor, fallback=None) -> nn.Module:
+    """The MC-averaged module to export in `layout` ('packed' or 'unrolled') from an MCAverage.
+
+    fallback: called with the reason when the packed layout refuses the network (a PackingError), which is
+    then exported unrolled; without it the PackingError propagates."""
     if layout == "unrolled":
         return mc_model.eval()
     if layout == "packed":
@@ -641,5 +728,11 @@ def mc_graph(mc_model, layout: str, example: torch.Tensor) -> nn.Module:
             # One sample: nothing to pack. The plain graph runs Gemms where the packed one runs 1x1
             # convolutions and reshapes, slower in onnxruntime (benchmarks/results/export_packed_latency.md, M = 1).
             return mc_model.eval()
-        return pack_samples(mc_model.samples, example)
+        try:
+            return pack_samples(mc_model.samples, example)
+        except PackingError as e:
+            if fallback is None:
+                raise
+            fallback(str(e))
+            return mc_model.eval()
     raise ValueError(f"unknown MC layout {layout!r}; expected one of {LAYOUTS}")

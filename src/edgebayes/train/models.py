@@ -12,6 +12,8 @@ interface (train/families.py, PosteriorNet):
 SQS (paper 001) wraps a trained plain network instead: train/sqs.py.
 """
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 from torch import nn
@@ -25,6 +27,18 @@ from edgebayes.train.spike_slab import (
     SpikeSlabLayer,
     prior_inclusion_probability,
 )
+
+
+def load_matching(module, state):
+    """Load into `module` the entries of `state` whose name and shape match its own; the others keep the
+    module's values. The state dict handed over keeps the module's own `_metadata` (the version each
+    submodule saved its state under): a module that converts old states in `_load_from_state_dict`
+    (torchvision's MNASNet, batch norm) reads it, and MNASNet refuses a state dict without it."""
+    target = module.state_dict()
+    merged = OrderedDict((k, state[k] if k in state and state[k].shape == v.shape else v) for k, v in target.items())
+    merged._metadata = getattr(target, "_metadata", OrderedDict())
+    module.load_state_dict(merged)
+    return module
 
 
 class BayesianNet(nn.Module):
@@ -102,9 +116,8 @@ class BayesianNet(nn.Module):
         the batch-norm scale and shift of a switched-off channel, so its output is exactly zero.
         """
         plain = self._build_plain()
-        own, target = self.net.state_dict(), plain.state_dict()
         # Deterministic parts (batch norms, plain layers) are copied by name.
-        plain.load_state_dict({k: (own[k] if k in own and own[k].shape == v.shape else v) for k, v in target.items()})
+        load_matching(plain, self.net.state_dict())
         kept = {n: torch.ones(m.weight.shape[0], dtype=torch.bool)
                 for n, m in plain.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))}
         for name, layer in self.bayesian_layers():
@@ -229,8 +242,7 @@ class NestedNet(nn.Module):
         """
         width = self.operating_points([width])[0]
         plain = self._build_plain()
-        own, target = self.net.state_dict(), plain.state_dict()
-        plain.load_state_dict({k: (own[k] if k in own and own[k].shape == v.shape else v) for k, v in target.items()})
+        load_matching(plain, self.net.state_dict())
         for name, layer in self.nested_layers():
             affine = plain.get_submodule(self._plain_name(name, layer))
             scale = layer.channel_scale(width)

@@ -1,0 +1,61 @@
+"""Fail in seconds, not after training: compress and export the untrained network first.
+
+`train` (and `pipeline`, which starts with it) builds the configured family's network, freshly
+initialised, compresses it at the family's default knob with M = 2 samples (1 where select.mc_samples
+asks for no more; the packed layout is built alike for every M >= 2), and
+exports it in every format it will be asked for (the device's formats that select scores, and
+export.formats) in export.layout, before the first epoch. A network that one of them cannot handle (an
+operation ONNX or TFLite has no conversion for, a layout it cannot take) is refused there, with the
+message select or export would have given after the training had been paid for. Nothing is written: the
+artifacts go to a temporary folder. An untrained spike-and-slab net has every unit's inclusion at its
+prior, so surgery sees the network's real structure (what is dead changes with training, the operations
+do not).
+"""
+
+import tempfile
+from pathlib import Path
+
+from edgebayes.errors import StageError
+
+
+def requested_formats(cfg, profile):
+    """The formats select scores on this device, then export.formats beyond them, without repeats."""
+    from edgebayes.deploy.latency_model import formats_for
+
+    names = [f.name for f in formats_for(profile, cfg.model.family)]
+    return names + [f for f in cfg.export.formats if f not in names]
+
+
+def preflight(cfg, profile, splits, log=print):
+    """Compress and export the untrained net in every requested format; a StageError saying which and why
+    if one fails. Returns the formats checked."""
+    from edgebayes.compressed.samples import EmptyLayerError, compress
+    from edgebayes.export.formats import FORMATS, export_artifact
+    from edgebayes.train.families import build
+
+    formats = requested_formats(cfg, profile)
+    model = build(cfg, splits).cpu().eval()
+    m = min(2, max(cfg.select.mc_samples))   # the packed graph is rewritten alike for every M >= 2
+    x = splits.train_x[:2]
+    what = "train: refused before the first epoch (compress and export of the untrained network)"
+    try:
+        compressed = compress(model, model.default_knob, m, cfg.seed)
+    except EmptyLayerError as e:   # the untrained knob empties a layer: nothing to export, training decides
+        log(f"train: pre-flight skipped: {e}")
+        return []
+    except StageError as e:
+        raise StageError(f"{what}: {e}") from None
+    mc_model = compressed.mc_model()
+    with tempfile.TemporaryDirectory(prefix="edgebayes-preflight-") as tmp:
+        for fmt in formats:
+            try:
+                export_artifact(mc_model, fmt, Path(tmp) / f"{fmt}{FORMATS[fmt].suffix}", x, x, cfg.export.opset,
+                                layout=cfg.export.layout)
+            except Exception as e:
+                raise StageError(f"{what}: device {profile.name}: cannot export format {fmt} "
+                                 f"(export.layout {cfg.export.layout}): {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    log(f"train: pre-flight: the untrained network compresses and exports to {', '.join(formats)} "
+        f"({cfg.export.layout}, M={m})")
+    return formats
+
