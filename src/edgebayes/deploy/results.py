@@ -134,6 +134,7 @@ SCHEMA = {
     "selective": {"rejected": ListOf(RATE), "kept": ListOf(COUNT), "accuracy": ListOf(_optional(RATE)),
                   "max_entropy": ListOf(_optional(NONNEG)), "score": _text, "n": POSITIVE},
     "latency_samples_ms": ListOf(MS, 100_000),
+    "latency_histogram": {"edges_ms": ListOf(NONNEG, 10_001), "counts": ListOf(COUNT, 10_000)},   # every run
     "reference": METRICS,
     "max_abs_prob_diff": RATE,
     "started_at": _text, "finished_at": _text,
