@@ -622,7 +622,7 @@ def test_ssh_settings_that_run_a_command_here_are_refused_as_ssh_reads_them(case
 def test_ssh_G_never_runs_a_match_exec_it_reads(tmp_path):
     """The judgement itself reads the configuration with a shell that does not exist: a Match exec it
     reaches stops ssh -G instead of running (ssh -G does run them otherwise)."""
-    from edgebayes.deploy.transport import _effective_ssh_config, _MatchExec
+    from edgebayes.config import _effective_ssh_config, _MatchExec
 
     canary = tmp_path / "pwned"
     config = tmp_path / "c.conf"

@@ -76,7 +76,7 @@ def test_fp16_weight_onnx_halves_the_file_keeps_fp32_compute_and_is_offered_wher
     from onnx import numpy_helper
 
     from edgebayes.config import DeviceProfile
-    from edgebayes.deploy.latency_model import formats_for
+    from edgebayes.export.formats import formats_for
 
     mc, x, _, _ = _case("mlp")
     fp32 = export_artifact(mc, "onnx", tmp_path / "fp32.onnx", x[:8])

@@ -51,11 +51,11 @@ import torch
 from edgebayes.config import devices_dirs
 from edgebayes.deploy.transport import TransportError, runner_failure
 from edgebayes.errors import StageError
+from edgebayes.export.formats import formats_for
 from edgebayes.ondevice.backends import _tflite_interpreter
 from edgebayes.ondevice.bundle import RUNNER_FILE
 from edgebayes.ondevice.cli import command_line
 from edgebayes.ondevice.pack import write_runner
-from edgebayes.ondevice.tables import FORMATS
 from edgebayes.provenance import provenance, read_json, write_json
 from edgebayes.train.layers import LayerFactory
 from edgebayes.train.zoo.mlp import mlp
@@ -73,19 +73,6 @@ RANGE_MARGIN = 1.25
 
 class LatencyModelError(StageError):
     pass
-
-
-def formats_for(profile, family=None):
-    """The export formats this device's runtime loads, at the precisions its profile lists; a format made
-    for some model families only (onnx-codebook: SQS) when `family` is one of them."""
-    fmts = [f for f in FORMATS.values()
-            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision
-            and (not f.families or family in f.families)]
-    if not fmts:
-        known = ", ".join(f"{f.name} ({f.runtime} {f.precision})" for f in FORMATS.values())
-        raise StageError(f"device {profile.name}: no export format for runtime {profile.runtime.name} at "
-                         f"precision {', '.join(profile.runtime.precision)} (formats here: {known})")
-    return fmts
 
 
 def operator_count(path):

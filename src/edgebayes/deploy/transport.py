@@ -16,7 +16,6 @@ never touched, so the stage can simply be re-run.
 """
 
 import copy
-import glob
 import io
 import json
 import os
@@ -32,8 +31,8 @@ import tarfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from edgebayes.config import JUMP_HOP, expand_repo
-from edgebayes.errors import InputError, StageError
+from edgebayes.config import expand_repo, ssh_destination, ssh_options
+from edgebayes.errors import StageError
 from edgebayes.ondevice.tables import RUNTIME_MODULES
 
 # Run on the device with its own python (any 3.x): what `devices check` shows and deploy's preflight
@@ -356,160 +355,6 @@ class SSHTransport(Transport):
 
         with atomic_path(local) as tmp:
             tmp.write_bytes(out)
-
-
-def ssh_destination(c) -> str:
-    return f"{c.user}@{c.host}" if c.user else c.host
-
-
-def ssh_options(c, config_file=True) -> list:
-    """The ssh options of a profile's connection, as SSHTransport runs ssh and `judge_ssh_config` reads them."""
-    opts = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={c.connect_timeout_s}",
-            "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
-    if c.ssh_config and config_file:
-        opts += ["-F", expand_repo(c.ssh_config)]
-    if c.port:
-        opts += ["-p", str(c.port)]
-    if c.identity_file:
-        opts += ["-i", os.path.expanduser(expand_repo(c.identity_file))]
-    if c.proxy_jump:
-        opts += ["-J", c.proxy_jump]
-    for option in c.options or []:
-        opts += ["-o", expand_repo(option)]
-    return opts
-
-
-# What ssh may do on this machine beyond connecting, by the keyword `ssh -G` prints (ssh_config(5)): run a
-# command (ProxyCommand; LocalCommand, which PermitLocalCommand enables; KnownHostsCommand; the xauth program
-# of XAuthLocation), load a library into ssh (PKCS11Provider, SecurityKeyProvider), or open this machine to
-# the device (the agent's keys, the X display, forwarded ports, a tunnel device).
-LOCAL_EFFECTS = {"proxycommand": "ProxyCommand", "localcommand": "LocalCommand",
-                 "permitlocalcommand": "PermitLocalCommand", "knownhostscommand": "KnownHostsCommand",
-                 "xauthlocation": "XAuthLocation", "pkcs11provider": "PKCS11Provider",
-                 "securitykeyprovider": "SecurityKeyProvider", "forwardagent": "ForwardAgent",
-                 "forwardx11": "ForwardX11", "localforward": "LocalForward", "remoteforward": "RemoteForward",
-                 "dynamicforward": "DynamicForward", "tunnel": "Tunnel"}
-_RUNS = {"proxycommand", "localcommand", "permitlocalcommand", "knownhostscommand", "xauthlocation",
-         "pkcs11provider", "securitykeyprovider"}
-# ssh runs `Match exec` commands with $SHELL while it reads its configuration, `ssh -G` included; with a
-# shell that does not exist it stops there instead, saying so: how we see a Match exec without running it.
-_NO_SHELL = "/nonexistent/edgebayes-refuses-match-exec"
-MAX_SSH_CONFIG_BYTES = 1 << 20
-
-
-class _MatchExec(Exception):
-    pass
-
-
-def _effective_ssh_config(opts, destination) -> dict:
-    """`ssh -G`: the configuration ssh would use for this destination (keyword -> its values), with every
-    Match block evaluated as ssh evaluates it. Raises _MatchExec where one runs a command, InputError with
-    ssh's own message where ssh refuses the options."""
-    try:
-        proc = subprocess.run(["ssh", "-G", *opts, "--", destination], capture_output=True, timeout=30,
-                              stdin=subprocess.DEVNULL, env={**os.environ, "SHELL": _NO_SHELL})
-    except subprocess.TimeoutExpired:
-        raise InputError("`ssh -G` did not answer in 30 s") from None
-    err = _lines(proc.stderr)
-    if proc.returncode != 0:
-        if any(_NO_SHELL in ln for ln in err):
-            raise _MatchExec()
-        raise InputError(next((ln for ln in err if "terminal" not in ln), f"exit code {proc.returncode}"))
-    config = {}
-    for line in proc.stdout.decode(errors="replace").splitlines():
-        key, _, value = line.partition(" ")
-        config.setdefault(key.lower(), []).append(value)
-    return config
-
-
-def _match_exec_in(path, depth=0):
-    """The file (this ssh config file or one it Includes) holding a `Match ... exec` line, read as ssh
-    tokenizes it (quotes, `=`, any case, `!exec`), whether or not the Match applies: a profile's own config
-    file may hide one behind a condition that is false today. None if there is none."""
-    try:
-        text = Path(path).read_text(errors="replace") if depth < 16 and Path(path).is_file() else ""
-    except OSError:
-        return None
-    for line in text.splitlines():
-        try:
-            words = shlex.split(line.replace("=", " ", 1), comments=True)
-        except ValueError:
-            words = line.replace("=", " ").replace('"', " ").split()
-        key = words[0].lower() if words else ""
-        if key == "match" and any(w.lower().lstrip("!").startswith("exec") for w in words[1:]):
-            return Path(path)
-        if key == "include":   # relative to ~/.ssh, as ssh resolves a user config's Include
-            home = Path("~/.ssh").expanduser()
-            for f in (f for w in words[1:] for f in sorted(glob.glob(str(home / os.path.expanduser(w))))):
-                if (found := _match_exec_in(f, depth + 1)) is not None:
-                    return found
-    return None
-
-
-def judge_ssh_config(c, where):
-    """Refuse a profile (ConfigError naming `where` and the field) whose ssh configuration, read by ssh
-    itself (`ssh -G` with its options and config file, so no quoting, case or `=` hides a keyword), makes
-    ssh run a command or open this machine (LOCAL_EFFECTS, `Match exec`), for the host or any jump host,
-    unless `connection.trusted`. A profile is data users share; what the user's own ~/.ssh/config already
-    does for a host is theirs, and allowed. No ssh installed: nothing can run, nothing to judge (the
-    transport says ssh is missing)."""
-    from edgebayes.config import ConfigError, _show
-
-    path = None
-    if c.ssh_config:
-        path = Path(os.path.expanduser(expand_repo(c.ssh_config)))
-        if not path.is_file() or path.stat().st_size > MAX_SSH_CONFIG_BYTES:
-            raise ConfigError(f"{where}: connection.ssh_config: {path} is not a readable file "
-                              f"{'of at most 1 MB' if path.is_file() else '(missing, or not a regular file)'}")
-    if c.trusted or shutil.which("ssh") is None:
-        return
-    allowed = "allowed only with `connection.trusted: true` in a profile you wrote or checked"
-    if path and (found := _match_exec_in(path)) is not None:
-        raise ConfigError(f"{where}: connection.ssh_config: {found} has a `Match exec`"
-                          f"{'' if found == path else f' (included by {path})'}, which makes ssh run a command "
-                          f"on this machine; {allowed}")
-
-    def effective(opts, dest):
-        try:
-            return _effective_ssh_config(opts, dest)
-        except _MatchExec:
-            raise ConfigError(f"{where}: connection: ssh's configuration for {dest} evaluates a `Match exec`, "
-                              f"which makes ssh run a command on this machine; {allowed}") from None
-        except InputError as e:
-            raise ConfigError(f"{where}: connection: ssh refuses these settings ({e})") from None
-
-    def offending(config, dest):
-        """The first LOCAL_EFFECTS keyword set otherwise than by ssh's defaults or the user's own config."""
-        defaults = [effective(["-F", os.devnull], dest)]
-        try:
-            defaults.append(_effective_ssh_config([], dest))
-        except (_MatchExec, InputError):
-            pass
-        return next((k for k in LOCAL_EFFECTS if all(config.get(k, []) != d.get(k, []) for d in defaults)), None)
-
-    # A jump host is reached by an ssh of its own, which reads the config file (not the -o options).
-    hop_opts = ["-F", str(path)] if path else []
-    todo, seen = [(ssh_options(c), ssh_destination(c), None)], set()
-    while todo:
-        opts, dest, hop = todo.pop()
-        config = effective(opts, dest)
-        key = offending(config, dest)
-        if key is not None:
-            field = "connection.options"
-            if hop is not None:
-                field = f"connection.ssh_config ({path}) for jump host {hop}" if path else "connection.proxy_jump"
-            elif path and offending(effective(ssh_options(c, config_file=False), dest), dest) is None:
-                field = f"connection.ssh_config ({path})"
-            effect = "makes ssh run code on this machine" if key in _RUNS else "opens this machine to the device"
-            raise ConfigError(f"{where}: {field}: ssh reads {LOCAL_EFFECTS[key]} {_show(' '.join(config[key]))} "
-                              f"from them, which {effect}; {allowed}")
-        for jump in (config.get("proxyjump") or ["none"])[0].split(","):
-            m = JUMP_HOP.fullmatch(jump)
-            if jump != "none" and m and jump not in seen and len(seen) < 16:
-                seen.add(jump)
-                host = m["ip6"] or m["host"]
-                todo.append(([*hop_opts, *(["-p", m["port"]] if m["port"] else [])],
-                             f"{m['user']}@{host}" if m["user"] else host, jump))
 
 
 def transport_for(profile, default_workdir):

@@ -225,3 +225,16 @@ def check_fidelity(line: dict, precision: str, tolerance: float, max_accuracy_dr
         passed = line["accuracy"] >= floor
         rule = f"accuracy >= {floor:.4f} (PyTorch MC accuracy - {max_accuracy_drop})"
     return {"rule": rule, "passed": bool(passed)}
+
+
+def formats_for(profile, family=None):
+    """The export formats this device's runtime loads, at the precisions its profile lists; a format made
+    for some model families only (onnx-codebook: SQS) when `family` is one of them."""
+    fmts = [f for f in FORMATS.values()
+            if f.runtime == profile.runtime.name and f.precision in profile.runtime.precision
+            and (not f.families or family in f.families)]
+    if not fmts:
+        known = ", ".join(f"{f.name} ({f.runtime} {f.precision})" for f in FORMATS.values())
+        raise StageError(f"device {profile.name}: no export format for runtime {profile.runtime.name} at "
+                         f"precision {', '.join(profile.runtime.precision)} (formats here: {known})")
+    return fmts

@@ -20,7 +20,7 @@ from edgebayes.errors import StageError
 
 def requested_formats(cfg, profile):
     """The formats select scores on this device, then export.formats beyond them, without repeats."""
-    from edgebayes.deploy.latency_model import formats_for
+    from edgebayes.export.formats import formats_for
 
     names = [f.name for f in formats_for(profile, cfg.model.family)]
     return names + [f for f in cfg.export.formats if f not in names]

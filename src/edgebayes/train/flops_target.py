@@ -222,6 +222,13 @@ class FlopsTargetSchedule:
     def step(self, model, step):
         if step + 1 not in self.points:
             return
+        # Building plain twins initialises layers from the global generator: fork it, so that the training noise
+        # is the same whether or not this process measured the families first (a resumed run must end where an
+        # uninterrupted one does)
+        with torch.random.fork_rng(devices=[]):
+            self._switch_off_to_schedule(model, step)
+
+    def _switch_off_to_schedule(self, model, step):
         # A CPU copy to count on: its samples draw from their own generator, not the training noise's stream
         snapshot = copy.deepcopy(model).cpu().eval()
         if self.families is None:
