@@ -342,6 +342,18 @@ def test_a_predicted_report_says_what_is_predicted(tmp_path):
     assert t["mode"] == "predicted" and t["latency_ms"] == {"p50": 0.2, "p90": 0.3, "p99": 0.4}
 
 
+def test_a_predicted_report_over_a_measured_one_leaves_none_of_its_figures(tmp_path):
+    """A board measured before and unreachable now: the measured report's latency histogram must not stay
+    beside the report of predictions, as if it were this run's; a file the user put there stays."""
+    report_mod.write_report(make_inputs(), tmp_path)
+    measured = {p.name for p in tmp_path.glob("*.png")}
+    (tmp_path / "mine.png").write_bytes(b"user's")
+    report_mod.write_report(predicted_inputs(), tmp_path)
+    left = {p.name for p in tmp_path.glob("*.png")}
+    assert "latency_hist.png" in measured - left and "mine.png" in left
+    assert left - {"mine.png"} <= measured
+
+
 @pytest.mark.parametrize("band, verdict", [([0.15, 0.9], "likely pass"), ([5.5, 9.0], "likely fail"),
                                            ([0.15, 6.0], "unknown")])
 def test_a_board_without_a_latency_table_gets_the_spec_sheet_estimate_with_its_band(band, verdict, tmp_path):

@@ -6,6 +6,7 @@ deploy and report run here, with a short benchmark.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -201,6 +202,17 @@ def test_devices_comparison_page(trained_runs, quick_config, tmp_path, capsys):
     html = (trained_runs / "digits-ssgl/report/devices.html").read_text()
     assert "href='local/report.html'" in html and "href='far/report.html'" in html
     assert "predicted" in html and "<img" in html
+    assert not rows["local"]["stale"] and not rows["far"]["stale"] and "stale report" not in html
+    # A later selection than the report (a re-run killed before its report): the row says so.
+    choice = trained_runs / "digits-ssgl/select/local/choice.json"
+    later = (trained_runs / "digits-ssgl/report/local/report.json").stat().st_mtime + 60
+    os.utime(choice, (later, later))
+    code, out, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs,
+                         "--devices", "local", far, "--json")
+    rows = {r["device"]: r for r in json.loads(out)["devices"]}
+    assert code == 0 and "selection is newer" in rows["local"]["stale"] and not rows["far"]["stale"]
+    assert "local: stale report" in (trained_runs / "digits-ssgl/report/devices.html").read_text()
+    assert "local's report is stale" in err
     # A device without a report is named with the command that makes one.
     code, _, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", "local",
                        "jetson")

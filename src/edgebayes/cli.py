@@ -21,6 +21,7 @@ says which);
 """
 
 import argparse
+import dataclasses
 import json
 import pickle
 import signal
@@ -351,13 +352,29 @@ def _report_extras(ctx, args):
         if not path.is_file():
             raise StageError(f"{path} is missing: run `edgebayes pipeline --config {ctx.config_path} --device {name}"
                              f"{'' if str(ctx.runs_dir) == 'runs' else f' --runs-dir {ctx.runs_dir}'}` first")
-        reports.append((json.loads(path.read_text()), path.with_name("report.html")))
+        report = json.loads(path.read_text())
+        report["stale"] = _report_staleness(dataclasses.replace(ctx, profile=profile), path)
+        reports.append((report, path.with_name("report.html")))
     out = ctx.run_dir / "report"
     write_comparison(reports, out)
     ctx.log(f"report: {out / 'devices.html'} compares {', '.join(args.devices)}")
+    for name, (report, _) in zip(args.devices, reports):
+        if report["stale"]:
+            ctx.log(f"report: {name}'s report is stale, marked so on the page: {report['stale']}")
     if args.json:
         print((out / "devices.json").read_text(), end="")
     return 0
+
+
+def _report_staleness(ctx, report_path):
+    """Why a device's report no longer shows its current chosen point (None when it does): a selection
+    written after the report (a later run stopped before its report), or a config, profile or code change
+    since the selection (the next `pipeline` selects again)."""
+    choice = ctx.stage_dir("select") / "choice.json"
+    if choice.is_file() and choice.stat().st_mtime > report_path.stat().st_mtime:
+        return "its selection is newer than this report (a later run stopped before its report)"
+    why = ctx.staleness("select")
+    return None if why is None else f"select would run again ({why})"
 
 
 def _finish(ctx, args):

@@ -117,7 +117,8 @@ def _json_bytes(data) -> bytes:
 
 def write_comparison(reports: list, out_dir: Path, name: str = "devices") -> dict:
     """One page setting the chosen points of several devices side by side (`edgebayes report --devices a b
-    c`). reports: [(report dict, path of its report.html)]. Writes <name>.html, <name>.json and the plot into
+    c`). reports: [(report dict, path of its report.html)]; a report dict may carry "stale", why it no longer
+    shows the device's current choice (cli._report_staleness), said on its row. Writes <name>.html, <name>.json and the plot into
     out_dir; returns the JSON."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +128,7 @@ def write_comparison(reports: list, out_dir: Path, name: str = "devices") -> dic
         s = dict_or_empty(report.get("summary"))
         rows.append({**t, "latency_stat": s.get("latency_stat"), "latency_ms": s.get("latency_at_percentile_ms"),
                      "latency_all": t["latency_ms"], "budget_ms": s.get("latency_budget_ms"),
-                     "run_name": s.get("run_name")})
+                     "run_name": s.get("run_name"), "stale": report.get("stale")})
     png = plots.plot_devices(rows)
     links = [Path(r["report"]).relative_to(out_dir) if r["report"] and Path(r["report"]).is_relative_to(out_dir)
              else r["report"] for r in rows]
@@ -159,4 +160,7 @@ def write_report(inputs: dict, out_dir: Path) -> dict:
     files = {name: png for name, png in pngs.items() if png is not None}
     files.update({"report.json": _json_bytes(report), "report.html": page.encode("utf-8")})
     _write_all(out_dir, files)
+    for name, png in pngs.items():   # a figure this report has not (a predicted report has no histogram): an
+        if png is None:              # earlier report's file of that name would show another run's figures
+            (out_dir / name).unlink(missing_ok=True)
     return report
