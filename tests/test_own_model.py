@@ -251,6 +251,34 @@ def test_bayesianize_nested_and_unknown_families():
         bayesianize(module, "ss-xx", input_shape=(1, 4, 4), n_train=100)
 
 
+@pytest.mark.parametrize("family", ["ss-gl", "bn3"])
+def test_bias_free_linear_layers_are_bayesianized_pruned_and_exported(family, tmp_path):
+    """Linear(bias=False), as transformers and swin_t's patch merging write it: bayesianized without a bias,
+    its switched-off units cut, and the packed ONNX equal to the MC model."""
+    import edgebayes as eb
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Flatten(), nn.Linear(16, 12, bias=False), nn.ReLU(), nn.Linear(12, 8, bias=False),
+                           nn.GELU(), nn.Linear(8, 3, bias=False))
+    net = eb.bayesianize(module, family, input_shape=(1, 4, 4), n_train=100)
+    layers = [m for m in net.modules() if hasattr(m, "weight_mu") or hasattr(m, "theta")]
+    assert len(layers) == 3 and all(getattr(m, "bias", None) is None and getattr(m, "bias_mu", None) is None
+                                    for m in layers)
+    x = torch.randn(32, 1, 4, 4)
+    if family == "ss-gl":   # switch a third of the first hidden layer's units off
+        with torch.no_grad():
+            layers[0].gamma_logit[:4] = -10.0
+        knob = None
+    else:
+        knob = min(net.operating_points())
+    compressed = eb.compress(net, knob=knob, m=2)
+    first = compressed.samples[0]
+    widths = [m.out_features for m in first.modules() if isinstance(m, nn.Linear)]
+    assert widths[0] < 12 and all(m.bias is None for m in first.modules() if isinstance(m, nn.Linear))
+    path = eb.save(compressed, tmp_path / "model.onnx", example=x[:4])
+    assert abs(eb.run(path, x) - compressed.mc_model()(x).detach().numpy()).max() < 1e-4
+
+
 def test_python_api_in_a_few_lines(tmp_path):
     """bayesianize -> fit -> compress -> save -> run -> metrics, the README's Python API."""
     import edgebayes as eb

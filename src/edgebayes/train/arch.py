@@ -19,7 +19,7 @@ plain twin that posterior samples are copied into, once with the family's factor
         `bayesianize` (train/bayesianize.py), optionally from `model.pretrained` weights.
 
 The factory contract (what a builder may rely on and must respect) is in one place, LayerFactory's
-docstring: `factory.linear(in, out, prunable=True)`, `factory.conv(in, out, k, stride, padding, groups,
+docstring: `factory.linear(in, out, prunable=True, bias=True)`, `factory.conv(in, out, k, stride, padding, groups,
 bias, norm, prunable)` and `factory.activation()`. A layer that produces the network's outputs must be
 built with `prunable=False`; batch norm after a convolution is asked for with `norm=True` (the layer owns
 it, so a switched-off channel is exactly zero after it); everything else is ordinary PyTorch.

@@ -125,10 +125,7 @@ def convert(module: nn.Module, factory) -> nn.Module:
         prunable = name not in outputs
         bias = affine.bias is not None
         if isinstance(affine, nn.Linear):
-            layer = factory.linear(affine.in_features, affine.out_features, prunable=prunable)
-            if not bias:
-                raise ArchError(f"bayesianize: Linear {name!r} has no bias; the factory's linear layers always "
-                                f"have one")
+            layer = factory.linear(affine.in_features, affine.out_features, prunable=prunable, bias=bias)
         else:
             if affine.dilation != (1, 1) or affine.padding_mode != "zeros" or isinstance(affine.padding, str):
                 plain_layers.append(name)

@@ -30,7 +30,7 @@ class LayerFactory:
     """Builds the layers of one family. `linear_inclusion(fan_in, units)` gives lambda_l of FC layers.
 
     The contract every architecture (zoo, a user's builder, bayesianize) relies on, in one place:
-      - `linear(in_features, out_features, prunable=True)` and `conv(in_channels, out_channels, kernel_size,
+      - `linear(in_features, out_features, prunable=True, bias=True)` and `conv(in_channels, out_channels, kernel_size,
         stride=1, padding=0, groups=1, bias=True, norm=False, prunable=True)` are the only layers with
         weights the families treat; `activation()` is the configured activation. Anything else
         (pooling, additions, concatenation, flatten, reshapes) is plain PyTorch in the builder's forward.
@@ -74,13 +74,13 @@ class LayerFactory:
                     learned_order=self.family == "bn3", mubar_init=c.mubar_init, prior_keep_logit=c.prior_keep_logit,
                     log_alpha_init=c.log_alpha_init_first if first else c.log_alpha_init)
 
-    def linear(self, in_features, out_features, prunable=True):
+    def linear(self, in_features, out_features, prunable=True, bias=True):
         if self.family == "dnn":
-            return nn.Linear(in_features, out_features)
+            return nn.Linear(in_features, out_features, bias=bias)
         if self.family in NESTED_FAMILIES:
-            return NestedLinear(in_features, out_features, **self._nested(prunable))
+            return NestedLinear(in_features, out_features, bias=bias, **self._nested(prunable))
         lam = self.linear_inclusion(in_features, out_features) if prunable else 1.0
-        return SpikeSlabLinear(in_features, out_features, **self._bayesian(prunable, lam))
+        return SpikeSlabLinear(in_features, out_features, bias=bias, **self._bayesian(prunable, lam))
 
     def conv(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, bias=True, norm=False,
              prunable=True, truncates=None):
