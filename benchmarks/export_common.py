@@ -84,7 +84,13 @@ def time_artifacts(artifacts, x1, warmup=50, calls=200, repeats=7, threads=THREA
             for name, r in rounds.items()}
 
 
-def write_results(name, payload, table_lines):
+def header(title, measures):
+    """The opening of a result file: what it measures and the command (benchmarks/README.md), then the table."""
+    return [f"# {title}", "", measures, "", f"`{' '.join(['flock /tmp/edgebayes-bench.lock .venv/bin/python', *sys.argv])}`", ""]
+
+
+def write_results(name, payload, table_lines, title, measures):
+    table_lines = header(title, measures) + list(table_lines)
     if QUICK:
         print("\n".join(table_lines))
         return

@@ -65,7 +65,9 @@ def summarize(rows, devices):
 
 def markdown(summary, rows):
     lines = ["# Latency model vs deployment, chosen point, all timed runs", "",
-             f"Target: median |error| <= {100 * TARGET:.0f} % over the cycles (issue 22).", "",
+             f"Does each device's latency model predict the latency of the chosen point as deployed and measured "
+             f"there? Target: median |error| <= {100 * TARGET:.0f} % over the cycles (issue 22).", "",
+             f"`flock /tmp/edgebayes-bench.lock .venv/bin/python {' '.join(sys.argv)}`", "",
              "| device | percentile | errors per cycle | median abs error | within |", "|---|---|---|---|---|"]
     for key, v in summary.items():
         device, p = key.split("/")
