@@ -25,6 +25,7 @@ forward that fx cannot trace gets one ArchError saying so.
 """
 
 import copy
+import math
 import pickle
 
 import torch
@@ -88,6 +89,8 @@ def _start_from(layer, affine, norm):
             layer.bias_rho.copy_(_relative_rho(affine.bias, layer.bias_rho))
     elif hasattr(layer, "theta"):        # nested layers: the weights the noise multiplies
         layer.theta.copy_(affine.weight)
+        if getattr(layer, "log_alpha", None) is not None:   # BN3: w = theta (1 + sqrt(alpha) eps)
+            layer.log_alpha.clamp_(max=2 * math.log(MOPED_DELTA))
         if layer.bias is not None and affine.bias is not None:
             layer.bias.copy_(affine.bias)
     else:                                # dnn: nn.Linear / nn.Conv2d, or ConvNorm(conv, norm)
@@ -97,11 +100,17 @@ def _start_from(layer, affine, norm):
         own_norm.load_state_dict(norm.state_dict())
 
 
-def _relative_rho(weight, rho, delta=0.1):
+MOPED_DELTA = 0.1   # posterior scale at most this fraction of each given weight (Krishnan et al. 2020)
+
+
+def _relative_rho(weight, rho, delta=MOPED_DELTA):
     """rho with softplus(rho) = min(softplus(rho_init), delta |w|): a posterior scale no larger than 10% of each
     given weight (as MOPED, Krishnan et al. 2020, starts from a trained net). Paper 000's initial
     softplus(-6) = 0.0025 is an absolute scale meant for training from scratch; on a deep pretrained net it is
-    10-20% of a typical weight of the later layers and changes the network's function before any training."""
+    10-20% of a typical weight of the later layers and changes the network's function before any training.
+    The nested family's multiplicative noise gets the same bound in _start_from: sqrt(alpha) <= delta, log alpha
+    <= -4.6, where paper 002's initial log alpha of -1 (std 61% of every weight) took a trained net at full
+    width from 96% to 38% accuracy before its first step (measured on benchmarks/own_models.py's Custom)."""
     sigma = torch.minimum(torch.nn.functional.softplus(rho), delta * weight.abs()).clamp_min(1e-6)
     return sigma + torch.log(-torch.expm1(-sigma))   # softplus^-1(sigma) = log(exp(sigma) - 1), stably
 
