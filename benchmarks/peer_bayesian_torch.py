@@ -1,0 +1,251 @@
+"""edgebayes against bayesian-torch, the tool a user would otherwise pick (issue 37, item 4).
+
+    .venv/bin/pip install bayesian-torch     # for this benchmark only: not a dependency of edgebayes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peer_bayesian_torch.py --mnist-root ../shared/datasets
+
+One process, one torch thread. LeNet-5 (conv 20 5x5, max pool, conv 50 5x5, max pool, fc 800 -> 500 -> 10;
+export_common.lenet5_caffe) on MNIST, Adam 1e-3, batch 128, every method from the same initial weights:
+  dnn                       the plain network: its best validation NLL over --max-epochs, + 10%, is the target
+  edgebayes-bnn / -ss-gl    eb.bayesianize(net, family) + eb.fit one epoch at a time (resumed from its checkpoint,
+                            which is the same run as an uninterrupted one); the ELBO with KL / N
+  bayesian-torch-reparam /  bayesian_torch.models.dnn_to_bnn with the prior settings of its README (prior N(0, 1),
+  -flipout                  posterior rho init -3), loss = cross-entropy + KL / batch size as its README trains
+The Bayesian methods train in interleaved rounds (round r: epoch r of each, in turn), so that load from other
+processes falls on each alike. After every epoch each is evaluated the same way: the validation NLL of the
+average of M = 8 forward passes' softmax (edgebayes: train/trainer.py's mc_predict; bayesian-torch: 8 forward
+passes, each draws its weights). Reported per method: training seconds (the epochs' training loops only,
+evaluation excluded) and epochs until the validation NLL first reaches the target, or "not reached".
+
+Inference: M = 8 MC-averaged class probabilities at batch 1, 1 thread, timed in interleaved rounds:
+edgebayes' packed ONNX of 8 posterior samples (eb.compress + eb.save; ss-gl pruned by surgery) in onnxruntime,
+against bayesian-torch's 8 eager forward passes in PyTorch (how its README predicts).
+
+Results: benchmarks/results/peer_bayesian_torch.{json,md} (machine, commit and versions in the JSON).
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import edgebayes as eb
+from edgebayes.config import DataConfig
+from edgebayes.data import load_data
+from edgebayes.ondevice.runtimes import make_backend
+from edgebayes.provenance import atomic_path, provenance
+from edgebayes.train.metrics import classification_metrics
+from edgebayes.train.trainer import mc_predict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from export_common import lenet5_caffe  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH, LR, M = 128, 1e-3, 8
+EDGEBAYES = {"edgebayes-bnn": "bnn", "edgebayes-ss-gl": "ss-gl"}
+BAYESIAN_TORCH = {"bayesian-torch-reparam": "Reparameterization", "bayesian-torch-flipout": "Flipout"}
+
+
+def plain_epoch(model, x, y, optimizer, gen, loss_of):
+    """One epoch of minibatch Adam; returns its seconds (the training loop only)."""
+    model.train()
+    t0 = time.perf_counter()
+    for idx in torch.randperm(len(x), generator=gen).split(BATCH):
+        loss = loss_of(model, x[idx], y[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return time.perf_counter() - t0
+
+
+def sampled_probs(model, x, m, seed):
+    """The average of m forward passes' softmax (each pass of a bayesian-torch model draws its weights)."""
+    model.eval()
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return sum(torch.cat([F.softmax(model(x[i:i + 1024]), -1) for i in range(0, len(x), 1024)])
+                   for _ in range(m)).div(m).numpy()
+
+
+@torch.no_grad()
+def eager_mc(model, x):
+    """bayesian-torch's MC prediction as its README writes it: M forward passes, softmax averaged."""
+    return torch.stack([F.softmax(model(x), -1) for _ in range(M)]).mean(0)
+
+
+class Plain:
+    def __init__(self, net, seed):
+        self.net, self.gen = copy.deepcopy(net), torch.Generator().manual_seed(seed)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=LR)
+
+    def epoch(self, x, y):
+        return plain_epoch(self.net, x, y, self.opt, self.gen, lambda m, a, b: F.cross_entropy(m(a), b))
+
+    def probs(self, x, seed):
+        return sampled_probs(self.net, x, 1, seed)
+
+
+class BayesianTorch:
+    def __init__(self, net, kind, seed):
+        from bayesian_torch.models.dnn_to_bnn import dnn_to_bnn, get_kl_loss
+
+        self.net, self.kl = copy.deepcopy(net), get_kl_loss
+        torch.manual_seed(seed)
+        dnn_to_bnn(self.net, {"prior_mu": 0.0, "prior_sigma": 1.0, "posterior_mu_init": 0.0,
+                              "posterior_rho_init": -3.0, "type": kind, "moped_enable": False, "moped_delta": 0.5})
+        self.gen, self.opt = torch.Generator().manual_seed(seed), torch.optim.Adam(self.net.parameters(), lr=LR)
+
+    def epoch(self, x, y):
+        return plain_epoch(self.net, x, y, self.opt, self.gen,
+                           lambda m, a, b: F.cross_entropy(m(a), b) + self.kl(m) / len(a))
+
+    def probs(self, x, seed):
+        return sampled_probs(self.net, x, M, seed)
+
+
+class Edgebayes:
+    def __init__(self, net, family, n_train, seed, work):
+        torch.manual_seed(seed)
+        self.net = eb.bayesianize(copy.deepcopy(net), family, input_shape=(1, 28, 28), n_train=n_train)
+        self.seed, self.checkpoint, self.done = seed, Path(work) / f"{family}.pt", 0
+
+    def epoch(self, x, y, val):
+        self.done += 1   # the same run as an uninterrupted one: fit resumes from the checkpoint's epoch
+        history = eb.fit(self.net, x, y, val=val, epochs=self.done, seed=self.seed, checkpoint=self.checkpoint,
+                         batch_size=BATCH, lr=LR, log=lambda *_: None)
+        return history[-1]["train_seconds"]
+
+    def probs(self, x, seed):
+        return mc_predict(self.net, x, M, seed)
+
+
+def train_rounds(methods, data, target, max_epochs, seed, log):
+    """Interleaved rounds until every method reached the target or max_epochs: {name: per-epoch records}."""
+    (x, y), (vx, vy) = data
+    records = {name: [] for name in methods}
+    for r in range(max_epochs):
+        for name, method in methods.items():
+            if any(e["reached"] for e in records[name]):
+                continue
+            seconds = method.epoch(x, y, (vx, vy)) if isinstance(method, Edgebayes) else method.epoch(x, y)
+            metrics = classification_metrics(method.probs(vx, seed), vy.numpy())
+            total = seconds + (records[name][-1]["seconds_total"] if records[name] else 0.0)
+            records[name].append({"epoch": r + 1, "train_seconds": seconds, "seconds_total": total,
+                                  "val_nll": metrics["nll"], "val_accuracy": metrics["accuracy"],
+                                  "reached": target is not None and metrics["nll"] <= target})
+            log(f"{name}: epoch {r + 1}, {seconds:.1f} s, val NLL {metrics['nll']:.4f} "
+                f"(target {target if target is None else round(target, 4)}), acc {metrics['accuracy']:.4f}")
+    return records
+
+
+def time_inference(predictors, x1, warmup=20, calls=100, repeats=7):
+    """{name: fn(x) -> probs} at batch 1: median over interleaved rounds of the median call (ms)."""
+    for fn in predictors.values():
+        for _ in range(warmup):
+            fn(x1)
+    rounds = {name: [] for name in predictors}
+    for _ in range(repeats):
+        for name, fn in predictors.items():
+            lat = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn(x1)
+                lat.append(time.perf_counter() - t0)
+            rounds[name].append(statistics.median(lat) * 1e3)
+    return {name: {"median_ms": statistics.median(r), "rounds_ms": r} for name, r in rounds.items()}
+
+
+def markdown(result):
+    s, target = result["settings"], result["target_val_nll"]
+    lines = ["# edgebayes against bayesian-torch: LeNet-5 on MNIST, 1 thread (issue 37)", "",
+             "Training seconds and epochs until the validation NLL of the M = 8 MC average reaches the dnn's best "
+             "+ 10%, rounds interleaved in one process; M = 8 MC inference at batch 1. What and how: "
+             "benchmarks/peer_bayesian_torch.py's docstring.", "", f"`{result['command']}`", "",
+             f"{s['train_size']:,} training and {s['val_size']:,} validation images (MNIST's training set), "
+             f"Adam {LR:g}, batch {BATCH}, up to {s['max_epochs']} epochs, seed {s['seed']}; dnn best validation NLL "
+             f"{result['dnn_best_val_nll']:.4f}, target {target:.4f}.", "",
+             "| method | epochs to target | training seconds to target | s / epoch | best val NLL | val acc at the end |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, recs in result["training"].items():
+        hit = next((e for e in recs if e["reached"]), None)
+        seconds = f"{hit['seconds_total']:.1f}" if hit else f"> {recs[-1]['seconds_total']:.1f}"
+        lines.append(f"| {name} | {hit['epoch'] if hit else 'not reached'} | {seconds} | "
+                     f"{statistics.mean(e['train_seconds'] for e in recs):.2f} | "
+                     f"{min(e['val_nll'] for e in recs):.4f} | {recs[-1]['val_accuracy']:.4f} |")
+    lines += ["", "| M = 8 inference, batch 1 | runtime | median ms | vs bayesian-torch-reparam |", "|---|---|---:|---:|"]
+    ref = result["inference"]["bayesian-torch-reparam"]["median_ms"]
+    for name, r in result["inference"].items():
+        lines.append(f"| {name} | {r['runtime']} | {r['median_ms']:.3f} | {ref / r['median_ms']:.1f}x faster |"
+                     if not name.startswith("bayesian-torch") else
+                     f"| {name} | {r['runtime']} | {r['median_ms']:.3f} | {ref / r['median_ms']:.2f}x |")
+    prov = result["provenance"]
+    lines += ["", f"Commit {prov['git_commit']}, {prov['created_at']}; machine and versions in the JSON."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mnist-root", default=str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+    parser.add_argument("--train-size", type=int, help="training images (default: all but the validation split)")
+    parser.add_argument("--max-epochs", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(RESULTS / "peer_bayesian_torch"), help="results path without suffix")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    splits = load_data(DataConfig(dataset="mnist", root=args.mnist_root, val_fraction=1 / 12,
+                                  train_subset=args.train_size), args.seed)
+    data = ((splits.train_x, splits.train_y), (splits.val_x, splits.val_y))
+    torch.manual_seed(args.seed)
+    net = lenet5_caffe().train()
+    log = lambda m: print(m, flush=True)  # noqa: E731
+
+    dnn = train_rounds({"dnn": Plain(net, args.seed)}, data, None, args.max_epochs, args.seed, log)["dnn"]
+    best = min(e["val_nll"] for e in dnn)
+    target = 1.1 * best
+    with tempfile.TemporaryDirectory() as work:
+        methods = {**{name: Edgebayes(net, fam, len(splits.train_x), args.seed, work) for name, fam in EDGEBAYES.items()},
+                   **{name: BayesianTorch(net, kind, args.seed) for name, kind in BAYESIAN_TORCH.items()}}
+        training = train_rounds(methods, data, target, args.max_epochs, args.seed, log)
+        x1 = splits.val_x[:1]
+        predictors, runtimes = {}, {}
+        for name in EDGEBAYES:
+            path = eb.save(eb.compress(methods[name].net, m=M, seed=args.seed), Path(work) / f"{name}.onnx",
+                           example=splits.val_x[:16])
+            backend = make_backend("onnxruntime", str(path), 1)
+            predictors[name], runtimes[name] = (lambda x, b=backend: b.run(x.numpy())), "onnxruntime, packed ONNX"
+        for name in BAYESIAN_TORCH:
+            model = methods[name].net.eval()
+            predictors[name] = lambda x, mdl=model: eager_mc(mdl, x)
+            runtimes[name] = "PyTorch eager, 8 passes"
+        inference = time_inference(predictors, x1)
+    for name in inference:
+        inference[name]["runtime"] = runtimes[name]
+    from importlib import metadata
+    prov = provenance("benchmark")
+    prov["versions"]["bayesian-torch"] = metadata.version("bayesian-torch")
+    result = {"measures": "seconds and epochs to a validation NLL target, and M = 8 inference latency, edgebayes "
+                          "against bayesian-torch (issue 37)",
+              "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+              "settings": {"train_size": len(splits.train_x), "val_size": len(splits.val_x),
+                           "max_epochs": args.max_epochs, "seed": args.seed, "batch": BATCH, "lr": LR, "mc": M,
+                           "threads": 1},
+              "dnn": dnn, "dnn_best_val_nll": best, "target_val_nll": target, "training": training,
+              "inference": inference, "provenance": prov}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out.with_suffix(".json")) as tmp:
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+    with atomic_path(out.with_suffix(".md")) as tmp:
+        tmp.write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
