@@ -41,9 +41,11 @@ EXIT_CODES = {
     EXIT_FAILED: "a stage failed; its message says why, the artifacts of finished stages are kept",
     EXIT_BAD_INPUT: "bad input (config, --set, device profile, data, a results file of another bundle), "
                     "reported before any work with the file and key named",
-    EXIT_BUDGET: "the chosen point fails a budget on the device, or a budget could not be judged there",
+    EXIT_BUDGET: "the chosen point fails a budget on the device, or a budget could not be judged there, or no "
+                 "operating point fits (the summary and the report say which)",
     EXIT_PREDICTED: "the device could not be reached: the report holds predictions; the summary says how to finish",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): run the same command again to resume",
+    EXIT_TERMINATED: "terminated (SIGTERM): unwound as Ctrl-C is; run the same command again to resume",
 }
 _STAGE_HELP = {
     "pipeline": ("run every stage: train -> select -> export -> deploy -> report",
@@ -120,7 +122,7 @@ def build_parser():
         summary, description, examples = _STAGE_HELP[name]
         # stages other than pipeline and report end before the verdict: 0, 1, 2 or 130
         verdict = name in ("pipeline", "report")
-        p = _sub(sub, name, summary, description, examples, tuple(EXIT_CODES) if verdict else (0, 1, 2, 130),
+        p = _sub(sub, name, summary, description, examples, tuple(EXIT_CODES) if verdict else (0, 1, 2, 130, 143),
                  None if verdict else {0: f"the {name} stage is done (or was up to date)"})
         p.add_argument("--config", default="pipeline.yaml", help="pipeline config (default: pipeline.yaml)")
         p.add_argument("--device", default="local", help="device profile name (`edgebayes devices list`), or a YAML path")
@@ -140,7 +142,7 @@ def build_parser():
                    "The device profiles (devices/<name>.yaml): list them, check that one is ready to deploy to, or "
                    "measure its latency table.",
                    ["edgebayes devices list", "edgebayes devices check ssh-localhost",
-                    "edgebayes devices profile ssh-localhost"], (0, 1, 2, 130), _DONE)
+                    "edgebayes devices profile ssh-localhost"], (0, 1, 2, 130, 143), _DONE)
     dsub = devices.add_subparsers(dest="action", required=True, metavar="ACTION")
     _devices_dir_option(_sub(dsub, "list", "the device profiles: runtime, latency table, reachable or not",
                              "One line per device profile found (--devices-dir, $EDGEBAYES_DEVICES, the shipped "
@@ -157,7 +159,7 @@ def build_parser():
                 "Times a sweep of MC-averaged MLPs (the config's input size, widths and M) on the device and fits "
                 "the latency table that predicts candidates there when it cannot be reached.",
                 ["edgebayes devices profile ssh-localhost",
-                 "edgebayes devices profile my-board --config configs/mnist-mlp-ssgl.yaml"], (0, 1, 2, 130), _DONE)
+                 "edgebayes devices profile my-board --config configs/mnist-mlp-ssgl.yaml"], (0, 1, 2, 130, 143), _DONE)
     _devices_dir_option(prof)
     prof.add_argument("device", help="device profile name (`edgebayes devices list`), or a YAML path")
     prof.add_argument("--config", default="pipeline.yaml", help="input size, widths and M to sweep (default: pipeline.yaml)")
