@@ -323,7 +323,7 @@ def plot_selective(selective: Any) -> bytes | None:
     ax.set_ylabel("accuracy on the rest")
     ax.set_title("Selective prediction: accuracy vs rejection", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    fig.legend(fontsize=8, loc="outside lower center", ncol=2)   # below the axes: inside, it sat on the baseline
     return _png(fig)
 
 
