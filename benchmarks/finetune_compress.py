@@ -300,7 +300,10 @@ def run(args, data, out, rows):
     eb_methods = [m for m in args.methods if m in EDGEBAYES]
     tp_methods = [m for m in args.methods if m in TORCH_PRUNING]
 
+    commit = provenance("finetune_compress").get("git_commit")   # each row says which code made it (--merge)
+
     def add(row):
+        row = {**row, "git_commit": commit}
         rows[:] = [r for r in rows if (r["net"], r["method"], r["target"], r["seed"]) !=
                    (row["net"], row["method"], row["target"], row["seed"])] + [row]
         print(json.dumps({k: v for k, v in row.items() if k != "flops_ratio_physical_samples"}), flush=True)
@@ -415,13 +418,16 @@ def markdown(result):
              data_line(args), "",
              f"Command: `{result['command']}`", "",
              f"Commit {prov.get('git_commit')}, {prov.get('created_at')}; machine and versions in the JSON.", "",
+             *([f"Merged (--merge) from runs at several commits; each row's is in the 'commit' column and the JSON: "
+                + "; ".join(f"`{m['command']}` at {str(m['git_commit'])[:7]}" for m in result["merged_from"]), ""]
+               if result.get("merged_from") else []),
              "Criteria (the issue's Done when), edgebayes rows: physical FLOPs <= target, accuracy within "
              f"{100 * DENSE_GAP:.0f} point of dense, at least Torch-Pruning's best - {100 * TP_GAP:.1f} points at "
              "that target, ECE below the dense net's and every Torch-Pruning row's. 'met', or what is missed.", ""]
     for net in dict.fromkeys(r["net"] for r in rows):
         lines += [f"## {net}", "",
                   "| target | method | seed | FLOPs physical | params | accuracy % | vs dense (pts) | ECE | NLL | "
-                  "fine-tune s | criteria |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "fine-tune s | criteria | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         mine = [r for r in rows if r["net"] == net]
         order = ["dense", "dense-ft"] + list(EDGEBAYES) + list(TORCH_PRUNING)
         mine.sort(key=lambda r: (r["target"] is not None, -(r["target"] or 0), r["seed"], order.index(r["method"])))
@@ -429,7 +435,7 @@ def markdown(result):
             target = "—" if r["target"] is None else r["target"]
             if "error" in r:
                 lines.append("| " + " | ".join([str(target), r["method"], str(r["seed"]), f"failed: {r['error']}"]
-                                               + [""] * 7) + " |")
+                                               + [""] * 7 + [str(r.get("git_commit") or "")[:7]]) + " |")
                 continue
             crit = "" if r["method"] not in EDGEBAYES else (criteria(r, rows) or "met")
             if r["method"] in TORCH_PRUNING:
@@ -439,7 +445,7 @@ def markdown(result):
             lines.append(f"| {target} | {r['method']} | {r['seed']} | {r['flops_ratio_physical']:.3f} | "
                          f"{r['params_ratio']:.3f} | {_pct(r['accuracy'])} | {delta} | {r['ece']:.4f} | "
                          f"{r['nll']:.4f} | {_num(r.get('fine_tune_seconds', r.get('train_seconds')), '.0f')} | "
-                         f"{crit} |")
+                         f"{crit} | {str(r.get('git_commit') or '')[:7]} |")
         lines.append("")
     if len(set(r["seed"] for r in rows)) > 1:
         lines += ["## Over seeds (mean ± sd)", "",
@@ -507,6 +513,33 @@ def write_results(args, rows, out):
     plot(rows, out.with_suffix(".png"))
 
 
+def merge(paths, out, command):
+    """Rows of runs split over processes (or resumed at a later commit) as one result; each row keeps the commit
+    of the run that made it (`git_commit`), the result's provenance is this merge's."""
+    results = [read_json(Path(p)) for p in paths]
+    if any(r["settings"] != results[0]["settings"] for r in results):
+        print(f"finetune_compress: --merge: the files were made with other settings: "
+              f"{[r['settings'] for r in results]}", file=sys.stderr)
+        return 2
+    rows = {}
+    for result in results:
+        for row in result["rows"]:
+            rows[(row["net"], row["method"], row["target"], row["seed"])] = {
+                **row, "git_commit": row.get("git_commit") or result["provenance"].get("git_commit")}
+    merged = {**results[-1], "rows": list(rows.values()), "command": command,
+              "merged_from": [{"command": r["command"], "git_commit": r["provenance"].get("git_commit")} for r in results],
+              "provenance": provenance(hashlib.sha256(json.dumps(results[0]["settings"], sort_keys=True).encode())
+                                       .hexdigest()[:16])}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out.with_suffix(".json")) as tmp:
+        Path(tmp).write_text(json.dumps(merged, indent=1, default=str))
+    with atomic_path(out.with_suffix(".md")) as tmp:
+        Path(tmp).write_text(markdown(merged))
+    plot(merged["rows"], out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')}, .md and .png from {len(paths)} files")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nets", nargs="+", default=["resnet18", "mobilenet_v2", "efficientnet_b0", "custom"],
@@ -540,9 +573,15 @@ def main(argv=None):
                         help="folder of the trained dense nets, reused by later runs with the same settings")
     parser.add_argument("--resume", action="store_true", help="keep the rows of --out's JSON (same settings)")
     parser.add_argument("--markdown-only", action="store_true", help="rewrite the .md and .png from the .json")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="write --out from the rows of these results files (the same settings; a later file's "
+                             "row replaces an earlier one of the same net, method, target and seed), each row "
+                             "keeping the commit its run was made at")
     args = parser.parse_args(argv)
     args.command = "python benchmarks/finetune_compress.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out or (ROOT / "runs" / "finetune_compress_quick" if args.quick else RESULTS / "finetune_compress"))
+    if args.merge:
+        return merge(args.merge, out, args.command)
     if args.markdown_only:
         result = read_json(out.with_suffix(".json"))
         with atomic_path(out.with_suffix(".md")) as tmp:

@@ -114,3 +114,22 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
         fc.main(["--targets", "0", "--out", str(tmp_path / "r")])
     assert fc.main(["--quick", "--mnist-root", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
     assert "MNIST" in capsys.readouterr().err and not list(tmp_path.glob("r.*"))
+
+
+def test_merge_joins_runs_of_the_same_settings_and_keeps_each_rows_commit(tmp_path):
+    common = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--cache", str(tmp_path / "c")]
+    assert fc.main([*common, "--methods", "edgebayes-ss-gl", "--out", str(tmp_path / "a")]) == 0
+    assert fc.main([*common, "--methods", "tp-magnitude", "--out", str(tmp_path / "b")]) == 0
+    b = json.loads((tmp_path / "b.json").read_text())
+    b["rows"][0]["git_commit"] = "0123456789"   # as if run at another commit
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert fc.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    methods = sorted(r["method"] for r in merged["rows"])
+    assert methods == ["dense", "edgebayes-ss-gl", "tp-magnitude"]   # the dense row once: the later file's
+    assert len(merged["merged_from"]) == 2 and "| 0123456 |" in (tmp_path / "m.md").read_text()
+    # Other settings are refused, naming them
+    c = dict(b, settings={**b["settings"], "epochs": 5})
+    (tmp_path / "c.json").write_text(json.dumps(c))
+    assert fc.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--out", str(tmp_path / "n")]) == 2
+    assert not (tmp_path / "n.json").exists()
