@@ -7,7 +7,10 @@ One process, one torch thread. LeNet-5 (conv 20 5x5, max pool, conv 50 5x5, max 
 export_common.lenet5_caffe) on MNIST, Adam 1e-3, batch 128, every method from the same initial weights:
   dnn                       the plain network: its best validation NLL over --max-epochs, + 10%, is the target
   edgebayes-bnn / -ss-gl    eb.bayesianize(net, family) + eb.fit one epoch at a time (resumed from its checkpoint,
-                            which is the same run as an uninterrupted one); the ELBO with KL / N
+                            which is the same run as an uninterrupted one); the ELBO with KL / N. The prior and the
+                            optimizer settings of the config edgebayes ships for this net (SHIPPED: inclusion and
+                            rho learning rates, ordered KL warm-up), batch and lr as every method's; with fit's
+                            defaults the SS-GL median model empties at about epoch 8 (README, issue 20)
   bayesian-torch-reparam /  bayesian_torch.models.dnn_to_bnn with the prior settings of its README (prior N(0, 1),
   -flipout                  posterior rho init -3), loss = cross-entropy + KL / batch size as its README trains
 The Bayesian methods train in interleaved rounds (round r: epoch r of each, in turn), so that load from other
@@ -50,6 +53,9 @@ from export_common import lenet5_caffe  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH, LR, M = 128, 1e-3, 8
 EDGEBAYES = {"edgebayes-bnn": "bnn", "edgebayes-ss-gl": "ss-gl"}
+SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "mnist-lenet5-ssgl.yaml"
+# The train keys of SHIPPED that are the optimizer's, not the budget's (epochs, batch, lr are the benchmark's)
+SHIPPED_TRAIN = ("inclusion_lr", "rho_lr", "scale_lr", "kl_warmup_epochs", "kl_warmup_ordered", "kl_weight")
 BAYESIAN_TORCH = {"bayesian-torch-reparam": "Reparameterization", "bayesian-torch-flipout": "Flipout"}
 
 
@@ -112,14 +118,19 @@ class BayesianTorch:
 
 class Edgebayes:
     def __init__(self, net, family, n_train, seed, work):
+        from edgebayes.config import load_pipeline_config
+
+        shipped = load_pipeline_config(SHIPPED)
         torch.manual_seed(seed)
-        self.net = eb.bayesianize(copy.deepcopy(net), family, input_shape=(1, 28, 28), n_train=n_train)
+        self.net = eb.bayesianize(copy.deepcopy(net), family, input_shape=(1, 28, 28), n_train=n_train,
+                                  prior=shipped.prior)
+        self.train = {k: getattr(shipped.train, k) for k in SHIPPED_TRAIN}
         self.seed, self.checkpoint, self.done = seed, Path(work) / f"{family}.pt", 0
 
     def epoch(self, x, y, val):
         self.done += 1   # the same run as an uninterrupted one: fit resumes from the checkpoint's epoch
         history = eb.fit(self.net, x, y, val=val, epochs=self.done, seed=self.seed, checkpoint=self.checkpoint,
-                         batch_size=BATCH, lr=LR, log=lambda *_: None)
+                         batch_size=BATCH, lr=LR, log=lambda *_: None, **self.train)
         return history[-1]["train_seconds"]
 
     def probs(self, x, seed):
