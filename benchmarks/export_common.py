@@ -58,26 +58,32 @@ def export_for(runtime, mc_model, x, path, layout):
 
 
 def time_artifacts(artifacts, x1, warmup=50, calls=200, repeats=7, threads=THREADS):
-    """{name: (path, fmt)} -> {name: {"median_ms", "rounds_ms", "calls_per_round"}} at batch 1.
+    """{name: (path, fmt)} -> {name: {"median_ms", "rounds_ms", "calls_per_round"}} at batch 1, each artifact
+    in its runtime (time_calls)."""
+    backends = {name: make_backend(FORMATS[fmt].runtime, str(path), threads) for name, (path, fmt) in artifacts.items()}
+    return time_calls({name: backend.run for name, backend in backends.items()}, x1, warmup, calls, repeats)
+
+
+def time_calls(fns, x1, warmup=50, calls=200, repeats=7):
+    """{name: fn} -> {name: {"median_ms", "rounds_ms", "calls_per_round"}} of fn(x1).
 
     A round's figure is the median latency (ms) of `calls` calls, the reported figure the median over
-    `repeats` rounds. The rounds of the artifacts are interleaved (round 1 of each, then round 2 of each,
-    ...), so that load from other processes on a shared machine falls on every artifact alike and the
-    ratios between them, which the targets are about, stay fair.
+    `repeats` rounds. The rounds are interleaved (round 1 of each, then round 2 of each, ...), so that load
+    from other processes on a shared machine falls on every one alike and the ratios between them, which the
+    targets are about, stay fair.
     """
     if QUICK:
         warmup, calls, repeats = 1, 3, 1
-    backends = {name: make_backend(FORMATS[fmt].runtime, str(path), threads) for name, (path, fmt) in artifacts.items()}
-    for backend in backends.values():
+    for fn in fns.values():
         for _ in range(warmup):
-            backend.run(x1)
-    rounds = {name: [] for name in backends}
+            fn(x1)
+    rounds = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, backend in backends.items():
+        for name, fn in fns.items():
             lat = []
             for _ in range(calls):
                 t0 = time.perf_counter()
-                backend.run(x1)
+                fn(x1)
                 lat.append(time.perf_counter() - t0)
             rounds[name].append(statistics.median(lat) * 1e3)
     return {name: {"median_ms": statistics.median(r), "rounds_ms": r, "calls_per_round": calls}

@@ -48,7 +48,7 @@ from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.trainer import mc_predict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_common import lenet5_caffe  # noqa: E402
+from export_common import lenet5_caffe, time_calls  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH, LR, M = 128, 1e-3, 8
@@ -156,23 +156,6 @@ def train_rounds(methods, data, target, max_epochs, seed, log):
     return records
 
 
-def time_inference(predictors, x1, warmup=20, calls=100, repeats=7):
-    """{name: fn(x) -> probs} at batch 1: median over interleaved rounds of the median call (ms)."""
-    for fn in predictors.values():
-        for _ in range(warmup):
-            fn(x1)
-    rounds = {name: [] for name in predictors}
-    for _ in range(repeats):
-        for name, fn in predictors.items():
-            lat = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                fn(x1)
-                lat.append(time.perf_counter() - t0)
-            rounds[name].append(statistics.median(lat) * 1e3)
-    return {name: {"median_ms": statistics.median(r), "rounds_ms": r} for name, r in rounds.items()}
-
-
 def markdown(result):
     s, target = result["settings"], result["target_val_nll"]
     lines = ["# edgebayes against bayesian-torch: LeNet-5 on MNIST, 1 thread (issue 37)", "",
@@ -235,7 +218,7 @@ def main(argv=None):
             model = methods[name].net.eval()
             predictors[name] = lambda x, mdl=model: eager_mc(mdl, x)
             runtimes[name] = "PyTorch eager, 8 passes"
-        inference = time_inference(predictors, x1)
+        inference = time_calls(predictors, x1, warmup=20, calls=100, repeats=7)
     for name in inference:
         inference[name]["runtime"] = runtimes[name]
     from importlib import metadata
