@@ -481,12 +481,13 @@ def plot(rows, path):
     fig, axes = plt.subplots(n_rows, cols, figsize=(5.5 * cols, 4 * n_rows), squeeze=False)
     markers = {"dense": "*", "dense-ft": "P", "edgebayes-ss-gl": "o", "edgebayes-ss-ghs": "s", "edgebayes-bn3": "D",
                "tp-magnitude": "v", "tp-group-norm": "^"}
+    colors = dict(zip(markers, plt.rcParams["axes.prop_cycle"].by_key()["color"]))   # one colour per method
     for ax, net in zip(axes.flat, nets):
         for method, marker in markers.items():
             pts = [r for r in ok if r["net"] == net and r["method"] == method]
             if pts:
                 ax.scatter([r["flops_ratio_physical"] for r in pts], [100 * r["accuracy"] for r in pts],
-                           marker=marker, s=120 if method == "dense" else 45, label=method)
+                           marker=marker, color=colors[method], s=120 if method == "dense" else 45, label=method)
         ax.set_title(net)
         ax.set_xlabel("physical FLOPs / dense")
         ax.set_ylabel("test accuracy %")
