@@ -502,16 +502,24 @@ def plot(rows, path):
     plt.close(fig)
 
 
+def settings_provenance(settings):
+    return provenance(hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16])
+
+
 def write_results(args, rows, out):
-    result = {"rows": rows, "args": {k: v for k, v in vars(args).items()}, "settings": settings_of(args),
-              "command": args.command, "provenance": provenance(hashlib.sha256(
-                  json.dumps(settings_of(args), sort_keys=True).encode()).hexdigest()[:16])}
+    write_result({"rows": rows, "args": {k: v for k, v in vars(args).items()}, "settings": settings_of(args),
+                  "command": args.command, "provenance": settings_provenance(settings_of(args))}, out)
+
+
+def write_result(result, out, json_too=True):
+    """out.json (unless json_too is False), out.md and out.png of one result."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out.with_suffix(".json")) as tmp:
-        Path(tmp).write_text(json.dumps(result, indent=1, default=str))
+    if json_too:
+        with atomic_path(out.with_suffix(".json")) as tmp:
+            Path(tmp).write_text(json.dumps(result, indent=1, default=str))
     with atomic_path(out.with_suffix(".md")) as tmp:
         Path(tmp).write_text(markdown(result))
-    plot(rows, out.with_suffix(".png"))
+    plot(result["rows"], out.with_suffix(".png"))
 
 
 def merge(paths, out, command):
@@ -527,16 +535,9 @@ def merge(paths, out, command):
         for row in result["rows"]:
             rows[(row["net"], row["method"], row["target"], row["seed"])] = {
                 **row, "git_commit": row.get("git_commit") or result["provenance"].get("git_commit")}
-    merged = {**results[-1], "rows": list(rows.values()), "command": command,
-              "merged_from": [{"command": r["command"], "git_commit": r["provenance"].get("git_commit")} for r in results],
-              "provenance": provenance(hashlib.sha256(json.dumps(results[0]["settings"], sort_keys=True).encode())
-                                       .hexdigest()[:16])}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out.with_suffix(".json")) as tmp:
-        Path(tmp).write_text(json.dumps(merged, indent=1, default=str))
-    with atomic_path(out.with_suffix(".md")) as tmp:
-        Path(tmp).write_text(markdown(merged))
-    plot(merged["rows"], out.with_suffix(".png"))
+    merged_from = [{"command": r["command"], "git_commit": r["provenance"].get("git_commit")} for r in results]
+    write_result({**results[-1], "rows": list(rows.values()), "command": command, "merged_from": merged_from,
+                  "provenance": settings_provenance(results[0]["settings"])}, out)
     print(f"wrote {out.with_suffix('.json')}, .md and .png from {len(paths)} files")
     return 0
 
@@ -584,10 +585,7 @@ def main(argv=None):
     if args.merge:
         return merge(args.merge, out, args.command)
     if args.markdown_only:
-        result = read_json(out.with_suffix(".json"))
-        with atomic_path(out.with_suffix(".md")) as tmp:
-            Path(tmp).write_text(markdown(result))
-        plot(result["rows"], out.with_suffix(".png"))
+        write_result(read_json(out.with_suffix(".json")), out, json_too=False)
         return 0
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:

@@ -77,6 +77,9 @@ def _structure(module):
     return pairs, outputs, order
 
 
+MOPED_DELTA = 0.1   # posterior scale at most this fraction of each given weight (Krishnan et al. 2020)
+
+
 @torch.no_grad()
 def _start_from(layer, affine, norm):
     """Copy a plain layer's weights (and its batch norm's state) into a factory-built layer."""
@@ -98,9 +101,6 @@ def _start_from(layer, affine, norm):
         target.load_state_dict(affine.state_dict())
     if norm is not None and own_norm is not None:
         own_norm.load_state_dict(norm.state_dict())
-
-
-MOPED_DELTA = 0.1   # posterior scale at most this fraction of each given weight (Krishnan et al. 2020)
 
 
 def _relative_rho(weight, rho, delta=MOPED_DELTA):
