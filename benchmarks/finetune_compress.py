@@ -525,7 +525,19 @@ def write_result(result, out, json_too=True):
 def merge(paths, out, command):
     """Rows of runs split over processes (or resumed at a later commit) as one result; each row keeps the commit
     of the run that made it (`git_commit`), the result's provenance is this merge's."""
-    results = [read_json(Path(p)) for p in paths]
+    results = []
+    for path in paths:
+        try:
+            result = read_json(Path(path))
+        except (OSError, ValueError) as e:
+            print(f"finetune_compress: --merge: {path}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        missing = {"settings", "rows", "command", "provenance"} - set(result if isinstance(result, dict) else ())
+        if missing:
+            print(f"finetune_compress: --merge: {path} is not a results file of this benchmark (no "
+                  f"{', '.join(sorted(missing))})", file=sys.stderr)
+            return 2
+        results.append(result)
     if any(r["settings"] != results[0]["settings"] for r in results):
         print(f"finetune_compress: --merge: the files were made with other settings: "
               f"{[r['settings'] for r in results]}", file=sys.stderr)

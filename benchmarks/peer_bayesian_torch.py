@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import edgebayes as eb
 from edgebayes.config import DataConfig
-from edgebayes.data import load_data
+from edgebayes.data import DataError, load_data
 from edgebayes.ondevice.runtimes import make_backend
 from edgebayes.provenance import atomic_path, provenance
 from edgebayes.train.metrics import classification_metrics
@@ -193,8 +193,12 @@ def main(argv=None):
     parser.add_argument("--out", default=str(RESULTS / "peer_bayesian_torch"), help="results path without suffix")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    splits = load_data(DataConfig(dataset="mnist", root=args.mnist_root, val_fraction=1 / 12,
-                                  train_subset=args.train_size), args.seed)
+    try:
+        splits = load_data(DataConfig(dataset="mnist", root=args.mnist_root, val_fraction=1 / 12,
+                                      train_subset=args.train_size), args.seed)
+    except DataError as e:
+        print(f"peer_bayesian_torch: --mnist-root: {e}", file=sys.stderr)
+        return 2
     data = ((splits.train_x, splits.train_y), (splits.val_x, splits.val_y))
     torch.manual_seed(args.seed)
     net = lenet5_caffe().train()
@@ -242,4 +246,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -133,3 +133,8 @@ def test_merge_joins_runs_of_the_same_settings_and_keeps_each_rows_commit(tmp_pa
     (tmp_path / "c.json").write_text(json.dumps(c))
     assert fc.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--out", str(tmp_path / "n")]) == 2
     assert not (tmp_path / "n.json").exists()
+    # A file that is missing, or not this benchmark's results: one line naming it, exit 2
+    (tmp_path / "x.json").write_text("[1, 2]")
+    for bad in (tmp_path / "missing.json", tmp_path / "x.json"):
+        assert fc.main(["--merge", str(tmp_path / "a.json"), str(bad), "--out", str(tmp_path / "n")]) == 2
+    assert not (tmp_path / "n.json").exists()
