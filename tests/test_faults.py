@@ -1104,6 +1104,18 @@ def test_no_operating_point_fitting_is_exit_3_with_a_report_of_every_candidate(b
     assert code == 1 and "no operating point fits the budgets of tight: nothing to deploy" in err
 
 
+def test_a_no_fit_report_gives_the_latency_select_measured_on_the_device(base, runs, tmp_path, capsys):
+    """A reachable board timed at selection (latency_model measure, no table): its no-fit report gives the
+    closest candidate's measured latency, as select judged it (it said "latency n/a (no prediction)")."""
+    device = write_device(tmp_path / "tightm.yaml", budgets={"latency_ms": 1e-6}, latency_model={"kind": "measure"})
+    code, out, err = cli(capsys, "pipeline", "--config", base.config, "--device", device, "--runs-dir", runs)
+    assert code == 3, err
+    assert re.search(r"latency       p90 [0-9.]+ [um]s \(measured on the device at selection\)", out), out
+    assert re.search(r"budget        latency [0-9.]+ [um]s <= 0.001 us: fail\n", out), out
+    row = json.loads((runs / "faults/report/tightm/report.json").read_text())["summary"]["budgets"]["latency_ms"]
+    assert row["measured"] > 0 and row["basis"] == "measured" and row["measured_as"].endswith("at selection")
+
+
 def test_a_board_measured_before_and_unreachable_now_gets_exit_4_and_predictions(base, runs, sshd, tmp_path, capsys):
     """Measured over ssh, then the config changes while the board is down: a report of predictions and exit
     4 (it was exit 1, "deploy/stage.json is missing", with the old measured report left as it was)."""

@@ -279,6 +279,11 @@ def summarize(d: dict) -> dict:
         lat_value = num(predicted_lat.get(lat_key)) if lat_key else None
         lat_src = (f"{lat_key} {latency_basis(cost)}" if lat_value is not None
                    else "not predicted: the device has no latency table and its profile no spec-sheet figures")
+        if num(cost.get("measured_latency_ms")) is not None and budgets.get("percentile"):
+            # select timed this candidate on the device (a no-fit report of a reachable board): that is its
+            # figure, as select judged it, not the prediction beside it
+            lat_key, lat_value = f"p{num(budgets['percentile']):g}", num(cost["measured_latency_ms"])
+            lat_src = f"{lat_key} measured on the device at selection"
     model_bytes = num(export.get("model_bytes"))
     if model_bytes is not None:
         model_mb, model_src = model_bytes / BYTES_PER_MB, "export.model_bytes"
@@ -296,13 +301,13 @@ def summarize(d: dict) -> dict:
     else:
         memory = (num(results.get("peak_rss_mb")), "peak RSS")
     measured = {"latency_ms": (lat_value, lat_src), "memory_mb": memory, "model_mb": (model_mb, model_src)}
-    basis = {"latency_ms": "predicted" if predicted_in is not None else "measured",
+    basis = {"latency_ms": ("measured" if predicted_in is None or lat_src.endswith("at selection") else "predicted"),
              "memory_mb": "estimated" if predicted_in is not None else "measured", "model_mb": "file"}
     budget_rows = {}
     for key, (label, unit) in BUDGETS.items():
         limit = num(budgets.get(key))
         value, source = measured[key]
-        verdict = verdict_of(limit, value, band if key == "latency_ms" and predicted_in is not None and spec_sheet
+        verdict = verdict_of(limit, value, band if key == "latency_ms" and basis[key] == "predicted" and spec_sheet
                              else None)
         if key == "memory_mb" and predicted_in is not None and lower and verdict == "pass":
             verdict = NA   # a lower bound under the budget says nothing
@@ -479,6 +484,11 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
     s = dict_or_empty(report.get("summary"))
     predicted = s.get("mode") == "predicted"
     lat = s.get("latency_predicted_ms") if predicted else {**dict_or_empty(s.get("latency_ms")), "max": s.get("latency_max_ms")}
+    basis = (str(get(s, "latency_prediction", "basis_text") or "no prediction") if predicted
+             else "measured, all timed runs")
+    measured_at_select = str(get(s, "budgets", "latency_ms", "measured_as") or "").endswith("at selection")
+    if predicted and measured_at_select:   # no prediction, but select timed the candidate on the device
+        lat, basis = {s.get("latency_stat"): s.get("latency_at_percentile_ms")}, "measured on the device at selection"
     return {
         "run": s.get("run_name"), "device": s.get("device"), "mode": s.get("mode"),
         "settings": get(report, "config", "settings") or [],
@@ -486,8 +496,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "accuracy": get(s, "metrics", "accuracy", "device"), "ece": get(s, "metrics", "ece", "device"),
         "metrics_measured_on": s.get("metrics_measured_on"),
         "ood_auroc": get(s, "ood", "auroc"), "ood_aupr": get(s, "ood", "aupr"),
-        "latency_ms": lat, "latency_basis": (str(get(s, "latency_prediction", "basis_text") or "no prediction")
-                                             if predicted else "measured, all timed runs"),
+        "latency_ms": lat, "latency_basis": basis,
         "latency_ms_best_round": None if predicted else s.get("latency_ms_best_round"),
         "model_mb": s.get("model_mb"),
         "memory_mb": get(s, "budgets", "memory_mb", "measured"),
