@@ -766,12 +766,20 @@ class _Grouped(nn.Module):
         return self.c(torch.relu(self.bn_b(self.b(h)))).mean((2, 3))
 
 
-@pytest.mark.parametrize("dead_a, removed_a", [([0, 4, 7, 9], 4), ([0, 1, 4, 7, 10], 4), ([0, 1, 3, 4], 0)])
-def test_grouped_convolution_loses_as_many_channels_in_every_group(dead_a, removed_a):
-    """Dead inputs of a grouped convolution go where every group can lose as many (one each of groups
-    {0,1,2}, {3,4,5}, ... here), at different positions in each group: Torch-Pruning kept the first columns
-    of every group, so removing them gave another network; a group with fewer dead inputs caps all groups,
-    and the channels beyond stay with the reason. Dead outputs of b (its groups of 2) go likewise."""
+@pytest.mark.parametrize("dead_a, dead_b, removed_a, in_sizes, out_sizes", [
+    ([0, 4, 7, 9], [1, 2, 5, 7], 4, None, None),                     # one of each group: still one Conv2d
+    ([0, 1, 4, 7, 10], [1, 2, 5, 7], 5, [1, 2, 2, 2], [1, 1, 1, 1]),  # unequal inputs
+    ([0, 1, 2, 4], [1, 2, 5, 7], 3, [1, 2, 3, 3], [1, 1, 1, 1]),     # group 0 keeps its last input
+    ([0, 1, 2, 4], [0, 1, 5, 7], 4, [2, 3, 3], [2, 1, 1]),           # group 0 has no output left: dropped
+])
+def test_grouped_convolution_loses_dead_channels_group_by_group(dead_a, dead_b, removed_a, in_sizes, out_sizes):
+    """Dead inputs and outputs of a grouped convolution go from each group on its own (groups {0,1,2},
+    {3,4,5}, ... of inputs, {0,1}, {2,3}, ... of outputs): when every group keeps as many, the result is one
+    Conv2d with its groups; else a GroupedConv2d of one convolution per group. A group that still has an
+    output keeps one input, with the reason; a group without outputs goes, its inputs read by nothing.
+    Outputs equal the original's, and the physical FLOPs count each group's own convolution."""
+    from edgebayes.compressed.grouped import GroupedConv2d
+
     torch.manual_seed(0)
     net = _Grouped().eval()
     with torch.no_grad():
@@ -779,16 +787,55 @@ def test_grouped_convolution_loses_as_many_channels_in_every_group(dead_a, remov
             bn.running_mean.uniform_(-0.5, 0.5)
             bn.running_var.uniform_(0.5, 1.5)
     _zero_rows(net.a, dead_a, net.bn_a)
-    _zero_rows(net.b, [1, 2, 5, 7], net.bn_b)   # one output in each group of two
+    _zero_rows(net.b, dead_b, net.bn_b)
     report = {}
-    pruned = remove_dead_units(net, {"a": _keep(12, dead_a), "b": _keep(8, [1, 2, 5, 7])}, torch.zeros(1, 3, 6, 6),
+    pruned = remove_dead_units(net, {"a": _keep(12, dead_a), "b": _keep(8, dead_b)}, torch.zeros(1, 3, 6, 6),
                                report=report)
     _assert_same_outputs(pruned, net, (3, 6, 6))
     assert report["a"]["removed"] == removed_a and report["b"] == {"dead": 4, "removed": 4, "kept": {}}
-    assert (pruned.a.out_channels, pruned.b.in_channels, pruned.b.out_channels, pruned.b.groups) == \
-        (12 - removed_a, 12 - removed_a, 4, 4)
+    assert pruned.a.out_channels == 12 - removed_a
+    if in_sizes is None:
+        assert isinstance(pruned.b, nn.Conv2d) and (pruned.b.in_channels, pruned.b.out_channels, pruned.b.groups) == (8, 4, 4)
+        flops_b = 4 * (2 * 9 + 1) * 36
+    else:
+        assert isinstance(pruned.b, GroupedConv2d)
+        assert pruned.b.in_sizes == in_sizes and [c.out_channels for c in pruned.b.convs] == out_sizes
+        flops_b = sum(o * (i * 9 + 1) * 36 for i, o in zip(in_sizes, out_sizes))
     for why in report["a"]["kept"]:
-        assert why.startswith("grouped convolution b keeps equal group sizes")
+        assert why.startswith("the last input channel of group 0 of grouped convolution b")
+    # appendix A.1 on the pruned network: a's, b's groups, c's FLOPs
+    expected = (12 - removed_a) * (3 + 1) * 36 + flops_b + 5 * (4 + 1) * 36
+    assert paper_flops(pruned, (3, 6, 6)) == expected
+
+
+def test_unequal_groups_export_in_both_layouts():
+    """A GroupedConv2d traces in the packed layout and exports to ONNX: the M samples' outputs match the MC
+    average in PyTorch, packed and unrolled."""
+    ort = pytest.importorskip("onnxruntime")
+    from edgebayes.export.formats import export_artifact
+
+    nets, samples = [], []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        net = _Grouped().eval()
+        _zero_rows(net.a, [0, 1, 4, 7, 10], net.bn_a)
+        _zero_rows(net.b, [0, 1, 5, 7], net.bn_b)
+        samples.append(remove_dead_units(net, {"a": _keep(12, [0, 1, 4, 7, 10]), "b": _keep(8, [0, 1, 5, 7])},
+                                         torch.zeros(1, 3, 6, 6)))
+    mc = MCAverage(samples).eval()
+    x = torch.randn(5, 3, 6, 6)
+    reference = mc(x).detach().numpy()
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in ("packed", "unrolled"):
+            details = {}
+            path = Path(tmp) / f"{layout}.onnx"
+            export_artifact(mc, "onnx", path, x, opset=17, layout=layout, details=details)
+            assert details["layout"] == layout
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            out = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+            assert abs(out - reference).max() < 1e-5
 
 
 def test_compress_says_when_it_could_not_prune_the_network(monkeypatch):
@@ -805,3 +852,25 @@ def test_compress_says_when_it_could_not_prune_the_network(monkeypatch):
     assert c.not_pruned.startswith("Torch-Pruning cannot trace the module (ZeroDivisionError")
     assert [layer.out_features for layer in _linears(c.samples[0])] == HIDDEN + [CLASSES]
     _assert_same_outputs(c.samples[0], c.dense_sample, INPUT_SHAPE)
+
+
+@pytest.mark.parametrize("multiple, widths", [(1, (5, 2)), (4, (8, 4)), (8, (8, 8))])
+def test_pruned_widths_round_up_to_the_runtime_channel_multiple(multiple, widths):
+    """With channel_multiple q, a convolution that loses channels keeps a multiple of q (dead ones stay, zero,
+    with the reason), never more than it had; a Linear is not rounded; outputs equal the original's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 12, 3, padding=1), nn.ReLU(), nn.Conv2d(12, 10, 3, padding=1), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3)).eval()
+    dead = {"0": [0, 2, 3, 5, 7, 8, 10], "2": [1, 2, 3, 4, 6, 7, 8, 9], "6": [0, 1, 4]}   # 5/12, 2/10, 4/7 live
+    for name, rows in dead.items():
+        _zero_rows(net.get_submodule(name), rows)
+    report = {}
+    pruned = remove_dead_units(net, {n: _keep(net.get_submodule(n).weight.shape[0], d) for n, d in dead.items()},
+                               torch.zeros(1, 3, 6, 6), report=report, channel_multiple=multiple)
+    _assert_same_outputs(pruned, net, (3, 6, 6))
+    assert (pruned[0].out_channels, pruned[2].out_channels, pruned[6].out_features) == widths + (4,)
+    assert report["6"] == {"dead": 3, "removed": 3, "kept": {}}
+    for name, width in zip(dead, widths):
+        kept = report[name]["kept"]
+        assert sum(kept.values()) == width - (12, 10)[list(dead).index(name)] + len(dead[name])
+        assert all(why.startswith(f"kept to round the layer's width up to a multiple of {multiple}") for why in kept)

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError, core_schema
 
 from edgebayes.errors import InputError
-from edgebayes.ondevice.tables import FORMATS, PRECISIONS, PROTOCOL, RUNTIMES
+from edgebayes.ondevice.tables import CHANNEL_MULTIPLE, FORMATS, PRECISIONS, PROTOCOL, RUNTIMES
 
 ROOT = Path(__file__).resolve().parents[2]
 # The shipped device profiles are package data (in a checkout, src/edgebayes/devices links to devices/), so
@@ -364,6 +364,14 @@ class RuntimeConfig(Section):
                               "export format (onnxruntime: fp16 -> onnx-fp16w, int8 -> onnx-int8)")
     workspace_mb: PositiveInt = Field(1024, description=(
         "TensorRT builder workspace in MiB (engines are built on the device, cached by ONNX hash and options)"))
+    channel_multiple: Optional[PositiveInt] = Field(None, description=(
+        "surgery keeps a multiple of this many channels in every convolution it prunes (dead ones stay, zero), "
+        "the block the runtime's fast kernels work in; null: the runtime's own (onnxruntime 4, tflite 1, tensorrt 8)"))
+
+    @property
+    def channel_block(self) -> int:
+        """channel_multiple, or the runtime's default (ondevice/tables.py, CHANNEL_MULTIPLE)."""
+        return self.channel_multiple or CHANNEL_MULTIPLE[self.name]
 
 
 OptionalPositive = Annotated[Optional[float], Range("expected a positive number or null", gt=0)]

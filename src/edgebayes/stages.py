@@ -471,7 +471,7 @@ def run_export(ctx):
     model, splits = load_trained_model(ctx), splits_for(ctx)
     e = ctx.cfg.export
     knob_value, m = choice["knob_value"], choice["mc_samples"]
-    compressed = compress(model, knob_value, m, ctx.cfg.seed)
+    compressed = compress(model, knob_value, m, ctx.cfg.seed, ctx.profile.runtime.channel_block)
     if compressed.not_pruned:
         ctx.log(f"export: WARNING {compressed.not_pruned}")
     mc_model = compressed.mc_model()

@@ -63,8 +63,11 @@ def sample_generator(seed: int) -> torch.Generator:
 
 
 @torch.no_grad()
-def compress(model, knob: float, m: int, seed: int) -> Compressed:
+def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1) -> Compressed:
     """Draw m posterior samples at `knob` and physically remove their dead units.
+
+    channel_multiple: every pruned layer keeps a multiple of this many channels, the block of the device
+    runtime's fast kernels (the profile's runtime.channel_block; surgery's `_round_width`).
 
     Raises EmptyLayerError when the knob removes every unit of a layer (no network is left). Surgery
     degrades rather than fails (compressed/surgery.py): what it kept, and why, is in `surgery`, and
@@ -79,7 +82,7 @@ def compress(model, knob: float, m: int, seed: int) -> Compressed:
             raise EmptyLayerError(f"{model.knob} {knob} removes every unit of layer(s) {empty}")
         dense0 = dense if dense0 is None else dense0
         samples.append(remove_dead_units(dense, kept, torch.zeros((1,) + tuple(model.input_shape)),
-                                         report=None if samples else report))
+                                         report=None if samples else report, channel_multiple=channel_multiple))
     return Compressed(knob, samples, dense0, kept, report)
 
 

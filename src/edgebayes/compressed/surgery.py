@@ -27,8 +27,9 @@ does no work that survives. "Constant where read" is measured, not assumed (`pro
 constant only if it takes one value over the batch and every position of a random probe and of a second
 batch in which everything that depends on the input is driven to large values of both signs, so a live
 unit that happens to be inactive on the probe cannot pass for a constant. Channels the rules do not cover
-stay: beyond the number every group of a grouped convolution can lose (PyTorch's groups have one size,
-`_equal_groups`), normalized together with other channels (GroupNorm / LayerNorm), a
+stay: the last input of a group of a grouped convolution that still has outputs there (grouped
+convolutions lose channels group by group, sizes left unequal: compressed/grouped.py), normalized together
+with other channels (GroupNorm / LayerNorm), a
 residual stream channel that another block writes, a constant read by a padded convolution, the last
 channel of a layer, a channel that goes through a split, slice, reshape or expand that changes the
 channel dimension (torch.chunk, x[:, :k], a channel shuffle: the sizes after it are in the code).
@@ -55,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch_pruning.dependency import index_mapping as tp_index_mapping
 from torch_pruning.dependency.index_mapping import _ConcatIndexMapping
 
+from edgebayes.compressed.grouped import is_grouped, last_inputs, regroup, ungroup
 from edgebayes.errors import StageError
 
 AFFINE = (nn.Linear, nn.Conv2d)
@@ -347,7 +349,7 @@ class _GroupFailed(Exception):
 
 @torch.no_grad()
 def remove_dead_units(module: nn.Module, dead_units: dict, example_input: torch.Tensor, atol: float = 1e-5,
-                      report: dict = None):
+                      report: dict = None, channel_multiple: int = 1):
     """Return a copy of `module` with every removable dead unit / channel physically removed.
 
     Surgery degrades, it does not fail: a dead channel that cannot be removed exactly stays (zero, or the
@@ -361,6 +363,8 @@ def remove_dead_units(module: nn.Module, dead_units: dict, example_input: torch.
 
     report: a dict to fill with {layer name: {"dead": n, "removed": n, "kept": {reason: n}}} for each layer
     of `dead_units` (format_report prints it).
+    channel_multiple: each convolution keeps a multiple of this many output channels where it loses any (dead
+    ones stay, zero, to round its width up; `_round_width`): a runtime's fast kernels work on blocks of channels.
     """
     original = copy.deepcopy(module).cpu().eval()
     layers = dict(original.named_modules())
@@ -384,7 +388,7 @@ def remove_dead_units(module: nn.Module, dead_units: dict, example_input: torch.
     def attempt(only=None):
         """(pruned, reasons, out_map, order, why its outputs are wrong or None), removing the groups of the
         layers in `only` (all when None) but those of `kept`."""
-        pruned, reasons, out_map, order = _remove(original, dead_sets, probe, kept, only)
+        pruned, reasons, out_map, order = _remove(original, dead_sets, probe, kept, only, channel_multiple)
         try:
             out = _run(pruned, check, {m: n for n, m in pruned.named_modules()}, "check of the pruned module")
         except SurgeryError as e:
@@ -428,6 +432,20 @@ def remove_dead_units(module: nn.Module, dead_units: dict, example_input: torch.
     return pruned
 
 
+def _round_width(width, candidates, multiple):
+    """{root index: why it stays} for the last dead candidates that keep a convolution's width at a multiple
+    of `multiple` (rounded up, at most the width it has): runtimes run convolutions in blocks of channels, and a
+    width off the block falls to slower kernels or pays a layout conversion per layer (onnxruntime on x86: six
+    3x3 convolutions of 57-63 channels took 1.4-1.6x the time of 56, 60 or 64; benchmarks/results/
+    channel_multiple.md). Linear layers are not rounded: their width made no difference beyond noise in
+    onnxruntime or LiteRT there. A layer whose width is not a multiple to begin with keeps it rather than
+    round past it."""
+    left = width - len(candidates)
+    keep = min(-(-left // multiple) * multiple, width) - left
+    return {r: f"kept to round the layer's width up to a multiple of {multiple} channels (the runtime's channel "
+               f"block: runtime.channel_multiple)" for r in candidates[len(candidates) - keep:]} if keep else {}
+
+
 def _first_failing(order, fails):
     """The layer of `order` whose group makes the removal fail: the last of the shortest failing prefix
     (the empty prefix passes, the whole order fails); log2(len(order)) more attempts."""
@@ -446,10 +464,11 @@ def _where(e):
     return f"{type(e).__name__}: {e}, in {frame.name} of {Path(frame.filename).name}"
 
 
-def _remove(original, dead_sets, probe, kept, only=None):
+def _remove(original, dead_sets, probe, kept, only=None, channel_multiple=1):
     """One attempt on a fresh copy of `original`: (pruned, {(layer, channel): why it stays}, out_map,
     the layers whose groups were removed, in order)."""
     pruned = copy.deepcopy(original)
+    grouped = ungroup(pruned)   # dense while Torch-Pruning cuts them; their groups come back at the end
     layers = dict(pruned.named_modules())
     names = {m: n for n, m in layers.items()}
     ranges = probe_inputs(pruned, probe, names)
@@ -462,13 +481,14 @@ def _remove(original, dead_sets, probe, kept, only=None):
     with _tolerant_index_mapping(unmapped):
         try:
             with torch.enable_grad(), recorder:  # Torch-Pruning traces the graph through autograd
-                graph = _dependency_graph().build_dependency(pruned, example_inputs=probe[:1], verbose=False)
+                graph = tp.DependencyGraph().build_dependency(pruned, example_inputs=probe[:1], verbose=False)
         except Exception as e:
             raise _Untraceable(f"Torch-Pruning cannot trace the module ({_where(e)}); the masked network is "
                                f"kept, its FLOPs and bytes are the dense ones") from None
         owned = _own_concats(graph, recorder.cats)
 
-        for name, dead in dead_sets.items():
+        # Grouped convolutions' own outputs first: a group left with no outputs then lets its inputs go too.
+        for name, dead in sorted(dead_sets.items(), key=lambda item: layers[item[0]] not in grouped):
             root = layers[name]
             candidates = [i for i, o in enumerate(out_map[root].tolist()) if o in dead]
             if not candidates:
@@ -484,9 +504,12 @@ def _remove(original, dead_sets, probe, kept, only=None):
                 while candidates:
                     _map_concats(owned)
                     group = graph.get_pruning_group(root, fn, candidates)
-                    blocked, folds = _check_group(graph, group, names, in_map, ranges, root, recorder, unmapped)
+                    blocked, folds = _check_group(graph, group, names, in_map, out_map, ranges, root, recorder,
+                                                  unmapped, grouped)
                     if not blocked and not graph.check_pruning_group(group):
                         blocked = {candidates[-1]: "the last channel: a layer cannot be left empty"}
+                    if not blocked and isinstance(root, nn.Conv2d):
+                        blocked = _round_width(root.weight.shape[0], candidates, channel_multiple)
                     if not blocked:
                         break
                     for r, why in blocked.items():
@@ -513,10 +536,12 @@ def _remove(original, dead_sets, probe, kept, only=None):
                     out_map[m] = _drop(out_map[m], item.idxs)
                 if m in in_map and graph.is_in_channel_pruning_fn(handler):
                     in_map[m] = _drop(in_map[m], item.idxs)
+    for old, new in regroup(pruned, grouped, in_map, out_map).items():
+        out_map[new] = out_map[old]
     return pruned, reasons, out_map, order
 
 
-def _check_group(graph, group, names, in_map, ranges, root, recorder, unmapped):
+def _check_group(graph, group, names, in_map, out_map, ranges, root, recorder, unmapped, grouped):
     """({root index: why it must stay}, [(reader, input index, constant to fold)]) for one group."""
     live_writers = {}  # root index -> layers that write that channel with non-zero weights, depthwise first
     for item in group:
@@ -577,11 +602,15 @@ def _check_group(graph, group, names, in_map, ranges, root, recorder, unmapped):
                                       f"convolution {label}")
             elif float(c) != 0:
                 folds.append((m, k, c))
-    return blocked or _equal_groups(graph, group, names), folds
-
-
-def _grouped(m):
-    return isinstance(m, nn.Conv2d) and m.groups > 1 and not _is_depthwise(m)
+    if not blocked:   # a group of a grouped convolution keeps one input while it has outputs
+        for item in group:
+            m = item.dep.target.module
+            if m in grouped and m in in_map and graph.is_in_channel_pruning_fn(item.dep.handler):
+                root_of = dict(zip(item.idxs, item.root_idxs))
+                for i, g in last_inputs(grouped[m], item.idxs, in_map[m], out_map[m]).items():
+                    blocked.setdefault(root_of[i], f"the last input channel of group {g} of grouped convolution "
+                                                   f"{names.get(m)}, which still has outputs there")
+    return blocked, folds
 
 
 def _reading(m, k):
@@ -591,30 +620,6 @@ def _reading(m, k):
         return m.weight[:, k]
     rows, per = m.out_channels // m.groups, m.in_channels // m.groups
     return m.weight[k // per * rows: (k // per + 1) * rows, k % per]
-
-
-def _equal_groups(graph, group, names):
-    """{root index: why it stays} so that every grouped convolution of the group loses as many channels in
-    each of its groups (PyTorch's groups have one size): k = the fewest any group can lose, at most all
-    but one (an empty group would change the number of groups). The channels beyond k of a group stay."""
-    blocked = {}
-    for item in group:
-        m, handler = item.dep.target.module, item.dep.handler
-        if not _grouped(m):
-            continue
-        out = graph.is_out_channel_pruning_fn(handler)
-        if not out and not graph.is_in_channel_pruning_fn(handler):
-            continue
-        size = (m.out_channels if out else m.in_channels) // m.groups
-        per_group = {}
-        for i, r in sorted(zip(item.idxs, item.root_idxs)):
-            per_group.setdefault(i // size, []).append(r)
-        k = min(size - 1, min(len(per_group.get(g, ())) for g in range(m.groups)))
-        for g, roots in per_group.items():
-            for r in roots[k:]:
-                blocked.setdefault(r, f"grouped convolution {names.get(m)} keeps equal group sizes "
-                                      f"({'outputs' if out else 'inputs'}: {k} can go from every group)")
-    return blocked
 
 
 def _fold(m, k, c):
@@ -628,35 +633,6 @@ def _fold(m, k, c):
         m.bias.data[k // per * rows: (k // per + 1) * rows] += contribution
     else:
         m.bias.data += contribution
-
-
-class _GroupedConvPruner(tp.pruner.function.ConvPruner):
-    """Torch-Pruning's ConvPruner, right for grouped convolutions. Its prune_in_channels keeps the first
-    columns of the weight whatever the group, which is right only when every group loses the same
-    positions; here each group keeps the columns of its own remaining channels (`_equal_groups` makes
-    the counts equal). Output channels are rows: Torch-Pruning's way is right."""
-
-    def prune_in_channels(self, layer, idxs):
-        if not isinstance(layer, nn.Conv2d) or layer.groups == 1 or layer.transposed:
-            return super().prune_in_channels(layer, idxs)
-        rows, per, gone = layer.out_channels // layer.groups, layer.in_channels // layer.groups, set(idxs)
-        columns = [[i - g * per for i in range(g * per, (g + 1) * per) if i not in gone] for g in range(layer.groups)]
-        if len({len(c) for c in columns}) != 1:
-            raise ValueError(f"unequal groups after removing input channels {sorted(gone)}")
-        w = layer.weight.detach()
-        layer.weight = nn.Parameter(torch.cat([w[g * rows: (g + 1) * rows, c] for g, c in enumerate(columns)]))
-        layer.in_channels -= len(gone)
-        return layer
-
-
-def _dependency_graph():
-    """A Torch-Pruning dependency graph whose convolutions are pruned by _GroupedConvPruner."""
-    graph = tp.DependencyGraph()
-    graph.REGISTERED_PRUNERS[tp.ops.OPTYPE.CONV] = _GroupedConvPruner()
-    pruners = [p for p in graph.REGISTERED_PRUNERS.values() if p is not None]
-    graph._in_channel_pruning_fn = {p.prune_in_channels for p in pruners}
-    graph._out_channel_pruning_fn = {p.prune_out_channels for p in pruners}
-    return graph
 
 
 def _drop(index, idxs):
@@ -701,8 +677,8 @@ def _traced(module, example_input):
     with _tolerant_index_mapping(unmapped):
         try:
             with torch.enable_grad(), recorder:
-                graph = _dependency_graph().build_dependency(module.eval(), example_inputs=example_input[:1],
-                                                             verbose=False)
+                graph = tp.DependencyGraph().build_dependency(module.eval(), example_inputs=example_input[:1],
+                                                              verbose=False)
         except Exception as e:
             raise SurgeryError(f"Torch-Pruning cannot trace the module ({_where(e)})") from None
         yield graph, _own_concats(graph, recorder.cats)
@@ -741,8 +717,6 @@ def _coupled(graph, owned, layers, names, wanted, layer_names):
                     continue
                 for i, r in zip(item.idxs, item.root_idxs):
                     parent[find((names[m], int(i)))] = find((name, int(r)))
-            elif isinstance(m, nn.Conv2d) and m.groups > 1 and not _is_depthwise(m):
-                blocked.add(name)   # surgery keeps channels a grouped convolution reads (_check_group)
     for name in layer_names:
         for c in range(layers[name].weight.shape[0]):
             find((name, c))
@@ -798,8 +772,7 @@ def _order(module, importance, example_input, graph, owned):
         writers = [(m, idxs, roots) for m, h, idxs, roots in items
                    if isinstance(m, AFFINE) and graph.is_out_channel_pruning_fn(h)]
         done.update(m for m, _, _ in writers)
-        if any(isinstance(m, (_MIXING_NORMS, tp.ops._OutputOp)) or (isinstance(m, nn.Conv2d) and m.groups > 1
-               and not _is_depthwise(m)) for m, _, _, _ in items):
+        if any(isinstance(m, (_MIXING_NORMS, tp.ops._OutputOp)) or is_grouped(m) for m, _, _, _ in items):
             continue
         score = torch.zeros(root.weight.shape[0])
         for m, idxs, roots in writers:

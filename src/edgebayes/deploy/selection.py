@@ -190,7 +190,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                         disable=not sys.stderr.isatty())   # a bar only on a terminal; select logs its result
         for knob_value, m in grid:
             try:
-                compressed = compress(model, knob_value, m, cfg.seed)
+                compressed = compress(model, knob_value, m, cfg.seed, profile.runtime.channel_block)
             except EmptyLayerError as e:
                 log(f"select: {e}; skipped")
                 progress.update(len(fmts))

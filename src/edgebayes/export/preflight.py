@@ -39,7 +39,7 @@ def preflight(cfg, profile, splits, log=print):
     x = splits.train_x[:2]
     what = "train: refused before the first epoch (compress and export of the untrained network)"
     try:
-        compressed = compress(model, model.default_knob, m, cfg.seed)
+        compressed = compress(model, model.default_knob, m, cfg.seed, profile.runtime.channel_block)
     except EmptyLayerError as e:   # the untrained knob empties a layer: nothing to export, training decides
         log(f"train: pre-flight skipped: {e}")
         return []

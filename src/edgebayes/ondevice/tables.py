@@ -50,6 +50,13 @@ RUNTIME_PACKAGES = {
     "tensorrt": "JetPack's TensorRT Python bindings (python3-libnvinfer)",
 }
 
+# The channel block of each runtime's fast convolution kernels: surgery keeps a multiple of it in every layer it
+# prunes (compressed/surgery.py, _round_width), a profile may override it (runtime.channel_multiple).
+# onnxruntime 4: on x86 its convolutions of 57-63 channels took 1.4-1.6x those of 56, 60 or 64 (NCHWc blocks;
+# benchmarks/results/channel_multiple.md); tflite 1: XNNPACK's time followed the width smoothly there;
+# tensorrt 8: its fp16 tensor-core formats hold channels in blocks of 8 (NVIDIA's performance guide).
+CHANNEL_MULTIPLE = {"onnxruntime": 4, "tflite": 1, "tensorrt": 8}
+
 # The runtime of a manifest's "format" (a bundle without "artifacts").
 FORMAT_TO_RUNTIME = {f.bundle_format: f.runtime for f in FORMATS.values()}
 

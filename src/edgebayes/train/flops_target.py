@@ -29,7 +29,7 @@ down goes first. Units are compared within their family only (`plan`).
 Units go in groups that surgery removes together (`channel_families`): a channel of a residual stream is
 switched off in every block that writes it, an expand channel with the depthwise channel it feeds, as
 Torch-Pruning's dependency graph couples them (compressed/surgery.py, coupled_channels); most groups are one
-unit. A layer coupled to the model's outputs, to a grouped convolution or to a layer that is not Bayesian
+unit. A layer coupled to the model's outputs or to a layer that is not Bayesian
 stays whole, and so does a family of groups whose dead units surgery still keeps in a probe before the first
 step: switching those off would cost accuracy and save no FLOPs. Every family keeps the same share of its
 groups, its most important ones (`plan`), as Torch-Pruning's default per-layer ratio does. FLOPs are counted
