@@ -775,9 +775,10 @@ class _Grouped(nn.Module):
 def test_grouped_convolution_loses_dead_channels_group_by_group(dead_a, dead_b, removed_a, in_sizes, out_sizes):
     """Dead inputs and outputs of a grouped convolution go from each group on its own (groups {0,1,2},
     {3,4,5}, ... of inputs, {0,1}, {2,3}, ... of outputs): when every group keeps as many, the result is one
-    Conv2d with its groups; else a GroupedConv2d of one convolution per group. A group that still has an
-    output keeps one input, with the reason; a group without outputs goes, its inputs read by nothing.
-    Outputs equal the original's, and the physical FLOPs count each group's own convolution."""
+    Conv2d with its groups; else a GroupedConv2d: one grouped convolution with every group padded to the
+    widest (zero weights), its kept outputs gathered. A group that still has an output keeps one input, with
+    the reason; a group without outputs goes, its inputs read by nothing. Outputs equal the original's, and
+    the physical FLOPs count the padded convolution, zeros included."""
     from edgebayes.compressed.grouped import GroupedConv2d
 
     torch.manual_seed(0)
@@ -797,10 +798,11 @@ def test_grouped_convolution_loses_dead_channels_group_by_group(dead_a, dead_b, 
     if in_sizes is None:
         assert isinstance(pruned.b, nn.Conv2d) and (pruned.b.in_channels, pruned.b.out_channels, pruned.b.groups) == (8, 4, 4)
         flops_b = 4 * (2 * 9 + 1) * 36
-    else:
-        assert isinstance(pruned.b, GroupedConv2d)
-        assert pruned.b.in_sizes == in_sizes and [c.out_channels for c in pruned.b.convs] == out_sizes
-        flops_b = sum(o * (i * 9 + 1) * 36 for i, o in zip(in_sizes, out_sizes))
+    else:   # one grouped convolution, every group padded to the widest; the kept outputs gathered
+        assert isinstance(pruned.b, GroupedConv2d) and pruned.b.conv.groups == len(out_sizes)
+        assert len(pruned.b.in_index) == len(out_sizes) * max(in_sizes)
+        assert pruned.b.out_index is None or len(pruned.b.out_index) == sum(out_sizes)
+        flops_b = len(out_sizes) * max(out_sizes) * (max(in_sizes) * 9 + 1) * 36
     for why in report["a"]["kept"]:
         assert why.startswith("the last input channel of group 0 of grouped convolution b")
     # appendix A.1 on the pruned network: a's, b's groups, c's FLOPs

@@ -12,38 +12,77 @@ removable ones), or represent groups of different sizes. Surgery does the second
            reader multiplying a channel by zero, a constant folded into a bias) read the zero blocks as
            they are. One rule is added (`last_inputs`): a group that still has outputs keeps one input,
            since a convolution cannot read no channel.
-  regroup  after surgery, each one goes back to its groups: one Conv2d with `groups` when every group kept
-           as many inputs and as many outputs as the others, else a `GroupedConv2d`: the input split by
-           group, one Conv2d per group, the outputs concatenated. A group left with no outputs is dropped
-           (its inputs are read by nothing).
+  regroup  after surgery, each one goes back to its groups (`_equal_groups`): one Conv2d with `groups` when
+           every group kept as many inputs and outputs as the others, else a `GroupedConv2d`: the input
+           gathered into groups of the widest group's size (a zero channel fills the others), one grouped
+           convolution, the kept outputs gathered. A group left with no outputs is dropped (its inputs are
+           read by nothing).
 
 Both steps are exact (the zero blocks add exact zeros); surgery's final check compares the result with the
 original module. The dense form costs G times a grouped layer's weights and work while surgery runs
-(ResNeXt-50's widest: 1024 x 1024 x 3 x 3 floats, 38 MB), not in the network it returns. Its FLOPs are
-counted per group (the inner convolutions are plain Conv2d layers), as appendix A.1 counts a grouped one.
+(ResNeXt-50's widest: 1024 x 1024 x 3 x 3 floats, 38 MB), not in the network it returns.
+
+Why one padded convolution, not one convolution per group: RegNetX-400MF at 32x32 with a quarter of its units
+dead ran in 1.81 ms (onnxruntime) / 1.15 ms (LiteRT) with a convolution per group and 1.24 / 0.96 ms padded,
+on this 2-core x86; per-operator cost dominates these small convolutions, and a GPU pays a kernel launch per
+operator. The padding's zero weights are computed, so they count in the physical FLOPs (0.768 of the dense
+against 0.706 per group there). Neither beat the masked network's 0.89 / 1.13 ms there (its groups keep
+the widths the runtimes' kernels are tuned for): benchmarks/results/channel_multiple.md has the figures.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class GroupedConv2d(nn.Module):
-    """A grouped convolution whose groups have different sizes: input channels split by `in_sizes` (one part
-    per group that kept inputs), part `reads[i]` convolved by `convs[i]`, the outputs concatenated in group
-    order. What surgery leaves of a
-    grouped convolution whose groups lost different numbers of channels (compressed/grouped.py)."""
+    """A grouped convolution whose groups kept different numbers of channels, run as one grouped convolution
+    of equal groups: the input gathered into groups of the widest group's size (a zero channel, appended by a
+    pad, fills a group's missing inputs), the convolution (zero weights on the padding), then the kept outputs
+    gathered. One convolution and three cheap operators, not one convolution per group (module docstring)."""
 
-    def __init__(self, in_sizes, reads, convs):
+    def __init__(self, conv, in_index=None, out_index=None):
         super().__init__()
-        self.in_sizes, self.reads, self.convs = list(in_sizes), list(reads), nn.ModuleList(convs)
+        self.conv = conv
+        # Lists, not buffers: traced as constants (the packed MC layout takes no tensor attributes), and
+        # exported as one Gather each. None: the input is in equal groups already / every output is kept.
+        self.in_index, self.out_index = in_index, out_index
 
     def forward(self, x):
-        parts = torch.split(x, self.in_sizes, dim=1)
-        outs = [conv(parts[g]) for g, conv in zip(self.reads, self.convs)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self.in_index is not None:
+            x = F.pad(x, (0, 0, 0, 0, 0, 1))[:, self.in_index]
+        y = self.conv(x)
+        return y if self.out_index is None else y[:, self.out_index]
 
     def extra_repr(self):
-        return f"in_sizes={self.in_sizes}, out_sizes={[c.out_channels for c in self.convs]}"
+        return f"gathers: input {self.in_index is not None}, output {self.out_index is not None}"
+
+
+def _equal_groups(m, blocks):
+    """The GroupedConv2d (or, where nothing needs gathering, the Conv2d) that computes ungrouped convolution m
+    with groups `blocks` [(its output rows, its input columns) per group]; groups without outputs go."""
+    kept = [(r, c) for r, c in blocks if len(r)]
+    width_in, width_out = max(len(c) for _, c in kept), max(len(r) for r, _ in kept)
+    conv = nn.Conv2d(len(kept) * width_in, len(kept) * width_out, m.kernel_size, m.stride, m.padding, m.dilation,
+                     len(kept), m.bias is not None, m.padding_mode, device=m.weight.device, dtype=m.weight.dtype)
+    zero = m.in_channels   # the channel the pad appends
+    in_index, out_index = [], []
+    with torch.no_grad():
+        conv.weight.zero_()
+        if m.bias is not None:
+            conv.bias.zero_()
+        for p, (r, c) in enumerate(kept):
+            in_index += c.tolist() + [zero] * (width_in - len(c))
+            out_index += list(range(p * width_out, p * width_out + len(r)))
+            conv.weight[p * width_out: p * width_out + len(r), :len(c)] = m.weight[r][:, c]
+            if m.bias is not None:
+                conv.bias[p * width_out: p * width_out + len(r)] = m.bias[r]
+    conv.requires_grad_(m.weight.requires_grad)
+    gather_in = in_index != list(range(m.in_channels))
+    gather_out = out_index != list(range(conv.out_channels))
+    if not gather_in and not gather_out:
+        return conv
+    return GroupedConv2d(conv, in_index if gather_in else None, out_index if gather_out else None)
 
 
 def is_grouped(m) -> bool:
@@ -87,36 +126,16 @@ def last_inputs(shape, removing, in_map, out_map) -> dict:
 @torch.no_grad()
 def regroup(module: nn.Module, grouped: dict, in_map: dict, out_map: dict) -> dict:
     """Give every convolution `ungroup` made dense its groups back (module docstring), in place. in_map /
-    out_map: the original index of each remaining input / output channel. Returns {old conv: new module}
-    for the convolutions replaced by a GroupedConv2d."""
+    out_map: the original index of each remaining input / output channel. Returns {old conv: new module}."""
     parents = {m: (parent, name) for parent in module.modules() for name, m in parent.named_children()}
     replaced = {}
     for m, (groups, cols, rows) in grouped.items():
         in_group = in_map[m] // cols if m in in_map else torch.arange(m.in_channels) // cols
         out_group = out_map[m] // rows
         blocks = [((out_group == g).nonzero().flatten(), (in_group == g).nonzero().flatten()) for g in range(groups)]
-        sizes = {(len(r), len(c)) for r, c in blocks}
-        if len(sizes) == 1 and 0 not in sizes.pop():   # equal groups: one grouped convolution
-            m.weight = nn.Parameter(torch.cat([m.weight[r][:, c] for r, c in blocks]),
-                                    requires_grad=m.weight.requires_grad)
-            m.groups = groups
-            continue
-        present = [g for g, (_, c) in enumerate(blocks) if len(c)]   # groups that kept an input
-        convs, reads = [], []
-        for g, (r, c) in enumerate(blocks):
-            if len(r) == 0:
-                continue   # no outputs left: the group's inputs are read by nothing
-            if len(c) == 0:
-                raise ValueError(f"group {g} of a grouped convolution kept outputs but no input (last_inputs "
-                                 f"keeps one)")
-            conv = nn.Conv2d(len(c), len(r), m.kernel_size, m.stride, m.padding, m.dilation, 1, m.bias is not None,
-                             m.padding_mode, device=m.weight.device, dtype=m.weight.dtype)
-            conv.weight.copy_(m.weight[r][:, c])
-            if m.bias is not None:
-                conv.bias.copy_(m.bias[r])
-            convs.append(conv.requires_grad_(m.weight.requires_grad))
-            reads.append(present.index(g))
-        new = GroupedConv2d([len(blocks[g][1]) for g in present], reads, convs).train(m.training)
+        if any(len(r) and not len(c) for r, c in blocks):
+            raise ValueError("a group of a grouped convolution kept outputs but no input (last_inputs keeps one)")
+        new = _equal_groups(m, blocks).train(m.training)
         parent, name = parents[m]
         setattr(parent, name, new)
         replaced[m] = new
