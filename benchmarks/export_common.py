@@ -105,10 +105,12 @@ def write_results(name, payload, table_lines, title, measures):
     payload = {**payload, "provenance": versions(), "command": " ".join(sys.argv), "load_average": os.getloadavg()}
     with atomic_path(RESULTS / f"{name}.json") as tmp:
         tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    threads = payload.get("threads", THREADS)   # a benchmark that times at several thread counts says which
+    threads = " and ".join(map(str, threads)) if isinstance(threads, list) else threads
     with atomic_path(RESULTS / f"{name}.md") as tmp:
         prov = payload["provenance"]
         tmp.write_text("\n".join(table_lines) + f"\n\nCommit {prov['git_commit']}, {prov['machine']['processor'] or prov['machine']['machine']}, "
-                       f"{prov['machine']['cpu_count']} CPUs, {THREADS} threads, batch 1, load average at the end "
+                       f"{prov['machine']['cpu_count']} CPUs, {threads} threads, batch 1, load average at the end "
                        f"{payload['load_average'][0]:.1f}; "
                        f"versions: {', '.join(f'{k} {v}' for k, v in prov['versions'].items())}.\n")
     print("\n".join(table_lines))

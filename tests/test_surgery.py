@@ -876,3 +876,26 @@ def test_pruned_widths_round_up_to_the_runtime_channel_multiple(multiple, widths
         kept = report[name]["kept"]
         assert sum(kept.values()) == width - (12, 10)[list(dead).index(name)] + len(dead[name])
         assert all(why.startswith(f"kept to round the layer's width up to a multiple of {multiple}") for why in kept)
+
+
+def test_an_index_mapping_that_explodes_keeps_the_group_instead_of_the_memory(monkeypatch):
+    """Chained reshapes made Torch-Pruning's group search build 33 million indices for swin_t (24 GB, killed).
+    A flatten's mapping beyond surgery's bound raises; the channels behind it stay with the reason and the
+    rest is removed (here the bound is lowered so that a conv -> flatten -> Linear hits it)."""
+    from edgebayes.compressed import surgery
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 16, 8), nn.ReLU(),
+                        nn.Linear(8, 3)).eval()
+    _zero_rows(net[0], [1, 4])
+    _zero_rows(net[3], [2])
+    dead = {"0": _keep(6, [1, 4]), "3": _keep(8, [2])}
+    monkeypatch.setattr(surgery, "_MAX_MAPPED", 2 * 16 - 1)   # the two dead channels' 32 features
+    report = {}
+    pruned = remove_dead_units(net, dead, torch.zeros(1, 3, 6, 6), report=report)
+    _assert_same_outputs(pruned, net, (3, 6, 6))
+    assert report["0"]["removed"] == 0 and report["3"] == {"dead": 1, "removed": 1, "kept": {}}
+    (why,) = report["0"]["kept"]
+    assert "could not find the channels coupled to them" in why and "chained reshapes" in why
+    monkeypatch.setattr(surgery, "_MAX_MAPPED", 2 * 16)
+    assert remove_dead_units(net, dead, torch.zeros(1, 3, 6, 6))[0].out_channels == 4

@@ -300,6 +300,7 @@ def _map_concats(owned):
                     dep.index_mapping[1] = _ConcatIndexMapping(offset=offsets[k: k + 2], reverse=False)
 
 
+_MAX_MAPPED = 1 << 21   # channel indices one index mapping may make (_tolerant_index_mapping)
 _MAPPING_UPDATES = ("update_concat_index_mapping", "update_split_index_mapping", "update_reshape_index_mapping",
                     "update_unbind_index_mapping", "update_expand_index_mapping", "update_slice_index_mapping")
 
@@ -310,8 +311,21 @@ def _tolerant_index_mapping(failed: dict):
     channel shuffle's view: ZeroDivisionError in update_reshape_index_mapping, which made torchvision's
     shufflenet untraceable), run per node: a node whose update fails is recorded in `failed` with the
     error, and every group through it keeps its channels. Patched for the duration of one surgery (the
-    module-level functions are what Torch-Pruning looks up); not for threads sharing the process."""
+    module-level functions are what Torch-Pruning looks up); not for threads sharing the process.
+
+    Also bounded: a flatten's index mapping multiplies a channel's indices by the features per channel, and
+    where reshapes chain (swin_t's windows: x32, x32, x32) the group search built 33 million indices and took
+    24 GB before the machine killed it. A mapping that would make more than _MAX_MAPPED indices raises instead,
+    so the group is not found and its channels stay, with the reason (_remove's "could not find the channels
+    coupled to them"); a flatten of a whole feature map into a Linear stays far below it."""
     originals = {name: getattr(tp_index_mapping, name) for name in _MAPPING_UPDATES}
+    flatten = tp_index_mapping._FlattenIndexMapping.__call__
+
+    def bounded(mapping, idxs):
+        if not mapping.reverse and len(idxs) * mapping._stride > _MAX_MAPPED:
+            raise ValueError(f"a reshape maps {len(idxs)} channel indices to {len(idxs) * mapping._stride} "
+                             f"(more than {_MAX_MAPPED}: chained reshapes)")
+        return flatten(mapping, idxs)
 
     def tolerant(name, update):
         def run(graph, node):
@@ -324,11 +338,13 @@ def _tolerant_index_mapping(failed: dict):
 
     for name, update in originals.items():
         setattr(tp_index_mapping, name, tolerant(name, update))
+    tp_index_mapping._FlattenIndexMapping.__call__ = bounded
     try:
         yield
     finally:
         for name, update in originals.items():
             setattr(tp_index_mapping, name, update)
+        tp_index_mapping._FlattenIndexMapping.__call__ = flatten
 
 
 # --------------------------------------------------------------------------------------------------
