@@ -23,11 +23,13 @@ original module. The dense form costs G times a grouped layer's weights and work
 (ResNeXt-50's widest: 1024 x 1024 x 3 x 3 floats, 38 MB), not in the network it returns.
 
 Why one padded convolution, not one convolution per group: RegNetX-400MF at 32x32 with a quarter of its units
-dead ran in 1.81 ms (onnxruntime) / 1.15 ms (LiteRT) with a convolution per group and 1.24 / 0.96 ms padded,
-on this 2-core x86; per-operator cost dominates these small convolutions, and a GPU pays a kernel launch per
-operator. The padding's zero weights are computed, so they count in the physical FLOPs (0.768 of the dense
-against 0.706 per group there). Neither beat the masked network's 0.89 / 1.13 ms there (its groups keep
-the widths the runtimes' kernels are tuned for): benchmarks/results/channel_multiple.md has the figures.
+dead ran in 1.81 ms (onnxruntime) / 1.15 ms (LiteRT) with a convolution per group (split, convolutions,
+concat) and 1.24 / 0.96 ms padded (one thread, this 2-core x86, measured once while choosing); per-operator
+cost dominates these small convolutions, and a GPU pays a kernel launch per operator. The padding's zero
+weights are computed, so they count in the physical FLOPs (0.768 of the dense against 0.706 per group).
+Neither beats the masked network there, whose groups keep the widths the runtimes' kernels are tuned for:
+benchmarks/results/channel_multiple.md (2 threads) has padded 1.56x the masked latency in onnxruntime, 1.16x
+in LiteRT.
 """
 
 import torch

@@ -452,7 +452,7 @@ def _round_width(width, candidates, multiple):
     """{root index: why it stays} for the last dead candidates that keep a convolution's width at a multiple
     of `multiple` (rounded up, at most the width it has): runtimes run convolutions in blocks of channels, and a
     width off the block falls to slower kernels or pays a layout conversion per layer (onnxruntime on x86: six
-    3x3 convolutions of 57-63 channels took 1.4-1.6x the time of 56, 60 or 64; benchmarks/results/
+    3x3 convolutions of 57-63 channels took 1.4-1.7x the time of 56, 60 or 64; benchmarks/results/
     channel_multiple.md). Linear layers are not rounded: their width made no difference beyond noise in
     onnxruntime or LiteRT there. A layer whose width is not a multiple to begin with keeps it rather than
     round past it."""

@@ -52,7 +52,7 @@ RUNTIME_PACKAGES = {
 
 # The channel block of each runtime's fast convolution kernels: surgery keeps a multiple of it in every layer it
 # prunes (compressed/surgery.py, _round_width), a profile may override it (runtime.channel_multiple).
-# onnxruntime 4: on x86 its convolutions of 57-63 channels took 1.4-1.6x those of 56, 60 or 64 (NCHWc blocks;
+# onnxruntime 4: on x86 its convolutions of 57-63 channels took 1.4-1.7x those of 56, 60 or 64 (NCHWc blocks;
 # benchmarks/results/channel_multiple.md); tflite 1: XNNPACK's time followed the width smoothly there;
 # tensorrt 8: its fp16 tensor-core formats hold channels in blocks of 8 (NVIDIA's performance guide).
 CHANNEL_MULTIPLE = {"onnxruntime": 4, "tflite": 1, "tensorrt": 8}
