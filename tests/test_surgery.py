@@ -811,12 +811,16 @@ def test_grouped_convolution_loses_dead_channels_group_by_group(dead_a, dead_b, 
 
 
 def test_unequal_groups_export_in_both_layouts():
-    """A GroupedConv2d traces in the packed layout and exports to ONNX: the M samples' outputs match the MC
-    average in PyTorch, packed and unrolled."""
-    ort = pytest.importorskip("onnxruntime")
-    from edgebayes.export.formats import export_artifact
+    """A GroupedConv2d (pad, gathers, one grouped convolution) traces in the packed layout and converts: the M
+    samples' ONNX (packed and unrolled) and TFLite outputs match the MC average in PyTorch."""
+    pytest.importorskip("onnxruntime")
+    import tempfile
+    from pathlib import Path
 
-    nets, samples = [], []
+    from edgebayes.compressed.grouped import GroupedConv2d
+    from edgebayes.export.formats import artifact_predict, export_artifact
+
+    samples = []
     for seed in range(2):
         torch.manual_seed(seed)
         net = _Grouped().eval()
@@ -824,20 +828,22 @@ def test_unequal_groups_export_in_both_layouts():
         _zero_rows(net.b, [0, 1, 5, 7], net.bn_b)
         samples.append(remove_dead_units(net, {"a": _keep(12, [0, 1, 4, 7, 10]), "b": _keep(8, [0, 1, 5, 7])},
                                          torch.zeros(1, 3, 6, 6)))
+    assert isinstance(samples[0].b, GroupedConv2d)
     mc = MCAverage(samples).eval()
     x = torch.randn(5, 3, 6, 6)
     reference = mc(x).detach().numpy()
-    import tempfile
-    from pathlib import Path
+    cases = [("onnx", "packed"), ("onnx", "unrolled")]
+    try:
+        import ai_edge_litert  # noqa: F401  (the TFLite runtime; conversion needs litert-torch too)
+        cases.append(("tflite-fp32", "packed"))
+    except ImportError:
+        pass
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in ("packed", "unrolled"):
+        for fmt, layout in cases:
             details = {}
-            path = Path(tmp) / f"{layout}.onnx"
-            export_artifact(mc, "onnx", path, x, opset=17, layout=layout, details=details)
+            path = export_artifact(mc, fmt, Path(tmp) / f"{layout}.{fmt}", x, opset=17, layout=layout, details=details)
             assert details["layout"] == layout
-            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-            out = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
-            assert abs(out - reference).max() < 1e-5
+            assert abs(artifact_predict(path, fmt, x.numpy()) - reference).max() < 1e-5, (fmt, layout)
 
 
 def test_compress_says_when_it_could_not_prune_the_network(monkeypatch):
