@@ -452,3 +452,20 @@ def test_the_histogram_counts_every_timed_run(tmp_path):
     inputs["results"].update(latency_histogram=hist, runs=summary["runs"], latency_ms=summary["latency_ms"])
     report_mod.write_report(inputs, tmp_path)
     assert (tmp_path / "latency_hist.png").read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.parametrize("layers", [3, 56])
+def test_training_plot_of_a_network_of_many_layers_keeps_its_axes(layers):
+    """A torchvision CNN has dozens of hidden layers: a legend line for each collapsed the training figure's
+    axes (matplotlib: "constrained_layout not applied", printed in the user's run). Past LEGEND_LAYERS the
+    layers are grey and unnamed beside their named total; drawn without a warning either way."""
+    import warnings
+
+    from edgebayes.deploy import plots
+
+    history = [{"epoch": e + 1, "val_accuracy": 0.5 + 0.1 * e, "kept_nodes": [64 - e - j % 7 for j in range(layers)]}
+               for e in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = plots.plot_history(history, [f"features.{j}" for j in range(layers)])
+    assert png.startswith(PNG_MAGIC)

@@ -366,7 +366,13 @@ def plot_reliability(rel: Any, ece: Any) -> bytes | None:
     return _png(fig)
 
 
+LEGEND_LAYERS = 8   # more layers than this: one line per layer stays, in grey and unnamed, beside their total
+
+
 def plot_history(history: Any, layer_names: list[str]) -> bytes | None:
+    """Validation accuracy (left) and kept nodes per hidden layer (right) over the epochs. A network of many
+    layers (a torchvision CNN has dozens) gets its layers as thin grey lines and their total as the named
+    one: a legend of every layer would not fit beside the axes."""
     hist = [h for h in (history or []) if isinstance(h, dict)]
     ep = [(num(h.get("epoch")) if num(h.get("epoch")) is not None else i + 1) for i, h in enumerate(hist)]
     acc = [(e, num(h.get("val_accuracy"))) for e, h in zip(ep, hist) if num(h.get("val_accuracy")) is not None]
@@ -382,11 +388,18 @@ def plot_history(history: Any, layer_names: list[str]) -> bytes | None:
     a1.set_ylabel("val accuracy")
     a1.grid(True, alpha=0.3)
     width = max((len(k) for _, k in kept), default=0)
+    many = width > LEGEND_LAYERS
     for j in range(width):
         pts = [(e, num(k[j])) for e, k in kept if j < len(k) and num(k[j]) is not None]
-        if pts:
+        if pts and many:
+            a2.plot(*zip(*pts), color="#bdbdbd", linewidth=0.8)
+        elif pts:
             a2.plot(*zip(*pts), label=layer_names[j] if j < len(layer_names) else f"layer {j + 1}")
-    a2.set_title("Kept nodes per hidden layer")
+    if many:
+        total = [(e, sum(num(v) or 0 for v in k)) for e, k in kept]
+        a2.plot(*zip(*total), color="#2c7fb8", linewidth=2, label=f"all {width} layers together")
+        a2.set_yscale("log")   # the total and the single layers on one axis
+    a2.set_title("Kept nodes per hidden layer" + (" (grey: each layer)" if many else ""))
     a2.set_xlabel("epoch")
     a2.set_ylabel("kept nodes")
     a2.grid(True, alpha=0.3)
