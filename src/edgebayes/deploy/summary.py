@@ -270,6 +270,7 @@ def summarize(d: dict) -> dict:
     spec_sheet = has_table is False
 
     # Budget verdicts.
+    measured_at_selection = False   # a report of predictions whose chosen point select timed on the device
     if predicted_in is None:
         lat_key = latency_key(lat, budgets.get("percentile"))
         lat_value = num(lat.get(lat_key)) if lat_key else None
@@ -283,7 +284,7 @@ def summarize(d: dict) -> dict:
             # select timed this candidate on the device (a no-fit report of a reachable board): that is its
             # figure, as select judged it, not the prediction beside it
             lat_key, lat_value = f"p{num(budgets['percentile']):g}", num(cost["measured_latency_ms"])
-            lat_src = f"{lat_key} measured on the device at selection"
+            lat_src, measured_at_selection = f"{lat_key} measured on the device at selection", True
     model_bytes = num(export.get("model_bytes"))
     if model_bytes is not None:
         model_mb, model_src = model_bytes / BYTES_PER_MB, "export.model_bytes"
@@ -301,7 +302,7 @@ def summarize(d: dict) -> dict:
     else:
         memory = (num(results.get("peak_rss_mb")), "peak RSS")
     measured = {"latency_ms": (lat_value, lat_src), "memory_mb": memory, "model_mb": (model_mb, model_src)}
-    basis = {"latency_ms": ("measured" if predicted_in is None or lat_src.endswith("at selection") else "predicted"),
+    basis = {"latency_ms": "measured" if predicted_in is None or measured_at_selection else "predicted",
              "memory_mb": "estimated" if predicted_in is not None else "measured", "model_mb": "file"}
     budget_rows = {}
     for key, (label, unit) in BUDGETS.items():
@@ -413,6 +414,7 @@ def summarize(d: dict) -> dict:
         "latency_percentile": budgets.get("percentile"),
         "latency_stat": lat_key,
         "latency_at_percentile_ms": lat_value,
+        "latency_measured_at_selection": measured_at_selection,
         "latency_budget_ms": num(budgets.get("latency_ms")),
         "budgets": budget_rows,
         "overall_verdict": overall,
@@ -486,8 +488,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
     lat = s.get("latency_predicted_ms") if predicted else {**dict_or_empty(s.get("latency_ms")), "max": s.get("latency_max_ms")}
     basis = (str(get(s, "latency_prediction", "basis_text") or "no prediction") if predicted
              else "measured, all timed runs")
-    measured_at_select = str(get(s, "budgets", "latency_ms", "measured_as") or "").endswith("at selection")
-    if predicted and measured_at_select:   # no prediction, but select timed the candidate on the device
+    if predicted and s.get("latency_measured_at_selection"):   # select timed the candidate on the device
         lat, basis = {s.get("latency_stat"): s.get("latency_at_percentile_ms")}, "measured on the device at selection"
     return {
         "run": s.get("run_name"), "device": s.get("device"), "mode": s.get("mode"),
