@@ -87,9 +87,14 @@ def _equal_groups(m, blocks):
     return GroupedConv2d(conv, in_index if gather_in else None, out_index if gather_out else None)
 
 
+def is_depthwise(m) -> bool:
+    """A convolution whose every channel is a group of its own (surgery removes its channels with their producer)."""
+    return isinstance(m, nn.Conv2d) and m.groups > 1 and m.groups == m.out_channels == m.in_channels
+
+
 def is_grouped(m) -> bool:
     """A grouped convolution that is not depthwise (depthwise channels are single: surgery's own rule)."""
-    return isinstance(m, nn.Conv2d) and 1 < m.groups and not m.groups == m.in_channels == m.out_channels
+    return isinstance(m, nn.Conv2d) and m.groups > 1 and not is_depthwise(m)
 
 
 @torch.no_grad()

@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 from torch_pruning.dependency import index_mapping as tp_index_mapping
 from torch_pruning.dependency.index_mapping import _ConcatIndexMapping
 
-from edgebayes.compressed.grouped import is_grouped, last_inputs, regroup, ungroup
+from edgebayes.compressed.grouped import is_depthwise, is_grouped, last_inputs, regroup, ungroup
 from edgebayes.errors import StageError
 
 AFFINE = (nn.Linear, nn.Conv2d)
@@ -68,10 +68,6 @@ _CONSTANT_RTOL = 1e-5  # rounding of a constant through an average pool that div
 
 class SurgeryError(StageError, ValueError):
     pass
-
-
-def _is_depthwise(m):
-    return isinstance(m, nn.Conv2d) and m.groups > 1 and m.groups == m.out_channels == m.in_channels
 
 
 def _channel_dim(m, rank):
@@ -567,7 +563,7 @@ def _check_group(graph, group, names, in_map, out_map, ranges, root, recorder, u
             for i, r in zip(item.idxs, item.root_idxs):
                 if rows[i]:
                     writers = live_writers.setdefault(r, [])
-                    writers.insert(0, m) if _is_depthwise(m) else writers.append(m)
+                    writers.insert(0, m) if is_depthwise(m) else writers.append(m)
 
     residual = any(isinstance(item.dep.target.module, tp.ops._ElementWiseOp)
                    and "add" in str(item.dep.target.module._grad_fn).lower() for item in group)
@@ -578,7 +574,7 @@ def _check_group(graph, group, names, in_map, out_map, ranges, root, recorder, u
             return "not dead: its weights are not zero"
         if not writers:
             return f"varies where {names[reader]} reads it"
-        if _is_depthwise(writers[0]):
+        if is_depthwise(writers[0]):
             return f"coupled to a live depthwise channel of {names[writers[0]]}"
         if residual:
             return f"residual stream: also written by live {names[writers[0]]}"
@@ -601,7 +597,7 @@ def _check_group(graph, group, names, in_map, out_map, ranges, root, recorder, u
             for r in item.root_idxs:
                 blocked.setdefault(r, f"normalized together with other channels by {label}")
             continue
-        if not graph.is_in_channel_pruning_fn(handler) or _is_depthwise(m):
+        if not graph.is_in_channel_pruning_fn(handler) or is_depthwise(m):
             continue  # writers, batch norms, element-wise ops; a depthwise layer: its readers decide
         if not isinstance(m, AFFINE) or m not in ranges:
             for r in item.root_idxs if _mixes_channels(m) else ():
@@ -802,7 +798,7 @@ def _order(module, importance, example_input, graph, owned):
             if not isinstance(m, _REORDERED):
                 continue
             dim = 1 if (graph.is_in_channel_pruning_fn(handler) and isinstance(m, AFFINE)
-                        and not _is_depthwise(m)) else 0
+                        and not is_depthwise(m)) else 0
             if (m, dim) in seen:
                 continue
             seen.add((m, dim))
