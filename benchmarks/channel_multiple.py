@@ -13,14 +13,13 @@ interleaved; export_common.time_calls). Results: benchmarks/results/channel_mult
 
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from export_common import RUNTIMES, export_for, np1, time_artifacts, write_results
+from export_common import RUNTIMES, export_plain, np1, time_artifacts, write_results
 from own_models import force_dead, make_net
-from edgebayes.compressed.samples import MCAverage, compress
+from edgebayes.compressed.samples import compress
 from edgebayes.compressed.structure import paper_flops
 from edgebayes.train.families import bayesianize
 
@@ -39,8 +38,7 @@ def time_variants(variants, x, tmp):
     """{variant: {runtime: timing}} of plain modules, each exported as the pipeline exports one sample."""
     rows = {name: {} for name in variants}
     for runtime in RUNTIMES:
-        timed = time_artifacts({name: export_for(runtime, MCAverage([m]).eval(), x, Path(tmp) / f"{name}-{runtime}",
-                                                 "unrolled") for name, m in variants.items()}, np1(x))
+        timed = time_artifacts(export_plain(runtime, variants, x, tmp), np1(x))
         for name in variants:
             rows[name][runtime] = timed[name]["median_ms"]
     return rows

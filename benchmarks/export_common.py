@@ -57,6 +57,15 @@ def export_for(runtime, mc_model, x, path, layout):
     return export_artifact(mc_model, fmt, Path(str(path) + FORMATS[fmt].suffix), x, opset=17, layout=layout), fmt
 
 
+def export_plain(runtime, modules, x, folder):
+    """{name: (path, fmt)} of plain modules {name: module}, each exported for `runtime` as the pipeline exports
+    one posterior sample (the MC average of that one sample)."""
+    from edgebayes.compressed.samples import MCAverage
+
+    return {name: export_for(runtime, MCAverage([m]).eval(), x, Path(folder) / f"{name}-{runtime}", "unrolled")
+            for name, m in modules.items()}
+
+
 def time_artifacts(artifacts, x1, warmup=50, calls=200, repeats=7, threads=THREADS):
     """{name: (path, fmt)} -> {name: {"median_ms", "rounds_ms", "calls_per_round"}} at batch 1, each artifact
     in its runtime (time_calls)."""

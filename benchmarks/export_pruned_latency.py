@@ -16,12 +16,10 @@ Target: pruned within 1.05x of direct.
 
 import copy
 import tempfile
-from pathlib import Path
 
 import torch
 
-from export_common import RUNTIMES, export_for, inputs, lenet5_caffe, mlp, np1, time_artifacts, write_results
-from edgebayes.compressed.samples import MCAverage
+from export_common import RUNTIMES, export_plain, inputs, lenet5_caffe, mlp, np1, time_artifacts, write_results
 from edgebayes.compressed.surgery import remove_dead_units
 from edgebayes.compressed.structure import paper_flops
 
@@ -81,8 +79,7 @@ def main():
         results[net] = {"pruned_vs_masked_max_abs_logit_diff": gap, "variants": rows, "ratios": {}}
         with tempfile.TemporaryDirectory() as tmp:
             for runtime in RUNTIMES:
-                artifacts = {name: export_for(runtime, MCAverage([module]).eval(), x, Path(tmp) / f"{net}-{name}",
-                                              "unrolled") for name, module in variants.items()}
+                artifacts = export_plain(runtime, variants, x, tmp)
                 for threads in THREAD_COUNTS:
                     timed = time_artifacts(artifacts, np1(x), threads=threads)
                     for name in variants:
