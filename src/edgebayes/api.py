@@ -59,7 +59,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
 
 def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
     """m posterior samples at a knob value (the family's default when None), dead units physically removed;
-    each pruned layer keeps a multiple of `channel_multiple` channels (the runtime's channel block: 4 for
+    each pruned convolution keeps a multiple of `channel_multiple` channels (the runtime's channel block: 4 for
     onnxruntime, 8 for TensorRT; ondevice/tables.py CHANNEL_MULTIPLE)."""
     return _compress(net.cpu().eval(), net.default_knob if knob is None else knob, m, seed, channel_multiple)
 

@@ -66,7 +66,7 @@ def sample_generator(seed: int) -> torch.Generator:
 def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1) -> Compressed:
     """Draw m posterior samples at `knob` and physically remove their dead units.
 
-    channel_multiple: every pruned layer keeps a multiple of this many channels, the block of the device
+    channel_multiple: every pruned convolution keeps a multiple of this many channels, the block of the device
     runtime's fast kernels (the profile's runtime.channel_block; surgery's `_round_width`).
 
     Raises EmptyLayerError when the knob removes every unit of a layer (no network is left). Surgery

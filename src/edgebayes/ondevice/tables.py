@@ -50,7 +50,7 @@ RUNTIME_PACKAGES = {
     "tensorrt": "JetPack's TensorRT Python bindings (python3-libnvinfer)",
 }
 
-# The channel block of each runtime's fast convolution kernels: surgery keeps a multiple of it in every layer it
+# The channel block of each runtime's fast convolution kernels: surgery keeps a multiple of it in every convolution it
 # prunes (compressed/surgery.py, _round_width), a profile may override it (runtime.channel_multiple).
 # onnxruntime 4: on x86 its convolutions of 57-63 channels took 1.4-1.7x those of 56, 60 or 64 (NCHWc blocks;
 # benchmarks/results/channel_multiple.md); tflite 1: XNNPACK's time followed the width smoothly there;
