@@ -33,14 +33,13 @@ in LiteRT.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
 class GroupedConv2d(nn.Module):
     """A grouped convolution whose groups kept different numbers of channels, run as one grouped convolution
-    of equal groups: the input gathered into groups of the widest group's size (a zero channel, appended by a
-    pad, fills a group's missing inputs), the convolution (zero weights on the padding), then the kept outputs
+    of equal groups: the input gathered into groups of the widest group's size (a zero channel, appended to
+    it, fills a group's missing inputs), the convolution (zero weights on the padding), then the kept outputs
     gathered. One convolution and three cheap operators, not one convolution per group (module docstring)."""
 
     def __init__(self, conv, in_index=None, out_index=None):
@@ -52,7 +51,9 @@ class GroupedConv2d(nn.Module):
 
     def forward(self, x):
         if self.in_index is not None:
-            x = F.pad(x, (0, 0, 0, 0, 0, 1))[:, self.in_index]
+            # The zero channel by concatenation: F.pad on the channel dimension exports as eight operators that
+            # compute its pads at run time (and a constant-folding warning each); this exports as four.
+            x = torch.cat([x, torch.zeros_like(x[:, :1])], dim=1)[:, self.in_index]
         y = self.conv(x)
         return y if self.out_index is None else y[:, self.out_index]
 
@@ -67,7 +68,7 @@ def _equal_groups(m, blocks):
     width_in, width_out = max(len(c) for _, c in kept), max(len(r) for r, _ in kept)
     conv = nn.Conv2d(len(kept) * width_in, len(kept) * width_out, m.kernel_size, m.stride, m.padding, m.dilation,
                      len(kept), m.bias is not None, m.padding_mode, device=m.weight.device, dtype=m.weight.dtype)
-    zero = m.in_channels   # the channel the pad appends
+    zero = m.in_channels   # the zero channel GroupedConv2d appends
     in_index, out_index = [], []
     with torch.no_grad():
         conv.weight.zero_()
