@@ -28,7 +28,7 @@ concat) and 1.24 / 0.96 ms padded (one thread, this 2-core x86, measured once wh
 cost dominates these small convolutions, and a GPU pays a kernel launch per operator. The padding's zero
 weights are computed, so they count in the physical FLOPs (0.768 of the dense against 0.706 per group).
 Neither beats the masked network there, whose groups keep the widths the runtimes' kernels are tuned for:
-benchmarks/results/channel_multiple.md (2 threads) has padded 1.56x the masked latency in onnxruntime, 1.16x
+benchmarks/results/channel_multiple.md (2 threads) has padded 1.59x the masked latency in onnxruntime, 1.15x
 in LiteRT.
 """
 
