@@ -322,6 +322,22 @@ def test_train_forward_masks_whole_groups_with_ordered_masks():
     assert set(mask.sum(1).tolist()) == {2.0, 3.0, 4.0}     # every width 2..4 is trained
 
 
+@pytest.mark.parametrize("arch", ["mlp", "resnet20"])
+def test_a_network_with_batch_norms_draws_one_mask_per_batch_one_without_them_one_per_example(arch):
+    """Per-example masks would mix sub-networks in a training batch norm's statistics (train/nested.py)."""
+    shape, nested, kw = ARCHS[arch]
+    net = NestedNet(arch, "fn3", NestedConfig(**nested), shape, 10, **kw).train()
+    first = net.nested_layers()[0][1]
+    seen = []
+    first.register_forward_hook(lambda module, inputs, out: seen.append(out.detach()))
+    torch.manual_seed(3)
+    net(torch.rand((64,) + shape))
+    zeroed = (seen[0].flatten(2).abs().sum(2) if seen[0].dim() > 2 else seen[0].abs()) == 0   # (batch, C)
+    has_norms = arch == "resnet20"
+    assert first.mask_per_batch == has_norms
+    assert torch.all(zeroed == zeroed[:1]) == has_norms     # the same channels dropped in every example
+
+
 def test_layer_factory_builds_nested_layers_for_every_architecture():
     for arch, (shape, nested, kw) in ARCHS.items():
         net = NestedNet(arch, "bn3", NestedConfig(**nested), shape, 10, **kw)

@@ -167,6 +167,10 @@ class NestedNet(nn.Module):
         self.net = build(LayerFactory(family, nested_cfg=nested_cfg, activation=activation), input_shape, classes)
         self.register_buffer("calibration_x", calibration_x, persistent=False)
         self.set_temperature(self.temperature)
+        # Batch norms in training mode see one sub-network per batch, not a mixture (train/nested.py).
+        with_norms = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.net.modules())
+        for _, layer in self.nested_layers():
+            layer.mask_per_batch = with_norms
 
     def forward(self, x):
         return self.net(x)

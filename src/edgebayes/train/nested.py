@@ -16,7 +16,7 @@ ordering unit:
 Weights carry multiplicative Gaussian noise w = theta (1 + sqrt(alpha) eps) (eq. 17) with the local
 reparameterization of eq. 21-22 (mean x theta, variance x^2 alpha theta^2); log alpha starts at -1, at -8 in
 the network's first layer (appendix 9.1). The sampled mask multiplies the layer's output channels (eq. 21,
-38), group-wise, one mask per example.
+38), group-wise, one mask per example; in a network with batch norms one mask per batch (deviation below).
 
 KL of a nested layer (eq. 11) = Phi1 + Phi2, scaled by kappa (train.kl_weight) in the trainer:
   - Phi1 = sum_j beta_j log(beta_j / p(v_j)) over the K ordered masks (eq. 12, 31);
@@ -45,6 +45,16 @@ Where this completes or deviates from the paper, and why:
     benchmarks/results/nested_width_seeds_mnist_lenet5_full15ep.md; the settings that trail FN3 in
     nested_width_sweep_mnist_lenet5_full15ep*.md.
   - Biases are deterministic (the paper omits them, section 3.2) and carry no KL.
+  - In a network with batch norms every layer draws one mask per batch, not one per example
+    (NestedNet sets `mask_per_batch`). The ELBO is the same (each example's expected log-likelihood over z;
+    one draw shared by the batch is still an unbiased estimate of it, with more variance); what changes is
+    what a training-mode batch norm sees: per-example masks mix the activations of up to K sub-networks in
+    one batch's statistics, normalising every example, the full-width ones too, with statistics of none of
+    them (the reason slimmable networks keep one batch norm per width). From scratch the network learns
+    around it; from trained weights it wrecks them: a torchvision MobileNetV2 trained on MNIST (88% test
+    accuracy) fell to chance within 16 steps and ended its 3-epoch fine-tuning at 12% at every width
+    (benchmarks/results/finetune_compress.md, before this change). The evaluation-time statistics are
+    recollected per width anyway (appendix 9.2).
   - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
     (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
   - The temperature schedule is not given: exponential per epoch from nested.temperature to
@@ -206,6 +216,7 @@ class NestedLayer(nn.Module):
         if nested:
             self.ordering = OrderingUnit(groups - fixed_groups, mubar_init, prior_keep_logit, learned_order)
         self.temperature = 1.0
+        self.mask_per_batch = False             # one mask shared by the batch (module docstring)
         self.width = groups                     # evaluation width (groups kept)
         self.rescale = True                     # test time: kept channels scaled by P(z_j = 1) (appendix 8.2)
         self.__dict__["truncates"] = truncates  # a layer whose output channels this one's mask also drops
@@ -267,7 +278,8 @@ class NestedLayer(nn.Module):
             if self.norm is not None:
                 out = self.norm(out)
             if self.nested:
-                z = self.ordering.sample(x.shape[0], self.temperature)                # (batch, K)
+                draws = 1 if self.mask_per_batch else x.shape[0]
+                z = self.ordering.sample(draws, self.temperature).expand(x.shape[0], -1)   # (batch, K)
                 z = torch.cat([z.new_ones(x.shape[0], self.fixed_groups), z], 1)     # (batch, D)
                 out = out * self._channel_view(z[:, self.group], out.dim())
             return out
