@@ -338,6 +338,24 @@ def test_a_network_with_batch_norms_draws_one_mask_per_batch_one_without_them_on
     assert torch.all(zeroed == zeroed[:1]) == has_norms     # the same channels dropped in every example
 
 
+def test_validation_of_a_nested_net_with_batch_norms_is_the_compressed_networks():
+    """Training's running statistics blend the sub-networks drawn: the epoch's validation figure is the one
+    compress gives at the default width (statistics recollected), not the training forward's."""
+    import edgebayes as eb
+    from edgebayes.train.trainer import evaluate
+
+    shape, nested, kw = ARCHS["resnet20"]
+    torch.manual_seed(0)
+    x, y = torch.rand((64,) + shape), torch.randint(0, 3, (64,))
+    net = NestedNet("resnet20", "bn3", NestedConfig(**nested), shape, 3, calibration_x=x, bn_batch_size=32, **kw)
+    assert net.validate_compressed
+    history = eb.fit(net, x, y, val=(x[:32], y[:32]), epochs=1, seed=4, batch_size=32, log=lambda *a: None)
+    val, _, _ = evaluate(net, x[:32], y[:32], net.default_knob, 2, 4)
+    assert history[-1]["val_nll"] == pytest.approx(val["nll"], rel=1e-6)
+    assert not NestedNet("mlp", "bn3", NestedConfig(groups=4, fixed_groups=1), (1, 4, 4), 3, hidden=[8],
+                         calibration_x=x[:, :1, :4, :4]).validate_compressed   # no batch norm: nothing to blend
+
+
 def test_layer_factory_builds_nested_layers_for_every_architecture():
     for arch, (shape, nested, kw) in ARCHS.items():
         net = NestedNet(arch, "bn3", NestedConfig(**nested), shape, 10, **kw)

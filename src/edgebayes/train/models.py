@@ -171,6 +171,9 @@ class NestedNet(nn.Module):
         with_norms = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.net.modules())
         for _, layer in self.nested_layers():
             layer.mask_per_batch = with_norms
+        # The running statistics of training are a blend over the sub-networks drawn: the per-epoch validation
+        # recollects them at the width, as compress does (trainer.ELBO.validate).
+        self.validate_compressed = with_norms and calibration_x is not None
 
     def forward(self, x):
         return self.net(x)

@@ -216,8 +216,12 @@ class ELBO:
         return logits, kl_term()  # the KL in fp32, outside autocast; added whole in every process
 
     def validate(self, model, splits, cfg, device):
-        val = classification_metrics(mc_predict(model, splits.val_x.to(device), cfg.train.mc_samples_val, cfg.seed),
-                                     splits.val_y.numpy())
+        if getattr(model, "validate_compressed", False):   # nested nets with batch norms (train/models.py)
+            val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_val,
+                                 cfg.seed)
+        else:
+            val = classification_metrics(mc_predict(model, splits.val_x.to(device), cfg.train.mc_samples_val,
+                                                    cfg.seed), splits.val_y.numpy())
         kept = [int(k.sum()) for k in model.kept_units(model.default_knob).values()][:-1]  # hidden layers
         return {"val_accuracy": val["accuracy"], "val_nll": val["nll"], "kept_nodes": kept,
                 "mean_inclusion": mean_inclusion(model)}
