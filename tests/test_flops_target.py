@@ -9,7 +9,7 @@ import edgebayes as eb
 from edgebayes.compressed.structure import structure_report
 from edgebayes.compressed.surgery import coupled_channels
 from edgebayes.config import ConfigError
-from edgebayes.train.flops_target import channel_families, plan, prunable_layers
+from edgebayes.train.flops_target import SURE, channel_families, plan, prunable_layers
 
 SHAPE = (3, 8, 8)
 
@@ -95,6 +95,20 @@ def test_fine_tuning_reaches_the_target_in_the_network_that_is_shipped():
     with torch.no_grad():
         out = c.samples[0](x[:16])
     assert out.shape == (16, 4)
+
+
+def test_kept_units_start_sure_and_switched_off_ones_stay_off_in_training():
+    """Units flip in training with probability 1 - gamma per step: a fine-tuning target starts every unit at
+    SURE and switches units off to 1 - SURE, not paper 000's 0.99 / 0.01 (train/flops_target.py)."""
+    x, y = data()
+    net = eb.bayesianize(trained_net(), "ss-ghs", input_shape=SHAPE, n_train=len(x))
+    layers = dict(prunable_layers(net))
+    assert all(float(layer.inclusion_probability().max()) < SURE for layer in layers.values())  # the config's 0.99
+    eb.fit(net, x, y, epochs=1, batch_size=32, lr=1e-3, flops_target=0.4, log=lambda *_: None)
+    gamma = torch.cat([layer.inclusion_probability().detach() for layer in layers.values()])
+    assert bool((gamma < 0.5).any()) and bool((gamma > 0.5).any())
+    # one epoch of Adam moves a logit by about lr per step: far from 0.99 / 0.01 either way
+    assert float(gamma[gamma > 0.5].min()) > 0.9995 and float(gamma[gamma < 0.5].max()) < 5e-4
 
 
 def test_a_target_without_prunable_layers_is_one_message_naming_the_key():

@@ -297,7 +297,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
     forward, kl_term = objective.prepare(model, forward, data.x[: t.batch_size], t, log)
     warmup_steps = t.kl_warmup_epochs * steps_per_epoch   # KL warm-up (module docstring); 0: none
     flops_target = None if t.flops_target is None else FlopsTargetSchedule(   # train/flops_target.py
-        model, t, t.epochs * steps_per_epoch, cfg.prior.gamma_init, log if world.main else (lambda *_: None))
+        model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None))
     bar = tqdm(range(start_epoch, t.epochs), desc=objective.name, unit="epoch", initial=start_epoch,
                total=t.epochs, disable=not world.main)
     for epoch in bar:
