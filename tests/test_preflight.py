@@ -53,3 +53,29 @@ def test_a_network_the_exporter_cannot_handle_is_refused_before_its_first_epoch(
     assert "refused before the first epoch" in err and "cannot export format onnx" in err and "cummax" in err
     train = tmp_path / "runs" / "preflight" / "train"
     assert not (train / "checkpoint.pt").exists() and not (train / "metrics.json").exists()
+
+
+def test_a_network_too_large_for_the_model_budget_is_told_the_share_that_fits_before_training():
+    """The device's model_mb budget against the untrained network's file, at the fewest MC samples select may
+    ship: the share of its weights that fits, as the train.flops_target to set (export/preflight.py)."""
+    from pathlib import Path
+
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.export.preflight import model_budget_advice
+
+    cfg = load_pipeline_config(Path(__file__).parents[1] / "pipeline.yaml", ["train.flops_target=null"])
+    profile = load_device_profile("local")
+    profile = profile.model_copy(update={"budgets": profile.budgets.model_copy(update={"model_mb": 0.5})})
+    fewest = min(cfg.select.mc_samples)
+    sizes = {"onnx": 4_000_000, "tflite-fp32": 3_000_000}   # bytes, each holding M=2 samples
+    advice = model_budget_advice(cfg, profile, sizes, 2)
+    share = 0.5 / (3.0 / 2 * fewest)
+    assert f"set train.flops_target to {share:.2f} or less" in advice and "tflite-fp32" in advice
+    strict = cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": round(share, 2)})})
+    assert model_budget_advice(strict, profile, sizes, 2) is None          # the target already fits
+    loose = cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": 0.9})})
+    assert "train.flops_target 0.9 keeps about" in model_budget_advice(loose, profile, sizes, 2)
+    dense = cfg.model_copy(update={"model": cfg.model.model_copy(update={"family": "bnn"})})
+    assert "removes none" in model_budget_advice(dense, profile, sizes, 2)
+    roomy = profile.model_copy(update={"budgets": profile.budgets.model_copy(update={"model_mb": 100})})
+    assert model_budget_advice(cfg, roomy, sizes, 2) is None

@@ -684,7 +684,7 @@ def _check_data(d: DataConfig, p):
     _check(d.label_column is None or d.dataset == "csv", f"{p}: data.label_column", "only read for data.dataset csv")
 
 
-_SPIKE_SLAB = ("ss-ig", "ss-gl", "ss-ghs")   # the families with prunable units (train/spike_slab.py PRIORS)
+SPIKE_SLAB_FAMILIES = ("ss-ig", "ss-gl", "ss-ghs")   # the families with prunable units (train/spike_slab.py PRIORS)
 
 
 SETTING_EXAMPLE = "train.epochs=3"
@@ -728,17 +728,17 @@ def load_pipeline_config(path, settings=()) -> PipelineConfig:
            "expected epochs between 1 and train.epochs")
     _check(cfg.train.kl_warmup_epochs <= cfg.train.epochs, f"{p}: train.kl_warmup_epochs",
            "expected an integer in 0..train.epochs (the exact ELBO must be the objective at the end)")
-    _check(cfg.train.inclusion_lr is None or cfg.model.family in _SPIKE_SLAB, f"{p}: train.inclusion_lr",
-           f"only a spike-and-slab family ({', '.join(_SPIKE_SLAB)}) has inclusion logits; leave it out (null)")
-    _check(cfg.train.rho_lr is None or cfg.model.family in ("bnn",) + _SPIKE_SLAB, f"{p}: train.rho_lr",
-           f"only the Gaussian slab of bnn and {', '.join(_SPIKE_SLAB)} has a rho; leave it out (null)")
+    _check(cfg.train.inclusion_lr is None or cfg.model.family in SPIKE_SLAB_FAMILIES, f"{p}: train.inclusion_lr",
+           f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) has inclusion logits; leave it out (null)")
+    _check(cfg.train.rho_lr is None or cfg.model.family in ("bnn",) + SPIKE_SLAB_FAMILIES, f"{p}: train.rho_lr",
+           f"only the Gaussian slab of bnn and {', '.join(SPIKE_SLAB_FAMILIES)} has a rho; leave it out (null)")
     _check(cfg.train.scale_lr is None or cfg.model.family in ("ss-gl", "ss-ghs"), f"{p}: train.scale_lr",
            "only ss-gl and ss-ghs have slab-scale variables (tau, varsigma); leave it out (null)")
-    _check(not cfg.train.kl_warmup_ordered or (cfg.train.kl_warmup_epochs > 0 and cfg.model.family in _SPIKE_SLAB),
+    _check(not cfg.train.kl_warmup_ordered or (cfg.train.kl_warmup_epochs > 0 and cfg.model.family in SPIKE_SLAB_FAMILIES),
            f"{p}: train.kl_warmup_ordered", "needs train.kl_warmup_epochs > 0 and a spike-and-slab family "
-           f"({', '.join(_SPIKE_SLAB)}): it orders the units of prunable layers")
-    _check(cfg.train.flops_target is None or cfg.model.family in _SPIKE_SLAB, f"{p}: train.flops_target",
-           f"only a spike-and-slab family ({', '.join(_SPIKE_SLAB)}) switches units off; leave it out (null)")
+           f"({', '.join(SPIKE_SLAB_FAMILIES)}): it orders the units of prunable layers")
+    _check(cfg.train.flops_target is None or cfg.model.family in SPIKE_SLAB_FAMILIES, f"{p}: train.flops_target",
+           f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) switches units off; leave it out (null)")
     _check(cfg.train.batch_size >= cfg.train.processes, f"{p}: train.batch_size",
            f"expected at least train.processes ({cfg.train.processes}): the batch is split over the processes")
     _check(cfg.select.objective != "ece-constrained-accuracy" or cfg.select.max_ece is not None,

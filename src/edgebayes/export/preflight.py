@@ -10,11 +10,17 @@ message select or export would have given after the training had been paid for. 
 artifacts go to a temporary folder. An untrained spike-and-slab net has every unit's inclusion at its
 prior, so surgery sees the network's real structure (what is dead changes with training, the operations
 do not).
+
+The exported files also tell, before any training, whether the network can fit the device's model_mb budget:
+when the untrained network, at the fewest MC samples select may choose, is larger than the budget, and
+train.flops_target does not ask for that much less, one line says the share of its weights that would fit
+(`model_budget_advice`). Said, not enforced: select decides after training.
 """
 
 import tempfile
 from pathlib import Path
 
+from edgebayes.config import SPIKE_SLAB_FAMILIES
 from edgebayes.errors import StageError
 
 
@@ -30,7 +36,7 @@ def preflight(cfg, profile, splits, log=print):
     """Compress and export the untrained net in every requested format; a StageError saying which and why
     if one fails. Returns the formats checked."""
     from edgebayes.compressed.samples import EmptyLayerError, compress
-    from edgebayes.export.formats import FORMATS, export_artifact
+    from edgebayes.export.formats import FORMATS, export_artifact, formats_for
     from edgebayes.train.families import build
 
     formats = requested_formats(cfg, profile)
@@ -46,16 +52,53 @@ def preflight(cfg, profile, splits, log=print):
     except StageError as e:
         raise StageError(f"{what}: {e}") from None
     mc_model = compressed.mc_model()
+    scored = {f.name for f in formats_for(profile, cfg.model.family)}   # what select may ship
+    sizes = {}
     with tempfile.TemporaryDirectory(prefix="edgebayes-preflight-") as tmp:
         for fmt in formats:
+            path = Path(tmp) / f"{fmt}{FORMATS[fmt].suffix}"
             try:
-                export_artifact(mc_model, fmt, Path(tmp) / f"{fmt}{FORMATS[fmt].suffix}", x, x, cfg.export.opset,
-                                layout=cfg.export.layout)
+                export_artifact(mc_model, fmt, path, x, x, cfg.export.opset, layout=cfg.export.layout)
             except Exception as e:
                 raise StageError(f"{what}: device {profile.name}: cannot export format {fmt} "
                                  f"(export.layout {cfg.export.layout}): {type(e).__name__}: "
                                  f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            if fmt in scored and path.is_file():
+                sizes[fmt] = path.stat().st_size
     log(f"train: pre-flight: the untrained network compresses and exports to {', '.join(formats)} "
         f"({cfg.export.layout}, M={m})")
+    advice = model_budget_advice(cfg, profile, sizes, m)
+    if advice:
+        log(f"train: pre-flight: {advice}")
     return formats
+
+
+def model_budget_advice(cfg, profile, sizes, m):
+    """What to change when the untrained network cannot fit the device's model_mb budget, or None.
+
+    `sizes`: {format select scores: bytes of its file holding m samples}. The smallest file, scaled to the
+    fewest MC samples select may choose, against the budget: the share of the weights that fits. A FLOPs
+    target removes weights about as much as FLOPs (benchmarks/results/finetune_compress.md: a params ratio of
+    0.48 at 0.5 of the FLOPs, 0.23 at 0.25, on four networks), so that share is what to give as
+    train.flops_target. Nested (width) and SQS nets are made small by select's own knob: no advice."""
+    budget = profile.budgets.model_mb
+    if budget is None or not sizes:
+        return None
+    allowed = [k for k in cfg.select.mc_samples
+               if (profile.budgets.mc_samples is None or k in profile.budgets.mc_samples)
+               and (profile.budgets.mc_samples_max is None or k <= profile.budgets.mc_samples_max)]
+    fewest = min(allowed or cfg.select.mc_samples)
+    fmt, size = min(sizes.items(), key=lambda item: item[1])
+    mb = size / m * fewest / 1e6   # the packed or unrolled file holds m samples' weights
+    share = budget / mb
+    family, target = cfg.model.family, cfg.train.flops_target
+    if share >= (target or 1.0) or family not in SPIKE_SLAB_FAMILIES + ("dnn", "bnn"):
+        return None
+    where = (f"at M={fewest} the network exports to about {mb:.3g} MB ({fmt}) against {profile.name}'s model_mb "
+             f"budget of {budget:g} MB: it fits with about {share:.0%} of its weights")
+    if family not in SPIKE_SLAB_FAMILIES:
+        return f"{where}, and model.family {family} removes none; use ss-gl or ss-ghs with train.flops_target"
+    if target is None:
+        return f"{where}; set train.flops_target to {share:.2f} or less (a share of the dense FLOPs)"
+    return f"{where}; train.flops_target {target:g} keeps about {target * mb:.3g} MB: set it to {share:.2f} or less"
 
