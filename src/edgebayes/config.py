@@ -396,6 +396,16 @@ class Budgets(Section):
     mc_samples_max: Annotated[Optional[int], Range("expected a positive integer or null", gt=0)] = Field(
         None, description="at most this many MC samples; null: any")
 
+    def mc_samples_violations(self, m) -> list:
+        """Why M = m posterior samples are not allowed here (empty: they are): select's verdict on a candidate,
+        and the fewest samples the pre-flight sizes the model at."""
+        out = []
+        if self.mc_samples is not None and m not in self.mc_samples:
+            out.append(f"M={m} not in budget mc_samples {self.mc_samples}")
+        if self.mc_samples_max is not None and m > self.mc_samples_max:
+            out.append(f"M={m} > budget mc_samples_max {self.mc_samples_max}")
+        return out
+
 
 # ssh argv safety: a value starting with '-' would be read as an option (`user: -oProxyCommand=...`).
 SshArgument = Annotated[Optional[str], Check(lambda v: v.strip() and not v.startswith("-"),

@@ -79,11 +79,7 @@ def violations(candidate, budgets, max_ece=None):
     if budgets.memory_mb is not None and memory is not None and memory > budgets.memory_mb:
         at_least = "at least " if cost.get("memory_estimate_lower_bound") else ""
         out.append(f"model's own memory (estimated) {at_least}{memory:.1f} MB > budget {budgets.memory_mb} MB")
-    m = candidate["mc_samples"]
-    if budgets.mc_samples is not None and m not in budgets.mc_samples:
-        out.append(f"M={m} not in budget mc_samples {budgets.mc_samples}")
-    if budgets.mc_samples_max is not None and m > budgets.mc_samples_max:
-        out.append(f"M={m} > budget mc_samples_max {budgets.mc_samples_max}")
+    out += budgets.mc_samples_violations(candidate["mc_samples"])
     if max_ece is not None and candidate["val"]["ece"] > max_ece:
         out.append(f"val ECE {candidate['val']['ece']:.4f} > max_ece {max_ece}")
     return out

@@ -84,9 +84,7 @@ def model_budget_advice(cfg, profile, sizes, m):
     budget = profile.budgets.model_mb
     if budget is None or not sizes:
         return None
-    allowed = [k for k in cfg.select.mc_samples
-               if (profile.budgets.mc_samples is None or k in profile.budgets.mc_samples)
-               and (profile.budgets.mc_samples_max is None or k <= profile.budgets.mc_samples_max)]
+    allowed = [k for k in cfg.select.mc_samples if not profile.budgets.mc_samples_violations(k)]
     fewest = min(allowed or cfg.select.mc_samples)
     fmt, size = min(sizes.items(), key=lambda item: item[1])
     mb = size / m * fewest / 1e6   # the packed or unrolled file holds m samples' weights
