@@ -293,6 +293,15 @@ def dense_model(net_name, seed, data, args, device, cache):
     return model, seconds
 
 
+def ran_on_label(prov, device):
+    """Where a row ran, in a few words: the accelerator or the CPU, and the torch that ran it."""
+    torch_version = prov.get("versions", {}).get("torch", "?")
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))} GPU, torch {torch_version}"
+    machine = prov.get("machine", {})
+    return f"{machine.get('machine', '?')} CPU, {machine.get('cpu_count', '?')} cores, torch {torch_version}"
+
+
 def run(args, data, out, rows):
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     done = {(r["net"], r["method"], r["target"], r["seed"]) for r in rows if "error" not in r}
@@ -300,10 +309,11 @@ def run(args, data, out, rows):
     eb_methods = [m for m in args.methods if m in EDGEBAYES]
     tp_methods = [m for m in args.methods if m in TORCH_PRUNING]
 
-    commit = provenance("finetune_compress").get("git_commit")   # each row says which code made it (--merge)
+    prov = provenance("finetune_compress")   # each row says which code made it and where it ran (--merge)
+    commit, ran_on = prov.get("git_commit"), ran_on_label(prov, device)
 
     def add(row):
-        row = {**row, "git_commit": commit}
+        row = {**row, "git_commit": commit, "ran_on": ran_on}
         rows[:] = [r for r in rows if (r["net"], r["method"], r["target"], r["seed"]) !=
                    (row["net"], row["method"], row["target"], row["seed"])] + [row]
         print(json.dumps({k: v for k, v in row.items() if k != "flops_ratio_physical_samples"}), flush=True)
@@ -413,7 +423,7 @@ def markdown(result):
              f"target (within {TP_TOLERANCE:.0%} where channels allow), then fine-tuned. FLOPs: paper 000's "
              "formula on the network after surgery / pruning, relative to the dense net (one sample; the MC model "
              "runs M). Params: weights and biases of the Conv / Linear layers, same ratio. Seconds: wall clock on "
-             "the machine of the JSON, indicative only. dense-ft: the dense net trained the same "
+             "the machine of the row (ran on), indicative only. dense-ft: the dense net trained the same "
              f"{_epochs(args.epochs)} more, uncompressed (how much of a row's change is the extra training).", "",
              data_line(args), "",
              f"Command: `{result['command']}`", "",
@@ -421,13 +431,14 @@ def markdown(result):
              *([f"Merged (--merge) from runs at several commits; each row's is in the 'commit' column and the JSON: "
                 + "; ".join(f"`{m['command']}` at {str(m['git_commit'])[:7]}" for m in result["merged_from"]), ""]
                if result.get("merged_from") else []),
+             *machines_lines(rows),
              "Criteria (the issue's Done when), edgebayes rows: physical FLOPs <= target, accuracy within "
              f"{100 * DENSE_GAP:.0f} point of dense, at least Torch-Pruning's best - {100 * TP_GAP:.1f} points at "
              "that target, ECE below the dense net's and every Torch-Pruning row's. 'met', or what is missed.", ""]
     for net in dict.fromkeys(r["net"] for r in rows):
         lines += [f"## {net}", "",
                   "| target | method | seed | FLOPs physical | params | accuracy % | vs dense (pts) | ECE | NLL | "
-                  "fine-tune s | criteria | commit |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "fine-tune s | criteria | commit | ran on |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         mine = [r for r in rows if r["net"] == net]
         order = ["dense", "dense-ft"] + list(EDGEBAYES) + list(TORCH_PRUNING)
         mine.sort(key=lambda r: (r["target"] is not None, -(r["target"] or 0), r["seed"], order.index(r["method"])))
@@ -435,7 +446,8 @@ def markdown(result):
             target = "—" if r["target"] is None else r["target"]
             if "error" in r:
                 lines.append("| " + " | ".join([str(target), r["method"], str(r["seed"]), f"failed: {r['error']}"]
-                                               + [""] * 7 + [str(r.get("git_commit") or "")[:7]]) + " |")
+                                               + [""] * 7 + [str(r.get("git_commit") or "")[:7],
+                                                             machine_key(rows, r)]) + " |")
                 continue
             crit = "" if r["method"] not in EDGEBAYES else (criteria(r, rows) or "met")
             if r["method"] in TORCH_PRUNING:
@@ -445,7 +457,7 @@ def markdown(result):
             lines.append(f"| {target} | {r['method']} | {r['seed']} | {r['flops_ratio_physical']:.3f} | "
                          f"{r['params_ratio']:.3f} | {_pct(r['accuracy'])} | {delta} | {r['ece']:.4f} | "
                          f"{r['nll']:.4f} | {_num(r.get('fine_tune_seconds', r.get('train_seconds')), '.0f')} | "
-                         f"{crit} | {str(r.get('git_commit') or '')[:7]} |")
+                         f"{crit} | {str(r.get('git_commit') or '')[:7]} | {machine_key(rows, r)} |")
         lines.append("")
     if len(set(r["seed"] for r in rows)) > 1:
         lines += ["## Over seeds (mean ± sd)", "",
@@ -463,6 +475,22 @@ def markdown(result):
                          f"{ms('flops_ratio_physical')} | {ms('accuracy', 100, '.2f')} | {ms('ece', 1, '.4f')} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _machines(rows):
+    return list(dict.fromkeys(r.get("ran_on") or "?" for r in rows))
+
+
+def machine_key(rows, row):
+    """The row's machine as a letter of the legend machines_lines writes."""
+    return "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[_machines(rows).index(row.get("ran_on") or "?") % 26]
+
+
+def machines_lines(rows):
+    """Which machine ran which rows (seconds compare only within one machine)."""
+    legend = [f"{machine_key(rows, {'ran_on': m})} = {m} (seeds "
+              f"{sorted(set(r['seed'] for r in rows if (r.get('ran_on') or '?') == m))})" for m in _machines(rows)]
+    return ["Machines ('ran on' column): " + "; ".join(legend) + ".", ""]
 
 
 def plot(rows, path):
@@ -546,7 +574,8 @@ def merge(paths, out, command):
     for result in results:
         for row in result["rows"]:
             rows[(row["net"], row["method"], row["target"], row["seed"])] = {
-                **row, "git_commit": row.get("git_commit") or result["provenance"].get("git_commit")}
+                **row, "git_commit": row.get("git_commit") or result["provenance"].get("git_commit"),
+                "ran_on": row.get("ran_on") or ran_on_label(result["provenance"], "cpu")}
     merged_from = [{"command": r["command"], "git_commit": r["provenance"].get("git_commit")} for r in results]
     write_result({**results[-1], "rows": list(rows.values()), "command": command, "merged_from": merged_from,
                   "provenance": settings_provenance(results[0]["settings"])}, out)

@@ -10,6 +10,7 @@ import datetime
 import functools
 import hashlib
 import json
+import os
 import platform
 import subprocess
 from importlib import metadata
@@ -24,14 +25,17 @@ _PACKAGES = ("torch", "numpy", "onnx", "onnxruntime", "scikit-learn", "edgebayes
 
 
 def git_commit() -> str:
+    """HEAD (with -dirty for uncommitted changes to tracked files); in a copy without git (a container, a
+    machine the tree was copied to) the commit the copier put in $EDGEBAYES_GIT_COMMIT, else "unknown"."""
+    fallback = os.environ.get("EDGEBAYES_GIT_COMMIT") or "unknown"
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return fallback
     if out.returncode != 0:
-        return "unknown"
+        return fallback
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
