@@ -25,17 +25,19 @@ _PACKAGES = ("torch", "numpy", "onnx", "onnxruntime", "scikit-learn", "edgebayes
 
 
 def git_commit() -> str:
-    """HEAD (with -dirty for uncommitted changes to tracked files); in a copy without git (a container, a
-    machine the tree was copied to) the commit the copier put in $EDGEBAYES_GIT_COMMIT, else "unknown"."""
-    fallback = os.environ.get("EDGEBAYES_GIT_COMMIT") or "unknown"
+    """HEAD (with -dirty for uncommitted changes to tracked files), or the commit in $EDGEBAYES_GIT_COMMIT where
+    whoever copied the tree elsewhere (a container, a lent GPU machine) says which it is: such a copy's own .git,
+    where it has one, can be older than its files."""
+    if os.environ.get("EDGEBAYES_GIT_COMMIT"):
+        return os.environ["EDGEBAYES_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return fallback
+        return "unknown"
     if out.returncode != 0:
-        return fallback
+        return "unknown"
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
