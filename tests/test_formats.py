@@ -124,3 +124,18 @@ def test_fidelity_check_rules():
     assert check_fidelity(line, "int8", 1e-4, 0.01)["passed"]
     flipped = fidelity(ref[:, ::-1], ref, y)
     assert flipped["accuracy"] == 0.0 and not check_fidelity(flipped, "fp16", 1e-4, 0.5)["passed"]
+
+
+def test_an_fp32_artifact_as_close_to_float64_as_pytorch_fp32_passes_and_the_rule_says_so():
+    """export's fp32 check on an ill-conditioned network (compressed.samples.fp32_agreement's facts in
+    line["float64"]): 1.2e-4 from PyTorch fp32 passes when it is 7e-5 from float64 and PyTorch fp32 itself is 5e-5
+    from it; not when float64 says the artifact is wrong."""
+    y = np.array([0, 1])
+    ref = np.array([[0.9, 0.1], [0.2, 0.8]])
+    line = fidelity(ref + [[1.2e-4, -1.2e-4], [0, 0]], ref, y)
+    assert not check_fidelity(line, "fp32", 1e-4, 0.01)["passed"]
+    line["float64"] = {"passed": True, "max_abs_diff": 1.2e-4, "max_abs_diff_float64": 7e-5, "torch_fp32_error": 5e-5}
+    check = check_fidelity(line, "fp32", 1e-4, 0.01)
+    assert check["passed"] and "float64 7.00e-05" in check["rule"] and "5.00e-05" in check["rule"]
+    line["float64"] = {"passed": False, "max_abs_diff": 1.2e-4, "max_abs_diff_float64": 1.2e-4, "torch_fp32_error": 1e-7}
+    assert not check_fidelity(line, "fp32", 1e-4, 0.01)["passed"]

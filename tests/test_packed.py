@@ -14,7 +14,7 @@ from torch import nn
 
 from _nets import IDIOMS, idiom_samples, samples_and_inputs, torchvision_samples
 from edgebayes.config import ModelConfig, PriorConfig
-from edgebayes.compressed.samples import MCAverage, compress
+from edgebayes.compressed.samples import MCAverage, compress, fp32_agreement, predict_float64
 from edgebayes.export.onnx_export import export_onnx, onnx_predict
 from edgebayes.export.packed import PackingError, mc_graph, pack_samples
 from edgebayes.train.models import build_model
@@ -513,3 +513,57 @@ def test_numbers_computed_from_the_input_size_are_packed():
         samples.append(Patches().eval())
     x = torch.randn(8, 3, 4, 6)
     assert pack_samples(samples, x)(x).shape == (8, 4)   # equal to the unrolled average: checked
+
+
+def _ill_conditioned_net(seed):
+    """A conv whose second channel is its bias (100) plus a tiny signal, then a batch norm that saw that channel
+    as constant (running mean 100, variance 0, as a unit that never moved on the calibration data): the
+    subtraction cancels and 1/sqrt(eps) ~ 316 amplifies every rounding of the conv."""
+    g = torch.Generator().manual_seed(seed)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(4, 3))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        net[0].weight[1].mul_(1e-4)
+        net[0].bias[1], net[1].weight[1] = 100.0, 1.0
+        net[1].running_mean.zero_()
+        net[1].running_var.fill_(1.0)
+        net[1].running_mean[1], net[1].running_var[1] = 100.0, 0.0
+    return net.eval()
+
+
+def test_an_ill_conditioned_network_packs_when_it_is_as_close_to_float64_as_the_unrolled_fp32_is():
+    """Two correct fp32 computations of an ill-conditioned net differ by more than the packing check's 1e-5:
+    the check then measures both from float64 (fp32_agreement) and a packed graph no farther from it than the
+    unrolled one is (plus 1e-5) is kept; a wrong graph stays refused."""
+    samples = [_ill_conditioned_net(s) for s in range(4)]
+    x = torch.randn(64, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    unrolled = MCAverage(samples).eval()
+    packed = pack_samples(samples, x)      # refused before: "differs from the unrolled MC average by 6e-05"
+    with torch.no_grad():
+        out, ref32 = packed(x), unrolled(x)
+    exact = predict_float64(unrolled, x)
+    assert (out - ref32).abs().max() > 1e-5                       # the fp32 rule alone would refuse it
+    own_error = float((ref32.double() - exact).abs().max())
+    assert float((out.double() - exact).abs().max()) <= 1e-5 + own_error
+    facts = fp32_agreement(out, ref32, unrolled, x, 1e-5)
+    assert facts["passed"] and facts["torch_fp32_error"] == pytest.approx(own_error)
+    wrong = fp32_agreement(out + 1e-3, ref32, unrolled, x, 1e-5)
+    assert not wrong["passed"] and wrong["max_abs_diff_float64"] > 1e-4
+
+
+def test_fp32_agreement_without_float64_keeps_the_fp32_rule():
+    """A module that cannot run in float64 is judged by the fp32 reference alone."""
+    class Fp32Only(nn.Module):
+        def forward(self, x):
+            if x.dtype != torch.float32:
+                raise RuntimeError("expected scalar type Float")
+            return x.softmax(-1)
+
+    x = torch.randn(8, 3)
+    ref = Fp32Only()(x)
+    assert predict_float64(Fp32Only(), x) is None
+    assert fp32_agreement(ref + 5e-6, ref, Fp32Only(), x, 1e-5)["passed"]
+    facts = fp32_agreement(ref + 5e-5, ref, Fp32Only(), x, 1e-5)
+    assert not facts["passed"] and "max_abs_diff_float64" not in facts

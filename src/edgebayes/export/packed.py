@@ -693,9 +693,10 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC
     """The packed MC-averaged network of `samples` (plain modules of one architecture, logits out).
 
     `example` (a batch of inputs, [B, ...]) drives shape propagation and the equality check against the
-    unrolled MC average; a packed graph that differs by more than `atol` is refused.
+    unrolled MC average; a packed graph that differs by more than `atol` is refused (on an ill-conditioned
+    network: by more than atol plus the unrolled fp32's own error, both measured from float64; fp32_agreement).
     """
-    from edgebayes.compressed.samples import MCAverage
+    from edgebayes.compressed.samples import MCAverage, fp32_agreement
 
     samples = list(samples)
     if not samples:
@@ -704,9 +705,14 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC
     traced = [t for t, _, _ in folds]
     _check_same_architecture(traced)
     packed = _Packer(traced, example).build(folds[0][1], folds[0][2])
-    gap = float((packed(example) - MCAverage(samples).eval()(example)).abs().max())
-    if not gap <= atol:
-        raise PackingError(f"the packed graph differs from the unrolled MC average by {gap:.2e} > {atol:.0e}")
+    unrolled = MCAverage(samples).eval()
+    with torch.no_grad():
+        agreement = fp32_agreement(packed(example), unrolled(example), unrolled, example, atol)
+    if not agreement["passed"]:
+        gap, exact = agreement["max_abs_diff"], agreement.get("max_abs_diff_float64")
+        raise PackingError(f"the packed graph differs from the unrolled MC average by {gap:.2e} > {atol:.0e}"
+                           + ("" if exact is None else f" (from float64: {exact:.2e}, the unrolled fp32's own "
+                                                       f"{agreement['torch_fp32_error']:.2e})"))
     return packed
 
 
