@@ -153,3 +153,41 @@ def test_a_nested_net_starts_from_the_trained_channels_most_important_first():
     net = eb.bayesianize(module, "bn3", input_shape=SHAPE, n_train=256)
     assert torch.equal(module.bn1.weight, torch.linspace(0.1, 1.6, 16))   # the caller's module keeps its order
     assert torch.allclose(net.net.conv1.norm.weight, reordered.bn1.weight)
+
+
+def test_a_fine_tuning_to_a_flops_target_interrupted_mid_schedule_resumes_to_the_uninterrupted_result(
+        tmp_path, monkeypatch):
+    """The schedule's state is the inclusion logits (in the checkpoint) and the step: a run killed after its
+    first epoch's checkpoint, in the middle of the schedule, resumes without starting it again (no second
+    'every unit sure' at step 0) and ends with the uninterrupted run's weights and inclusion probabilities."""
+    import edgebayes.train.trainer as trainer
+
+    x, y = data()
+    settings = dict(epochs=3, batch_size=32, lr=1e-3, flops_target=0.4, flops_schedule_fraction=0.8,
+                    log=lambda *_: None)
+    full = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    eb.fit(full, x, y, checkpoint=tmp_path / "full.pt", **settings)
+
+    real_save = trainer.atomic_torch_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        if obj["epoch"] == 1:
+            raise KeyboardInterrupt   # after the first of three epochs: the schedule runs to 80% of the steps
+
+    monkeypatch.setattr(trainer, "atomic_torch_save", save_then_die)
+    part = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    with pytest.raises(KeyboardInterrupt):
+        eb.fit(part, x, y, checkpoint=tmp_path / "part.pt", **settings)
+    monkeypatch.setattr(trainer, "atomic_torch_save", real_save)
+    gamma_at_checkpoint = {n: float(l.inclusion_probability().detach().min()) for n, l in prunable_layers(part)}
+    assert min(gamma_at_checkpoint.values()) < 0.5   # units were switched off before the interruption
+
+    resumed = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    lines = []
+    history = eb.fit(resumed, x, y, checkpoint=tmp_path / "part.pt", **{**settings, "log": lines.append})
+    assert any("resuming" in str(line) for line in lines) and [h["epoch"] for h in history] == [1, 2, 3]
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    c = eb.compress(resumed, m=2)
+    assert structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)["physical_flops_ratio"] <= 0.4 + 1e-9
