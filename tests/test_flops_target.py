@@ -166,7 +166,7 @@ def test_a_fine_tuning_to_a_flops_target_interrupted_mid_schedule_resumes_to_the
     settings = dict(epochs=3, batch_size=32, lr=1e-3, flops_target=0.4, flops_schedule_fraction=0.8,
                     log=lambda *_: None)
     full = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
-    eb.fit(full, x, y, checkpoint=tmp_path / "full.pt", **settings)
+    full_history = eb.fit(full, x, y, checkpoint=tmp_path / "full.pt", **settings)
 
     real_save = trainer.atomic_torch_save
 
@@ -189,5 +189,50 @@ def test_a_fine_tuning_to_a_flops_target_interrupted_mid_schedule_resumes_to_the
     assert any("resuming" in str(line) for line in lines) and [h["epoch"] for h in history] == [1, 2, 3]
     for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
+    points = [p for h in history for p in h["flops_target_points"]]   # validated along the schedule, both runs
+    assert points == [p for h in full_history for p in h["flops_target_points"]] and points[0]["step"] == 0
     c = eb.compress(resumed, m=2)
     assert structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)["physical_flops_ratio"] <= 0.4 + 1e-9
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.1])
+def test_a_target_that_costs_more_than_the_accuracy_floor_names_the_closest_point_within_it(drop):
+    """train.max_accuracy_drop: the network is validated before the first step and at every point of the
+    schedule; 10% of the FLOPs of this small net costs far more than the floor, and the message names the
+    smallest FLOPs ratio the schedule passed at or above it (or says none did), as the target to set."""
+    x, y = data()
+    net = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    lines = []
+    history = eb.fit(net, x, y, epochs=2, batch_size=32, lr=1e-3, flops_target=0.1, max_accuracy_drop=drop,
+                     log=lines.append)
+    points = [p for h in history for p in h["flops_target_points"]]
+    assert points[0] == {"step": 0, "flops_ratio": 1.0, "val_accuracy": points[0]["val_accuracy"]}
+    assert [p["step"] for p in points] == sorted(p["step"] for p in points) and points[-1]["flops_ratio"] <= 0.1
+    floor = points[0]["val_accuracy"] - drop
+    assert history[-1]["val_accuracy"] < floor     # the cost this test is about
+    verdict = history[-1]["flops_target_verdict"]
+    assert verdict in lines and f"train.max_accuracy_drop {drop:g}" in verdict
+    within = [p for p in points[1:] if p["val_accuracy"] >= floor]
+    assert bool(within) == (drop > 0)   # both messages: a point within 10 points (68% of the FLOPs), none within 0
+    if within:
+        assert f"the closest point within it: {min(p['flops_ratio'] for p in within):.3f} of the FLOPs" in verdict
+    else:
+        assert "no point of the schedule stayed within it" in verdict
+    # the report's summary carries it among the things not to miss
+    from edgebayes.deploy.summary import summarize
+    assert any("train.max_accuracy_drop" in w for w in summarize({"train": {"history": history}})["warnings"])
+
+
+def test_a_target_within_the_accuracy_floor_says_nothing_and_the_floor_needs_a_target(tmp_path):
+    from edgebayes.config import load_pipeline_config
+
+    x, y = data()
+    net = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    history = eb.fit(net, x, y, epochs=2, batch_size=32, lr=1e-3, flops_target=0.9, max_accuracy_drop=0.5,
+                     log=lambda *_: None)
+    assert "flops_target_verdict" not in history[-1]
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\ndata: {dataset: digits}\nmodel: {family: ss-gl, arch: mlp, hidden: [8]}\n"
+                    "train: {epochs: 1, max_accuracy_drop: 0.01}\n")
+    with pytest.raises(ConfigError, match="train.max_accuracy_drop"):
+        load_pipeline_config(path)

@@ -234,6 +234,11 @@ class TrainConfig(Section):
         "(train/flops_target.py); null: none"))
     flops_schedule_fraction: Rate = Field(0.5, description=(
         "the share of the training steps over which train.flops_target's schedule reaches its target"))
+    max_accuracy_drop: Optional[Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)]] = Field(
+        None, description=(
+            "with train.flops_target: the validation accuracy the fine-tuning may lose against the network it "
+            "starts from (0.01: one point); a target that costs more is reported at the end of training with the "
+            "closest point of the schedule that did not (train/flops_target.py); null: no floor"))
 
 
 class SQSConfig(Section):
@@ -749,6 +754,8 @@ def load_pipeline_config(path, settings=()) -> PipelineConfig:
            f"({', '.join(SPIKE_SLAB_FAMILIES)}): it orders the units of prunable layers")
     _check(cfg.train.flops_target is None or cfg.model.family in SPIKE_SLAB_FAMILIES, f"{p}: train.flops_target",
            f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) switches units off; leave it out (null)")
+    _check(cfg.train.max_accuracy_drop is None or cfg.train.flops_target is not None, f"{p}: train.max_accuracy_drop",
+           "is the accuracy floor of a FLOPs target: set train.flops_target too, or leave it out (null)")
     _check(cfg.train.batch_size >= cfg.train.processes, f"{p}: train.batch_size",
            f"expected at least train.processes ({cfg.train.processes}): the batch is split over the processes")
     _check(cfg.select.objective != "ece-constrained-accuracy" or cfg.select.max_ece is not None,

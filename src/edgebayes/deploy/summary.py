@@ -338,6 +338,10 @@ def summarize(d: dict) -> dict:
         warnings.append(f"The latency table does not cover the chosen point ({cost['prediction_not_covered']}): "
                         + ("it was measured on the device instead." if num(cost.get("measured_latency_ms")) is not None
                            else "its prediction is an extrapolation; measure it on the device."))
+    history = train.get("history") if isinstance(train.get("history"), list) else []
+    floor = history[-1].get("flops_target_verdict") if history and isinstance(history[-1], dict) else None
+    if isinstance(floor, str):   # train.max_accuracy_drop: the FLOPs target cost more accuracy than allowed
+        warnings.append(floor[0].upper() + floor[1:] + ".")
     if params_match is False:
         warnings.append(f"ONNX parameter count {onnx_params} != kept weights {kept_total}: "
                         "the exported graph does not match the pruned model.")

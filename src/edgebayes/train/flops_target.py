@@ -212,9 +212,18 @@ def plan(model, target_flops, families, plain=None, plain_names=None):
 
 
 class FlopsTargetSchedule:
-    """The trainer's hook (train/trainer.py): `step(model, step)` before each optimisation step."""
+    """The trainer's hook (train/trainer.py): `step(model, step)` before each optimisation step, `verdict` after
+    the last epoch.
 
-    def __init__(self, model, train_cfg, total_steps, log=print):
+    With `evaluate` (the trainer's validation accuracy of a model; process 0 only), the network is validated
+    before the first step and at every point of the schedule: `points` lists {"step", "flops_ratio",
+    "val_accuracy"} (the trainer keeps each epoch's in its history, so a resumed run has them all), and
+    `verdict` sets the fine-tuned network's accuracy against train.max_accuracy_drop: a target that costs more
+    gets one message naming the smallest FLOPs the schedule passed through within the floor. That point's
+    accuracy was measured mid-fine-tuning, before the epochs that followed repaired the cut: a lower bound of
+    what a run with it as the target reaches."""
+
+    def __init__(self, model, train_cfg, total_steps, log=print, evaluate=None, points=()):
         layers = prunable_layers(model)
         if not layers:
             raise ConfigError("train.flops_target: the network has no prunable spike-and-slab layer (model.family "
@@ -228,11 +237,14 @@ class FlopsTargetSchedule:
         self.families = None   # measured at the first point (surgery on a sample: seconds)
         self.dense_flops = None
         self.reached = None
+        self.max_drop, self.evaluate = train_cfg.max_accuracy_drop, evaluate
+        self.trajectory = list(points)   # {"step", "flops_ratio", "val_accuracy"}; a resumed run's so far
 
     def step(self, model, step):
         if step == 0:   # a fresh run (a resumed one starts later): every unit kept for sure (docstring)
             for _, layer in prunable_layers(model):
                 layer.gamma_logit.data.clamp_(min=self.on_logit)
+            self._record(model, 0, 1.0)
         if step + 1 not in self.points:
             return
         # Building plain twins initialises layers from the global generator: fork it, so that the training noise
@@ -240,6 +252,43 @@ class FlopsTargetSchedule:
         # uninterrupted one does)
         with torch.random.fork_rng(devices=[]):
             self._switch_off_to_schedule(model, step)
+        self._record(model, step + 1, self.reached)
+        if step + 1 == self.points[-1] and self.trajectory:
+            self.log("flops target: validation accuracy along the schedule (FLOPs ratio: accuracy): " + ", ".join(
+                f"{p['flops_ratio']:.2f}: {p['val_accuracy']:.3f}" for p in self.trajectory))
+
+    def _record(self, model, step, flops_ratio):
+        if self.evaluate is None:
+            return
+        training = model.training
+        accuracy = self.evaluate(model)   # the trainer's validation: eval mode, its own seeded generator
+        model.train(training)
+        self.trajectory.append({"step": step, "flops_ratio": float(flops_ratio), "val_accuracy": float(accuracy)})
+
+    def verdict(self, val_accuracy):
+        """The message when the fine-tuned network (`val_accuracy`) lost more than train.max_accuracy_drop against
+        the network the schedule started from, naming the closest point within the floor; else None."""
+        if self.max_drop is None or not self.trajectory or self.trajectory[0]["step"] != 0:
+            return None
+        start = self.trajectory[0]["val_accuracy"]
+        floor = start - self.max_drop
+        if val_accuracy >= floor:
+            return None
+        cost = (f"flops target: {self.target:g} of the dense FLOPs (reached {self.reached or self.target:.3f}) costs "
+                f"{100 * (start - val_accuracy):.1f} points of validation accuracy ({start:.4f} before fine-tuning, "
+                f"{val_accuracy:.4f} after), more than train.max_accuracy_drop {self.max_drop:g}")
+        within = [p for p in self.trajectory[1:] if p["val_accuracy"] >= floor]
+        if not within:
+            first = self.trajectory[1] if len(self.trajectory) > 1 else None
+            return (cost + "; no point of the schedule stayed within it" +
+                    ("" if first is None else f" (the first, {first['flops_ratio']:.3f} of the FLOPs, was at "
+                                              f"{first['val_accuracy']:.4f})") +
+                    ": fine-tune for more epochs or allow a larger drop")
+        best = min(within, key=lambda p: p["flops_ratio"])
+        return (cost + f"; the closest point within it: {best['flops_ratio']:.3f} of the FLOPs, at validation "
+                f"accuracy {best['val_accuracy']:.4f} when the schedule passed it (step {best['step']}, before the "
+                f"rest of the fine-tuning): set train.flops_target to {best['flops_ratio']:.2f}, or fine-tune for "
+                f"more epochs")
 
     def _switch_off_to_schedule(self, model, step):
         # A CPU copy to count on: its samples draw from their own generator, not the training noise's stream

@@ -297,7 +297,9 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
     forward, kl_term = objective.prepare(model, forward, data.x[: t.batch_size], t, log)
     warmup_steps = t.kl_warmup_epochs * steps_per_epoch   # KL warm-up (module docstring); 0: none
     flops_target = None if t.flops_target is None else FlopsTargetSchedule(   # train/flops_target.py
-        model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None))
+        model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None),
+        evaluate=(lambda m: objective.validate(m, splits, cfg, device)["val_accuracy"]) if world.main else None,
+        points=[p for h in history for p in h.get("flops_target_points", [])])
     bar = tqdm(range(start_epoch, t.epochs), desc=objective.name, unit="epoch", initial=start_epoch,
                total=t.epochs, disable=not world.main)
     for epoch in bar:
@@ -331,6 +333,9 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
             history.append({"epoch": epoch + 1, "loss": nll_mean + t.kl_weight * kl_mean / n, "nll": nll_mean,
                             "kl": kl_mean, "kl_warmup": warm, **objective.validate(model, splits, cfg, device),
                             "train_seconds": train_seconds, "seconds": time.perf_counter() - t0})
+            if flops_target is not None:   # this epoch's points of the schedule (validated), for a resumed run
+                done = [p for h in history[:-1] for p in h.get("flops_target_points", [])]
+                history[-1]["flops_target_points"] = flops_target.trajectory[len(done):]
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{history[-1]['val_accuracy']:.3f}",
                             **{k: history[-1][k] for k in objective.shown})
         rng = distributed.rng_states(world, device)  # after validation (it may draw); every process
@@ -338,5 +343,10 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
             atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                "scheduler": None if scheduler is None else scheduler.state_dict(),
                                "rng_states": rng, "history": history, "epoch": epoch + 1}, checkpoint_path)
+    if flops_target is not None and world.main and history:
+        verdict = flops_target.verdict(history[-1]["val_accuracy"])   # train.max_accuracy_drop
+        if verdict:
+            log(verdict)
+            history[-1]["flops_target_verdict"] = verdict
     world.close()
     return model.cpu().to(memory_format=torch.contiguous_format).eval(), history
