@@ -216,12 +216,12 @@ class FlopsTargetSchedule:
     the last epoch.
 
     With `evaluate` (the trainer's validation accuracy of a model; process 0 only), the network is validated
-    before the first step and at every point of the schedule: `points` lists {"step", "flops_ratio",
-    "val_accuracy"} (the trainer keeps each epoch's in its history, so a resumed run has them all), and
-    `verdict` sets the fine-tuned network's accuracy against train.max_accuracy_drop: a target that costs more
-    gets one message naming the smallest FLOPs the schedule passed through within the floor. That point's
-    accuracy was measured mid-fine-tuning, before the epochs that followed repaired the cut: a lower bound of
-    what a run with it as the target reaches."""
+    before the first step and each cut once it has been fine-tuned until the next cut (the last one: after the
+    last epoch): `trajectory` lists {"step" of the cut, "flops_ratio" after it, "val_accuracy"}, the trainer
+    keeps it in its history (a resumed run goes on with it), and `finish` sets the fine-tuned network's
+    accuracy against train.max_accuracy_drop: a target that costs more gets one message naming the smallest
+    cut within the floor. A cut's accuracy is after fewer steps than the whole fine-tuning gives a target: a
+    lower bound of what a run with its FLOPs as the target reaches."""
 
     def __init__(self, model, train_cfg, total_steps, log=print, evaluate=None, points=()):
         layers = prunable_layers(model)
@@ -238,57 +238,63 @@ class FlopsTargetSchedule:
         self.dense_flops = None
         self.reached = None
         self.max_drop, self.evaluate = train_cfg.max_accuracy_drop, evaluate
-        self.trajectory = list(points)   # {"step", "flops_ratio", "val_accuracy"}; a resumed run's so far
+        self.trajectory = [dict(p) for p in points]   # {"step", "flops_ratio", "val_accuracy"}; a resumed run's
 
     def step(self, model, step):
         if step == 0:   # a fresh run (a resumed one starts later): every unit kept for sure (docstring)
             for _, layer in prunable_layers(model):
                 layer.gamma_logit.data.clamp_(min=self.on_logit)
-            self._record(model, 0, 1.0)
+            if self.evaluate is not None:   # the network the fine-tuning starts from
+                self.trajectory.append({"step": 0, "flops_ratio": 1.0, "val_accuracy": self._validate(model)})
         if step + 1 not in self.points:
             return
+        pending = self.trajectory and self.trajectory[-1]["val_accuracy"] is None
+        if pending:   # the last cut, fine-tuned until now
+            self.trajectory[-1]["val_accuracy"] = self._validate(model)
         # Building plain twins initialises layers from the global generator: fork it, so that the training noise
         # is the same whether or not this process measured the families first (a resumed run must end where an
         # uninterrupted one does)
         with torch.random.fork_rng(devices=[]):
             self._switch_off_to_schedule(model, step)
-        self._record(model, step + 1, self.reached)
-        if step + 1 == self.points[-1] and self.trajectory:
-            self.log("flops target: validation accuracy along the schedule (FLOPs ratio: accuracy): " + ", ".join(
-                f"{p['flops_ratio']:.2f}: {p['val_accuracy']:.3f}" for p in self.trajectory))
+        if self.evaluate is not None and (not self.trajectory or self.reached < self.trajectory[-1]["flops_ratio"]):
+            self.trajectory.append({"step": step + 1, "flops_ratio": float(self.reached), "val_accuracy": None})
+        elif pending:   # nothing more was cut: the same point trains on, validated again later
+            self.trajectory[-1]["val_accuracy"] = None
 
-    def _record(self, model, step, flops_ratio):
-        if self.evaluate is None:
-            return
+    def _validate(self, model):
         training = model.training
-        accuracy = self.evaluate(model)   # the trainer's validation: eval mode, its own seeded generator
+        # The trainer's validation draws from its own seeded generator, but counting kept units builds a plain
+        # twin, whose layers initialise from the global one: forked, so that validating changes no training noise
+        with torch.random.fork_rng(devices=[]):
+            accuracy = self.evaluate(model)
         model.train(training)
-        self.trajectory.append({"step": step, "flops_ratio": float(flops_ratio), "val_accuracy": float(accuracy)})
+        return float(accuracy)
 
-    def verdict(self, val_accuracy):
-        """The message when the fine-tuned network (`val_accuracy`) lost more than train.max_accuracy_drop against
-        the network the schedule started from, naming the closest point within the floor; else None."""
-        if self.max_drop is None or not self.trajectory or self.trajectory[0]["step"] != 0:
-            return None
+    def finish(self, val_accuracy):
+        """After the last epoch, with its validation accuracy: the curve's log line, and the message when the
+        fine-tuning lost more than train.max_accuracy_drop against the network it started from, naming the
+        closest point within the floor (None else). Returns (curve or None, verdict or None)."""
+        if not self.trajectory or self.trajectory[0]["step"] != 0:
+            return None, None
+        if self.trajectory[-1]["val_accuracy"] is None:
+            self.trajectory[-1]["val_accuracy"] = float(val_accuracy)   # the last cut: the fine-tuned network
+        curve = ("flops target: validation accuracy of each cut, fine-tuned until the next one (FLOPs ratio: "
+                 "accuracy): " + ", ".join(f"{p['flops_ratio']:.2f}: {p['val_accuracy']:.3f}" for p in self.trajectory)
+                 + " (the first before fine-tuning, the last after it)")
         start = self.trajectory[0]["val_accuracy"]
-        floor = start - self.max_drop
-        if val_accuracy >= floor:
-            return None
-        cost = (f"flops target: {self.target:g} of the dense FLOPs (reached {self.reached or self.target:.3f}) costs "
-                f"{100 * (start - val_accuracy):.1f} points of validation accuracy ({start:.4f} before fine-tuning, "
-                f"{val_accuracy:.4f} after), more than train.max_accuracy_drop {self.max_drop:g}")
+        floor = None if self.max_drop is None else start - self.max_drop
+        if floor is None or val_accuracy >= floor:
+            return curve, None
+        cost = (f"flops target: {self.target:g} of the dense FLOPs costs {100 * (start - val_accuracy):.1f} points "
+                f"of validation accuracy ({start:.4f} before fine-tuning, {val_accuracy:.4f} after), more than "
+                f"train.max_accuracy_drop {self.max_drop:g}")
         within = [p for p in self.trajectory[1:] if p["val_accuracy"] >= floor]
         if not within:
-            first = self.trajectory[1] if len(self.trajectory) > 1 else None
-            return (cost + "; no point of the schedule stayed within it" +
-                    ("" if first is None else f" (the first, {first['flops_ratio']:.3f} of the FLOPs, was at "
-                                              f"{first['val_accuracy']:.4f})") +
-                    ": fine-tune for more epochs or allow a larger drop")
+            return curve, cost + "; no cut of the schedule stayed within it: fine-tune for more epochs or allow a larger drop"
         best = min(within, key=lambda p: p["flops_ratio"])
-        return (cost + f"; the closest point within it: {best['flops_ratio']:.3f} of the FLOPs, at validation "
-                f"accuracy {best['val_accuracy']:.4f} when the schedule passed it (step {best['step']}, before the "
-                f"rest of the fine-tuning): set train.flops_target to {best['flops_ratio']:.2f}, or fine-tune for "
-                f"more epochs")
+        return curve, (cost + f"; the smallest cut within it: {best['flops_ratio']:.3f} of the FLOPs, at validation "
+                       f"accuracy {best['val_accuracy']:.4f} after {best['step']} steps and fine-tuned until the next "
+                       f"cut: set train.flops_target to {best['flops_ratio']:.2f}, or fine-tune for more epochs")
 
     def _switch_off_to_schedule(self, model, step):
         # A CPU copy to count on: its samples draw from their own generator, not the training noise's stream

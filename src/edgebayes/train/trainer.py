@@ -299,7 +299,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
     flops_target = None if t.flops_target is None else FlopsTargetSchedule(   # train/flops_target.py
         model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None),
         evaluate=(lambda m: objective.validate(m, splits, cfg, device)["val_accuracy"]) if world.main else None,
-        points=[p for h in history for p in h.get("flops_target_points", [])])
+        points=history[-1].get("flops_target_points", []) if history else [])
     bar = tqdm(range(start_epoch, t.epochs), desc=objective.name, unit="epoch", initial=start_epoch,
                total=t.epochs, disable=not world.main)
     for epoch in bar:
@@ -333,9 +333,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
             history.append({"epoch": epoch + 1, "loss": nll_mean + t.kl_weight * kl_mean / n, "nll": nll_mean,
                             "kl": kl_mean, "kl_warmup": warm, **objective.validate(model, splits, cfg, device),
                             "train_seconds": train_seconds, "seconds": time.perf_counter() - t0})
-            if flops_target is not None:   # this epoch's points of the schedule (validated), for a resumed run
-                done = [p for h in history[:-1] for p in h.get("flops_target_points", [])]
-                history[-1]["flops_target_points"] = flops_target.trajectory[len(done):]
+            if flops_target is not None:   # the schedule's cuts so far, validated (a resumed run goes on with them)
+                history[-1]["flops_target_points"] = [dict(p) for p in flops_target.trajectory]
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{history[-1]['val_accuracy']:.3f}",
                             **{k: history[-1][k] for k in objective.shown})
         rng = distributed.rng_states(world, device)  # after validation (it may draw); every process
@@ -344,9 +343,12 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
                                "scheduler": None if scheduler is None else scheduler.state_dict(),
                                "rng_states": rng, "history": history, "epoch": epoch + 1}, checkpoint_path)
     if flops_target is not None and world.main and history:
-        verdict = flops_target.verdict(history[-1]["val_accuracy"])   # train.max_accuracy_drop
+        curve, verdict = flops_target.finish(history[-1]["val_accuracy"])   # and train.max_accuracy_drop
+        history[-1]["flops_target_points"] = [dict(p) for p in flops_target.trajectory]
+        for line in (curve, verdict):
+            if line:
+                log(line)
         if verdict:
-            log(verdict)
             history[-1]["flops_target_verdict"] = verdict
     world.close()
     return model.cpu().to(memory_format=torch.contiguous_format).eval(), history
