@@ -70,7 +70,7 @@ def test_a_network_too_large_for_the_model_budget_is_told_the_share_that_fits_be
     sizes = {"onnx": 4_000_000, "tflite-fp32": 3_000_000}   # bytes, each holding M=2 samples
     advice = model_budget_advice(cfg, profile, sizes, 2)
     share = 0.5 / (3.0 / 2 * fewest)
-    assert f"set train.flops_target to {share:.2f} or less" in advice and "tflite-fp32" in advice
+    assert f"set train.flops_target to {int(share * 100) / 100:.2f} or less" in advice and "tflite-fp32" in advice
     strict = cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": round(share, 2)})})
     assert model_budget_advice(strict, profile, sizes, 2) is None          # the target already fits
     loose = cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": 0.9})})
@@ -79,3 +79,40 @@ def test_a_network_too_large_for_the_model_budget_is_told_the_share_that_fits_be
     assert "removes none" in model_budget_advice(dense, profile, sizes, 2)
     roomy = profile.model_copy(update={"budgets": profile.budgets.model_copy(update={"model_mb": 100})})
     assert model_budget_advice(cfg, roomy, sizes, 2) is None
+
+
+def test_a_network_slower_than_the_latency_budget_is_told_the_flops_share_that_fits_before_training():
+    """The device's latency model (a spec sheet here, what select predicts with) at the fewest MC samples:
+    the largest share of the FLOPs (and weights) predicted within the latency budget, as the train.flops_target
+    to set; a budget under the per-operator overhead is told that no share fits (export/preflight.py)."""
+    from pathlib import Path
+
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.deploy.latency_model import predictor_for
+    from edgebayes.export.preflight import latency_budget_advice
+
+    cfg = load_pipeline_config(Path(__file__).parents[1] / "pipeline.yaml", ["train.flops_target=null"])
+    pi = load_device_profile("raspberry-pi-4")     # latency_model kind flops: 2.9 GFLOP/s, 0.1 ms overhead
+    per_sample = {"flops": 20e6, "weights": 100_000, "in_features": 64}
+    operators = {"tflite-fp32": 12, "tflite-int8": 14}
+    fewest = min(cfg.select.mc_samples)
+    predictor = predictor_for(pi, Path("runs"))
+    dense_ms = min(predictor.predict(ops, fewest * 20e6, fewest * 100_000, p, 90, 1)
+                   for ops, p in ((12, "fp32"), (14, "int8")))
+    budget = dense_ms / 4
+    tight = pi.model_copy(update={"budgets": pi.budgets.model_copy(update={"latency_ms": budget})})
+    advice = latency_budget_advice(cfg, tight, operators, per_sample)
+    share = float(advice.split("set train.flops_target to ")[1].split()[0])
+    assert f"predicted at {dense_ms:.3g} ms" in advice and "spec sheet" in advice
+    fits = min(predictor.predict(ops, fewest * 20e6 * share, fewest * 100_000 * share, p, 90, 1)
+               for ops, p in ((12, "fp32"), (14, "int8")))
+    assert fits <= budget and share > 0.15          # within the budget, and not far under it
+    strict = cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": 0.1})})
+    assert latency_budget_advice(strict, tight, operators, per_sample) is None     # the target already fits
+    roomy = pi.model_copy(update={"budgets": pi.budgets.model_copy(update={"latency_ms": 10 * dense_ms})})
+    assert latency_budget_advice(cfg, roomy, operators, per_sample) is None
+    overhead = pi.model_copy(update={"budgets": pi.budgets.model_copy(update={"latency_ms": 0.05})})
+    assert "overhead alone exceeds it" in latency_budget_advice(cfg, overhead, operators, per_sample)
+    local = load_device_profile("local")             # measured, no latency table under runs_dir: nothing said
+    local = local.model_copy(update={"budgets": local.budgets.model_copy(update={"latency_ms": 1e-6})})
+    assert latency_budget_advice(cfg, local, {"onnx": 12}, per_sample, runs_dir=Path("/nonexistent")) is None

@@ -355,7 +355,7 @@ def run_train(ctx):
     if distributed.is_main_process() and not checkpoint.exists():   # fail in seconds, not after training
         from edgebayes.export.preflight import preflight
 
-        preflight(cfg, ctx.profile, splits, ctx.log)
+        preflight(cfg, ctx.profile, splits, ctx.log, runs_dir=ctx.runs_dir)
     family = family_of(cfg)
     model, history = family.fit(cfg, splits, checkpoint, ctx.log)
     if not distributed.is_main_process():

@@ -11,12 +11,16 @@ artifacts go to a temporary folder. An untrained spike-and-slab net has every un
 prior, so surgery sees the network's real structure (what is dead changes with training, the operations
 do not).
 
-The exported files also tell, before any training, whether the network can fit the device's model_mb budget:
-when the untrained network, at the fewest MC samples select may choose, is larger than the budget, and
-train.flops_target does not ask for that much less, one line says the share of its weights that would fit
-(`model_budget_advice`). Said, not enforced: select decides after training.
+The exported files also tell, before any training, whether the network can fit the device's model_mb and
+latency budgets: when the untrained network, at the fewest MC samples select may choose, is larger or slower
+than the budget, and train.flops_target does not ask for that much less, one line per budget says the share
+of its weights (`model_budget_advice`) or of its FLOPs (`latency_budget_advice`) that would fit. Latency is
+the device's latency model's prediction (its spec sheet, or its latency table where the table covers the
+network), the one select uses where it does not measure; a `measure` device without a table gets no latency
+line. Said, not enforced: select decides after training.
 """
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -32,10 +36,12 @@ def requested_formats(cfg, profile):
     return names + [f for f in cfg.export.formats if f not in names]
 
 
-def preflight(cfg, profile, splits, log=print):
+def preflight(cfg, profile, splits, log=print, runs_dir=None):
     """Compress and export the untrained net in every requested format; a StageError saying which and why
-    if one fails. Returns the formats checked."""
+    if one fails. Returns the formats checked. runs_dir: where the device's latency table is looked for."""
     from edgebayes.compressed.samples import EmptyLayerError, compress
+    from edgebayes.compressed.structure import count_weights, paper_flops
+    from edgebayes.deploy.latency_model import operator_count
     from edgebayes.export.formats import FORMATS, export_artifact, formats_for
     from edgebayes.train.families import build
 
@@ -53,7 +59,7 @@ def preflight(cfg, profile, splits, log=print):
         raise StageError(f"{what}: {e}") from None
     mc_model = compressed.mc_model()
     scored = {f.name for f in formats_for(profile, cfg.model.family)}   # what select may ship
-    sizes = {}
+    sizes, operators = {}, {}
     with tempfile.TemporaryDirectory(prefix="edgebayes-preflight-") as tmp:
         for fmt in formats:
             path = Path(tmp) / f"{fmt}{FORMATS[fmt].suffix}"
@@ -65,12 +71,40 @@ def preflight(cfg, profile, splits, log=print):
                                  f"{str(e).splitlines()[0] if str(e) else ''}") from None
             if fmt in scored and path.is_file():
                 sizes[fmt] = path.stat().st_size
+                operators[fmt] = operator_count(path)
     log(f"train: pre-flight: the untrained network compresses and exports to {', '.join(formats)} "
         f"({cfg.export.layout}, M={m})")
-    advice = model_budget_advice(cfg, profile, sizes, m)
-    if advice:
-        log(f"train: pre-flight: {advice}")
+    sample = compressed.samples[0]
+    per_sample = {"flops": paper_flops(sample, tuple(x.shape[1:])), "weights": count_weights(sample, fold_batch_norm=True),
+                  "in_features": int(x[0].numel())}
+    for advice in (model_budget_advice(cfg, profile, sizes, m),
+                   latency_budget_advice(cfg, profile, operators, per_sample, runs_dir)):
+        if advice:
+            log(f"train: pre-flight: {advice}")
     return formats
+
+
+def _fewest_mc_samples(cfg, profile):
+    """The fewest MC samples select may choose on this device."""
+    allowed = [k for k in cfg.select.mc_samples if not profile.budgets.mc_samples_violations(k)]
+    return min(allowed or cfg.select.mc_samples)
+
+
+def _target_advice(cfg, where, share, at_target):
+    """The line for a network that fits a budget with `share` of its dense size (weights or FLOPs), or None
+    when train.flops_target already asks for that much (or the family is one select shrinks by itself).
+    at_target(target): what the configured target gives, in the budget's unit."""
+    family, target = cfg.model.family, cfg.train.flops_target
+    if share >= (target or 1.0) or family not in SPIKE_SLAB_FAMILIES + ("dnn", "bnn"):
+        return None
+    if family not in SPIKE_SLAB_FAMILIES:
+        return f"{where}, and model.family {family} removes none; use ss-gl or ss-ghs with train.flops_target"
+    # rounded down, to two decimals (one significant digit below 0.01): "or less" must hold for the shown value
+    digits = 2 if share >= 0.01 else 1 - math.floor(math.log10(share))
+    shown = f"{math.floor(share * 10 ** digits) / 10 ** digits:.{digits}f}"
+    if target is None:
+        return f"{where}; set train.flops_target to {shown} or less (a share of the dense FLOPs)"
+    return f"{where}; train.flops_target {target:g} {at_target(target)}: set it to {shown} or less"
 
 
 def model_budget_advice(cfg, profile, sizes, m):
@@ -84,19 +118,69 @@ def model_budget_advice(cfg, profile, sizes, m):
     budget = profile.budgets.model_mb
     if budget is None or not sizes:
         return None
-    allowed = [k for k in cfg.select.mc_samples if not profile.budgets.mc_samples_violations(k)]
-    fewest = min(allowed or cfg.select.mc_samples)
+    fewest = _fewest_mc_samples(cfg, profile)
     fmt, size = min(sizes.items(), key=lambda item: item[1])
     mb = size / m * fewest / 1e6   # the packed or unrolled file holds m samples' weights
     share = budget / mb
-    family, target = cfg.model.family, cfg.train.flops_target
-    if share >= (target or 1.0) or family not in SPIKE_SLAB_FAMILIES + ("dnn", "bnn"):
-        return None
     where = (f"at M={fewest} the network exports to about {mb:.3g} MB ({fmt}) against {profile.name}'s model_mb "
              f"budget of {budget:g} MB: it fits with about {share:.0%} of its weights")
-    if family not in SPIKE_SLAB_FAMILIES:
-        return f"{where}, and model.family {family} removes none; use ss-gl or ss-ghs with train.flops_target"
-    if target is None:
-        return f"{where}; set train.flops_target to {share:.2f} or less (a share of the dense FLOPs)"
-    return f"{where}; train.flops_target {target:g} keeps about {target * mb:.3g} MB: set it to {share:.2f} or less"
+    return _target_advice(cfg, where, share, lambda target: f"keeps about {target * mb:.3g} MB")
+
+
+def latency_budget_advice(cfg, profile, operators, per_sample, runs_dir=None):
+    """What to change when the untrained network is predicted slower than the device's latency budget, or None.
+
+    `operators`: {format select scores: operators in its file}; `per_sample`: {"flops", "weights"} of one
+    posterior sample and the input's "in_features". The device's latency model (deploy/latency_model.py, what select predicts with) at the
+    fewest MC samples select may choose, in the fastest of those formats, with FLOPs and weights scaled by a
+    share s and the operators kept (pruning removes channels, not operators): the largest s within the budget,
+    by bisection (every latency model here grows with FLOPs and weights). None where the device has no latency
+    model that covers the network (a `measure` device without a table: select measures it after training)."""
+    from edgebayes.deploy.latency_model import LatencyModelError, predictor_for
+    from edgebayes.export.formats import FORMATS
+
+    b = profile.budgets
+    if b.latency_ms is None or not operators:
+        return None
+    try:
+        predictor = predictor_for(profile, Path(runs_dir or "runs"))
+    except LatencyModelError:
+        return None
+    if predictor is None:
+        return None
+    fewest = _fewest_mc_samples(cfg, profile)
+    # the formats whose dense network the latency model covers (a table: its architecture and input size)
+    operators = {fmt: ops for fmt, ops in operators.items()
+                 if not predictor.covers(ops, fewest * per_sample["flops"], fewest * per_sample["weights"],
+                                         FORMATS[fmt].precision, b.percentile, per_sample["in_features"],
+                                         cfg.model.arch)}
+
+    def latency(share):
+        flops, weights = fewest * per_sample["flops"] * share, fewest * per_sample["weights"] * share
+        best = None
+        for fmt, ops in operators.items():
+            precision = FORMATS[fmt].precision
+            try:
+                ms = predictor.predict(ops, flops, weights, precision, b.percentile, b.batch_size)
+            except LatencyModelError:
+                continue
+            best = ms if best is None else min(best, ms)
+        return best
+
+    dense = latency(1.0)
+    if dense is None or dense <= b.latency_ms:
+        return None
+    floor = latency(1e-9)
+    where = (f"at M={fewest} the network is predicted at {dense:.3g} ms (p{b.percentile:g}, {predictor.describe()}) "
+             f"against {profile.name}'s latency budget of {b.latency_ms:g} ms")
+    if floor is None or floor > b.latency_ms:
+        return (f"{where}, and {floor if floor is not None else dense:.3g} ms with almost nothing left: the "
+                f"per-operator overhead alone exceeds it; fewer layers, fewer MC samples or another runtime, "
+                f"not a smaller share, can fit it")
+    low, high = 0.0, 1.0   # latency(low) fits, latency(high) does not
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if latency(mid) <= b.latency_ms else (low, mid)
+    return _target_advice(cfg, f"{where}: it fits with about {low:.0%} of its FLOPs", low,
+                          lambda target: f"is predicted at {latency(target):.3g} ms")
 
