@@ -2,6 +2,7 @@
 network in every requested format before its first epoch."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -74,7 +75,7 @@ def test_a_network_too_large_for_the_model_budget_is_told_the_share_that_fits_be
     strict = cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": round(share, 2)})})
     assert model_budget_advice(strict, profile, sizes, 2) is None          # the target already fits
     loose = cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": 0.9})})
-    assert "train.flops_target 0.9 keeps about" in model_budget_advice(loose, profile, sizes, 2)
+    assert "train.flops_target 0.9 is too large" in model_budget_advice(loose, profile, sizes, 2)
     dense = cfg.model_copy(update={"model": cfg.model.model_copy(update={"family": "bnn"})})
     assert "removes none" in model_budget_advice(dense, profile, sizes, 2)
     roomy = profile.model_copy(update={"budgets": profile.budgets.model_copy(update={"model_mb": 100})})
@@ -116,3 +117,60 @@ def test_a_network_slower_than_the_latency_budget_is_told_the_flops_share_that_f
     local = load_device_profile("local")             # measured, no latency table under runs_dir: nothing said
     local = local.model_copy(update={"budgets": local.budgets.model_copy(update={"latency_ms": 1e-6})})
     assert latency_budget_advice(cfg, local, {"onnx": 12}, per_sample, runs_dir=Path("/nonexistent")) is None
+
+
+def test_flops_target_device_trains_to_the_share_the_devices_budgets_allow_and_a_resume_keeps_it(
+        tmp_path, capsys, monkeypatch):
+    """train.flops_target: device. The pre-flight's shares of the device's model_mb and latency_ms budgets
+    (a spec-sheet device here) become the target, the trained network is at or under it after surgery, and
+    a run interrupted after its first epoch resumes with the same target (run.json), without a new
+    pre-flight."""
+    import json
+
+    import edgebayes.train.trainer as trainer
+    from edgebayes.config import load_device_profile
+
+    pi = load_device_profile("raspberry-pi-4")
+    device = tmp_path / "tiny-board.yaml"
+    profile = json.loads(pi.model_copy(update={"name": "tiny-board", "budgets": pi.budgets.model_copy(
+        update={"model_mb": 0.005, "latency_ms": 10.0})}).model_dump_json())
+    device.write_text(yaml.safe_dump(profile))
+    args = ["train", "--config", str(Path(__file__).parents[1] / "pipeline.yaml"), "--device", str(device),
+            "--runs-dir", str(tmp_path / "runs"), "--set", "train.epochs=3", "--set", "train.flops_target=device"]
+    real_save = trainer.atomic_torch_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        if obj["epoch"] == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "atomic_torch_save", save_then_die)
+    assert main(args) != 0
+    first = capsys.readouterr().out
+    monkeypatch.setattr(trainer, "atomic_torch_save", real_save)
+    line = [x for x in first.splitlines() if x.startswith("train: flops target from tiny-board's budgets: ")][0]
+    target = float(line.split("budgets: ")[1].split()[0])
+    assert 0 < target < 1 and "model_mb budget of 0.005 MB" in line
+    run = tmp_path / "runs" / "digits-ssgl" / "train"
+    assert json.loads((run / "run.json").read_text())["device_flops_target"] == target
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    assert "resuming" in second and "pre-flight" not in second
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["physical_flops_ratio"] <= target + 1e-9
+
+
+def test_flops_target_device_needs_a_device_and_one_process(tmp_path):
+    import numpy as np
+    from torch import nn
+
+    import edgebayes as eb
+    from edgebayes.config import ConfigError, load_pipeline_config
+
+    net = eb.bayesianize(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), "ss-gl", input_shape=(4,),
+                         n_train=32)
+    with pytest.raises(ConfigError, match="flops_target: device needs a device profile"):
+        eb.fit(net, np.zeros((32, 4)), np.zeros(32, dtype=int), epochs=1, flops_target="device", log=lambda *_: None)
+    with pytest.raises(ConfigError, match="train.flops_target"):
+        load_pipeline_config(Path(__file__).parents[1] / "pipeline.yaml",
+                             ["train.flops_target=device", "train.processes=2"])

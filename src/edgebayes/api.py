@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgebayes.config import PipelineConfig, TrainConfig
+from edgebayes.config import ConfigError, PipelineConfig, TrainConfig
 from edgebayes.compressed.samples import Compressed, compress as _compress
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
@@ -36,6 +36,9 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
     from edgebayes.data import Splits
     from edgebayes.train.trainer import ELBO, train as run_train
 
+    if train.get("flops_target") == "device":
+        raise ConfigError("flops_target: device needs a device profile, which fit does not take: run `edgebayes "
+                          "train --device NAME` (its pre-flight finds the share), or give the share (0 < f <= 1)")
     x, y = torch.as_tensor(np.asarray(x), dtype=torch.float32), torch.as_tensor(np.asarray(y), dtype=torch.int64)
     if val is None:
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))

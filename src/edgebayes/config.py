@@ -228,10 +228,11 @@ class TrainConfig(Section):
         "with kl_warmup_ordered: the share of the KL's gradient on a unit's inclusion logit before its turn"))
     kl_warmup_ordered: bool = Field(False, description=(
         "spike-and-slab: the KL reaches the units' inclusion logits in turn (trainer.py)"))
-    flops_target: Optional[Rate] = Field(None, description=(
+    flops_target: Optional[Rate | Literal["device"]] = Field(None, description=(
         "spike-and-slab: the median model's FLOPs after surgery as a fraction of the dense network's, reached by "
         "switching the least important units off during the first flops_schedule_fraction of the steps "
-        "(train/flops_target.py); null: none"))
+        "(train/flops_target.py); device: the largest fraction the device's model_mb and latency_ms budgets "
+        "allow, found before the first epoch (export/preflight.py; the training is then the device's); null: none"))
     flops_schedule_fraction: Rate = Field(0.5, description=(
         "the share of the training steps over which train.flops_target's schedule reaches its target"))
     max_accuracy_drop: Optional[Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)]] = Field(
@@ -587,8 +588,13 @@ def _validate(cls, data, path, set_keys=()):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
+        errors = e.errors()
+        # A number or a word (flops_target: 0.25 or device): for a number out of range, the range says more
+        # than "expected a number or one of 'device'"
+        ranged = {err["loc"][:-1] for err in errors if err["type"] == "check"}
+        errors = [err for err in errors if not (str(err["loc"][-1]).startswith("literal[") and err["loc"][:-1] in ranged)]
         # types and keys first, then ranges: the order the file is read in, one message
-        first = min(e.errors(), key=lambda err: err["type"] == "check")
+        first = min(errors, key=lambda err: err["type"] == "check")
         raise ConfigError(_message(cls, data, first, str(path), set_keys)) from None
 
 
@@ -754,6 +760,9 @@ def load_pipeline_config(path, settings=()) -> PipelineConfig:
            f"({', '.join(SPIKE_SLAB_FAMILIES)}): it orders the units of prunable layers")
     _check(cfg.train.flops_target is None or cfg.model.family in SPIKE_SLAB_FAMILIES, f"{p}: train.flops_target",
            f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) switches units off; leave it out (null)")
+    _check(cfg.train.flops_target != "device" or cfg.train.processes == 1, f"{p}: train.flops_target",
+           "device is found by one process before the first epoch; with train.processes > 1 give the share "
+           "(`edgebayes train` with one process prints it first)")
     _check(cfg.train.max_accuracy_drop is None or cfg.train.flops_target is not None, f"{p}: train.max_accuracy_drop",
            "is the accuracy floor of a FLOPs target: set train.flops_target too, or leave it out (null)")
     _check(cfg.train.batch_size >= cfg.train.processes, f"{p}: train.batch_size",

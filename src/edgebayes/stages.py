@@ -157,6 +157,11 @@ class Context:
             contents = [h] if (h := data_fingerprint(c.data)) is not None else []
             if c.model.pretrained:
                 contents.append(["pretrained", stat_fingerprint(Path(c.model.pretrained))])
+            if c.train.flops_target == "device":   # the target comes from the device's budgets (run_train)
+                from edgebayes.deploy.latency_model import table_path
+
+                contents.append(["device", p.name, as_dict(p.budgets), as_dict(p.latency_model), as_dict(p.runtime),
+                                 *([stat_fingerprint(t)] if (t := table_path(p, self.runs_dir)).is_file() else [])])
             return fingerprint("train", stage_code("train"), c.seed, c.data, c.model, c.prior, c.train, *own,
                                *contents)
         if stage == "select":
@@ -319,6 +324,16 @@ def _has_inclusion(model):
     return any(hasattr(mod, "sample_inclusion") for mod in model.modules())
 
 
+def resolved_device_target(ctx, cfg, out):
+    """cfg with train.flops_target `device` replaced by the share run_train found for this run (run.json)."""
+    try:
+        target = read_json(out / "run.json")["device_flops_target"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise StageError(f"train: {out / 'run.json'} does not hold the FLOPs target found for train.flops_target "
+                         f"device; run `{ctx.program} train --force`") from None
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": target})})
+
+
 def run_train(ctx):
     from edgebayes.compressed.samples import EmptyLayerError
     from edgebayes.compressed.structure import structure_report
@@ -345,17 +360,29 @@ def run_train(ctx):
         # A checkpoint of another config must not be resumed: start over.
         marker = out / "run.json"
         try:
-            same_run = read_json(marker).get("fingerprint") == ctx.fingerprint("train")
+            earlier = read_json(marker)
+            same_run = earlier.get("fingerprint") == ctx.fingerprint("train")
         except (OSError, ValueError, AttributeError):  # absent, not JSON, not a mapping
             same_run = False
         if checkpoint.exists() and (ctx.force or not same_run):
             checkpoint.unlink()
-        write_json(marker, {"fingerprint": ctx.fingerprint("train")})
+        # a resumed run keeps the FLOPs target its pre-flight found (train.flops_target device)
+        kept = {"device_flops_target": earlier["device_flops_target"]} if (
+            checkpoint.exists() and "device_flops_target" in earlier) else {}
+        write_json(marker, {"fingerprint": ctx.fingerprint("train"), **kept})
 
     if distributed.is_main_process() and not checkpoint.exists():   # fail in seconds, not after training
-        from edgebayes.export.preflight import preflight
+        from edgebayes.export.preflight import device_flops_target, preflight
 
-        preflight(cfg, ctx.profile, splits, ctx.log, runs_dir=ctx.runs_dir)
+        shares = preflight(cfg, ctx.profile, splits, ctx.log, runs_dir=ctx.runs_dir)
+        if cfg.train.flops_target == "device":
+            target = device_flops_target(shares, ctx.profile)
+            ctx.log(f"train: flops target from {ctx.profile.name}'s budgets: "
+                    + (f"{target:g} ({'; '.join(where for _, where in shares.values())})" if target is not None
+                       else "none (the dense network fits them)"))
+            write_json(out / "run.json", {"fingerprint": ctx.fingerprint("train"), "device_flops_target": target})
+    if cfg.train.flops_target == "device":   # the target run.json recorded for this run (a resumed one too)
+        cfg = resolved_device_target(ctx, cfg, out)
     family = family_of(cfg)
     model, history = family.fit(cfg, splits, checkpoint, ctx.log)
     if not distributed.is_main_process():

@@ -38,7 +38,9 @@ def requested_formats(cfg, profile):
 
 def preflight(cfg, profile, splits, log=print, runs_dir=None):
     """Compress and export the untrained net in every requested format; a StageError saying which and why
-    if one fails. Returns the formats checked. runs_dir: where the device's latency table is looked for."""
+    if one fails. Returns {budget name: (share of the dense network that fits it, what was measured)} for the
+    device budgets the untrained network exceeds (`budget_shares`). runs_dir: where the device's latency
+    table is looked for."""
     from edgebayes.compressed.samples import EmptyLayerError, compress
     from edgebayes.compressed.structure import count_weights, paper_flops
     from edgebayes.deploy.latency_model import operator_count
@@ -54,7 +56,7 @@ def preflight(cfg, profile, splits, log=print, runs_dir=None):
         compressed = compress(model, model.default_knob, m, cfg.seed, profile.runtime.channel_block)
     except EmptyLayerError as e:   # the untrained knob empties a layer: nothing to export, training decides
         log(f"train: pre-flight skipped: {e}")
-        return []
+        return {}
     except StageError as e:
         raise StageError(f"{what}: {e}") from None
     mc_model = compressed.mc_model()
@@ -75,13 +77,41 @@ def preflight(cfg, profile, splits, log=print, runs_dir=None):
     log(f"train: pre-flight: the untrained network compresses and exports to {', '.join(formats)} "
         f"({cfg.export.layout}, M={m})")
     sample = compressed.samples[0]
-    per_sample = {"flops": paper_flops(sample, tuple(x.shape[1:])), "weights": count_weights(sample, fold_batch_norm=True),
-                  "in_features": int(x[0].numel())}
-    for advice in (model_budget_advice(cfg, profile, sizes, m),
-                   latency_budget_advice(cfg, profile, operators, per_sample, runs_dir)):
-        if advice:
-            log(f"train: pre-flight: {advice}")
-    return formats
+    per_sample = {"flops": paper_flops(sample, tuple(x.shape[1:])),
+                  "weights": count_weights(sample, fold_batch_norm=True), "in_features": int(x[0].numel())}
+    shares = budget_shares(cfg, profile, sizes, m, operators, per_sample, runs_dir)
+    if cfg.train.flops_target != "device":   # said; with "device", run_train takes them as the target
+        for share, where in shares.values():
+            advice = _target_advice(cfg, where, share)
+            if advice:
+                log(f"train: pre-flight: {advice}")
+    return shares
+
+
+def budget_shares(cfg, profile, sizes, m, operators, per_sample, runs_dir=None):
+    """{"model_mb" / "latency_ms": (share, where)} for each device budget the untrained network exceeds at the
+    fewest MC samples select may choose: the share of its weights (model_mb) or FLOPs (latency_ms) that fits,
+    0 where none does, and a line saying what was measured against what."""
+    shares = {}
+    for name, found in (("model_mb", model_budget_share(cfg, profile, sizes, m)),
+                        ("latency_ms", latency_budget_share(cfg, profile, operators, per_sample, runs_dir))):
+        if found is not None:
+            shares[name] = found
+    return shares
+
+
+def device_flops_target(shares, profile):
+    """train.flops_target `device`: the smallest share `budget_shares` found, rounded down to two decimals,
+    or None when the dense network fits every budget (nothing to remove). A budget no share fits (the fixed
+    per-operator latency) or one that leaves under 1% of the network is a StageError naming it."""
+    if not shares:
+        return None
+    name, (share, where) = min(shares.items(), key=lambda item: item[1][0])
+    if share < 0.01:
+        raise StageError(f"train.flops_target device: {where}" + (
+            "" if share > 0 else "; fewer layers, fewer MC samples or another runtime can fit it, a FLOPs target "
+                                 "cannot") + f"; raise budgets.{name} of {profile.name} or use a smaller network")
+    return math.floor(share * 100) / 100
 
 
 def _fewest_mc_samples(cfg, profile):
@@ -90,31 +120,33 @@ def _fewest_mc_samples(cfg, profile):
     return min(allowed or cfg.select.mc_samples)
 
 
-def _target_advice(cfg, where, share, at_target):
+def _target_advice(cfg, where, share):
     """The line for a network that fits a budget with `share` of its dense size (weights or FLOPs), or None
-    when train.flops_target already asks for that much (or the family is one select shrinks by itself).
-    at_target(target): what the configured target gives, in the budget's unit."""
+    when train.flops_target already asks for that much (or the family is one select shrinks by itself)."""
     family, target = cfg.model.family, cfg.train.flops_target
     if share >= (target or 1.0) or family not in SPIKE_SLAB_FAMILIES + ("dnn", "bnn"):
         return None
+    if share <= 0:
+        return where
     if family not in SPIKE_SLAB_FAMILIES:
         return f"{where}, and model.family {family} removes none; use ss-gl or ss-ghs with train.flops_target"
     # rounded down, to two decimals (one significant digit below 0.01): "or less" must hold for the shown value
     digits = 2 if share >= 0.01 else 1 - math.floor(math.log10(share))
     shown = f"{math.floor(share * 10 ** digits) / 10 ** digits:.{digits}f}"
     if target is None:
-        return f"{where}; set train.flops_target to {shown} or less (a share of the dense FLOPs)"
-    return f"{where}; train.flops_target {target:g} {at_target(target)}: set it to {shown} or less"
+        return (f"{where}; set train.flops_target to {shown} or less (a share of the dense FLOPs), or to device "
+                f"(the largest share every budget of the device allows)")
+    return f"{where}; train.flops_target {target:g} is too large: set it to {shown} or less, or to device"
 
 
-def model_budget_advice(cfg, profile, sizes, m):
-    """What to change when the untrained network cannot fit the device's model_mb budget, or None.
+def model_budget_share(cfg, profile, sizes, m):
+    """(share, where) when the untrained network's file is larger than the device's model_mb budget, else None.
 
     `sizes`: {format select scores: bytes of its file holding m samples}. The smallest file, scaled to the
     fewest MC samples select may choose, against the budget: the share of the weights that fits. A FLOPs
     target removes weights about as much as FLOPs (benchmarks/results/finetune_compress.md: a params ratio of
     0.48 at 0.5 of the FLOPs, 0.23 at 0.25, on four networks), so that share is what to give as
-    train.flops_target. Nested (width) and SQS nets are made small by select's own knob: no advice."""
+    train.flops_target. Nested (width) and SQS nets are made small by select's own knob."""
     budget = profile.budgets.model_mb
     if budget is None or not sizes:
         return None
@@ -122,20 +154,28 @@ def model_budget_advice(cfg, profile, sizes, m):
     fmt, size = min(sizes.items(), key=lambda item: item[1])
     mb = size / m * fewest / 1e6   # the packed or unrolled file holds m samples' weights
     share = budget / mb
-    where = (f"at M={fewest} the network exports to about {mb:.3g} MB ({fmt}) against {profile.name}'s model_mb "
-             f"budget of {budget:g} MB: it fits with about {share:.0%} of its weights")
-    return _target_advice(cfg, where, share, lambda target: f"keeps about {target * mb:.3g} MB")
+    if share >= 1:
+        return None
+    return share, (f"at M={fewest} the network exports to about {mb:.3g} MB ({fmt}) against {profile.name}'s "
+                   f"model_mb budget of {budget:g} MB: it fits with about {share:.0%} of its weights")
 
 
-def latency_budget_advice(cfg, profile, operators, per_sample, runs_dir=None):
-    """What to change when the untrained network is predicted slower than the device's latency budget, or None.
+def model_budget_advice(cfg, profile, sizes, m):
+    """What to change when the untrained network cannot fit the device's model_mb budget, or None."""
+    found = model_budget_share(cfg, profile, sizes, m)
+    return None if found is None else _target_advice(cfg, found[1], found[0])
+
+
+def latency_budget_share(cfg, profile, operators, per_sample, runs_dir=None):
+    """(share, where) when the untrained network is predicted slower than the device's latency budget, else None.
 
     `operators`: {format select scores: operators in its file}; `per_sample`: {"flops", "weights"} of one
-    posterior sample and the input's "in_features". The device's latency model (deploy/latency_model.py, what select predicts with) at the
-    fewest MC samples select may choose, in the fastest of those formats, with FLOPs and weights scaled by a
-    share s and the operators kept (pruning removes channels, not operators): the largest s within the budget,
-    by bisection (every latency model here grows with FLOPs and weights). None where the device has no latency
-    model that covers the network (a `measure` device without a table: select measures it after training)."""
+    posterior sample and the input's "in_features". The device's latency model (deploy/latency_model.py, what
+    select predicts with) at the fewest MC samples select may choose, in the fastest of those formats, with
+    FLOPs and weights scaled by a share s and the operators kept (pruning removes channels, not operators):
+    the largest s within the budget, by bisection (every latency model here grows with FLOPs and weights); 0
+    when the fixed per-operator overhead alone exceeds it. None where the device has no latency model that
+    covers the network (a `measure` device without a table: select measures it after training)."""
     from edgebayes.deploy.latency_model import LatencyModelError, predictor_for
     from edgebayes.export.formats import FORMATS
 
@@ -159,9 +199,8 @@ def latency_budget_advice(cfg, profile, operators, per_sample, runs_dir=None):
         flops, weights = fewest * per_sample["flops"] * share, fewest * per_sample["weights"] * share
         best = None
         for fmt, ops in operators.items():
-            precision = FORMATS[fmt].precision
             try:
-                ms = predictor.predict(ops, flops, weights, precision, b.percentile, b.batch_size)
+                ms = predictor.predict(ops, flops, weights, FORMATS[fmt].precision, b.percentile, b.batch_size)
             except LatencyModelError:
                 continue
             best = ms if best is None else min(best, ms)
@@ -170,17 +209,20 @@ def latency_budget_advice(cfg, profile, operators, per_sample, runs_dir=None):
     dense = latency(1.0)
     if dense is None or dense <= b.latency_ms:
         return None
-    floor = latency(1e-9)
     where = (f"at M={fewest} the network is predicted at {dense:.3g} ms (p{b.percentile:g}, {predictor.describe()}) "
              f"against {profile.name}'s latency budget of {b.latency_ms:g} ms")
-    if floor is None or floor > b.latency_ms:
-        return (f"{where}, and {floor if floor is not None else dense:.3g} ms with almost nothing left: the "
-                f"per-operator overhead alone exceeds it; fewer layers, fewer MC samples or another runtime, "
-                f"not a smaller share, can fit it")
+    floor = latency(1e-9)
+    if floor > b.latency_ms:
+        return 0.0, (f"{where}, and {floor:.3g} ms with almost nothing left: the per-operator overhead alone "
+                     f"exceeds it, no share of the FLOPs fits")
     low, high = 0.0, 1.0   # latency(low) fits, latency(high) does not
     for _ in range(30):
         mid = (low + high) / 2
         low, high = (mid, high) if latency(mid) <= b.latency_ms else (low, mid)
-    return _target_advice(cfg, f"{where}: it fits with about {low:.0%} of its FLOPs", low,
-                          lambda target: f"is predicted at {latency(target):.3g} ms")
+    return low, f"{where}: it fits with about {low:.0%} of its FLOPs"
 
+
+def latency_budget_advice(cfg, profile, operators, per_sample, runs_dir=None):
+    """What to change when the untrained network is predicted slower than the device's latency budget, or None."""
+    found = latency_budget_share(cfg, profile, operators, per_sample, runs_dir)
+    return None if found is None else _target_advice(cfg, found[1], found[0])

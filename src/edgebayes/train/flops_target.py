@@ -2,6 +2,7 @@
 
     train:
       flops_target: 0.25          # the median model's physical FLOPs, as a fraction of the dense network's
+                                  # (device: the largest the device's budgets allow, export/preflight.py)
       flops_schedule_fraction: 0.5   # reached after this share of the fine-tuning steps (default)
 
 Why it is needed. Started from a trained network, paper 000's ELBO switches nothing off within a fine-tuning
