@@ -39,7 +39,7 @@ def requested_formats(cfg, profile):
 def preflight(cfg, profile, splits, log=print, runs_dir=None):
     """Compress and export the untrained net in every requested format; a StageError saying which and why
     if one fails. Returns {budget name: (share of the dense network that fits it, what was measured)} for the
-    device budgets the untrained network exceeds (`budget_shares`). runs_dir: where the device's latency
+    device budgets the untrained network exceeds (`budget_shares`), None where the pre-flight was skipped. runs_dir: where the device's latency
     table is looked for."""
     from edgebayes.compressed.samples import EmptyLayerError, compress
     from edgebayes.compressed.structure import count_weights, paper_flops
@@ -56,7 +56,7 @@ def preflight(cfg, profile, splits, log=print, runs_dir=None):
         compressed = compress(model, model.default_knob, m, cfg.seed, profile.runtime.channel_block)
     except EmptyLayerError as e:   # the untrained knob empties a layer: nothing to export, training decides
         log(f"train: pre-flight skipped: {e}")
-        return {}
+        return None
     except StageError as e:
         raise StageError(f"{what}: {e}") from None
     mc_model = compressed.mc_model()
@@ -104,6 +104,9 @@ def device_flops_target(shares, profile):
     """train.flops_target `device`: the smallest share `budget_shares` found, rounded down to two decimals,
     or None when the dense network fits every budget (nothing to remove). A budget no share fits (the fixed
     per-operator latency) or one that leaves under 1% of the network is a StageError naming it."""
+    if shares is None:
+        raise StageError("train.flops_target device: the untrained network could not be compressed to measure it "
+                         "against the device's budgets (the pre-flight's line above); give the share instead")
     if not shares:
         return None
     name, (share, where) = min(shares.items(), key=lambda item: item[1][0])
