@@ -1092,7 +1092,9 @@ def test_no_operating_point_fitting_is_exit_3_with_a_report_of_every_candidate(b
     report = json.loads((runs / "faults/report/tight/report.json").read_text())
     s = report["summary"]
     assert s["no_fit"] and s["overall_verdict"] == "fail"
-    assert len(report["candidates"]) == 4
+    # after the FLOPs target, thresholds 0.5 and 0.9 keep the same units: one network per M, each scored once
+    assert sorted((c["knob_value"], c["mc_samples"]) for c in report["candidates"]) == [(0.5, 1), (0.5, 2)]
+    assert "select: inclusion_threshold 0.9 keep the same units as 0.5: that network is scored once" in out
     assert all(not c["fits"] and "> budget 1e-06 ms" in c["violations"][0] for c in report["candidates"])
     assert not (runs / "faults/deploy/tight/results.json").exists()          # nothing deployed
     assert "No operating point fits" in (runs / "faults/report/tight/report.html").read_text()

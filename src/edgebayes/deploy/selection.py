@@ -181,6 +181,9 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     grid = [(k, m) for k in model.operating_points(cfg.select.knob_values) for m in sorted(cfg.select.mc_samples)]
     layout, refused_logged = cfg.export.layout, False
     candidates, models, evidence = [], [], {}
+    # Inclusion thresholds that keep the same units give the same network (the samples' draws do not depend on
+    # the threshold): scored once. After a FLOPs target every inclusion probability is near 0 or 1, and all do.
+    same_network, first_of = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         progress = tqdm(total=len(grid) * len(fmts), desc="select", unit="candidate",
                         disable=not sys.stderr.isatty())   # a bar only on a terminal; select logs its result
@@ -191,6 +194,13 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 log(f"select: {e}; skipped")
                 progress.update(len(fmts))
                 continue
+            if model.knob == "inclusion_threshold":
+                key = (m, tuple(mask.numpy().tobytes() for mask in compressed.kept.values()))
+                if key in first_of:
+                    same_network.setdefault(first_of[key], []).append(knob_value)
+                    progress.update(len(fmts))
+                    continue
+                first_of[key] = knob_value
             if compressed.not_pruned:
                 log(f"select: {model.knob} {knob_value}, M={m}: {compressed.not_pruned}")
             mc_model = compressed.mc_model()
@@ -225,6 +235,9 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 })
                 models.append((ident, path, fmt.runtime))
         progress.close()
+        for first, same in same_network.items():
+            log(f"select: {model.knob} {', '.join(f'{v:g}' for v in sorted(set(same)))} keep the same units as "
+                f"{first:g}: that network is scored once")
         if not candidates:
             raise SelectionError(f"no candidate keeps at least one unit per layer; change select.knob_values "
                                  f"({model.knob})")
