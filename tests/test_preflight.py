@@ -158,6 +158,7 @@ def test_flops_target_device_trains_to_the_share_the_devices_budgets_allow_and_a
     assert "resuming" in second and "pre-flight" not in second
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["physical_flops_ratio"] <= target + 1e-9
+    assert (metrics["flops_target"], metrics["flops_target_from"]) == (target, "device")
 
 
 def test_flops_target_device_needs_a_device_and_one_process(tmp_path):

@@ -423,6 +423,9 @@ def run_train(ctx):
         "data": {"dataset": cfg.data.dataset, "train": len(splits.train_x), "val": len(splits.val_x),
                  "test": len(splits.test_x)},
         "epochs": cfg.train.epochs,
+        # the FLOPs target trained to (train.flops_target device: the share the device's budgets allowed)
+        "flops_target": cfg.train.flops_target,
+        "flops_target_from": "device" if ctx.cfg.train.flops_target == "device" else "config",
         "test": {**test, "mc_samples": m, "knob": model.knob, "knob_value": knob_value},
         "test_posterior_mean": None if posterior_mean is None else {**posterior_mean, "mc_samples": m},
         "reliability": reliability_bins(probs, splits.test_y.numpy()),
