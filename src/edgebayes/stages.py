@@ -385,6 +385,10 @@ def run_train(ctx):
         cfg = resolved_device_target(ctx, cfg, out)
     family = family_of(cfg)
     model, history = family.fit(cfg, splits, checkpoint, ctx.log)
+    if ctx.cfg.train.flops_target == "device" and history and history[-1].get("flops_target_verdict"):
+        ctx.log(f"train: {ctx.profile.name}'s budgets need {cfg.train.flops_target:g} of the FLOPs and "
+                f"train.max_accuracy_drop allows less: the budgets and the floor are not both met by this "
+                f"fine-tuning; more epochs, looser budgets or a larger drop")
     if not distributed.is_main_process():
         return
     # Done means the checkpoint on disk holds every configured epoch: it is what select and export load.
