@@ -204,7 +204,7 @@ def test_a_target_that_costs_more_than_the_accuracy_floor_names_the_closest_poin
     lines = []
     drop = 0.1
     history = eb.fit(net, x, y, epochs=2, batch_size=32, lr=1e-3, flops_target=0.1, max_accuracy_drop=drop,
-                     log=lines.append)
+                     flops_schedule_fraction=0.5, log=lines.append)   # ten cuts over 8 steps
     points = history[-1]["flops_target_points"]
     assert points[0] == {"step": 0, "flops_ratio": 1.0, "val_accuracy": points[0]["val_accuracy"]}
     assert [p["step"] for p in points] == sorted(p["step"] for p in points) and points[-1]["flops_ratio"] <= 0.1

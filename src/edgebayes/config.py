@@ -233,8 +233,9 @@ class TrainConfig(Section):
         "switching the least important units off during the first flops_schedule_fraction of the steps "
         "(train/flops_target.py); device: the largest fraction the device's model_mb and latency_ms budgets "
         "allow, found before the first epoch (export/preflight.py; the training is then the device's); null: none"))
-    flops_schedule_fraction: Rate = Field(0.5, description=(
-        "the share of the training steps over which train.flops_target's schedule reaches its target"))
+    flops_schedule_fraction: Rate = Field(0.1, description=(
+        "the share of the training steps over which train.flops_target's schedule reaches its target (0.1: the "
+        "rest of a few epochs' fine-tuning repairs the cut network; train/flops_target.py)"))
     max_accuracy_drop: Optional[Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)]] = Field(
         None, description=(
             "with train.flops_target: the validation accuracy the fine-tuning may lose against the network it "
