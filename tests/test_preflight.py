@@ -62,7 +62,7 @@ def test_a_network_too_large_for_the_model_budget_is_told_the_share_that_fits_be
     from pathlib import Path
 
     from edgebayes.config import load_device_profile, load_pipeline_config
-    from edgebayes.export.preflight import model_budget_advice
+    from edgebayes.deploy.budget_targets import model_budget_advice
 
     cfg = load_pipeline_config(Path(__file__).parents[1] / "pipeline.yaml", ["train.flops_target=null"])
     profile = load_device_profile("local")
@@ -90,7 +90,7 @@ def test_a_network_slower_than_the_latency_budget_is_told_the_flops_share_that_f
 
     from edgebayes.config import load_device_profile, load_pipeline_config
     from edgebayes.deploy.latency_model import predictor_for
-    from edgebayes.export.preflight import latency_budget_advice
+    from edgebayes.deploy.budget_targets import latency_budget_advice
 
     cfg = load_pipeline_config(Path(__file__).parents[1] / "pipeline.yaml", ["train.flops_target=null"])
     pi = load_device_profile("raspberry-pi-4")     # latency_model kind flops: 2.9 GFLOP/s, 0.1 ms overhead

@@ -372,10 +372,16 @@ def run_train(ctx):
         write_json(marker, {"fingerprint": ctx.fingerprint("train"), **kept})
 
     if distributed.is_main_process() and not checkpoint.exists():   # fail in seconds, not after training
-        from edgebayes.export.preflight import device_flops_target, preflight
+        from edgebayes.deploy.budget_targets import budget_shares, device_flops_target, target_advice
+        from edgebayes.export.preflight import preflight
 
-        shares = preflight(cfg, ctx.profile, splits, ctx.log, runs_dir=ctx.runs_dir)
-        if cfg.train.flops_target == "device":
+        facts = preflight(cfg, ctx.profile, splits, ctx.log)
+        shares = None if facts is None else budget_shares(cfg, ctx.profile, facts, ctx.runs_dir)
+        if cfg.train.flops_target != "device":   # said; with device, they are the target
+            for share, where in (shares or {}).values():
+                if advice := target_advice(cfg, where, share):
+                    ctx.log(f"train: pre-flight: {advice}")
+        else:
             target = device_flops_target(shares, ctx.profile)
             ctx.log(f"train: flops target from {ctx.profile.name}'s budgets: "
                     + (f"{target:g} ({'; '.join(where for _, where in shares.values())})" if target is not None

@@ -51,8 +51,7 @@ import torch
 from edgebayes.config import devices_dirs
 from edgebayes.deploy.transport import TransportError, runner_failure
 from edgebayes.errors import StageError
-from edgebayes.export.formats import formats_for
-from edgebayes.ondevice.backends import _tflite_interpreter
+from edgebayes.export.formats import formats_for, operator_count  # noqa: F401 (selection imports it here)
 from edgebayes.ondevice.bundle import RUNNER_FILE
 from edgebayes.ondevice.cli import command_line
 from edgebayes.ondevice.pack import write_runner
@@ -73,20 +72,6 @@ RANGE_MARGIN = 1.25
 
 class LatencyModelError(StageError):
     pass
-
-
-def operator_count(path):
-    """Operators an inference with the exported file dispatches: the ONNX graph's nodes (Constant and
-    Identity nodes hold no work), or the TFLite model's ops. A TensorRT format ships ONNX, counted as such."""
-    path = Path(path)
-    if path.suffix == ".onnx":
-        import onnx
-
-        return sum(n.op_type not in ("Constant", "Identity") for n in onnx.load(str(path)).graph.node)
-    if path.suffix == ".tflite":
-        interpreter_class, _, _ = _tflite_interpreter()
-        return len(interpreter_class(model_path=str(path))._get_ops_details())
-    raise LatencyModelError(f"{path}: cannot count the operators of a {path.suffix or 'suffix-less'} file")
 
 
 def features(operators, flops, param_count, precision, batch_size):

@@ -234,6 +234,22 @@ def check_fidelity(line: dict, precision: str, tolerance: float, max_accuracy_dr
     return {"rule": rule, "passed": bool(passed)}
 
 
+def operator_count(path):
+    """Operators an inference with the exported file dispatches: the ONNX graph's nodes (Constant and
+    Identity nodes hold no work), or the TFLite model's ops. A TensorRT format ships ONNX, counted as such."""
+    path = Path(path)
+    if path.suffix == ".onnx":
+        import onnx
+
+        return sum(n.op_type not in ("Constant", "Identity") for n in onnx.load(str(path)).graph.node)
+    if path.suffix == ".tflite":
+        from edgebayes.ondevice.backends import _tflite_interpreter
+
+        interpreter_class, _, _ = _tflite_interpreter()
+        return len(interpreter_class(model_path=str(path))._get_ops_details())
+    raise ValueError(f"{path}: cannot count the operators of a {path.suffix or 'suffix-less'} file")
+
+
 def formats_for(profile, family=None):
     """The export formats this device's runtime loads, at the precisions its profile lists; a format made
     for some model families only (onnx-codebook: SQS) when `family` is one of them."""
