@@ -152,7 +152,13 @@ def test_flops_target_device_trains_to_the_share_the_devices_budgets_allow_and_a
     target = float(line.split("budgets: ")[1].split()[0])
     assert 0 < target < 1 and "model_mb budget of 0.005 MB" in line
     run = tmp_path / "runs" / "digits-ssgl" / "train"
-    assert json.loads((run / "run.json").read_text())["device_flops_target"] == target
+    good = (run / "run.json").read_text()
+    assert json.loads(good)["device_flops_target"] == target
+    # a run.json edited by hand is refused, naming it, and not trained with
+    (run / "run.json").write_text(json.dumps({**json.loads(good), "device_flops_target": 5}))
+    assert main(args) != 0
+    assert "run.json does not hold the FLOPs target" in capsys.readouterr().err
+    (run / "run.json").write_text(good)
     assert main(args) == 0
     second = capsys.readouterr().out
     assert "resuming" in second and "pre-flight" not in second

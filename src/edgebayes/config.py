@@ -232,7 +232,7 @@ class TrainConfig(Section):
         "spike-and-slab: the median model's FLOPs after surgery as a fraction of the dense network's, reached by "
         "switching the least important units off during the first flops_schedule_fraction of the steps "
         "(train/flops_target.py); device: the largest fraction the device's model_mb and latency_ms budgets "
-        "allow, found before the first epoch (export/preflight.py; the training is then the device's); null: none"))
+        "allow, found before the first epoch (deploy/budget_targets.py; the training is then the device's); null: none"))
     flops_schedule_fraction: Rate = Field(0.1, description=(
         "the share of the training steps over which train.flops_target's schedule reaches its target (0.1: the "
         "rest of a few epochs' fine-tuning repairs the cut network; train/flops_target.py)"))

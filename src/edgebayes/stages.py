@@ -329,8 +329,12 @@ def resolved_device_target(ctx, cfg, out):
     try:
         target = read_json(out / "run.json")["device_flops_target"]
     except (OSError, ValueError, KeyError, TypeError):
+        target = "missing"
+    # model_copy does not validate: a run.json edited by hand must not reach the schedule as it is
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not 0 < target <= 1):
         raise StageError(f"train: {out / 'run.json'} does not hold the FLOPs target found for train.flops_target "
-                         f"device; run `{ctx.program} train --force`") from None
+                         f"device (a share in (0, 1] or null); run `{ctx.program} train --force`")
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": target})})
 
 

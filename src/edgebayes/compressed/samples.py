@@ -98,9 +98,7 @@ def predict_float64(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The module's output over x computed in float64: what its arithmetic means, against which an fp32 run's
     rounding is measured. None where the module does not run in float64 (a layer that takes fp32 only)."""
     try:
-        exact = copy.deepcopy(module).double().eval()
-        with torch.no_grad():
-            return torch.cat([exact(x[i: i + 2048].double()) for i in range(0, len(x), 2048)])
+        return predict(copy.deepcopy(module).double(), x.double())
     except (RuntimeError, TypeError, NotImplementedError):
         return None
 

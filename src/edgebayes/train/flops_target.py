@@ -2,7 +2,7 @@
 
     train:
       flops_target: 0.25          # the median model's physical FLOPs, as a fraction of the dense network's
-                                  # (device: the largest the device's budgets allow, export/preflight.py)
+                                  # (device: the largest the device's budgets allow, deploy/budget_targets.py)
       flops_schedule_fraction: 0.1   # reached after this share of the fine-tuning steps (default)
 
 Why it is needed. Started from a trained network, paper 000's ELBO switches nothing off within a fine-tuning
@@ -224,7 +224,7 @@ def plan(model, target_flops, families, plain=None, plain_names=None):
 
 
 class FlopsTargetSchedule:
-    """The trainer's hook (train/trainer.py): `step(model, step)` before each optimisation step, `verdict` after
+    """The trainer's hook (train/trainer.py): `step(model, step)` before each optimisation step, `finish` after
     the last epoch.
 
     With `evaluate` (the trainer's validation accuracy of a model; process 0 only), the network is validated
