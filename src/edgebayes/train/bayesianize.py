@@ -25,6 +25,7 @@ forward that fx cannot trace gets one ArchError saying so.
 """
 
 import copy
+from collections import OrderedDict
 import math
 import pickle
 
@@ -206,11 +207,22 @@ def with_pretrained(build, path):
     return build_from
 
 
+def load_matching(module, state):
+    """Load into `module` the entries of `state` whose name and shape match its own; the others keep the
+    module's values. The state dict handed over keeps the module's own `_metadata` (the version each
+    submodule saved its state under): a module that converts old states in `_load_from_state_dict`
+    (torchvision's MNASNet, batch norm) reads it, and MNASNet refuses a state dict without it."""
+    target = module.state_dict()
+    merged = OrderedDict((k, state[k] if k in state and state[k].shape == v.shape else v) for k, v in target.items())
+    merged._metadata = getattr(target, "_metadata", OrderedDict())
+    module.load_state_dict(merged)
+    return module
+
+
 @torch.no_grad()
 def start_from_plain(net, plain):
     """Copy a plain twin's weights into the factory-built `net` of the same builder (names line up)."""
-    net.load_state_dict({k: v for k, v in plain.state_dict().items() if k in net.state_dict()
-                         and net.state_dict()[k].shape == v.shape}, strict=False)
+    load_matching(net, plain.state_dict())
     inside = {f"{n}.conv" for n, m in plain.named_modules() if isinstance(m, ConvNorm)}
     for name, mod in plain.named_modules():
         if isinstance(mod, ConvNorm):
@@ -243,7 +255,7 @@ def apply_state_dict(module, state, path):
     if not fits:
         raise InputError(f"model.pretrained {path}: none of its {len(state)} tensors matches the model "
                          f"(first keys: {list(state)[:3]}, model's: {list(own)[:3]})")
-    module.load_state_dict(fits, strict=False)
+    load_matching(module, fits)   # with the module's state-dict versions (MNASNet refuses a state without them)
     module.skipped_pretrained = sorted(k for k in own if k not in fits)
     return module
 

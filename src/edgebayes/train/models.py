@@ -12,13 +12,13 @@ interface (train/families.py, PosteriorNet):
 SQS (paper 001) wraps a trained plain network instead: train/sqs.py.
 """
 
-from collections import OrderedDict
 
 import numpy as np
 import torch
 from torch import nn
 
 from edgebayes.train.arch import as_builder, resolve_arch
+from edgebayes.train.bayesianize import load_matching
 from edgebayes.train.layers import LayerFactory
 from edgebayes.train.nested import NESTED_FAMILIES, NestedLayer, recollect_batch_norm
 from edgebayes.train.spike_slab import (
@@ -27,18 +27,6 @@ from edgebayes.train.spike_slab import (
     SpikeSlabLayer,
     prior_inclusion_probability,
 )
-
-
-def load_matching(module, state):
-    """Load into `module` the entries of `state` whose name and shape match its own; the others keep the
-    module's values. The state dict handed over keeps the module's own `_metadata` (the version each
-    submodule saved its state under): a module that converts old states in `_load_from_state_dict`
-    (torchvision's MNASNet, batch norm) reads it, and MNASNet refuses a state dict without it."""
-    target = module.state_dict()
-    merged = OrderedDict((k, state[k] if k in state and state[k].shape == v.shape else v) for k, v in target.items())
-    merged._metadata = getattr(target, "_metadata", OrderedDict())
-    module.load_state_dict(merged)
-    return module
 
 
 class BayesianNet(nn.Module):
@@ -271,7 +259,6 @@ class NestedNet(nn.Module):
         if self.calibration_x is not None:
             recollect_batch_norm(plain, self.calibration_x.cpu(), self.bn_batch_size)
         return plain.cpu().eval(), self.kept_units(width)
-
 
 
 @torch.no_grad()
