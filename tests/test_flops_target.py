@@ -327,3 +327,36 @@ def test_validating_along_the_schedule_changes_no_training_noise(monkeypatch):
         runs.append(net.state_dict())
     for name in runs[0]:
         assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+class Signal1d(nn.Module):
+    """A 1-D network (sensor or audio data): Conv1d layers, which have no Bayesian twin, and a Linear head."""
+
+    def __init__(self, classes=4):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv1d(2, 16, 5), nn.Conv1d(16, 16, 5)
+        self.fc1, self.fc = nn.Linear(16, 32), nn.Linear(32, classes)
+
+    def forward(self, x):
+        h = F.relu(self.c2(F.relu(self.c1(x))))
+        return self.fc(F.relu(self.fc1(h.mean(-1))))
+
+
+def test_layers_without_a_bayesian_twin_are_told_counted_and_named_when_they_block_the_target():
+    """A Conv1d stays plain: bayesianize says so in one warning, its FLOPs count (before, the ratio counted the
+    Linear layers only: 0.38 'reached' with every convolution whole), and a target it blocks names it."""
+    from edgebayes.compressed.structure import paper_flops
+
+    tiny = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+    assert paper_flops(tiny, (2, 10)) == (2 * 4 * 3 + 4) * 8 + (32 * 3 + 3)   # appendix A.1's formula, in 1-D
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 2, 40, generator=g), torch.randint(4, (64,), generator=g)
+    with pytest.warns(UserWarning, match=r"2 layer\(s\) of Signal1d have no Bayesian twin.*c1 \(Conv1d\), c2 \(Conv1d\)"):
+        net = eb.bayesianize(Signal1d(), "ss-gl", input_shape=(2, 40), n_train=len(x))
+    lines = []
+    eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.4, log=lines.append)
+    c = eb.compress(net)
+    physical = structure_report(c.dense_sample, c.samples[0], c.kept, (2, 40))["physical_flops_ratio"]
+    assert physical > 0.9   # the convolutions are most of the FLOPs and stay whole
+    assert any("cannot be reached" in str(line) and "plain layer(s) without a Bayesian twin (c1, c2)" in str(line)
+               for line in lines)

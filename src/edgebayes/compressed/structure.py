@@ -6,12 +6,20 @@ Follow paper 000 exactly:
   - FLOPs ratio with appendix A.1's formula, multiplies only:
       linear  (I_pr + 1) O_pr;     conv  (C_in,pr Kw Kh + 1) Ow Oh C_out,pr,
     over every Linear and Conv2d (for ResNets: the convolutions and the last linear layer, as the paper).
+    Where this extends the paper: a Conv1d or Conv3d counts by the same formula over its one or three kernel
+    and output dimensions. Those stay plain layers (train/bayesianize.py has no Bayesian twin for them) and
+    nothing switches them off, but they cost what they cost: a 1-D network's ratio without them counted only its
+    Linear layers.
 """
+
+import math
 
 import torch
 from torch import nn
 
 from edgebayes.compressed.surgery import probe_inputs
+
+COSTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)   # the layers FLOPs and weights are counted over
 
 
 def _layer_costs(module: nn.Module, input_shape, effective: bool):
@@ -36,30 +44,32 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool):
     def hook(m, inputs, output):
         nonlocal flops, weights
         w = m.weight
-        groups = m.groups if isinstance(m, nn.Conv2d) else 1
+        conv = not isinstance(m, nn.Linear)
+        groups = m.groups if conv else 1
         if effective:
             rows = w.flatten(1).abs().sum(1) > 0
             if m.bias is not None:
                 rows |= m.bias != 0
+        else:
+            rows = torch.ones(w.shape[0], dtype=torch.bool)
+        if effective and m in ranges:   # the probe covers the Linear / Conv2d layers surgery acts on
             lo, hi, _ = ranges[m]
             live_in = (lo != 0) | (hi != 0)
         else:
-            rows = torch.ones(w.shape[0], dtype=torch.bool)
-            live_in = torch.ones(m.in_channels if isinstance(m, nn.Conv2d) else m.in_features, dtype=torch.bool)
+            live_in = torch.ones(m.in_channels if conv else m.in_features, dtype=torch.bool)
         # C_in,pr of each live output: the live inputs of its group; summed over the live outputs
         c_in = int(live_in.view(groups, -1).sum(1).repeat_interleave(w.shape[0] // groups)[rows].sum())
         c_out = int(rows.sum())
         bias = 1 if m.bias is not None else 0
-        if isinstance(m, nn.Conv2d):
-            kh, kw = m.kernel_size
-            oh, ow = output.shape[-2:]
-            flops += (c_in * kw * kh + c_out) * ow * oh   # the formula's +1 is there with or without a bias
-            weights += c_in * kw * kh + bias * c_out
+        if conv:
+            kernel, positions = math.prod(m.kernel_size), math.prod(output.shape[2:])
+            flops += (c_in * kernel + c_out) * positions   # the formula's +1 is there with or without a bias
+            weights += c_in * kernel + bias * c_out
         else:
             flops += c_in + c_out
             weights += c_in + bias * c_out
 
-    handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, COSTED)]
     try:
         with torch.no_grad():
             module.eval()(probe[:1])
@@ -70,12 +80,12 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool):
 
 
 def paper_flops(module: nn.Module, input_shape, effective=False) -> int:
-    """FLOPs of a plain module for one example by appendix A.1 (Linear and Conv2d; see _layer_costs)."""
+    """FLOPs of a plain module for one example by appendix A.1 (COSTED layers; see _layer_costs)."""
     return _layer_costs(module, input_shape, effective)[0]
 
 
 def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) -> int:
-    """Weights and biases of the Linear / Conv2d layers of a plain module.
+    """Weights and biases of the Linear and convolution layers of a plain module (COSTED).
 
     fold_batch_norm=True counts the network as exported: a batch norm right after a bias-free convolution
     (in an nn.Sequential) folds into it and gives it one bias per channel.
@@ -88,7 +98,7 @@ def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) 
                 total += sum(b.num_features for a, b in zip(children, children[1:])
                              if isinstance(a, nn.Conv2d) and a.bias is None and isinstance(b, nn.BatchNorm2d))
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
+        if isinstance(m, COSTED):
             for p in (m.weight, m.bias):
                 if p is not None:
                     total += int((p != 0).sum()) if nonzero_only else p.numel()

@@ -17,8 +17,9 @@ user's own `forward` keeps running unchanged:
     statistics) are the given weights, and the spike-and-slab posterior scales min(softplus(-6), 0.1 |w|)
     (`_relative_rho` says why this deviates from paper 000's -6), so a pretrained network starts where it
     was trained. Nested layers keep paper 002's log alpha initialisation.
-  - dilated convolutions and padding modes other than zeros have no Bayesian twin here: they stay plain,
-    deterministic layers (listed in `net.plain_layers`).
+  - dilated convolutions, padding modes other than zeros and other convolutions (Conv1d, Conv3d, transposed)
+    have no Bayesian twin here: they stay plain, deterministic and whole, listed in `net.plain_layers` and in
+    one warning (FLOPs ratios count them: compressed/structure.py).
 
 The structure is read with torch.fx (symbolic_trace), which every torchvision classifier supports; a
 forward that fx cannot trace gets one ArchError saying so.
@@ -28,6 +29,7 @@ import copy
 from collections import OrderedDict
 import math
 import pickle
+import warnings
 
 import torch
 from torch import fx, nn
@@ -42,7 +44,8 @@ NORMS = (nn.BatchNorm2d,)
 
 
 def _structure(module):
-    """(conv name -> batch-norm name that only it feeds, output layer names, affine names in call order)."""
+    """(conv name -> batch-norm name that only it feeds, output layer names, names of the Linear and convolution
+    layers in call order)."""
     try:
         graph = fx.symbolic_trace(module).graph
     except Exception as e:
@@ -55,8 +58,8 @@ def _structure(module):
     for n in calls:
         count[n.target] = count.get(n.target, 0) + 1
     order, pairs = [], {}
-    for n in calls:
-        if isinstance(mods[n.target], AFFINE) and n.target not in order:
+    for n in calls:   # every affine map: those without a Bayesian twin (a Conv1d) are listed as staying plain
+        if isinstance(mods[n.target], AFFINE + (nn.modules.conv._ConvNd,)) and n.target not in order:
             order.append(n.target)
         if isinstance(mods[n.target], nn.Conv2d) and count[n.target] == 1 and len(n.users) == 1:
             (user,) = n.users
@@ -125,11 +128,11 @@ def convert(module: nn.Module, factory) -> nn.Module:
     """A copy of `module` with every Conv2d / Linear (+ its batch norm) built by `factory` (module docstring)."""
     pairs, outputs, order = _structure(module)
     net = copy.deepcopy(module)
-    plain_layers = []
+    plain_layers = {}   # name -> why it has no Bayesian twin
     for name in order:
         affine = net.get_submodule(name)
-        if type(affine) not in AFFINE:   # a subclass (a quantization stub, a custom conv): left alone
-            plain_layers.append(name)
+        if type(affine) not in AFFINE:   # a Conv1d / Conv3d, a subclass (a quantization stub, a custom conv)
+            plain_layers[name] = type(affine).__name__
             continue
         norm = net.get_submodule(pairs[name]) if name in pairs else None
         prunable = name not in outputs
@@ -138,7 +141,7 @@ def convert(module: nn.Module, factory) -> nn.Module:
             layer = factory.linear(affine.in_features, affine.out_features, prunable=prunable, bias=bias)
         else:
             if affine.dilation != (1, 1) or affine.padding_mode != "zeros" or isinstance(affine.padding, str):
-                plain_layers.append(name)
+                plain_layers[name] = "dilated" if affine.dilation != (1, 1) else "padding"
                 continue
             layer = factory.conv(affine.in_channels, affine.out_channels, affine.kernel_size, stride=affine.stride,
                                  padding=affine.padding, groups=affine.groups, bias=bias, norm=norm is not None,
@@ -147,7 +150,12 @@ def convert(module: nn.Module, factory) -> nn.Module:
         _replace(net, name, layer)
         if norm is not None:
             _replace(net, pairs[name], nn.Identity())
-    net.plain_layers = plain_layers
+    net.plain_layers = list(plain_layers)
+    if plain_layers:   # once per message (Python's default filter), though a net is converted for every twin
+        listed = ", ".join(f"{n} ({why})" for n, why in list(plain_layers.items())[:6])
+        warnings.warn(f"bayesianize: {len(plain_layers)} layer(s) of {type(module).__name__} have no Bayesian twin "
+                      f"here and stay plain, deterministic and whole: {listed}{' ...' if len(plain_layers) > 6 else ''} "
+                      f"(their FLOPs count in every ratio; nothing switches their units off)", stacklevel=2)
     return net
 
 

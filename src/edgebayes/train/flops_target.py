@@ -367,5 +367,8 @@ class FlopsTargetSchedule:
             self.log(f"flops target: {self.reached:.3f} of the dense FLOPs after {step + 1} steps "
                      f"(target {self.target:g})")
             if self.reached > self.target * (1 + TOLERANCE):
+                plain = [n for m in model.modules() for n in getattr(m, "plain_layers", [])]
                 self.log(f"flops target: {self.target:g} cannot be reached: the closest is {self.reached:.3f}, "
-                         f"with one group left in each family and the layers surgery cannot cut whole")
+                         f"with one group left in each family and the layers surgery cannot cut whole"
+                         + (f", and {len(plain)} plain layer(s) without a Bayesian twin ({', '.join(plain[:4])}"
+                            f"{' ...' if len(plain) > 4 else ''})" if plain else ""))
