@@ -45,6 +45,8 @@ BAD_DATA_KEYS = {
                                r"data\.label_column: only read for data\.dataset csv"),
     "label_column type": ({"dataset": "csv", "path": "x.csv", "label_column": True},
                           r"data\.label_column: expected an integer or a string or null"),
+    "signals elsewhere": ({"dataset": "image-folder", "path": "imgs", "signals": True},
+                          r"data\.signals: only read for data\.dataset npz or a loader"),
 }
 
 
@@ -114,3 +116,48 @@ def test_pipeline_runs_on_data_of_your_own(dataset, tmp_path):
     results = json.loads((run / "deploy/local/results.json").read_text())
     assert 0 <= results["metrics"]["accuracy"] <= 1
     assert (run / "report/local/report.html").is_file()
+
+
+SIGNAL_NET = """
+import torch.nn.functional as F
+from torch import nn
+
+
+class Signal(nn.Module):
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.c1, self.bn = nn.Conv1d(2, 8, 5, padding=2), nn.BatchNorm1d(8)
+        self.fc1, self.fc = nn.Linear(8, 16), nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.fc1(F.relu(self.bn(self.c1(x))).mean(-1))))
+"""
+
+
+def test_one_dimensional_signals_load_as_they_are_and_run_the_pipeline(tmp_path, monkeypatch):
+    """data.signals: an npz of (N, channels, length) arrays reaches a Conv1d network as it is (without it, a 3-D
+    array is a stack of grayscale images and gains a channel axis); 2-D arrays are one-channel signals."""
+    from edgebayes.data import DataError, _inputs
+
+    assert tuple(_inputs(np.zeros((5, 2, 40)), "x", "here", signals=True).shape) == (5, 2, 40)
+    assert tuple(_inputs(np.zeros((5, 2, 40)), "x", "here").shape) == (5, 1, 2, 40)
+    assert tuple(_inputs(np.zeros((5, 40)), "x", "here", signals=True).shape) == (5, 1, 40)
+    with pytest.raises(DataError, match=r"here: x has shape \(5, 1, 2, 40\); data.signals expects"):
+        _inputs(np.zeros((5, 1, 2, 40)), "x", "here", signals=True)
+    (tmp_path / "signet.py").write_text(SIGNAL_NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rng = np.random.default_rng(0)
+    y = np.arange(120) % 3
+    x = rng.normal(0, 0.3, (120, 2, 40)).astype(np.float32)
+    x[:, 0] += np.sin(np.linspace(0, 2 * np.pi, 40))[None] * (y[:, None] + 1)   # frequency by class
+    np.savez(tmp_path / "s.npz", x=x, y=y)
+    config = _config(tmp_path, name="signals", dataset="npz", path=str(tmp_path / "s.npz"), signals=True)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["model"] = {"family": "ss-gl", "arch": "signet:Signal"}
+    config.write_text(yaml.safe_dump(cfg))
+    runs = tmp_path / "runs"
+    with pytest.warns(UserWarning, match=r"c1 \(Conv1d\)"):
+        assert main(["pipeline", "--config", str(config), "--runs-dir", str(runs)]) == 0
+    metrics = json.loads((runs / "signals/train/metrics.json").read_text())
+    assert metrics["model"]["in_features"] == 80
+    assert json.loads((runs / "signals/deploy/local/results.json").read_text())["metrics"]["accuracy"] >= 0

@@ -146,6 +146,9 @@ class DataConfig(Section):
     test_fraction: Fraction = Field(0.2, description="sets without a test split (digits, your own single set)")
     train_subset: Annotated[Optional[int], Range("expected a positive integer or null", gt=0)] = Field(
         None, description="train on the first N images of the training split (quick runs); null: all")
+    signals: bool = Field(False, description=(
+        "npz / your loader: 3-D arrays are 1-D signals (N, channels, length) for a Conv1d network, 2-D ones "
+        "(N, length); false: 3-D arrays are grayscale images (N, H, W), 2-D ones feature vectors"))
     ood: Optional[Literal["noise", "digits", "mnist", "fashion-mnist", "cifar10"]] = Field(None, description=(
         "null | noise (uniform in the training inputs' range) | a built-in data set with the same input shape"))
 
@@ -704,6 +707,8 @@ def _check_data(d: DataConfig, p):
     _check(d.image_size is None or (len(d.image_size) == 2 and min(d.image_size) > 0), f"{p}: data.image_size",
            f"expected [height, width], two positive integers, got {_show(d.image_size)}")
     _check(d.label_column is None or d.dataset == "csv", f"{p}: data.label_column", "only read for data.dataset csv")
+    _check(not d.signals or d.dataset == "npz" or ":" in d.dataset, f"{p}: data.signals",
+           "only read for data.dataset npz or a loader of your own (arrays whose layout it tells)")
 
 
 SPIKE_SLAB_FAMILIES = ("ss-ig", "ss-gl", "ss-ghs")   # the families with prunable units (train/spike_slab.py PRIORS)

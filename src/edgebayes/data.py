@@ -18,7 +18,7 @@ set, finite values, at least two classes, no test / val label unseen in training
 provide are carved out of its training set: test first (data.test_fraction), then validation
 (data.val_fraction), with a generator seeded by the run's seed, so a split never changes between runs.
 
-Inputs are float32, images (C, H, W), feature vectors (F,). Labels are int64 class indices into `classes`.
+Inputs are float32, images (C, H, W), feature vectors (F,), or with data.signals 1-D signals (C, L). Labels are int64 class indices into `classes`.
 """
 
 import csv
@@ -176,10 +176,11 @@ def _path(cfg, folder: bool) -> Path:
     return path
 
 
-def _inputs(a, name, where) -> torch.Tensor:
-    """An array from the user as float32 (N, F) or (N, C, H, W).
+def _inputs(a, name, where, signals=False) -> torch.Tensor:
+    """An array from the user as float32 (N, F), (N, C, H, W), or with `signals` (data.signals) (N, C, L).
 
-    2-D: feature vectors. 3-D: grayscale images (N, H, W). 4-D: images, the channels being the axis of
+    signals: 3-D arrays are 1-D signals (N, C, L) for Conv1d networks, 2-D ones single-channel signals
+    (N, L) -> (N, 1, L). Otherwise 2-D: feature vectors. 3-D: grayscale images (N, H, W). 4-D: images, the channels being the axis of
     size 1, 3 or 4: the last (N, H, W, C) or the second (N, C, H, W). When both are (small images, e.g.
     (N, 1, 4, 4)) the array's own convention decides: a torch tensor is channels first (PyTorch's layout),
     anything else channels last (numpy's and PIL's).
@@ -192,7 +193,13 @@ def _inputs(a, name, where) -> torch.Tensor:
     a = np.asarray(a)
     if a.dtype.kind not in "biuf":
         raise DataError(f"{where}: {name} holds {a.dtype} values; expected numbers")
-    if a.ndim == 3:
+    if signals:
+        if a.ndim not in (2, 3):
+            raise DataError(f"{where}: {name} has shape {a.shape}; data.signals expects (N, channels, length) or "
+                            f"(N, length)")
+        if a.ndim == 2:
+            a = a[:, None]
+    elif a.ndim == 3:
         a = a[:, None]
     elif a.ndim == 4:
         if a.shape[3] not in (1, 3, 4) and a.shape[1] not in (1, 3, 4):
@@ -212,7 +219,7 @@ def _inputs(a, name, where) -> torch.Tensor:
     return x
 
 
-def _sets_from_mapping(arrays: dict, where) -> dict:
+def _sets_from_mapping(arrays: dict, where, signals=False) -> dict:
     """{x_train, y_train[, x_val, y_val][, x_test, y_test]} or {x, y} -> {set name: (x, y)}.
 
     Keys starting with x_ or y_ must be one of those: a misspelt x_tset would otherwise be dropped silently
@@ -233,12 +240,12 @@ def _sets_from_mapping(arrays: dict, where) -> dict:
                 missing = yk if xk in arrays else xk
                 raise DataError(f"{where}: has {xk if xk in arrays else yk} but no {missing} ({holds})")
             if xk in arrays:
-                sets[s] = (_inputs(arrays[xk], xk, where), arrays[yk])
+                sets[s] = (_inputs(arrays[xk], xk, where, signals), arrays[yk])
         if "train" not in sets:
             raise DataError(f"{where}: x_train and y_train are required with x_val / x_test ({holds})")
         return sets
     if "x" in arrays and "y" in arrays:
-        return {"train": (_inputs(arrays["x"], "x", where), arrays["y"])}
+        return {"train": (_inputs(arrays["x"], "x", where, signals), arrays["y"])}
     raise DataError(f"{where}: expected arrays x_train and y_train (optionally x_test, y_test, x_val, y_val), "
                     f"or x and y ({holds})")
 
@@ -270,7 +277,8 @@ def _npz(cfg):
             raise DataError(f"{where}: {e}; save labels and class names as plain arrays, e.g. "
                             f"np.array(names, dtype=str)") from None
     classes = arrays.pop("classes", None)
-    return _sets_from_mapping(arrays, where), None if classes is None else _class_names(classes, where)
+    return (_sets_from_mapping(arrays, where, cfg.signals),
+            None if classes is None else _class_names(classes, where))
 
 
 def _is_gray(image) -> bool:
@@ -502,7 +510,8 @@ def _function(cfg):
                         f"[, classes]) or a dict with those keys")
     classes = arrays.pop("classes", None)
     where = f"{where}: returned"
-    return _sets_from_mapping(arrays, where), None if classes is None else _class_names(classes, where)
+    return (_sets_from_mapping(arrays, where, cfg.signals),
+            None if classes is None else _class_names(classes, where))
 
 
 # data.dataset -> loader(cfg) -> ({set name: (x, y)}, classes or None); a `package.module:function` is _function.
