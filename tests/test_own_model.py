@@ -341,3 +341,62 @@ def test_a_pretrained_file_that_is_not_a_state_dict_is_bad_input(user_package, t
     assert main(["train", "--config", str(config), "--runs-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert "model.pretrained" in err and "weights_only=True" in err and "weights_only` set to `False" not in err
+
+
+class _AuxHeads(nn.Module):
+    """Returns (logits, auxiliary logits) in training mode, as torchvision's googlenet and inception_v3 do."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.fc, self.aux = nn.Linear(64, num_classes), nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        h = x.flatten(1)
+        return (self.fc(h), self.aux(h)) if self.training else self.fc(h)
+
+
+def test_a_module_with_auxiliary_outputs_in_training_is_refused_naming_them():
+    from edgebayes.errors import ArchError
+    from edgebayes.train.families import bayesianize
+
+    with pytest.raises(ArchError, match=r"_AuxHeads returns tuple in training mode.*aux_logits=False"):
+        bayesianize(_AuxHeads(), "ss-gl", input_shape=(1, 8, 8), n_train=100)
+
+
+def test_a_transformer_fine_tunes_to_a_flops_target_its_attention_counted_and_named(tmp_path):
+    """torchvision's VisionTransformer: the Linear layers of its MLPs see (batch, tokens, features) and switch
+    their units off on the last dimension (they raised a size mismatch on dim 1 before); its attention blocks
+    have no Bayesian twin, stay whole, are named in a warning and count in the FLOPs; the export matches."""
+    import torchvision
+
+    import edgebayes as eb
+    from edgebayes.compressed.structure import paper_flops, structure_report
+
+    tokens = nn.Sequential(nn.Linear(6, 5))   # appendix A.1's linear formula once per token: (I + 1) O T
+    assert paper_flops(tokens, (4, 6)) == (6 + 1) * 5 * 4
+    attention = nn.MultiheadAttention(8, 2, batch_first=True)
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = attention
+
+        def forward(self, x):
+            return self.attention(x, x, x, need_weights=False)[0]
+    assert paper_flops(Attend(), (3, 8)) == 4 * (8 + 1) * 8 * 3   # q, k, v and out projections, 3 tokens
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, 16, 16, generator=g), torch.randint(4, (64,), generator=g)
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=1, num_heads=2,
+                                               hidden_dim=16, mlp_dim=32, num_classes=4)
+    with pytest.warns(UserWarning, match=r"self_attention \(MultiheadAttention\)"):
+        net = eb.bayesianize(vit, "ss-gl", input_shape=(3, 16, 16), n_train=len(x))
+    lines = []
+    eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.8, log=lines.append)
+    c = eb.compress(net, m=2)
+    s = structure_report(c.dense_sample, c.samples[0], c.kept, (3, 16, 16))
+    assert s["physical_flops_ratio"] < 1   # the MLP's hidden units went
+    eb.save(c, tmp_path / "vit.onnx", example=x[:4])
+    with torch.no_grad():
+        reference = c.mc_model()(x[:8]).numpy()
+    assert abs(eb.run(tmp_path / "vit.onnx", x[:8].numpy()) - reference).max() < 1e-4

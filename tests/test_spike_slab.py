@@ -83,7 +83,9 @@ def _reference_loss(layer, x, weights):
     out = mean + torch.sqrt(var + 1e-16) * eps
     if layer.norm is not None:
         out = layer.norm(out)
-    out = out * layer._unit_view(tau, out.dim()) * layer._unit_view(z, out.dim())
+    unit = [1] * out.dim()   # a Linear's units are its last dimension (tokens before it), a convolution's dim 1
+    unit[-1 if isinstance(layer, SpikeSlabLinear) else 1] = -1
+    out = out * tau.view(unit) * z.view(unit)
     if layer.noncentered:
         log_t, inv_t = torch.zeros(layer.out_units), torch.ones(layer.out_units)
     else:
@@ -105,9 +107,9 @@ def _layer(kind, prior, noncentered, seed=0):
     gs = {"ss-gl": GlobalScale(4.0, 2.0), "ss-ghs": GlobalHorseshoeScale(1.0)}.get(prior)
     kw = dict(prior=prior, prior_inclusion=0.3, prunable=True, sigma0_sq=0.5, temperature=0.5, gamma_init=0.7,
               global_scale=gs, c_reg=1.5, noncentered=noncentered)
-    if kind == "linear":
+    if kind.startswith("linear"):
         layer = SpikeSlabLinear(6, 5, **kw)
-        x = torch.randn(5, 6)
+        x = torch.randn(5, 4, 6) if kind == "linear tokens" else torch.randn(5, 6)   # (B, T, F): a transformer's
     else:
         layer = SpikeSlabConv2d(3, 5, 3, padding=1, bias=kind == "conv", **kw,
                                 norm=nn.BatchNorm2d(5) if kind.startswith("conv+bn") else None)
@@ -123,7 +125,8 @@ def _layer(kind, prior, noncentered, seed=0):
 
 
 @pytest.mark.parametrize("blocks", ["one", "several"])
-@pytest.mark.parametrize("kind", ["linear", "conv", "conv+bn", "conv+bn channels_last", "conv channels_last"])
+@pytest.mark.parametrize("kind", ["linear", "linear tokens", "conv", "conv+bn", "conv+bn channels_last",
+                                  "conv channels_last"])
 @pytest.mark.parametrize("prior,noncentered", [("ss-ig", False), ("ss-gl", False), ("ss-ghs", False),
                                                ("ss-ig", True), ("ss-gl", True), ("ss-ghs", True)])
 def test_fused_training_step_equals_the_plain_computation(kind, prior, noncentered, blocks, monkeypatch):

@@ -6,8 +6,10 @@ Follow paper 000 exactly:
   - FLOPs ratio with appendix A.1's formula, multiplies only:
       linear  (I_pr + 1) O_pr;     conv  (C_in,pr Kw Kh + 1) Ow Oh C_out,pr,
     over every Linear and Conv2d (for ResNets: the convolutions and the last linear layer, as the paper).
-    Where this extends the paper: a Conv1d or Conv3d counts by the same formula over its one or three kernel
-    and output dimensions. Those stay plain layers (train/bayesianize.py has no Bayesian twin for them) and
+    Where this extends the paper: a Linear on (B, T, F) counts once per position t, a Conv1d or Conv3d by the
+    same formula over its one or three kernel and output dimensions, an nn.MultiheadAttention its four
+    projections as Linear maps per token (not the attention's products of activations, as the formula counts
+    affine maps only). Those stay plain layers (train/bayesianize.py has no Bayesian twin for them) and
     nothing switches them off, but they cost what they cost: a 1-D network's ratio without them counted only its
     Linear layers.
 """
@@ -65,11 +67,28 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool):
             kernel, positions = math.prod(m.kernel_size), math.prod(output.shape[2:])
             flops += (c_in * kernel + c_out) * positions   # the formula's +1 is there with or without a bias
             weights += c_in * kernel + bias * c_out
-        else:
-            flops += c_in + c_out
+        else:   # per position: a Linear on (B, T, F) (a transformer's tokens) maps every one of the T
+            flops += (c_in + c_out) * math.prod(output.shape[1:-1])
             weights += c_in + bias * c_out
 
+    def attention_hook(m, args, kwargs, output):
+        """nn.MultiheadAttention: its four projections, Linear maps by the same formula, per token (the
+        attention's own products, of activations with activations, are not affine maps and not counted)."""
+        nonlocal flops, weights
+        query = args[0] if len(args) > 0 else kwargs["query"]
+        key = args[1] if len(args) > 1 else kwargs["key"]
+
+        def tokens(t):   # (L, E) unbatched, (L, N, E), or (N, L, E) with batch_first
+            return t.shape[1] if t.dim() == 3 and m.batch_first else t.shape[0]
+
+        e, bias = m.embed_dim, int(m.in_proj_bias is not None)
+        per_query, per_key = (e + 1) * e * 2, (m.kdim + 1) * e + (m.vdim + 1) * e   # q and out; k and v
+        flops += per_query * tokens(query) + per_key * tokens(key)
+        weights += e * e * 2 + m.kdim * e + m.vdim * e + bias * 3 * e + int(m.out_proj.bias is not None) * e
+
     handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, COSTED)]
+    handles += [m.register_forward_hook(attention_hook, with_kwargs=True) for m in module.modules()
+                if isinstance(m, nn.MultiheadAttention)]
     try:
         with torch.no_grad():
             module.eval()(probe[:1])
@@ -99,9 +118,14 @@ def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) 
                              if isinstance(a, nn.Conv2d) and a.bias is None and isinstance(b, nn.BatchNorm2d))
     for m in module.modules():
         if isinstance(m, COSTED):
-            for p in (m.weight, m.bias):
-                if p is not None:
-                    total += int((p != 0).sum()) if nonzero_only else p.numel()
+            own = (m.weight, m.bias)
+        elif isinstance(m, nn.MultiheadAttention):   # its input projections (its out_proj is a Linear)
+            own = tuple(m.parameters(recurse=False))
+        else:
+            continue
+        for p in own:
+            if p is not None:
+                total += int((p != 0).sum()) if nonzero_only else p.numel()
     return total
 
 

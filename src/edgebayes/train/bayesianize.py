@@ -17,8 +17,8 @@ user's own `forward` keeps running unchanged:
     statistics) are the given weights, and the spike-and-slab posterior scales min(softplus(-6), 0.1 |w|)
     (`_relative_rho` says why this deviates from paper 000's -6), so a pretrained network starts where it
     was trained. Nested layers keep paper 002's log alpha initialisation.
-  - dilated convolutions, padding modes other than zeros and other convolutions (Conv1d, Conv3d, transposed)
-    have no Bayesian twin here: they stay plain, deterministic and whole, listed in `net.plain_layers` and in
+  - dilated convolutions, padding modes other than zeros, other convolutions (Conv1d, Conv3d, transposed) and
+    nn.MultiheadAttention have no Bayesian twin here: they stay plain, deterministic and whole, listed in `net.plain_layers` and in
     one warning (FLOPs ratios count them: compressed/structure.py).
 
 The structure is read with torch.fx (symbolic_trace), which every torchvision classifier supports; a
@@ -41,6 +41,7 @@ from edgebayes.train.nested import NESTED_FAMILIES
 
 AFFINE = (nn.Conv2d, nn.Linear)
 NORMS = (nn.BatchNorm2d,)
+PLAIN_ONLY = (nn.modules.conv._ConvNd, nn.MultiheadAttention)   # affine maps without a Bayesian twin: stay plain
 
 
 def _structure(module):
@@ -59,7 +60,7 @@ def _structure(module):
         count[n.target] = count.get(n.target, 0) + 1
     order, pairs = [], {}
     for n in calls:   # every affine map: those without a Bayesian twin (a Conv1d) are listed as staying plain
-        if isinstance(mods[n.target], AFFINE + (nn.modules.conv._ConvNd,)) and n.target not in order:
+        if isinstance(mods[n.target], AFFINE + PLAIN_ONLY) and n.target not in order:
             order.append(n.target)
         if isinstance(mods[n.target], nn.Conv2d) and count[n.target] == 1 and len(n.users) == 1:
             (user,) = n.users
@@ -272,9 +273,14 @@ def _check_runs(module, input_shape):
     try:
         with torch.no_grad():
             module.eval()(torch.zeros((2,) + tuple(input_shape)))
+            training = copy.deepcopy(module).train()((torch.zeros((2,) + tuple(input_shape))))
     except Exception as e:
         raise ArchError(f"model.arch: {type(module).__name__} does not run on inputs of the data's shape "
                         f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(training, torch.Tensor):   # torchvision's googlenet / inception_v3 with auxiliary heads
+        raise ArchError(f"model.arch: {type(module).__name__} returns {type(training).__name__} in training mode, "
+                        f"not a tensor of class scores; build it without auxiliary outputs (torchvision: "
+                        f"aux_logits=False)")
 
 
 def output_classes(module, input_shape):

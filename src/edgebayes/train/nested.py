@@ -300,6 +300,13 @@ class NestedLinear(NestedLayer):
     def _affine(self, x, weight, bias):
         return F.linear(x, weight, bias)
 
+    def _channel_view(self, v, ndim):
+        """(batch, C) or (C,) -> broadcastable over an output whose last dimension holds the channels: (B, F),
+        or (B, T, F) in a transformer."""
+        if v.dim() == 2:
+            return v.view((v.shape[0],) + (1,) * (ndim - 2) + (v.shape[1],))
+        return v.view((1,) * (ndim - 1) + (-1,))
+
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, nested={self.nested}, bayesian={self.bayesian}"
 

@@ -177,7 +177,7 @@ class _LocalReparameterization(torch.autograd.Function):
         _, need_x, need_mu, need_bias_mu, need_var, need_bias_var, need_unit = ctx.needs_input_grad
         layer, dtype = ctx.layer, half_eps_over_std.dtype   # dtype: the affine ops' (bf16 under autocast)
         unit_view = None if unit is None else layer._unit_view(unit, grad.dim())
-        within_unit = tuple(d for d in range(grad.dim()) if d != 1)
+        within_unit = tuple(d for d in range(grad.dim()) if d != layer._unit_dim(grad.dim()))
         grad_x = torch.empty_like(x) if need_x else None
         sums = [None] * 5   # gradients of weight_mu, bias_mu, weight_var, bias_var, unit: summed over blocks
         with torch.autocast(grad.device.type, enabled=False):
@@ -508,9 +508,15 @@ class SpikeSlabLayer(nn.Module):
         """Broadcast a per-unit vector over the weight (groups on dim 0)."""
         return v.view((-1,) + (1,) * (self.weight_mu.dim() - 1))
 
+    def _unit_dim(self, ndim):
+        """The dimension of an output of `ndim` dimensions that holds the units: a convolution's channels."""
+        return 1
+
     def _unit_view(self, z, ndim):
-        """Broadcast a per-unit vector over an output of `ndim` dimensions (units on dim 1)."""
-        return z.view((1, -1) + (1,) * (ndim - 2))
+        """Broadcast a per-unit vector over an output of `ndim` dimensions (units on `_unit_dim`)."""
+        shape = [1] * ndim
+        shape[self._unit_dim(ndim)] = -1
+        return z.view(shape)
 
     def forward(self, x):
         if self.training:
@@ -544,6 +550,10 @@ class SpikeSlabLinear(SpikeSlabLayer):
 
     def _affine(self, x, weight, bias):
         return F.linear(x, weight, bias)
+
+    def _unit_dim(self, ndim):
+        """A Linear's units are its output features, the last dimension: (B, F), or (B, T, F) in a transformer."""
+        return ndim - 1
 
     def _outputs_per_sample(self, x):
         return x[0].numel() // self.in_features * self.out_features
