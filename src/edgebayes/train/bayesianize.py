@@ -273,7 +273,8 @@ def _check_runs(module, input_shape):
     try:
         with torch.no_grad():
             module.eval()(torch.zeros((2,) + tuple(input_shape)))
-            training = copy.deepcopy(module).train()((torch.zeros((2,) + tuple(input_shape))))
+            with torch.random.fork_rng(devices=[]):   # its dropout draws leave the seeded stream as it was
+                training = copy.deepcopy(module).train()(torch.zeros((2,) + tuple(input_shape)))
     except Exception as e:
         raise ArchError(f"model.arch: {type(module).__name__} does not run on inputs of the data's shape "
                         f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
