@@ -351,7 +351,7 @@ def test_layers_without_a_bayesian_twin_are_told_counted_and_named_when_they_blo
     assert paper_flops(tiny, (2, 10)) == (2 * 4 * 3 + 4) * 8 + (32 * 3 + 3)   # appendix A.1's formula, in 1-D
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 2, 40, generator=g), torch.randint(4, (64,), generator=g)
-    with pytest.warns(UserWarning, match=r"2 layer\(s\) of Signal1d have no Bayesian twin.*c1 \(Conv1d\), c2 \(Conv1d\)"):
+    with pytest.warns(UserWarning, match=r"2 layer\(s\) of Signal1d have no Bayesian twin.*Conv1d: c1, c2"):
         net = eb.bayesianize(Signal1d(), "ss-gl", input_shape=(2, 40), n_train=len(x))
     lines = []
     eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.4, log=lines.append)

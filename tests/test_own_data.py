@@ -156,7 +156,7 @@ def test_one_dimensional_signals_load_as_they_are_and_run_the_pipeline(tmp_path,
     cfg["model"] = {"family": "ss-gl", "arch": "signet:Signal"}
     config.write_text(yaml.safe_dump(cfg))
     runs = tmp_path / "runs"
-    with pytest.warns(UserWarning, match=r"c1 \(Conv1d\)"):
+    with pytest.warns(UserWarning, match=r"Conv1d: c1"):
         assert main(["pipeline", "--config", str(config), "--runs-dir", str(runs)]) == 0
     metrics = json.loads((runs / "signals/train/metrics.json").read_text())
     assert metrics["model"]["in_features"] == 80

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 import yaml
+import torch.nn.functional as F
 from torch import nn
 
 from edgebayes.cli import main
@@ -389,7 +390,7 @@ def test_a_transformer_fine_tunes_to_a_flops_target_its_attention_counted_and_na
     torch.manual_seed(0)
     vit = torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=1, num_heads=2,
                                                hidden_dim=16, mlp_dim=32, num_classes=4)
-    with pytest.warns(UserWarning, match=r"self_attention \(MultiheadAttention\)"):
+    with pytest.warns(UserWarning, match=r"MultiheadAttention: encoder\.layers\.encoder_layer_0\.self_attention"):
         net = eb.bayesianize(vit, "ss-gl", input_shape=(3, 16, 16), n_train=len(x))
     lines = []
     eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.8, log=lines.append)
@@ -400,3 +401,22 @@ def test_a_transformer_fine_tunes_to_a_flops_target_its_attention_counted_and_na
     with torch.no_grad():
         reference = c.mc_model()(x[:8]).numpy()
     assert abs(eb.run(tmp_path / "vit.onnx", x[:8].numpy()) - reference).max() < 1e-4
+
+
+class _ReadsWeights(nn.Module):
+    """Uses a Linear's weights through F.linear, as torchvision's swin_t attention does, and never calls it."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.hidden, self.head = nn.Linear(64, 16), nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.head(torch.relu(F.linear(x.flatten(1), self.hidden.weight, self.hidden.bias)))
+
+
+def test_a_layer_whose_weights_are_read_directly_is_named_as_plain_and_uncounted():
+    from edgebayes.train.families import bayesianize
+
+    with pytest.warns(UserWarning, match=r"never called as a module.*FLOPs not counted: hidden\)"):
+        net = bayesianize(_ReadsWeights(), "ss-gl", input_shape=(1, 8, 8), n_train=100)
+    assert "hidden" in net.net.plain_layers and "head" not in net.net.plain_layers

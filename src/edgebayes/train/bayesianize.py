@@ -151,12 +151,20 @@ def convert(module: nn.Module, factory) -> nn.Module:
         _replace(net, name, layer)
         if norm is not None:
             _replace(net, pairs[name], nn.Identity())
+    for name, m in module.named_modules():   # e.g. torchvision's swin_t: attention reads qkv.weight itself
+        inside_called = any(name.startswith(c + ".") for c in order)
+        if isinstance(m, AFFINE + PLAIN_ONLY) and name not in order and not inside_called:
+            plain_layers[name] = "never called as a module (its weights read directly, or unused): FLOPs not counted"
     net.plain_layers = list(plain_layers)
     if plain_layers:   # once per message (Python's default filter), though a net is converted for every twin
-        listed = ", ".join(f"{n} ({why})" for n, why in list(plain_layers.items())[:6])
+        by_reason = {}
+        for name, why in plain_layers.items():
+            by_reason.setdefault(why, []).append(name)
+        listed = "; ".join(f"{why}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
+                           for why, names in by_reason.items())
         warnings.warn(f"bayesianize: {len(plain_layers)} layer(s) of {type(module).__name__} have no Bayesian twin "
-                      f"here and stay plain, deterministic and whole: {listed}{' ...' if len(plain_layers) > 6 else ''} "
-                      f"(their FLOPs count in every ratio; nothing switches their units off)", stacklevel=2)
+                      f"here and stay plain, deterministic and whole ({listed}); their FLOPs count in every ratio "
+                      f"where they are called, and nothing switches their units off", stacklevel=2)
     return net
 
 
