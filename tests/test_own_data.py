@@ -134,7 +134,7 @@ class Signal(nn.Module):
 """
 
 
-def test_one_dimensional_signals_load_as_they_are_and_run_the_pipeline(tmp_path, monkeypatch):
+def test_one_dimensional_signals_load_as_they_are_and_run_the_pipeline(tmp_path, monkeypatch, capsys):
     """data.signals: an npz of (N, channels, length) arrays reaches a Conv1d network as it is (without it, a 3-D
     array is a stack of grayscale images and gains a channel axis); 2-D arrays are one-channel signals."""
     from edgebayes.data import DataError, _inputs
@@ -154,6 +154,7 @@ def test_one_dimensional_signals_load_as_they_are_and_run_the_pipeline(tmp_path,
     config = _config(tmp_path, name="signals", dataset="npz", path=str(tmp_path / "s.npz"), signals=True)
     cfg = yaml.safe_load(config.read_text())
     cfg["model"] = {"family": "ss-gl", "arch": "signet:Signal"}
+    cfg["train"]["flops_target"] = None   # pipeline.yaml's 0.4 is out of this net's reach (below)
     config.write_text(yaml.safe_dump(cfg))
     runs = tmp_path / "runs"
     with pytest.warns(UserWarning, match=r"Conv1d: c1"):
@@ -161,3 +162,11 @@ def test_one_dimensional_signals_load_as_they_are_and_run_the_pipeline(tmp_path,
     metrics = json.loads((runs / "signals/train/metrics.json").read_text())
     assert metrics["model"]["in_features"] == 80
     assert json.loads((runs / "signals/deploy/local/results.json").read_text())["metrics"]["accuracy"] >= 0
+    # A FLOPs target the Conv1d layers put out of reach: exit 2 before the first step, naming the file
+    cfg["name"], cfg["train"]["flops_target"] = "signals-target", 0.5
+    config.write_text(yaml.safe_dump(cfg))
+    with pytest.warns(UserWarning):
+        assert main(["pipeline", "--config", str(config), "--runs-dir", str(runs)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"{config}: train.flops_target: 0.5 of the dense FLOPs cannot be reached" in err and "c1" in err
+    assert not (runs / "signals-target/train/checkpoint.pt").exists()

@@ -394,7 +394,12 @@ def run_train(ctx):
     if cfg.train.flops_target == "device":   # the target run.json recorded for this run (a resumed one too)
         cfg = resolved_device_target(ctx, cfg, out)
     family = family_of(cfg)
-    model, history = family.fit(cfg, splits, checkpoint, ctx.log)
+    try:
+        model, history = family.fit(cfg, splits, checkpoint, ctx.log)
+    except ConfigError as e:   # what only the network tells (a FLOPs target out of its reach): name the file
+        if str(e).startswith(str(ctx.config_path)):
+            raise
+        raise ConfigError(f"{ctx.config_path}: {e}") from None
     if ctx.cfg.train.flops_target == "device" and history and history[-1].get("flops_target_verdict"):
         ctx.log(f"train: {ctx.profile.name}'s budgets need {cfg.train.flops_target:g} of the FLOPs and "
                 f"train.max_accuracy_drop allows less: the budgets and the floor are not both met by this "
