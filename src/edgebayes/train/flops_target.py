@@ -56,7 +56,9 @@ groups, its most important ones (`plan`), as Torch-Pruning's default per-layer r
 by paper 000's formula on the median model with dead units zeroed (`paper_flops(effective=True)`), which on
 the ranked families is what surgery then removes (tests/test_flops_target.py checks that on a residual net),
 and the last cut on the network surgery makes of it, aimed lower where surgery must keep more than the masks
-say (a grouped convolution's groups stay equal: `FlopsTargetSchedule._within_after_surgery`).
+say (a grouped convolution's groups stay equal: `FlopsTargetSchedule._within_after_surgery`). A target below
+the smallest network the families allow (one group of each) is a ConfigError before the first step
+(`FlopsTargetSchedule._measure`): reaching for it would cut every family to one group and still miss it.
 """
 
 import copy
