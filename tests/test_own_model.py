@@ -4,10 +4,11 @@
 import json
 import textwrap
 
+import numpy as np
 import pytest
 import torch
-import yaml
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 from edgebayes.cli import main
@@ -420,3 +421,58 @@ def test_a_layer_whose_weights_are_read_directly_is_named_as_plain_and_uncounted
     with pytest.warns(UserWarning, match=r"never called as a module.*FLOPs not counted: hidden\)"):
         net = bayesianize(_ReadsWeights(), "ss-gl", input_shape=(1, 8, 8), n_train=100)
     assert "hidden" in net.net.plain_layers and "head" not in net.net.plain_layers
+
+
+def _small_net():
+    from edgebayes.train.families import bayesianize
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                           nn.Flatten(), nn.Linear(8, 3))
+    return bayesianize(module, "ss-gl", input_shape=(1, 8, 8), n_train=60)
+
+
+_X = np.random.default_rng(0).normal(size=(60, 1, 8, 8)).astype(np.float32)
+_Y = np.arange(60) % 3
+BAD_FIT = {   # what a user passes to eb.fit: each refused by name before any training (all were accepted or
+              # failed deep in the trainer: a misspelt keyword was ignored, a 1.5 FLOPs target trained)
+    "misspelt keyword": (dict(learning_rate=1e-3), r"fit: learning_rate: unknown key \(allowed: epochs, batch_size"),
+    "target out of range": (dict(flops_target=1.5), r"fit: flops_target: expected a number in \(0, 1\]"),
+    "target a word": (dict(flops_target="half"), r"fit: flops_target: expected a number or one of 'device'"),
+    "no epochs": (dict(epochs=0), r"fit: epochs: expected a positive integer"),
+    "labels not classes": (dict(y=_Y + 5), r"fit: y_train has labels that are not classes: 5, 6, 7 \(classes: 0, 1, 2\)"),
+    "string labels": (dict(y=np.array(["a", "b", "c"])[_Y]), r"fit: y_train has labels that are not classes: 'a'"),
+    "fractional labels": (dict(y=_Y + 0.5), r"fit: y_train holds non-integer numbers"),
+    "one label short": (dict(y=_Y[:59]), r"fit: x_train has 60 inputs but y_train has 59 labels"),
+    "a NaN input": (dict(x=np.where(np.arange(60)[:, None, None, None] == 3, np.nan, _X)),
+                    r"fit: x_train has 64 values that are NaN or infinite"),
+    "another input shape": (dict(x=_X[:, :, :4]), r"fit: x has inputs of shape \(1, 4, 8\), the network was made "
+                                                  r"for input_shape \(1, 8, 8\)"),
+    "one class": (dict(y=np.zeros(60, dtype=int)), r"fit: y_train holds a single class"),
+    "val labels short": (dict(val=(_X[:5], _Y[:4])), r"fit: x_val has 5 inputs but y_val has 4 labels"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FIT, ids=list(BAD_FIT))
+def test_fit_refuses_bad_arguments_by_name_before_training(case):
+    import edgebayes as eb
+    from edgebayes.config import ConfigError
+    from edgebayes.data import DataError
+
+    given, message = BAD_FIT[case]
+    net = _small_net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    args = {"x": _X, "y": _Y, "epochs": 1, **given}
+    with pytest.raises((ConfigError, DataError), match=message):
+        eb.fit(net, args.pop("x"), args.pop("y"), log=lambda *_: None, **args)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+def test_compress_refuses_a_knob_out_of_range_and_no_samples():
+    import edgebayes as eb
+
+    net = _small_net()
+    with pytest.raises(ValueError, match=r"compress: knob: inclusion thresholds must lie in \(0, 1\), got \[1\.5\]"):
+        eb.compress(net, knob=1.5)
+    with pytest.raises(ValueError, match=r"compress: m: expected a positive number of posterior samples, got 0"):
+        eb.compress(net, m=0)

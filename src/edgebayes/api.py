@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgebayes.config import ConfigError, PipelineConfig, TrainConfig
+from edgebayes.config import ConfigError, PipelineConfig, TrainConfig, check_train, validate
 from edgebayes.compressed.samples import Compressed, compress as _compress
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
@@ -33,23 +33,36 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
     of the training data, carved out with the seed. `train` takes the keys of the config's train section
     (batch_size, lr, optimizer, kl_weight, device, ...). `checkpoint` (a path) makes the run resumable.
     """
-    from edgebayes.data import Splits
+    from edgebayes.data import DataError, Splits, checked_sets
     from edgebayes.train.trainer import ELBO, train as run_train
 
     if train.get("flops_target") == "device":
         raise ConfigError("flops_target: device needs a device profile, which fit does not take: run `edgebayes "
                           "train --device NAME` (its pre-flight finds the share), or give the share (0 < f <= 1)")
-    x, y = torch.as_tensor(np.asarray(x), dtype=torch.float32), torch.as_tensor(np.asarray(y), dtype=torch.int64)
-    if val is None:
+    # The keywords as the config's train section validates them: a misspelt one (learning_rate) or a value out
+    # of range is refused by name, not ignored
+    t = validate(TrainConfig, {"epochs": epochs, **train}, "fit")
+    check_train(t, getattr(net, "family", None), "fit", prefix="")
+    # The data as every source is checked (one label per input, finite inputs, labels that are classes of the
+    # net), under the names the caller gave: x, y and val
+    classes = [str(c) for c in range(net.classes)]
+    given = {"train": (torch.as_tensor(np.asarray(x), dtype=torch.float32), y)}
+    if val is not None:
+        given["val"] = (torch.as_tensor(np.asarray(val[0]), dtype=torch.float32), val[1])
+    sets, classes = checked_sets(given, classes, "fit")
+    shape = tuple(sets["train"][0].shape[1:])
+    if shape != tuple(net.input_shape):
+        raise DataError(f"fit: x has inputs of shape {shape}, the network was made for input_shape "
+                        f"{tuple(net.input_shape)} (bayesianize's)")
+    x, y = sets["train"]
+    if val is None:   # 10% of the training data, carved out with the seed
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
         k = max(1, len(x) // 10)
         (vx, vy), x, y = (x[perm[:k]], y[perm[:k]]), x[perm[k:]], y[perm[k:]]
     else:
-        vx = torch.as_tensor(np.asarray(val[0]), dtype=torch.float32)
-        vy = torch.as_tensor(np.asarray(val[1]), dtype=torch.int64)
-    classes = [str(c) for c in range(int(max(y.max(), vy.max())) + 1)]
+        vx, vy = sets["val"]
     splits = Splits(x, y, vx, vy, vx, vy, classes)
-    cfg = PipelineConfig(seed=seed, train=TrainConfig().model_copy(update={"epochs": epochs, **train}))
+    cfg = PipelineConfig(seed=seed, train=t)
     path = Path(checkpoint) if checkpoint else None
     if path is None:
         import tempfile
@@ -64,7 +77,14 @@ def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
     """m posterior samples at a knob value (the family's default when None), dead units physically removed;
     each pruned convolution keeps a multiple of `channel_multiple` channels (the runtime's channel block: 4 for
     onnxruntime, 8 for TensorRT; ondevice/tables.py CHANNEL_MULTIPLE)."""
-    return _compress(net.cpu().eval(), net.default_knob if knob is None else knob, m, seed, channel_multiple)
+    knob = net.default_knob if knob is None else knob
+    try:
+        net.operating_points([knob])   # the family's range: an inclusion threshold in (0, 1), a width in 1..D
+    except ValueError as e:
+        raise ValueError(f"compress: knob: {e}") from None
+    if int(m) != m or m < 1:
+        raise ValueError(f"compress: m: expected a positive number of posterior samples, got {m}")
+    return _compress(net.cpu().eval(), knob, int(m), seed, channel_multiple)
 
 
 def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", calib_x=None, opset=17):

@@ -588,7 +588,7 @@ def _problem(cls, data, error: dict, path: str, set_keys=()) -> str:
     return f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})"
 
 
-def _validate(cls, data, path, set_keys=()):
+def validate(cls, data, path, set_keys=()):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -748,36 +748,42 @@ def load_pipeline_config(path, settings=()) -> PipelineConfig:
     data = _load_yaml(path)
     if settings:
         data = apply_settings(data, settings, path)
-    cfg = _validate(PipelineConfig, data, path, set_keys=[s.partition("=")[0].strip() for s in settings])
+    cfg = validate(PipelineConfig, data, path, set_keys=[s.partition("=")[0].strip() for s in settings])
     p = f"{path} with --set {' '.join(settings)}" if settings else str(path)
     _check_data(cfg.data, p)
-    _check(all(0 < e <= cfg.train.epochs for e in cfg.train.lr_milestones), f"{p}: train.lr_milestones",
-           "expected epochs between 1 and train.epochs")
-    _check(cfg.train.kl_warmup_epochs <= cfg.train.epochs, f"{p}: train.kl_warmup_epochs",
-           "expected an integer in 0..train.epochs (the exact ELBO must be the objective at the end)")
-    _check(cfg.train.inclusion_lr is None or cfg.model.family in SPIKE_SLAB_FAMILIES, f"{p}: train.inclusion_lr",
-           f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) has inclusion logits; leave it out (null)")
-    _check(cfg.train.rho_lr is None or cfg.model.family in ("bnn",) + SPIKE_SLAB_FAMILIES, f"{p}: train.rho_lr",
-           f"only the Gaussian slab of bnn and {', '.join(SPIKE_SLAB_FAMILIES)} has a rho; leave it out (null)")
-    _check(cfg.train.scale_lr is None or cfg.model.family in ("ss-gl", "ss-ghs"), f"{p}: train.scale_lr",
-           "only ss-gl and ss-ghs have slab-scale variables (tau, varsigma); leave it out (null)")
-    _check(not cfg.train.kl_warmup_ordered or (cfg.train.kl_warmup_epochs > 0 and cfg.model.family in SPIKE_SLAB_FAMILIES),
-           f"{p}: train.kl_warmup_ordered", "needs train.kl_warmup_epochs > 0 and a spike-and-slab family "
-           f"({', '.join(SPIKE_SLAB_FAMILIES)}): it orders the units of prunable layers")
-    _check(cfg.train.flops_target is None or cfg.model.family in SPIKE_SLAB_FAMILIES, f"{p}: train.flops_target",
-           f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) switches units off; leave it out (null)")
-    _check(cfg.train.flops_target != "device" or cfg.train.processes == 1, f"{p}: train.flops_target",
-           "device is found by one process before the first epoch; with train.processes > 1 give the share "
-           "(`edgebayes train` with one process prints it first)")
-    _check(cfg.train.max_accuracy_drop is None or cfg.train.flops_target is not None, f"{p}: train.max_accuracy_drop",
-           "is the accuracy floor of a FLOPs target: set train.flops_target too, or leave it out (null)")
-    _check(cfg.train.batch_size >= cfg.train.processes, f"{p}: train.batch_size",
-           f"expected at least train.processes ({cfg.train.processes}): the batch is split over the processes")
+    check_train(cfg.train, cfg.model.family, p, "train.")
     _check(cfg.select.objective != "ece-constrained-accuracy" or cfg.select.max_ece is not None,
            f"{p}: select.max_ece", "required when select.objective is ece-constrained-accuracy")
     _check_arch(cfg.model, p)
     _check_family(cfg, p)
     return cfg
+
+
+def check_train(t: "TrainConfig", family: str, p: str, prefix: str = "train."):
+    """The train section's checks that span keys or need the family (the pipeline's config and `eb.fit`'s
+    keywords, named `prefix` + key: "train." in a file, "" for fit's arguments)."""
+    _check(all(0 < e <= t.epochs for e in t.lr_milestones), f"{p}: {prefix}lr_milestones",
+           f"expected epochs between 1 and {prefix}epochs")
+    _check(t.kl_warmup_epochs <= t.epochs, f"{p}: {prefix}kl_warmup_epochs",
+           f"expected an integer in 0..{prefix}epochs (the exact ELBO must be the objective at the end)")
+    _check(t.inclusion_lr is None or family in SPIKE_SLAB_FAMILIES, f"{p}: {prefix}inclusion_lr",
+           f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) has inclusion logits; leave it out (null)")
+    _check(t.rho_lr is None or family in ("bnn",) + SPIKE_SLAB_FAMILIES, f"{p}: {prefix}rho_lr",
+           f"only the Gaussian slab of bnn and {', '.join(SPIKE_SLAB_FAMILIES)} has a rho; leave it out (null)")
+    _check(t.scale_lr is None or family in ("ss-gl", "ss-ghs"), f"{p}: {prefix}scale_lr",
+           "only ss-gl and ss-ghs have slab-scale variables (tau, varsigma); leave it out (null)")
+    _check(not t.kl_warmup_ordered or (t.kl_warmup_epochs > 0 and family in SPIKE_SLAB_FAMILIES),
+           f"{p}: {prefix}kl_warmup_ordered", f"needs {prefix}kl_warmup_epochs > 0 and a spike-and-slab family "
+           f"({', '.join(SPIKE_SLAB_FAMILIES)}): it orders the units of prunable layers")
+    _check(t.flops_target is None or family in SPIKE_SLAB_FAMILIES, f"{p}: {prefix}flops_target",
+           f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) switches units off; leave it out (null)")
+    _check(t.flops_target != "device" or t.processes == 1, f"{p}: {prefix}flops_target",
+           "device is found by one process before the first epoch; with train.processes > 1 give the share "
+           "(`edgebayes train` with one process prints it first)")
+    _check(t.max_accuracy_drop is None or t.flops_target is not None, f"{p}: {prefix}max_accuracy_drop",
+           f"is the accuracy floor of a FLOPs target: set {prefix}flops_target too, or leave it out (null)")
+    _check(t.batch_size >= t.processes, f"{p}: {prefix}batch_size",
+           f"expected at least {prefix}processes ({t.processes}): the batch is split over the processes")
 
 
 def _check_arch(m: ModelConfig, p):
@@ -866,7 +872,7 @@ def load_device_profile(name: str) -> DeviceProfile:
         _check(not (isinstance(_load_yaml(target), dict) and "alias" in _load_yaml(target)), f"{path}: alias",
                f"{data['alias']!r} is itself an alias; point at the profile")
         return load_device_profile(data["alias"])
-    profile = _validate(DeviceProfile, data, path)
+    profile = validate(DeviceProfile, data, path)
     p, c, lm = str(path), profile.connection, profile.latency_model
     _check(c.kind != "ssh" or bool(c.host), f"{p}: connection.host", "required when connection.kind is ssh")
     if c.kind == "ssh":   # what ssh would do with these options, as ssh itself reads them

@@ -13,7 +13,7 @@ Your own data (data.path: a file or folder; a relative path is read from the wor
 - csv: numeric feature columns and one label column (data.label_column; see _csv for the header rule).
 - package.module:function: a loader of your own, called with the DataConfig (see _function).
 
-Every source goes through the same checks (_checked): one label per input, the same input shape in every
+Every source goes through the same checks (checked_sets; eb.fit too): one label per input, the same input shape in every
 set, finite values, at least two classes, no test / val label unseen in training. Sets a source does not
 provide are carved out of its training set: test first (data.test_fraction), then validation
 (data.val_fraction), with a generator seeded by the run's seed, so a split never changes between runs.
@@ -599,7 +599,7 @@ def _lookup(sorted_values, a, order=None):
     return np.where(found, i, -1)
 
 
-def _checked(sets: dict, classes, where):
+def checked_sets(sets: dict, classes, where):
     """The checks every source passes: one label per input, one input shape, finite inputs, the labels."""
     shape = tuple(sets["train"][0].shape[1:])
     labels = {}
@@ -635,7 +635,7 @@ def _load_sets(cfg):
         raise DataError(f"data.dataset: unknown data set {cfg.dataset!r}; expected one of {', '.join(LOADERS)}, "
                         f"or package.module:function")
     sets, classes = load(cfg)
-    return _checked(sets, classes, _source(cfg))
+    return checked_sets(sets, classes, _source(cfg))
 
 
 def data_fingerprint(cfg) -> Optional[str]:
