@@ -85,6 +85,8 @@ def make_net(name, classes=10):
     import torchvision
 
     options = {"image_size": 32} if name.startswith("vit_") else {}
+    if name in ("googlenet", "inception_v3"):   # their auxiliary heads: a tuple in training mode, which fit refuses
+        options["aux_logits"] = False
     return getattr(torchvision.models, name)(weights=None, num_classes=classes, **options)
 
 
