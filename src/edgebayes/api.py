@@ -44,11 +44,14 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
     t = validate(TrainConfig, {"epochs": epochs, **train}, "fit")
     check_train(t, getattr(net, "family", None), "fit", prefix="")
     # The data as every source is checked (one label per input, finite inputs, labels that are classes of the
-    # net), under the names the caller gave: x, y and val
+    # net; its messages call them x_train, y_train, x_val, y_val)
+    def inputs(a):   # arrays, or tensors on any device (the trainer moves the data itself)
+        return torch.as_tensor(a.detach().cpu() if isinstance(a, torch.Tensor) else np.asarray(a), dtype=torch.float32)
+
     classes = [str(c) for c in range(net.classes)]
-    given = {"train": (torch.as_tensor(np.asarray(x), dtype=torch.float32), y)}
+    given = {"train": (inputs(x), y)}
     if val is not None:
-        given["val"] = (torch.as_tensor(np.asarray(val[0]), dtype=torch.float32), val[1])
+        given["val"] = (inputs(val[0]), val[1])
     sets, classes = checked_sets(given, classes, "fit")
     shape = tuple(sets["train"][0].shape[1:])
     if shape != tuple(net.input_shape):
