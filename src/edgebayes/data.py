@@ -13,12 +13,13 @@ Your own data (data.path: a file or folder; a relative path is read from the wor
 - csv: numeric feature columns and one label column (data.label_column; see _csv for the header rule).
 - package.module:function: a loader of your own, called with the DataConfig (see _function).
 
-Every source goes through the same checks (checked_sets; eb.fit too): one label per input, the same input shape in every
-set, finite values, at least two classes, no test / val label unseen in training. Sets a source does not
+Every source goes through the same checks (checked_sets; eb.fit too): one label per input, the same input
+shape in every set, finite values, at least two classes, no test / val label unseen in training. Sets a source does not
 provide are carved out of its training set: test first (data.test_fraction), then validation
 (data.val_fraction), with a generator seeded by the run's seed, so a split never changes between runs.
 
-Inputs are float32, images (C, H, W), feature vectors (F,), or with data.signals 1-D signals (C, L). Labels are int64 class indices into `classes`.
+Inputs are float32, images (C, H, W), feature vectors (F,), or with data.signals 1-D signals (C, L). Labels
+are int64 class indices into `classes`.
 """
 
 import csv
@@ -180,8 +181,8 @@ def _inputs(a, name, where, signals=False) -> torch.Tensor:
     """An array from the user as float32 (N, F), (N, C, H, W), or with `signals` (data.signals) (N, C, L).
 
     signals: 3-D arrays are 1-D signals (N, C, L) for Conv1d networks, 2-D ones single-channel signals
-    (N, L) -> (N, 1, L). Otherwise 2-D: feature vectors. 3-D: grayscale images (N, H, W). 4-D: images, the channels being the axis of
-    size 1, 3 or 4: the last (N, H, W, C) or the second (N, C, H, W). When both are (small images, e.g.
+    (N, L) -> (N, 1, L). Otherwise 2-D: feature vectors. 3-D: grayscale images (N, H, W). 4-D: images, the
+    channels being the axis of size 1, 3 or 4: the last (N, H, W, C) or the second (N, C, H, W). When both are (small images, e.g.
     (N, 1, 4, 4)) the array's own convention decides: a torch tensor is channels first (PyTorch's layout),
     anything else channels last (numpy's and PIL's).
     uint8 is taken as pixels and scaled to [0, 1]; other numbers are kept as they are (other integer

@@ -51,7 +51,7 @@ import torch
 from edgebayes.config import devices_dirs
 from edgebayes.deploy.transport import TransportError, runner_failure
 from edgebayes.errors import StageError
-from edgebayes.export.formats import formats_for, operator_count  # noqa: F401 (selection imports it here)
+from edgebayes.export.formats import formats_for, operator_count
 from edgebayes.ondevice.bundle import RUNNER_FILE
 from edgebayes.ondevice.cli import command_line
 from edgebayes.ondevice.pack import write_runner

@@ -38,11 +38,11 @@ from tqdm.auto import tqdm
 from edgebayes.compressed.samples import EmptyLayerError, compress, predict
 from edgebayes.compressed.structure import count_weights, paper_flops
 from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, measure_models,
-                                            operator_count, predictor_for, profile_device)
+                                            predictor_for, profile_device)
 from edgebayes.deploy.memory import deployed_estimate, memory_estimate
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError
-from edgebayes.export.formats import formats_for
+from edgebayes.export.formats import formats_for, operator_count
 from edgebayes.ondevice.backends import RuntimeProblem
 from edgebayes.ondevice.metrics import per_example
 from edgebayes.ondevice.runtimes import make_backend, predict_all

@@ -18,8 +18,8 @@ user's own `forward` keeps running unchanged:
     (`_relative_rho` says why this deviates from paper 000's -6), so a pretrained network starts where it
     was trained. Nested layers keep paper 002's log alpha initialisation.
   - dilated convolutions, padding modes other than zeros, other convolutions (Conv1d, Conv3d, transposed) and
-    nn.MultiheadAttention have no Bayesian twin here: they stay plain, deterministic and whole, listed in `net.plain_layers` and in
-    one warning (FLOPs ratios count them: compressed/structure.py).
+    nn.MultiheadAttention have no Bayesian twin here: they stay plain, deterministic and whole, listed in
+    `net.plain_layers` and in one warning (FLOPs ratios count them: compressed/structure.py).
 
 The structure is read with torch.fx (symbolic_trace), which every torchvision classifier supports; a
 forward that fx cannot trace gets one ArchError saying so.
@@ -156,7 +156,8 @@ def convert(module: nn.Module, factory) -> nn.Module:
         if isinstance(m, AFFINE + PLAIN_ONLY) and name not in order and not inside_called:
             plain_layers[name] = "never called as a module (its weights read directly, or unused): FLOPs not counted"
     net.plain_layers = list(plain_layers)
-    if plain_layers:   # once per message (Python's default filter), though a net is converted for every twin
+    if plain_layers:   # a net is converted for every twin: the default filter shows it once until the filters
+        # change (torch's exporters reset them), so a pipeline may say it once per stage
         by_reason = {}
         for name, why in plain_layers.items():
             by_reason.setdefault(why, []).append(name)

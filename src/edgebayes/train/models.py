@@ -12,7 +12,6 @@ interface (train/families.py, PosteriorNet):
 SQS (paper 001) wraps a trained plain network instead: train/sqs.py.
 """
 
-
 import numpy as np
 import torch
 from torch import nn
