@@ -37,7 +37,9 @@ class MCAverage(nn.Module):
         for sample in self.samples:
             p = torch.softmax(sample(x), dim=-1)
             total = p if total is None else total + p
-        return total / len(self.samples)
+        # One sample: no division, which would be one more operator in the exported graph (onnxruntime runs it:
+        # 3-5 % of a pruned LeNet-5's latency, benchmarks/results/export_packed_latency.md).
+        return total if len(self.samples) == 1 else total / len(self.samples)
 
 
 @dataclass
