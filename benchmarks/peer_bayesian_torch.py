@@ -6,8 +6,9 @@
 One process, one torch thread. LeNet-5 (conv 20 5x5, max pool, conv 50 5x5, max pool, fc 800 -> 500 -> 10;
 export_common.lenet5_caffe) on MNIST, Adam 1e-3, batch 128, every method from the same initial weights:
   dnn                       the plain network: its best validation NLL over --max-epochs, + 10%, is the target
-  edgebayes-bnn / -ss-gl    eb.bayesianize(net, family) + eb.fit one epoch at a time (resumed from its checkpoint,
-                            which is the same run as an uninterrupted one); the ELBO with KL / N. The prior and the
+  edgebayes-bnn / -ss-gl    eb.bayesianize(net, family) + eb.fit of a --max-epochs run one epoch at a time
+                            (until_epoch, resumed from its checkpoint: the same run as an uninterrupted one, KL
+                            warm-up included); the ELBO with KL / N. The prior and the
                             optimizer settings of the config edgebayes ships for this net (SHIPPED: inclusion and
                             rho learning rates, ordered KL warm-up), batch and lr as every method's; with fit's
                             defaults the SS-GL median model empties at about epoch 8 (README, issue 20)
@@ -117,7 +118,7 @@ class BayesianTorch:
 
 
 class Edgebayes:
-    def __init__(self, net, family, n_train, seed, work):
+    def __init__(self, net, family, n_train, seed, work, epochs):
         from edgebayes.config import load_pipeline_config
 
         shipped = load_pipeline_config(SHIPPED)
@@ -125,12 +126,12 @@ class Edgebayes:
         self.net = eb.bayesianize(copy.deepcopy(net), family, input_shape=(1, 28, 28), n_train=n_train,
                                   prior=shipped.prior)
         self.train = {k: getattr(shipped.train, k) for k in SHIPPED_TRAIN}
-        self.seed, self.checkpoint, self.done = seed, Path(work) / f"{family}.pt", 0
+        self.seed, self.checkpoint, self.done, self.epochs = seed, Path(work) / f"{family}.pt", 0, epochs
 
     def epoch(self, x, y, val):
         self.done += 1   # the same run as an uninterrupted one: fit resumes from the checkpoint's epoch
-        history = eb.fit(self.net, x, y, val=val, epochs=self.done, seed=self.seed, checkpoint=self.checkpoint,
-                         batch_size=BATCH, lr=LR, log=lambda *_: None, **self.train)
+        history = eb.fit(self.net, x, y, val=val, epochs=self.epochs, until_epoch=self.done, seed=self.seed,
+                         checkpoint=self.checkpoint, batch_size=BATCH, lr=LR, log=lambda *_: None, **self.train)
         return history[-1]["train_seconds"]
 
     def probs(self, x, seed):
@@ -208,7 +209,8 @@ def main(argv=None):
     best = min(e["val_nll"] for e in dnn)
     target = 1.1 * best
     with tempfile.TemporaryDirectory() as work:
-        methods = {**{name: Edgebayes(net, fam, len(splits.train_x), args.seed, work) for name, fam in EDGEBAYES.items()},
+        methods = {**{name: Edgebayes(net, fam, len(splits.train_x), args.seed, work, args.max_epochs)
+                      for name, fam in EDGEBAYES.items()},
                    **{name: BayesianTorch(net, kind, args.seed) for name, kind in BAYESIAN_TORCH.items()}}
         training = train_rounds(methods, data, target, args.max_epochs, args.seed, log)
         x1 = splits.val_x[:1]

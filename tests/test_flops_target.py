@@ -1,5 +1,7 @@
 """train.flops_target (train/flops_target.py): a trained network fine-tuned to a share of its dense FLOPs."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -261,6 +263,38 @@ def test_a_fine_tuning_to_a_flops_target_interrupted_mid_schedule_resumes_to_the
     assert points == full_history[-1]["flops_target_points"] and points[0]["step"] == 0 and len(points) > 2
     c = eb.compress(resumed, m=2)
     assert structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)["physical_flops_ratio"] <= 0.4 + 1e-9
+
+
+def test_a_run_in_slices_with_until_epoch_is_the_uninterrupted_run(tmp_path):
+    """fit(until_epoch=k) stops after epoch k of the whole run (a benchmark interleaving methods epoch by epoch,
+    a job on a preemptible machine); the schedules that depend on the run's length (KL warm-up over 2 of 3
+    epochs, the FLOPs target's cuts) are the whole run's, so three slices end where one run does."""
+    x, y = data()
+    settings = dict(epochs=3, batch_size=32, lr=1e-3, flops_target=0.4, flops_schedule_fraction=0.8,
+                    kl_warmup_epochs=2, log=lambda *_: None)
+    full = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    full_history = eb.fit(full, x, y, checkpoint=tmp_path / "full.pt", **settings)
+    sliced = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    for k in (1, 2, 3):
+        history = eb.fit(sliced, x, y, checkpoint=tmp_path / "sliced.pt", until_epoch=k, **settings)
+        assert [h["epoch"] for h in history] == list(range(1, k + 1))
+        assert ("flops_target_verdict" in history[-1]) == ("flops_target_verdict" in full_history[k - 1])
+    assert [h["kl_warmup"] for h in history] == [h["kl_warmup"] for h in full_history]
+    assert history[-1]["flops_target_points"] == full_history[-1]["flops_target_points"]
+    for (name, a), (_, b) in zip(full.state_dict().items(), sliced.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("until_epoch, checkpoint", [(0, True), (4, True), (1.5, True), (True, True), (2, False)])
+def test_until_epoch_out_of_range_or_without_a_checkpoint_is_refused_before_training(tmp_path, until_epoch,
+                                                                                       checkpoint):
+    x, y = data()
+    net = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    before = copy.deepcopy(net.state_dict())
+    path = tmp_path / "c.pt" if checkpoint else None
+    with pytest.raises(ConfigError, match="fit: until_epoch"):
+        eb.fit(net, x, y, epochs=3, checkpoint=path, until_epoch=until_epoch, log=lambda *_: None)
+    assert all(torch.equal(a, before[k]) for k, a in net.state_dict().items()) and not (tmp_path / "c.pt").exists()
 
 
 def test_a_target_that_costs_more_than_the_accuracy_floor_names_the_closest_point_within_it():

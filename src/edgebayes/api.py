@@ -26,12 +26,14 @@ from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
 
 
-def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, **train):
+def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=None, log=print, **train):
     """Train `net` in place with the ELBO trainer; returns the per-epoch history.
 
     `x`, `y`: training inputs and integer labels (tensors or arrays); `val` = (x_val, y_val), default: 10%
     of the training data, carved out with the seed. `train` takes the keys of the config's train section
     (batch_size, lr, optimizer, kl_weight, device, ...). `checkpoint` (a path) makes the run resumable.
+    `until_epoch` (with `checkpoint`) stops after that epoch of the `epochs`-epoch run; a later call with the same
+    arguments and a later until_epoch goes on, the same run as an uninterrupted one (trainer.train).
     """
     from edgebayes.data import DataError, Splits, checked_sets
     from edgebayes.train.trainer import ELBO, train as run_train
@@ -43,6 +45,10 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
     # of range is refused by name, not ignored
     t = validate(TrainConfig, {"epochs": epochs, **train}, "fit")
     check_train(t, getattr(net, "family", None), "fit", prefix="")
+    if until_epoch is not None and (checkpoint is None or isinstance(until_epoch, bool)
+                                    or not isinstance(until_epoch, int) or not 1 <= until_epoch <= t.epochs):
+        raise ConfigError(f"fit: until_epoch: expected an integer in 1..epochs ({t.epochs}) and a checkpoint to go on "
+                          f"from, got until_epoch={until_epoch!r}, checkpoint={checkpoint!r}")
     # The data as every source is checked (one label per input, finite inputs, labels that are classes of the
     # net; its messages call them x_train, y_train, x_val, y_val)
     def inputs(a):   # arrays, or tensors on any device (the trainer moves the data itself)
@@ -72,7 +78,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, log=print, *
         with tempfile.TemporaryDirectory() as tmp:
             _, history = run_train(cfg, splits, Path(tmp) / "checkpoint.pt", lambda: net, ELBO(), log)
     else:
-        _, history = run_train(cfg, splits, path, lambda: net, ELBO(), log)
+        _, history = run_train(cfg, splits, path, lambda: net, ELBO(), log, until_epoch)
     return history
 
 

@@ -256,10 +256,15 @@ def ordered_kl_warmup(model, progress, start=0.0):
                 layer.unit_kl_factor.copy_(factor)
 
 
-def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
+def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_epoch=None):
     """Train (or resume) the net that `build()` makes, under `objective` (default: the ELBO); returns
     (model, history). `build` is called after seeding with cfg.seed, so every process starts from the same
     weights; the family registry (train/families.py) passes the configured family's builder.
+
+    until_epoch: stop after this epoch of the cfg.train.epochs-epoch run (its checkpoint written); called again
+    with a later one, it goes on from the checkpoint. Everything that depends on the run's length (KL warm-up,
+    annealing, the FLOPs target's schedule, the learning-rate schedule) is of the whole run, so a run in slices
+    is the same run as an uninterrupted one.
 
     Under torchrun (train/distributed.py) every process returns the trained model; process 0 alone
     validates, writes the checkpoint and keeps the history (the others' is not kept up to date).
@@ -300,7 +305,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
         model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None),
         evaluate=(lambda m: objective.validate(m, splits, cfg, device)["val_accuracy"]) if world.main else None,
         points=history[-1].get("flops_target_points", []) if history else [])
-    bar = tqdm(range(start_epoch, t.epochs), desc=objective.name, unit="epoch", initial=start_epoch,
+    last = t.epochs if until_epoch is None else min(t.epochs, until_epoch)
+    bar = tqdm(range(start_epoch, last), desc=objective.name, unit="epoch", initial=start_epoch,
                total=t.epochs, disable=not world.main)
     for epoch in bar:
         model.train()
@@ -342,7 +348,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print):
             atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                "scheduler": None if scheduler is None else scheduler.state_dict(),
                                "rng_states": rng, "history": history, "epoch": epoch + 1}, checkpoint_path)
-    if flops_target is not None and world.main and history:
+    finished = bool(history) and history[-1]["epoch"] == t.epochs
+    if flops_target is not None and world.main and finished:
         curve, verdict = flops_target.finish(history[-1]["val_accuracy"])   # and train.max_accuracy_drop
         history[-1]["flops_target_points"] = [dict(p) for p in flops_target.trajectory]
         for line in (curve, verdict):
