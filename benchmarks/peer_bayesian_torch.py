@@ -10,8 +10,10 @@ export_common.lenet5_caffe) on MNIST, Adam 1e-3, batch 128, every method from th
                             (until_epoch, resumed from its checkpoint: the same run as an uninterrupted one, KL
                             warm-up included); the ELBO with KL / N. The prior and the
                             optimizer settings of the config edgebayes ships for this net (SHIPPED: inclusion and
-                            rho learning rates, ordered KL warm-up), batch and lr as every method's; with fit's
-                            defaults the SS-GL median model empties at about epoch 8 (README, issue 20)
+                            rho learning rates, ordered KL warm-up), batch and lr as every method's; bnn takes those
+                            that apply to it (rho learning rate, a plain KL warm-up of the same length: it has no
+                            inclusion logits to order); with fit's defaults the SS-GL median model empties at about
+                            epoch 8 (README, issue 20)
   bayesian-torch-reparam /  bayesian_torch.models.dnn_to_bnn with the prior settings of its README (prior N(0, 1),
   -flipout                  posterior rho init -3), loss = cross-entropy + KL / batch size as its README trains
 The Bayesian methods train in interleaved rounds (round r: epoch r of each, in turn), so that load from other
@@ -57,6 +59,8 @@ EDGEBAYES = {"edgebayes-bnn": "bnn", "edgebayes-ss-gl": "ss-gl"}
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "mnist-lenet5-ssgl.yaml"
 # The train keys of SHIPPED that are the optimizer's, not the budget's (epochs, batch, lr are the benchmark's)
 SHIPPED_TRAIN = ("inclusion_lr", "rho_lr", "scale_lr", "kl_warmup_epochs", "kl_warmup_ordered", "kl_weight")
+# ... and the families they apply to (fit refuses the others by name: config.check_train)
+ONLY_FOR = {"inclusion_lr": ("ss-gl",), "kl_warmup_ordered": ("ss-gl",), "scale_lr": ("ss-gl",)}
 BAYESIAN_TORCH = {"bayesian-torch-reparam": "Reparameterization", "bayesian-torch-flipout": "Flipout"}
 
 
@@ -125,7 +129,7 @@ class Edgebayes:
         torch.manual_seed(seed)
         self.net = eb.bayesianize(copy.deepcopy(net), family, input_shape=(1, 28, 28), n_train=n_train,
                                   prior=shipped.prior)
-        self.train = {k: getattr(shipped.train, k) for k in SHIPPED_TRAIN}
+        self.train = {k: getattr(shipped.train, k) for k in SHIPPED_TRAIN if family in ONLY_FOR.get(k, (family,))}
         self.seed, self.checkpoint, self.done, self.epochs = seed, Path(work) / f"{family}.pt", 0, epochs
 
     def epoch(self, x, y, val):
