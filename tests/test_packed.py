@@ -68,6 +68,17 @@ def test_packed_layout_of_one_sample_is_the_plain_graph():
     assert mc_graph(mc, "packed", torch.randn(4, 20)) is mc
 
 
+def test_the_mc_average_of_one_sample_is_the_sample_and_a_softmax(tmp_path):
+    """No division by 1: each operator is one more call per inference on the device (onnxruntime runs it)."""
+    sample = nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 5)).eval()
+    x = torch.randn(4, 20)
+    export_onnx(MCAverage([sample]).eval(), x[:1], tmp_path / "m1.onnx")
+    assert [n.op_type for n in onnx.load(str(tmp_path / "m1.onnx")).graph.node] == ["Gemm", "Relu", "Gemm", "Softmax"]
+    two = MCAverage([sample, copy.deepcopy(sample)]).eval()
+    with torch.no_grad():   # two equal samples average to one
+        assert torch.allclose(two(x), torch.softmax(sample(x), -1)) and torch.allclose(MCAverage([sample])(x), two(x))
+
+
 def test_packed_zoo_lenet5_caffe_from_compress():
     """LeNet-5-Caffe of the zoo, spike-and-slab channels, through compress() as the pipeline does it."""
     torch.manual_seed(0)
