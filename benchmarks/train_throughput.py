@@ -21,8 +21,8 @@ Results: <out>.json (every row; device name, commit, versions, machine) and <out
 
 The CPU figures committed here (small training sets, so the epoch time is of that set, not of MNIST):
 
-    python benchmarks/train_throughput.py --device cpu --train-size 1024 128 --epochs 4 --threads 1 --cpu-clock --profile \\
-        --out benchmarks/results/train_throughput_cpu_1thread_issue20d
+    python benchmarks/train_throughput.py --device cpu --train-size 4096 512 --epochs 4 --threads 1 --cpu-clock --profile \\
+        --out benchmarks/results/train_throughput_cpu_1thread
 
 `--cpu-clock` times epochs by the process's CPU time instead of wall time: with one thread on a machine other
 processes load, what the work costs without the time they held the core (caches and memory bandwidth are
@@ -37,6 +37,7 @@ import copy
 import math
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -152,7 +153,8 @@ def markdown(result):
              f"precision and run); issue 20 asks for at most {WITHIN}x. 'noise draws' is the time torch's normal_ "
              "takes for the N(0, 1) draws of local reparameterization in an epoch (one per output element of every "
              "Bayesian layer, timed alone with the same clock), and 'x dnn without them' the ratio once that time "
-             "is taken off: what the rest of a Bayesian step costs against the deterministic one.", ""]
+             "is taken off: what the rest of a Bayesian step costs against the deterministic one.", "",
+             f"`python benchmarks/train_throughput.py {shlex.join(result.get('argv', []))}`", ""]
     if not result["device"].startswith("cuda"):
         lines += ["**CPU figures** (small training sets, few steps): they show the benchmark runs and how the "
                   "families compare on this CPU; issue 6's 2.5x was about a GPU, whose figures come from the "
