@@ -38,7 +38,7 @@ class MCAverage(nn.Module):
             p = torch.softmax(sample(x), dim=-1)
             total = p if total is None else total + p
         # One sample: no division, which would be one more operator in the exported graph (onnxruntime runs it:
-        # 3-5 % of a pruned LeNet-5's latency, benchmarks/results/export_packed_latency.md).
+        # about 3 % of a pruned LeNet-5's latency at M = 1).
         return total if len(self.samples) == 1 else total / len(self.samples)
 
 
