@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import edgebayes as eb
-from edgebayes.config import DataConfig
+from edgebayes.config import SPIKE_SLAB_FAMILIES, DataConfig
 from edgebayes.data import DataError, load_data
 from edgebayes.ondevice.runtimes import make_backend
 from edgebayes.provenance import atomic_path, provenance
@@ -65,8 +65,9 @@ EDGEBAYES = {"edgebayes-bnn": ("bnn", True), "edgebayes-bnn-fit-defaults": ("bnn
 SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "mnist-lenet5-ssgl.yaml"
 # The train keys of SHIPPED that are the optimizer's, not the budget's (epochs, batch, lr are the benchmark's)
 SHIPPED_TRAIN = ("inclusion_lr", "rho_lr", "scale_lr", "kl_warmup_epochs", "kl_warmup_ordered", "kl_weight")
-# ... and the families they apply to (fit refuses the others by name: config.check_train)
-ONLY_FOR = {"inclusion_lr": ("ss-gl",), "kl_warmup_ordered": ("ss-gl",), "scale_lr": ("ss-gl",)}
+# ... and the families they apply to, as config.check_train has them (fit refuses the others by name)
+ONLY_FOR = {"inclusion_lr": SPIKE_SLAB_FAMILIES, "kl_warmup_ordered": SPIKE_SLAB_FAMILIES,
+            "scale_lr": ("ss-gl", "ss-ghs")}
 BAYESIAN_TORCH = {"bayesian-torch-reparam": "Reparameterization", "bayesian-torch-flipout": "Flipout"}
 
 
