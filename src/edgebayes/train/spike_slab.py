@@ -142,15 +142,17 @@ class _LocalReparameterization(torch.autograd.Function):
     product g * unit either (the weights' gradients are unit_j times the unscaled ones: weight-sized work). The
     unit factor's own gradient, sum g * (mean + std eps) over the unit's outputs, then comes from the weights'
     gradients as well, by linearity of the affine maps: sum g mean_j = <dL/dw'_j, w_j> + dL/db'_j b_j, and
-    sum g std_j eps_j = 2 sum (g eps / (2 std)) var_j = 2 (<G_var_j, w_var_j> + G_bvar_j b_var_j), with G the
-    gradients of the unscaled var map. So no output before the unit factor is kept (LeNet-5-Caffe's first
-    convolution: 47 MB written and read back per step). One term is left out: the 1e-16 under the root adds
-    2e-16 sum g eps / (2 std) to the second sum, which only a unit whose variance is exactly 0 (all inputs 0,
-    no bias) would notice, as about 1e-8 sum g eps.
+    sum g std_j eps_j = sum (g eps / std) var_j = <G_j, w_var_j> + G_b_j (b_var_j + 1e-16), with G the gradients
+    of the var map for the output gradient g eps / std. So no output before the unit factor is kept
+    (LeNet-5-Caffe's first convolution: 47 MB written and read back per step).
+
+    Two passes fewer per block: the 1e-16 under the root is the var map's bias (b_var + 1e-16, or 1e-16 where the
+    layer has none), added by the affine op itself; and the backward's eps / (2 std) is kept as eps / std, the
+    1/2 applied to the var map's weight-sized gradients (and x's gradient through x^2, 2 x g_sq, taken as x g_sq).
 
     The same value and gradients as the autograd graph of the plain expression with the same noise
     (tests/test_spike_slab.py); the noise is drawn block after block, each in memory order. Kept for the
-    backward: eps / (2 sqrt(var + 1e-16)).
+    backward: eps / sqrt(var + 1e-16).
     """
 
     @staticmethod
@@ -159,68 +161,68 @@ class _LocalReparameterization(torch.autograd.Function):
         blocks = batch_blocks(n, layer._outputs_per_sample(x), x.device)
         unit_view = None if unit is None else layer._unit_view(unit, x.dim())
         mean_w, mean_b = _scaled_by_unit(layer, weight_mu, bias_mu, unit)
-        out = half_eps_over_std = None
+        var_b = (torch.full((layer.out_units,), 1e-16, dtype=weight_var.dtype, device=weight_var.device)
+                 if bias_var is None else bias_var + 1e-16)   # var + 1e-16 by the affine op (class docstring)
+        out = eps_over_std = None
         for start, stop in blocks:
             xb = x[start:stop]
             mean = layer._affine(xb, mean_w, mean_b)
-            std = layer._affine(xb * xb, weight_var, bias_var).add_(1e-16).sqrt_()
+            std = layer._affine(xb * xb, weight_var, var_b).sqrt_()
             if out is None:   # the whole output's buffers, in the layout and dtype of the affine op's output
                 like = dict(dtype=mean.dtype, device=mean.device, memory_format=memory_format_of(mean))
                 full = (n,) + mean.shape[1:]
-                half_eps_over_std = torch.empty(full, **like)
+                eps_over_std = torch.empty(full, **like)
                 dtype = mean.dtype if unit is None else torch.promote_types(mean.dtype, unit.dtype)
                 out = torch.empty(full, **{**like, "dtype": dtype})
-            eps = normal_in_memory_order_(half_eps_over_std[start:stop])
+            eps = normal_in_memory_order_(eps_over_std[start:stop])
             torch.addcmul(mean, std if unit is None else std * unit_view, eps, out=out[start:stop])
-            eps.div_(std.mul_(2))   # in place: eps and std are not needed any more
+            eps.div_(std)   # in place: eps is not needed any more
         ctx.layer, ctx.blocks = layer, blocks
-        ctx.save_for_backward(x, weight_mu, bias_mu, weight_var, bias_var, unit, half_eps_over_std)
+        ctx.save_for_backward(x, weight_mu, bias_mu, weight_var, var_b, unit, eps_over_std)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight_mu, bias_mu, weight_var, bias_var, unit, half_eps_over_std = ctx.saved_tensors
+        x, weight_mu, bias_mu, weight_var, var_b, unit, eps_over_std = ctx.saved_tensors
         _, need_x, need_mu, need_bias_mu, need_var, need_bias_var, need_unit = ctx.needs_input_grad
-        layer, dtype = ctx.layer, half_eps_over_std.dtype   # dtype: the affine ops' (bf16 under autocast)
+        layer, dtype = ctx.layer, eps_over_std.dtype   # dtype: the affine ops' (bf16 under autocast)
         # The gradients of the unscaled weights' maps (class docstring); the unit factor's needs them all
         need_mu, need_var = need_mu or need_unit, need_var or need_unit
         need_bias_mu = bias_mu is not None and (need_bias_mu or need_unit)
-        need_bias_var = bias_var is not None and (need_bias_var or need_unit)
+        need_bias_var = need_bias_var or need_unit   # var_b: b_var + 1e-16, or 1e-16
         mean_w, _ = _scaled_by_unit(layer, weight_mu, None, unit)
         var_w, _ = _scaled_by_unit(layer, weight_var, None, unit)   # x's gradient through var sees unit too
         grad_x = torch.empty_like(x) if need_x else None
-        sums = [None] * 4   # gradients of the maps' weight_mu, bias_mu, weight_var, bias_var: summed over blocks
+        sums = [None] * 4   # gradients of the maps' weight_mu, bias_mu; weight_var, var_b for g eps / std: per block
         with torch.autocast(grad.device.type, enabled=False):
             for start, stop in ctx.blocks:
                 g = grad[start:stop].to(dtype)
                 xb = x[start:stop]
-                g_var = g * half_eps_over_std[start:stop]
+                g_var = g * eps_over_std[start:stop]   # twice var's gradient (class docstring)
                 gx_mean, g_mu, g_bias_mu = layer._affine_backward(
                     xb.to(dtype), mean_w.to(dtype), g, (need_x, need_mu, need_bias_mu))
                 gx_sq, g_var_w, g_bias_var = layer._affine_backward(
                     (xb * xb).to(dtype), var_w.to(dtype), g_var, (need_x, need_var, need_bias_var))
-                if need_x:   # d/dx of mean and of var (through x^2) in one pass
-                    torch.addcmul(gx_mean.to(x.dtype), xb, gx_sq.to(x.dtype), value=2, out=grad_x[start:stop])
+                if need_x:   # d/dx of mean and of var (through x^2: 2 x times half of gx_sq) in one pass
+                    torch.addcmul(gx_mean.to(x.dtype), xb, gx_sq.to(x.dtype), out=grad_x[start:stop])
                 for i, part in enumerate((g_mu, g_bias_mu, g_var_w, g_bias_var)):
                     if part is not None:
                         sums[i] = part if sums[i] is None else sums[i].add_(part)
         g_mu, g_bias_mu, g_var_w, g_bias_var = (
-            None if s is None else s.to(p.dtype) for s, p in zip(sums, (weight_mu, bias_mu, weight_var, bias_var)))
+            None if s is None else s.to(p.dtype) for s, p in zip(sums, (weight_mu, bias_mu, weight_var, var_b)))
         g_unit = None
         if need_unit:   # sum g (mean + std eps) per unit, from the maps' gradients (class docstring)
             within = tuple(range(1, weight_mu.dim()))
-            g_unit = (g_mu * weight_mu).sum(within) + 2 * (g_var_w * weight_var).sum(within)
+            g_unit = (g_mu * weight_mu).sum(within) + (g_var_w * weight_var).sum(within) + g_bias_var * var_b
             if g_bias_mu is not None:
                 g_unit = g_unit + g_bias_mu * bias_mu
-            if g_bias_var is not None:
-                g_unit = g_unit + 2 * g_bias_var * bias_var
             g_unit = g_unit.to(unit.dtype)
-        # Each parameter's gradient: unit times the map's (None where not asked for)
+        # Each parameter's gradient: unit times the map's, and half of it for the var map's (None where not asked)
         want = ctx.needs_input_grad
         g_mu = _scaled_by_unit(layer, g_mu, None, unit)[0] if want[2] else None
-        g_var_w = _scaled_by_unit(layer, g_var_w, None, unit)[0] if want[4] else None
+        g_var_w = _scaled_by_unit(layer, g_var_w, None, unit)[0].mul_(0.5) if want[4] else None
         g_bias_mu = (g_bias_mu if unit is None else g_bias_mu * unit) if want[3] else None
-        g_bias_var = (g_bias_var if unit is None else g_bias_var * unit) if want[5] else None
+        g_bias_var = (g_bias_var if unit is None else g_bias_var * unit).mul(0.5) if want[5] else None
         if g_mu is not None:
             g_mu = in_layout(g_mu, weight_mu)
         if g_var_w is not None:
