@@ -275,3 +275,35 @@ def test_a_run_with_an_ordered_warmup_ends_on_the_exact_elbo(setup, tmp_path, mo
     assert seen == [(s + 1) / steps for s in range(steps)]   # the warm-up's steps, the last one at 1
     assert all(layer.unit_kl_factor is None for _, layer in model.bayesian_layers())
     assert len(history) == 2 and all(h["kl_warmup"] == 1.0 for h in history)
+
+
+def test_a_diverged_run_stops_with_one_message_and_keeps_the_last_finite_checkpoint(setup, tmp_path, monkeypatch):
+    """A learning rate far too large sends the weights to inf / NaN in the first epoch: the run stops there with
+    one message naming the epoch and what to change, and writes no checkpoint. Weights that blow up in the
+    second epoch (scaled by 1e30 as it starts, standing for a late divergence): the checkpoint keeps the first."""
+    cfg, splits = setup
+    cfg = copy.deepcopy(cfg)
+    cfg.train.epochs, cfg.train.optimizer, cfg.train.lr = 3, "sgd", 1e6
+    with pytest.raises(trainer.TrainingDiverged) as e:
+        fit(cfg, splits, tmp_path / "a.pt", log=lambda *_: None)
+    assert "not finite after epoch 1 of 3" in str(e.value) and "train.lr 1e+06" in str(e.value)
+    assert "the checkpoint holds nothing" in str(e.value) and not (tmp_path / "a.pt").exists()
+
+    cfg.train.lr = 1e-3
+    real_start = trainer.ELBO.start_epoch
+
+    def blow_up_in_epoch_2(self, model, epoch, epochs):
+        real_start(self, model, epoch, epochs)
+        if epoch == 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1e30)
+    monkeypatch.setattr(trainer.ELBO, "start_epoch", blow_up_in_epoch_2)
+    with pytest.raises(trainer.TrainingDiverged) as e:
+        fit(cfg, splits, tmp_path / "b.pt", log=lambda *_: None)
+    message = str(e.value)
+    assert "not finite after epoch 2 of 3" in message and "epoch 1 had mean NLL" in message
+    assert "the checkpoint holds epoch 1" in message
+    state = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert state["epoch"] == 1 and len(state["history"]) == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())

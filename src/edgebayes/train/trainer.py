@@ -92,6 +92,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from edgebayes.compressed.samples import compress, predict
+from edgebayes.errors import StageError
 from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
@@ -99,6 +100,24 @@ from edgebayes.train.accel import DeviceData, autocast, compile_step, hold_freed
 from edgebayes.train.flops_target import FlopsTargetSchedule
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.spike_slab import SCALE_VARIABLES
+
+
+class TrainingDiverged(StageError):
+    """The loss of an epoch is not finite: the weights are NaN or infinite, and every later stage would work on
+    them. The epoch is not checkpointed; the message says what to change."""
+
+
+def diverged_message(epoch, epochs, nll, kl, n, t, last=None):
+    """Why training stopped after a non-finite epoch, and what to change (`train`)."""
+    rates = ", ".join(f"train.{k} {getattr(t, k):g}" for k in ("lr", "inclusion_lr", "rho_lr", "scale_lr")
+                      if getattr(t, k, None) is not None)
+    before = ("" if last is None else
+              f"; epoch {last['epoch']} had mean NLL {last['nll']:.4g} and KL / n {last['kl'] / n:.4g} per example")
+    return (f"train: the loss is not finite after epoch {epoch} of {epochs} (mean NLL {nll:.4g}, KL {kl:.4g}): the "
+            f"optimisation diverged{before}. This epoch is not checkpointed (the checkpoint holds "
+            f"{'epoch ' + str(epoch - 1) if epoch > 1 else 'nothing'}). Lower the learning rate ({rates}); the KL is "
+            f"divided by the {n} training examples, so with few examples it dominates the loss: a train.kl_weight "
+            f"below {t.kl_weight:g} or train.kl_warmup_epochs soften it")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -333,6 +352,10 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
         if scheduler is not None:
             scheduler.step()
         nll_mean, kl_mean = (world.all_reduce_sum(sums) / world.size).tolist()  # over processes (see above)
+        if not (math.isfinite(nll_mean) and math.isfinite(kl_mean)):   # every process sees the same sums
+            world.close()
+            raise TrainingDiverged(diverged_message(epoch + 1, t.epochs, nll_mean, kl_mean, n, t,
+                                                    history[-1] if history else None))
         train_seconds = time.perf_counter() - t0
         if world.main:  # validation: process 0 only
             model.eval()
