@@ -22,7 +22,7 @@ Results: <out>.json (every row; device name, commit, versions, machine) and <out
 
 The CPU figures committed here (small training sets, so the epoch time is of that set, not of MNIST):
 
-    python benchmarks/train_throughput.py --device cpu --train-size 4096 2048 --epochs 4 --threads 1 --cpu-clock --profile \\
+    python benchmarks/train_throughput.py --device cpu --train-size 4096 2048 --epochs 6 --threads 1 --cpu-clock --profile \\
         --out benchmarks/results/train_throughput_cpu_1thread
 
 `--cpu-clock` times epochs by the process's CPU time instead of wall time: with one thread on a machine other
