@@ -138,8 +138,8 @@ class _LocalReparameterization(torch.autograd.Function):
     recomputed per block, and its gradient 2 x g joins x's in the same pass.
 
     Why the unit factor goes into the weights: unit * mean is the affine map of the scaled weights
-    (unit_j w_j, unit_j b_j), so the forward makes it with no pass over the output, and the backward needs no
-    product g * unit either (the weights' gradients are unit_j times the unscaled ones: weight-sized work). The
+    (unit_j w_j, unit_j b_j), so the forward only scales std by the unit (in cache, in the block), and the
+    backward needs no product g * unit (the weights' gradients are unit_j times the unscaled ones: weight-sized work). The
     unit factor's own gradient, sum g * (mean + std eps) over the unit's outputs, then comes from the weights'
     gradients as well, by linearity of the affine maps: sum g mean_j = <dL/dw'_j, w_j> + dL/db'_j b_j, and
     sum g std_j eps_j = sum (g eps / std) var_j = <G_j, w_var_j> + G_b_j (b_var_j + 1e-16), with G the gradients
