@@ -92,17 +92,6 @@ def time_family(base_cfg, family, splits, args, precision):
             "profile": profile}
 
 
-def set_threads_and_clock(args):
-    """torch's intra-op threads (--threads) and, with --cpu-clock, the trainer's clock (module docstring)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.cpu_clock:   # the trainer's train_seconds from the process's CPU time (module docstring)
-        import types
-        import edgebayes.train.sqs as sqs_module
-        import edgebayes.train.trainer as trainer_module
-        trainer_module.time = sqs_module.time = types.SimpleNamespace(perf_counter=time.process_time)
-
-
 def noise_draws_per_batch(cfg, splits):
     """N(0, 1) draws of one training batch: local reparameterization draws one per output element of every
     spike-and-slab layer (train/spike_slab.py); counted by forward hooks on one training-mode forward (0 for
@@ -225,7 +214,13 @@ def main(argv=None):
         ap.error("--epochs must be at least 2 (the first epoch is warm-up)")
     if args.train_size and len(args.train_size) != len(args.archs):
         ap.error("--train-size takes one number per --archs entry")
-    set_threads_and_clock(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu_clock:   # the trainer's train_seconds from the process's CPU time (module docstring)
+        import types
+        import edgebayes.train.sqs as sqs_module
+        import edgebayes.train.trainer as trainer_module
+        trainer_module.time = sqs_module.time = types.SimpleNamespace(perf_counter=time.process_time)
     args.clock = time.process_time if args.cpu_clock else time.perf_counter
     device = resolve_device(args.device)
     if device.type == "cuda":
