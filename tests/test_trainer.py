@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import edgebayes.train.trainer as trainer
 from edgebayes.train.families import fit
@@ -287,7 +288,8 @@ def test_a_diverged_run_stops_with_one_message_and_keeps_the_last_finite_checkpo
     with pytest.raises(trainer.TrainingDiverged) as e:
         fit(cfg, splits, tmp_path / "a.pt", log=lambda *_: None)
     assert "not finite after epoch 1 of 3" in str(e.value) and "train.lr 1e+06" in str(e.value)
-    assert "the checkpoint holds nothing" in str(e.value) and not (tmp_path / "a.pt").exists()
+    assert "back at the weights it started from; nothing is checkpointed" in str(e.value)
+    assert not (tmp_path / "a.pt").exists()
 
     cfg.train.lr = 1e-3
     real_start = trainer.ELBO.start_epoch
@@ -303,7 +305,36 @@ def test_a_diverged_run_stops_with_one_message_and_keeps_the_last_finite_checkpo
         fit(cfg, splits, tmp_path / "b.pt", log=lambda *_: None)
     message = str(e.value)
     assert "not finite after epoch 2 of 3" in message and "epoch 1 had mean NLL" in message
-    assert "the checkpoint holds epoch 1" in message
+    assert "back at its weights after epoch 1, which the checkpoint holds" in message
     state = torch.load(tmp_path / "b.pt", weights_only=True)
     assert state["epoch"] == 1 and len(state["history"]) == 1
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+def test_fit_leaves_a_diverged_network_at_its_last_finite_weights(monkeypatch):
+    """eb.fit trains the user's module in place: after a diverged epoch it holds the weights before that epoch
+    (the start's when the first diverges, the last finite epoch's after), never the non-finite ones. The weights
+    are blown up (x 1e30) as the diverging epoch starts, standing for a learning rate far too large."""
+    import edgebayes as eb
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(96, 1, 6, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
+    real_start = trainer.ELBO.start_epoch
+    for diverging, says in ((0, "the weights it started from; nothing is checkpointed"),
+                            (1, "its weights after epoch 1, which the checkpoint holds")):
+        net = eb.bayesianize(nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 3)), "ss-gl",
+                             input_shape=(1, 6, 6), n_train=len(x))
+        before = {}
+
+        def blow_up(self, model, epoch, epochs):
+            real_start(self, model, epoch, epochs)
+            if epoch == diverging:
+                before.update(copy.deepcopy(model.state_dict()))
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1e30)
+        monkeypatch.setattr(trainer.ELBO, "start_epoch", blow_up)
+        with pytest.raises(trainer.TrainingDiverged, match=f"not finite after epoch {diverging + 1} of 2") as e:
+            eb.fit(net, x, y, epochs=2, lr=1e-3, log=lambda *_: None)
+        assert says in str(e.value)
+        assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())

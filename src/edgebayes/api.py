@@ -35,7 +35,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     `until_epoch` (with `checkpoint`) stops after that epoch of the `epochs`-epoch run; a later call with the same
     arguments and a later until_epoch goes on, the same run as an uninterrupted one (trainer.train).
     Raises trainer.TrainingDiverged when an epoch's loss is not finite (the learning rate or the KL's weight is
-    too large for the data): `net` then holds that epoch's non-finite weights, the checkpoint the last finite one.
+    too large for the data): `net` is then back at its weights before that epoch, the checkpoint's (if any).
     """
     from edgebayes.data import DataError, Splits, checked_sets
     from edgebayes.train.trainer import ELBO, train as run_train

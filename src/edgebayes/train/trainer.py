@@ -108,16 +108,29 @@ class TrainingDiverged(StageError):
 
 
 def diverged_message(epoch, epochs, nll, kl, n, t, last=None):
-    """Why training stopped after a non-finite epoch, and what to change (`train`)."""
+    """Why training stopped after a non-finite epoch, and what to change (`train`). The network is back at its
+    weights before that epoch (`restore_last_finite`)."""
     rates = ", ".join(f"train.{k} {getattr(t, k):g}" for k in ("lr", "inclusion_lr", "rho_lr", "scale_lr")
                       if getattr(t, k, None) is not None)
     before = ("" if last is None else
               f"; epoch {last['epoch']} had mean NLL {last['nll']:.4g} and KL / n {last['kl'] / n:.4g} per example")
+    kept = (f"its weights after epoch {epoch - 1}, which the checkpoint holds" if epoch > 1 else
+            "the weights it started from; nothing is checkpointed")
     return (f"train: the loss is not finite after epoch {epoch} of {epochs} (mean NLL {nll:.4g}, KL {kl:.4g}): the "
-            f"optimisation diverged{before}. This epoch is not checkpointed (the checkpoint holds "
-            f"{'epoch ' + str(epoch - 1) if epoch > 1 else 'nothing'}). Lower the learning rate ({rates}); the KL is "
+            f"optimisation diverged{before}. This epoch is not kept: the network is back at {kept}. "
+            f"Lower the learning rate ({rates}); the KL is "
             f"divided by the {n} training examples, so with few examples it dominates the loss: a train.kl_weight "
             f"below {t.kl_weight:g} or train.kl_warmup_epochs soften it")
+
+
+def restore_last_finite(model, checkpoint_path, start_state, device):
+    """Put the network back at its last finite weights after a diverged epoch: the checkpoint's (written after
+    the last finite epoch, by process 0 before the others go on), or `start_state` when none was written, so
+    that a caller training its own module in place (api.fit) does not keep the non-finite ones."""
+    state = (load_checkpoint(checkpoint_path, map_location=device)["model"] if checkpoint_path.exists()
+             else start_state)
+    if state is not None:
+        model.load_state_dict(state)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -312,6 +325,9 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
         history, start_epoch = state["history"], state["epoch"]
         log(f"resuming from {checkpoint_path} after epoch {start_epoch}")
 
+    # The weights a diverged first epoch goes back to (restore_last_finite); later ones go back to the checkpoint's
+    start_state = None if checkpoint_path.exists() else {k: v.detach().to("cpu", copy=True)
+                                                         for k, v in model.state_dict().items()}
     forward = model if world.size == 1 else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
     data = DeviceData(splits.train_x, splits.train_y, device, t.batch_size, cfg.seed, world.rank, world.size,
@@ -353,6 +369,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
             scheduler.step()
         nll_mean, kl_mean = (world.all_reduce_sum(sums) / world.size).tolist()  # over processes (see above)
         if not (math.isfinite(nll_mean) and math.isfinite(kl_mean)):   # every process sees the same sums
+            restore_last_finite(model, checkpoint_path, start_state, device)
             world.close()
             raise TrainingDiverged(diverged_message(epoch + 1, t.epochs, nll_mean, kl_mean, n, t,
                                                     history[-1] if history else None))
