@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import edgebayes as eb
-from edgebayes.compressed.structure import structure_report
+from edgebayes.compressed.structure import paper_flops, structure_report
 from edgebayes.compressed.surgery import coupled_channels
 from edgebayes.config import ConfigError
-from edgebayes.train.flops_target import SURE, FlopsTargetSchedule, channel_families, plan, prunable_layers
+from edgebayes.train.flops_target import (SURE, FlopsTargetSchedule, _dense_sample, channel_families, plan,
+                                          prunable_layers)
 
 SHAPE = (3, 8, 8)
 
@@ -75,7 +76,6 @@ def test_plan_keeps_the_most_important_groups_within_the_target():
         layers["conv1"].norm.weight.copy_(torch.arange(1, 17, dtype=torch.float32))
     families = channel_families(net, log=lambda *_: None)
     plain, _ = net.posterior_sample(0.0)
-    from edgebayes.compressed.structure import paper_flops
     dense = paper_flops(plain, SHAPE)
     keep, flops = plan(net, 0.5 * dense, families)
     assert flops <= 0.5 * dense
@@ -186,6 +186,24 @@ def test_a_target_without_prunable_layers_is_one_message_naming_the_key():
     net = eb.bayesianize(trained_net(), "bnn", input_shape=SHAPE, n_train=len(x))
     with pytest.raises(ConfigError, match=r"fit: flops_target: only a spike-and-slab family"):
         eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.5, log=lambda *_: None)
+
+
+def test_a_target_below_the_smallest_network_names_a_smallest_share_above_it():
+    """The message's smallest share is shown to three significant digits, so a tiny target is never told that
+    the smallest network is the target itself (a wide net's one-unit-per-family floor is under 1% of its FLOPs)."""
+    import re
+
+    x, y = data(64)
+    net = eb.bayesianize(Residual(c=64), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    target = 1e-4
+    with pytest.raises(ConfigError, match="cannot be reached") as e:
+        FlopsTargetSchedule(net, eb.config.TrainConfig(flops_target=target), 10, log=lambda *_: None)
+    shown = float(re.search(r"the smallest it allows is ([0-9.e-]+) ", str(e.value)).group(1))
+    advice = float(re.search(r"set train.flops_target to ([0-9.e-]+) or more", str(e.value)).group(1))
+    plain, plain_names = _dense_sample(net)
+    smallest = plan(net, 0.0, channel_families(net, log=lambda *_: None), plain, plain_names)[1] / paper_flops(
+        plain, SHAPE)
+    assert smallest < 0.01 and shown == pytest.approx(smallest, rel=0.01) and shown > target and advice >= shown
 
 
 def test_config_refuses_a_target_for_a_family_that_does_not_switch_units_off(tmp_path):
@@ -392,7 +410,7 @@ def test_layers_without_a_bayesian_twin_are_told_counted_and_named_when_they_blo
     # The convolutions are most of the FLOPs and stay whole: cutting the Linear layers to one unit each would
     # destroy the classifier and still miss the target, so the fine-tuning does not start
     with pytest.raises(ConfigError, match=r"train\.flops_target: 0\.4 of the dense FLOPs cannot be reached on this "
-                                          r"network: the smallest it allows is 0\.9\d\d .*without a Bayesian twin "
+                                          r"network: the smallest it allows is 0\.9\d* .*without a Bayesian twin "
                                           r"stay whole: c1, c2\); set train\.flops_target to 0\.9\d or more"):
         eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.4, log=lambda *_: None)
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())   # nothing trained

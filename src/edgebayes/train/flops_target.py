@@ -304,7 +304,7 @@ class FlopsTargetSchedule:
             plain = (f"; {len(names)} layer(s) without a Bayesian twin stay whole: {', '.join(names[:4])}"
                      f"{' ...' if len(names) > 4 else ''}" if names else "")
             raise ConfigError(f"train.flops_target: {self.target:g} of the dense FLOPs cannot be reached on this "
-                              f"network: the smallest it allows is {smallest:.3f} (one group of units left in each "
+                              f"network: the smallest it allows is {smallest:.3g} (one group of units left in each "
                               f"family, the layers surgery cannot cut whole{plain}); set train.flops_target to "
                               f"{math.ceil(smallest * 100) / 100:g} or more")
 
@@ -399,5 +399,5 @@ class FlopsTargetSchedule:
             self.log(f"flops target: {self.reached:.3f} of the dense FLOPs after {step + 1} steps "
                      f"(target {self.target:g})")
             if self.reached > self.target * (1 + TOLERANCE):   # after surgery: on the masks it was within
-                self.log(f"flops target: {self.target:g} cannot be reached: the closest is {self.reached:.3f} "
+                self.log(f"flops target: {self.target:g} cannot be reached: the closest is {self.reached:.3g} "
                          f"after surgery")
