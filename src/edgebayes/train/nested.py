@@ -54,7 +54,13 @@ Where this completes or deviates from the paper, and why:
     around it; from trained weights it wrecks them: a torchvision MobileNetV2 trained on MNIST (88% test
     accuracy) fell to chance within 16 steps and ended its 3-epoch fine-tuning at 12% at every width
     (benchmarks/results/finetune_compress.md, before this change). The evaluation-time statistics are
-    recollected per width anyway (appendix 9.2).
+    recollected per width anyway (appendix 9.2). One mask per batch is not enough for that MobileNetV2 either:
+    bayesianized, it is at 90.5% at full width before the first step (test-time rescaling off; 64.7% with it)
+    and at 27.6% after the 3 epochs, 28.8% with the KL off (kl_weight 1e-9), 50% with the temperature at
+    0.03 from the first step, and 92% when the same 3 epochs draw no masks: a fine-tuning budget does not
+    re-train a deep batch-norm network for every width (slimmable networks keep one batch norm per width
+    and train many epochs), and the spike-and-slab families' FLOPs target is the recipe for trained
+    networks (train/flops_target.py).
   - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
     (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
   - The temperature schedule is not given: exponential per epoch from nested.temperature to
