@@ -11,8 +11,7 @@ import edgebayes as eb
 from edgebayes.compressed.structure import paper_flops, structure_report
 from edgebayes.compressed.surgery import coupled_channels
 from edgebayes.config import ConfigError
-from edgebayes.train.flops_target import (SURE, FlopsTargetSchedule, _dense_sample, channel_families, plan,
-                                          prunable_layers)
+from edgebayes.train.flops_target import SURE, FlopsTargetSchedule, channel_families, plan, prunable_layers
 
 SHAPE = (3, 8, 8)
 
@@ -200,9 +199,8 @@ def test_a_target_below_the_smallest_network_names_a_smallest_share_above_it():
         FlopsTargetSchedule(net, eb.config.TrainConfig(flops_target=target), 10, log=lambda *_: None)
     shown = float(re.search(r"the smallest it allows is ([0-9.e-]+) ", str(e.value)).group(1))
     advice = float(re.search(r"set train.flops_target to ([0-9.e-]+) or more", str(e.value)).group(1))
-    plain, plain_names = _dense_sample(net)
-    smallest = plan(net, 0.0, channel_families(net, log=lambda *_: None), plain, plain_names)[1] / paper_flops(
-        plain, SHAPE)
+    dense = paper_flops(net.posterior_sample(0.0)[0], SHAPE)
+    smallest = plan(net, 0.0, channel_families(net, log=lambda *_: None))[1] / dense
     assert smallest < 0.01 and shown == pytest.approx(smallest, rel=0.01) and shown > target and advice >= shown
 
 
