@@ -17,11 +17,12 @@ Per net and seed:
                flatten -> Linear), the row records the failure.
   dense-ft     the dense net trained the same E more epochs, uncompressed: how much of a row's change is the
                extra training (the issue's criteria compare with the dense row).
-Fine-tuning, every method alike: Adam LR, batch BATCH, the last of the E epochs at a tenth of the rate
-(fine_tune_milestones; edgebayes: train.lr_milestones [E - 1]). Chosen on validation accuracy: with a constant
-rate the network after the last epoch was a draw from a trajectory that still swung by points (resnet18 at 0.5 of
-its FLOPs, SS-GL, seeds 0/1/2, validation accuracy by epoch 0.933/0.936/0.930, 0.932/0.919/0.954,
-0.903/0.938/0.961; with the decay the last epoch gives 0.974, 0.970, 0.963).
+Fine-tuning, every method alike: Adam LR, batch BATCH, a constant rate; with --decay-last-epoch the last of the
+E epochs at a tenth of it (fine_tune_milestones; edgebayes: train.lr_milestones [E - 1]). At a constant rate the
+network after the last epoch is a draw from a trajectory that still swings by points (resnet18 at 0.5 of its
+FLOPs, SS-GL, seeds 0/1/2, validation accuracy by epoch 0.933/0.936/0.930, 0.932/0.919/0.954, 0.903/0.938/0.961;
+with the decay the last epoch gives 0.974, 0.970, 0.963), but a network that needs the steps at the full rate to
+repair its cuts loses by it (mobilenet_v2 at a quarter of its FLOPs: README).
 FLOPs: paper 000's formula (compressed/structure.py paper_flops) on the network after surgery / pruning,
 relative to the dense net; the ratio of one sample (the MC model runs M of them).
 
@@ -127,11 +128,10 @@ def load_images(dataset, root, sizes, seed=0):
 # ---------------------------------------------------------------------------------------------
 # Plain training (dense reference and Torch-Pruning's fine-tuning: the same loop)
 # ---------------------------------------------------------------------------------------------
-def fine_tune_milestones(epochs):
-    """The fine-tuning's learning-rate schedule, every method alike: the last epoch at a tenth of the rate
-    (train.lr_milestones with lr_gamma 0.1). Without it the accuracy after the last epoch is a draw from a
-    trajectory that still swings by points at lr 1e-3 (module docstring)."""
-    return [epochs - 1] if epochs > 1 else []
+def fine_tune_milestones(epochs, decay):
+    """The fine-tuning's learning-rate milestones, every method alike: with --decay-last-epoch the last epoch at
+    FINE_TUNE_GAMMA times the rate (edgebayes: train.lr_milestones, lr_gamma), else none (module docstring)."""
+    return [epochs - 1] if decay and epochs > 1 else []
 
 
 def train_plain(model, x, y, epochs, seed, device, milestones=()):
@@ -183,7 +183,7 @@ def edgebayes_knob(net, target, seed):
     return widths[-1]
 
 
-def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print):
+def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=()):
     """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples."""
     import edgebayes as eb
 
@@ -191,8 +191,9 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
     torch.manual_seed(seed)
     net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
                          calibration_x=x if family in ("bn3", "fn3") else None)
-    train = {"batch_size": BATCH, "lr": LR, "device": device, "lr_milestones": fine_tune_milestones(epochs),
-             "lr_gamma": FINE_TUNE_GAMMA}
+    train = {"batch_size": BATCH, "lr": LR, "device": device}
+    if milestones:   # train.lr_milestones takes a non-empty list
+        train.update(lr_milestones=list(milestones), lr_gamma=FINE_TUNE_GAMMA)
     if net.knob != "width":   # spike-and-slab: train.flops_target; bn3 serves every width, picked below
         train["flops_target"] = target
     t0 = time.perf_counter()
@@ -266,7 +267,7 @@ def tp_flops_wanted(rows, net, seed, target):
     return max(reached) if reached else (target, "target")
 
 
-def tp_row(trained, method, wanted, data, epochs, seed, device):
+def tp_row(trained, method, wanted, data, epochs, seed, device, milestones=()):
     t0 = time.perf_counter()
     model, flops, ratio = tp_match_flops(trained, method, wanted, data["classes"])
     row = {"pruning_ratio": ratio, "flops_ratio_physical": flops, "flops_ratio_wanted": wanted,
@@ -275,7 +276,7 @@ def tp_row(trained, method, wanted, data, epochs, seed, device):
            "pruned_accuracy": plain_metrics(model, *data["test"])["accuracy"]}   # before fine-tuning
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    train_plain(model, *data["train"], epochs, seed, device, fine_tune_milestones(epochs))
+    train_plain(model, *data["train"], epochs, seed, device, milestones)
     row["fine_tune_seconds"] = time.perf_counter() - t0
     row.update(plain_metrics(model, *data["test"]))
     return row
@@ -286,9 +287,10 @@ def tp_row(trained, method, wanted, data, epochs, seed, device):
 # ---------------------------------------------------------------------------------------------
 def settings_of(args):
     """What makes two runs' rows comparable (--resume keeps rows only under the same settings)."""
-    return {**{k: getattr(args, k) for k in ("data", "train_size", "val_size", "test_size", "data_seed",
-                                             "dense_epochs", "epochs", "mc")},
-            "fine_tune_lr": f"x{FINE_TUNE_GAMMA:g} at epochs {fine_tune_milestones(args.epochs)}"}
+    settings = {k: getattr(args, k) for k in ("data", "train_size", "val_size", "test_size", "data_seed",
+                                              "dense_epochs", "epochs", "mc")}
+    milestones = fine_tune_milestones(args.epochs, getattr(args, "decay_last_epoch", False))
+    return {**settings, "fine_tune_lr": f"x{FINE_TUNE_GAMMA:g} at epochs {milestones}"} if milestones else settings
 
 
 def dense_model(net_name, seed, data, args, device, cache):
@@ -326,6 +328,7 @@ def run(args, data, out, rows):
     done = {(r["net"], r["method"], r["target"], r["seed"]) for r in rows if "error" not in r}
     rows[:] = [r for r in rows if "error" not in r]   # failures are tried again
     eb_methods = [m for m in args.methods if m in EDGEBAYES]
+    milestones = fine_tune_milestones(args.epochs, args.decay_last_epoch)
     tp_methods = [m for m in args.methods if m in TORCH_PRUNING]
 
     prov = provenance("finetune_compress")   # each row says which code made it and where it ran (--merge)
@@ -355,7 +358,7 @@ def run(args, data, out, rows):
                 # the same E more epochs without compression: how much of a row's change is the extra training
                 model, t0 = copy.deepcopy(trained), time.perf_counter()
                 torch.manual_seed(seed)
-                train_plain(model, *data["train"], args.epochs, seed, device, fine_tune_milestones(args.epochs))
+                train_plain(model, *data["train"], args.epochs, seed, device, milestones)
                 add({**base, "method": "dense-ft", "target": None, "fine_tune_epochs": args.epochs,
                      "fine_tune_seconds": time.perf_counter() - t0, "flops_ratio_physical": 1.0, "params_ratio": 1.0,
                      **plain_metrics(model, *data["test"])})
@@ -368,10 +371,10 @@ def run(args, data, out, rows):
                         if method in EDGEBAYES:
                             log = functools.partial(print, f"{net_name}/{method}:", flush=True)
                             row.update(edgebayes_row(trained, EDGEBAYES[method], target, data, args.epochs, args.mc,
-                                                     seed, device, log=log))
+                                                     seed, device, log=log, milestones=milestones))
                         else:
                             wanted, row["matched_to"] = tp_flops_wanted(rows, net_name, seed, target)
-                            row.update(tp_row(trained, method, wanted, data, args.epochs, seed, device))
+                            row.update(tp_row(trained, method, wanted, data, args.epochs, seed, device, milestones))
                     except Exception as e:  # a failure is a result: which method, why
                         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                         row["error"] = f"{type(e).__name__}: {first[:300]}"
@@ -625,6 +628,8 @@ def main(argv=None):
                         help="folder holding MNIST/raw (default: $EDGEBAYES_DATA, else ../shared/datasets beside "
                              "the repo)")
     parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--decay-last-epoch", action="store_true",
+                        help=f"every method's last fine-tuning epoch at {FINE_TUNE_GAMMA:g} x the learning rate")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true",

@@ -138,3 +138,20 @@ def test_merge_joins_runs_of_the_same_settings_and_keeps_each_rows_commit(tmp_pa
     for bad in (tmp_path / "missing.json", tmp_path / "x.json"):
         assert fc.main(["--merge", str(tmp_path / "a.json"), str(bad), "--out", str(tmp_path / "n")]) == 2
     assert not (tmp_path / "n.json").exists()
+
+
+def test_decay_last_epoch_ends_every_fine_tuning_at_a_tenth_of_the_rate(monkeypatch):
+    """With --decay-last-epoch, Torch-Pruning's and dense-ft's fine-tuning (train_plain) and edgebayes'
+    (train.lr_milestones) share the schedule: the last epoch at LR * FINE_TUNE_GAMMA."""
+    seen = []
+    adam = torch.optim.Adam
+    monkeypatch.setattr(torch.optim, "Adam", lambda *a, **k: seen.append(adam(*a, **k)) or seen[-1])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    x, y = torch.randn(16, 3, 2, 2), torch.randint(0, 3, (16,))
+    fc.train_plain(net, x, y, 3, 0, "cpu", fc.fine_tune_milestones(3, True))
+    assert fc.fine_tune_milestones(3, True) == [2] and fc.fine_tune_milestones(1, True) == []
+    assert fc.fine_tune_milestones(3, False) == []
+    assert seen[0].param_groups[0]["lr"] == pytest.approx(fc.LR * fc.FINE_TUNE_GAMMA ** 1)
+    fc.train_plain(net, x, y, 3, 0, "cpu")   # the dense reference: a constant rate
+    assert seen[1].param_groups[0]["lr"] == pytest.approx(fc.LR)
