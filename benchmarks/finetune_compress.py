@@ -436,7 +436,9 @@ def markdown(result):
              "(benchmarks/finetune_compress.py)", "",
              "Issue 33: each net is trained here as a plain network (the dense row: Adam 1e-3, batch 128, "
              f"{_epochs(args.dense_epochs)}); every other row starts from these trained weights and fine-tunes them "
-             f"for the same {_epochs(args.epochs)} (Adam 1e-3, batch 128). edgebayes rows: bayesianize -> fit "
+             f"for the same {_epochs(args.epochs)} (Adam 1e-3, batch 128"
+             + (f"; learning rate {result['settings']['fine_tune_lr']}, every method" if "fine_tune_lr" in
+                result.get("settings", {}) else "") + "). edgebayes rows: bayesianize -> fit "
              f"({flops_target}) -> compress with "
              f"M = {args.mc} posterior samples -> surgery; accuracy, ECE (15 bins) and NLL of the MC-averaged "
              "prediction. Torch-Pruning rows: its magnitude (L1, BasePruner) and group-norm (GroupNormPruner, "
