@@ -192,7 +192,7 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
     net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
                          calibration_x=x if family in ("bn3", "fn3") else None)
     train = {"batch_size": BATCH, "lr": LR, "device": device}
-    if milestones:   # train.lr_milestones takes a non-empty list
+    if milestones:
         train.update(lr_milestones=list(milestones), lr_gamma=FINE_TUNE_GAMMA)
     if net.knob != "width":   # spike-and-slab: train.flops_target; bn3 serves every width, picked below
         train["flops_target"] = target

@@ -431,3 +431,11 @@ def test_the_keys_tables_of_the_readmes_are_the_field_descriptions(capsys):
     assert keys_table("pipeline") in (ROOT / "configs/README.md").read_text()
     assert keys_table("device") in (ROOT / "devices/README.md").read_text()
     assert "| `train.epochs` | training epochs" in keys_table("pipeline")
+
+
+def test_lr_milestones_may_be_written_empty_as_its_default_is(tmp_path):
+    """[] is train.lr_milestones' default (a constant rate): a file, --set or fit's keyword may say it too."""
+    config = _write(tmp_path / "pipeline.yaml", _base())
+    assert load_pipeline_config(config).train.lr_milestones == []
+    assert load_pipeline_config(config, ("train.lr_milestones=[]",)).train.lr_milestones == []
+    assert load_pipeline_config(config, ("train.lr_milestones=[1]",)).train.lr_milestones == [1]

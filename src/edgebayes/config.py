@@ -201,7 +201,8 @@ class TrainConfig(Section):
         "paper 000: Adam for MLP / LeNet, SGD + momentum for ResNets"))
     momentum: Annotated[float, Range("expected a number in [0, 1)", ge=0, lt=1)] = Field(0.9, description=(
         "SGD momentum (optimizer sgd only)"))
-    lr_milestones: Items[int] = Field([], description="epochs where the lr is multiplied by lr_gamma")
+    # A plain list, unlike the others: [] is the default (a constant rate) and a user may write it
+    lr_milestones: list[int] = Field([], description="epochs where the lr is multiplied by lr_gamma ([]: none)")
     lr_gamma: Annotated[float, Range("expected a number in (0, 1] (the learning rate is multiplied by it at each "
                                      "milestone)", gt=0, le=1)] = Field(0.1, description=(
         "the learning rate is multiplied by this at each of lr_milestones"))
