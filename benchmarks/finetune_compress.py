@@ -299,7 +299,8 @@ def dense_model(net_name, seed, data, args, device, cache):
     torch.manual_seed(seed)
     model = make_net(net_name, data["classes"])
     shapes = [(name, list(t.shape)) for name, t in model.state_dict().items()]
-    dense_settings = {k: v for k, v in settings_of(args).items() if k != "fine_tune_lr"}   # not the dense net's
+    # the fine-tuning's settings are not the dense net's: runs that differ only in them share it
+    dense_settings = {k: v for k, v in settings_of(args).items() if k not in ("epochs", "mc", "fine_tune_lr")}
     key = json.dumps({**dense_settings, "net": net_name, "seed": seed, "batch": BATCH, "lr": LR,
                       "torch": torch.__version__, "shapes": shapes}, sort_keys=True)
     path = cache / f"{net_name}-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"

@@ -58,7 +58,10 @@ of the schedule instead (`finish`).
 Importance of unit j: gamma_j times the unit's output scale, |batch-norm weight_j| where the layer owns a
 batch norm (the unit's output is z BN(conv): network slimming's measure, Liu et al. 2017) and the L2 norm of
 its weights' posterior means otherwise. gamma_j lets the posterior's own view count: a unit the ELBO has pushed
-down goes first. Units are compared within their family only (`plan`).
+down goes first. Units are compared within their family only (`plan`). Tried (issue 33): the L2 norm of the
+weights' posterior means for every layer (a magnitude measure, as Torch-Pruning's), SS-GL fine-tuned 3 epochs,
+seed 0, test accuracy with / without it at 0.5 and 0.25 of the FLOPs: resnet18 95.1 / 94.75 and 93.9 / 95.85,
+mobilenet_v2 82.85 / 89.9 and 70.3 / 87.35, efficientnet_b0 84.1 / 86.4 and 72.55 / 65.25 (mean 83.1 / 86.6).
 
 Units go in groups that surgery removes together (`channel_families`): a channel of a residual stream is
 switched off in every block that writes it, an expand channel with the depthwise channel it feeds, as
