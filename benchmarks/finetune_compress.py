@@ -191,9 +191,8 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
     torch.manual_seed(seed)
     net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
                          calibration_x=x if family in ("bn3", "fn3") else None)
-    train = {"batch_size": BATCH, "lr": LR, "device": device}
-    if milestones:
-        train.update(lr_milestones=list(milestones), lr_gamma=FINE_TUNE_GAMMA)
+    train = {"batch_size": BATCH, "lr": LR, "device": device, "lr_milestones": list(milestones),
+             "lr_gamma": FINE_TUNE_GAMMA}
     if net.knob != "width":   # spike-and-slab: train.flops_target; bn3 serves every width, picked below
         train["flops_target"] = target
     t0 = time.perf_counter()
@@ -285,10 +284,13 @@ def tp_row(trained, method, wanted, data, epochs, seed, device, milestones=()):
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
+# The settings the trained dense net depends on (its cache key): the fine-tuning's are not among them
+DENSE_SETTINGS = ("data", "train_size", "val_size", "test_size", "data_seed", "dense_epochs")
+
+
 def settings_of(args):
     """What makes two runs' rows comparable (--resume keeps rows only under the same settings)."""
-    settings = {k: getattr(args, k) for k in ("data", "train_size", "val_size", "test_size", "data_seed",
-                                              "dense_epochs", "epochs", "mc")}
+    settings = {k: getattr(args, k) for k in DENSE_SETTINGS + ("epochs", "mc")}
     milestones = fine_tune_milestones(args.epochs, getattr(args, "decay_last_epoch", False))
     return {**settings, "fine_tune_lr": f"x{FINE_TUNE_GAMMA:g} at epochs {milestones}"} if milestones else settings
 
@@ -299,9 +301,8 @@ def dense_model(net_name, seed, data, args, device, cache):
     torch.manual_seed(seed)
     model = make_net(net_name, data["classes"])
     shapes = [(name, list(t.shape)) for name, t in model.state_dict().items()]
-    # the fine-tuning's settings are not the dense net's: runs that differ only in them share it
-    dense_settings = {k: v for k, v in settings_of(args).items() if k not in ("epochs", "mc", "fine_tune_lr")}
-    key = json.dumps({**dense_settings, "net": net_name, "seed": seed, "batch": BATCH, "lr": LR,
+    key = json.dumps({**{k: getattr(args, k) for k in DENSE_SETTINGS}, "net": net_name, "seed": seed,
+                      "batch": BATCH, "lr": LR,
                       "torch": torch.__version__, "shapes": shapes}, sort_keys=True)
     path = cache / f"{net_name}-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
     if path.is_file():

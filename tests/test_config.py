@@ -434,7 +434,7 @@ def test_the_keys_tables_of_the_readmes_are_the_field_descriptions(capsys):
 
 
 def test_lr_milestones_may_be_written_empty_as_its_default_is(tmp_path):
-    """[] is train.lr_milestones' default (a constant rate): a file, --set or fit's keyword may say it too."""
+    """[] is train.lr_milestones' default (a constant rate): a file or --set may say it too."""
     config = _write(tmp_path / "pipeline.yaml", _base())
     assert load_pipeline_config(config).train.lr_milestones == []
     assert load_pipeline_config(config, ("train.lr_milestones=[]",)).train.lr_milestones == []

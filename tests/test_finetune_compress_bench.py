@@ -155,3 +155,13 @@ def test_decay_last_epoch_ends_every_fine_tuning_at_a_tenth_of_the_rate(monkeypa
     assert seen[0].param_groups[0]["lr"] == pytest.approx(fc.LR * fc.FINE_TUNE_GAMMA ** 1)
     fc.train_plain(net, x, y, 3, 0, "cpu")   # the dense reference: a constant rate
     assert seen[1].param_groups[0]["lr"] == pytest.approx(fc.LR)
+
+
+def test_runs_that_differ_only_in_the_fine_tuning_share_the_trained_dense_net(tmp_path):
+    common = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--methods", "dense-ft",
+              "--cache", str(tmp_path / "c")]
+    assert fc.main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert fc.main([*common, "--epochs", "2", "--mc", "3", "--out", str(tmp_path / "b")]) == 0
+    assert len(list((tmp_path / "c").glob("small-cnn-seed0-*.pt"))) == 1
+    assert fc.main([*common, "--dense-epochs", "2", "--out", str(tmp_path / "d")]) == 0   # the dense net's own
+    assert len(list((tmp_path / "c").glob("small-cnn-seed0-*.pt"))) == 2
