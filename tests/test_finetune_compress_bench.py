@@ -157,6 +157,17 @@ def test_decay_last_epoch_ends_every_fine_tuning_at_a_tenth_of_the_rate(monkeypa
     assert seen[1].param_groups[0]["lr"] == pytest.approx(fc.LR)
 
 
+def test_the_fine_tuning_decays_its_last_epoch_unless_told_not_to(tmp_path):
+    """The benchmark's recipe (module docstring): the last of E epochs at a tenth of the rate by default,
+    --no-decay-last-epoch keeps the rate constant; the results' settings say which."""
+    common = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--methods", "dense-ft",
+              "--epochs", "2", "--cache", str(tmp_path / "c")]
+    assert fc.main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert fc.main([*common, "--no-decay-last-epoch", "--out", str(tmp_path / "b")]) == 0
+    decayed, constant = (json.loads((tmp_path / f"{n}.json").read_text())["settings"] for n in "ab")
+    assert decayed["fine_tune_lr"] == f"x{fc.FINE_TUNE_GAMMA:g} at epochs [1]" and "fine_tune_lr" not in constant
+
+
 def test_runs_that_differ_only_in_the_fine_tuning_share_the_trained_dense_net(tmp_path):
     common = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--methods", "dense-ft",
               "--cache", str(tmp_path / "c")]
