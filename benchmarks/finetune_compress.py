@@ -464,13 +464,17 @@ def markdown(result):
              "Criteria (the issue's Done when), edgebayes rows: physical FLOPs <= target, accuracy within "
              f"{100 * DENSE_GAP:.0f} point of dense, at least Torch-Pruning's best - {100 * TP_GAP:.1f} points at "
              "that target, ECE below the dense net's and every Torch-Pruning row's. 'met', or what is missed.", ""]
-    for net in dict.fromkeys(r["net"] for r in rows):
+    nets = list(dict.fromkeys(r["net"] for r in rows))
+    order = ["dense", "dense-ft"] + list(EDGEBAYES) + list(TORCH_PRUNING)
+
+    def reading_order(r):   # net as first listed, dense rows first, larger targets first, methods as listed
+        return nets.index(r["net"]), r["target"] is not None, -(r["target"] or 0), order.index(r["method"])
+    for net in nets:
         lines += [f"## {net}", "",
                   "| target | method | seed | FLOPs physical | params | accuracy % | vs dense (pts) | ECE | NLL | "
                   "fine-tune s | criteria | commit | ran on |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        mine = [r for r in rows if r["net"] == net]
-        order = ["dense", "dense-ft"] + list(EDGEBAYES) + list(TORCH_PRUNING)
-        mine.sort(key=lambda r: (r["target"] is not None, -(r["target"] or 0), r["seed"], order.index(r["method"])))
+        mine = sorted((r for r in rows if r["net"] == net), key=lambda r: (*reading_order(r)[1:3], r["seed"],
+                                                                           reading_order(r)[3]))
         for r in mine:
             target = "—" if r["target"] is None else r["target"]
             if "error" in r:
@@ -493,7 +497,7 @@ def markdown(result):
                   "| net | target | method | seeds | FLOPs physical | accuracy % | ECE |",
                   "|---|---|---|---|---|---|---|"]
         groups = {}
-        for r in rows:
+        for r in sorted(rows, key=reading_order):
             if "error" not in r:
                 groups.setdefault((r["net"], r["target"], r["method"]), []).append(r)
         for (net, target, method), rs in groups.items():

@@ -176,3 +176,14 @@ def test_runs_that_differ_only_in_the_fine_tuning_share_the_trained_dense_net(tm
     assert len(list((tmp_path / "c").glob("small-cnn-seed0-*.pt"))) == 1
     assert fc.main([*common, "--dense-epochs", "2", "--out", str(tmp_path / "d")]) == 0   # the dense net's own
     assert len(list((tmp_path / "c").glob("small-cnn-seed0-*.pt"))) == 2
+
+
+def test_the_over_seeds_table_reads_dense_first_then_methods_as_listed(tmp_path):
+    common = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--cache", str(tmp_path / "c")]
+    assert fc.main([*common, "--methods", "edgebayes-ss-gl", "tp-magnitude", "--out", str(tmp_path / "a")]) == 0
+    result = json.loads((tmp_path / "a.json").read_text())
+    # a second seed, and the rows in the reverse of their reading order, as a merge of several runs leaves them
+    result["rows"] = [dict(r, seed=1) for r in result["rows"]][::-1] + result["rows"][::-1]
+    table = fc.markdown(result).split("## Over seeds")[1]
+    methods = [line.split(" | ")[2] for line in table.splitlines() if line.startswith("| small-cnn")]
+    assert methods == ["dense", "edgebayes-ss-gl", "tp-magnitude"]
