@@ -526,8 +526,12 @@ def machines_lines(rows):
     return ["Machines ('ran on' column): " + "; ".join(legend) + ".", ""]
 
 
+FAR_BELOW = 35   # accuracy points under a net's best row beyond which the plot puts a row on the axis' floor
+
+
 def plot(rows, path):
-    """Test accuracy against physical FLOPs, one panel per net: every method, the dense point."""
+    """Test accuracy against physical FLOPs, one panel per net: every method, the dense point; rows more than
+    FAR_BELOW points under the net's best sit on the axis' floor with their accuracy written beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -544,11 +548,25 @@ def plot(rows, path):
                "tp-magnitude": "v", "tp-group-norm": "^"}
     colors = dict(zip(markers, plt.rcParams["axes.prop_cycle"].by_key()["color"]))   # one colour per method
     for ax, net in zip(axes.flat, nets):
+        # A row far below the rest (a collapsed fine-tuning) would squash every other point into a line: the
+        # axis stops FAR_BELOW points under the net's best row and such rows sit on its floor, labelled
+        best = max(100 * r["accuracy"] for r in ok if r["net"] == net)
+        floor = min([100 * r["accuracy"] for r in ok if r["net"] == net and 100 * r["accuracy"] >= best - FAR_BELOW])
+        floor -= 0.05 * (best - floor) + 0.1
         for method, marker in markers.items():
             pts = [r for r in ok if r["net"] == net and r["method"] == method]
             if pts:
-                ax.scatter([r["flops_ratio_physical"] for r in pts], [100 * r["accuracy"] for r in pts],
+                acc = [max(100 * r["accuracy"], floor) for r in pts]
+                ax.scatter([r["flops_ratio_physical"] for r in pts], acc,
                            marker=marker, color=colors[method], s=120 if method == "dense" else 45, label=method)
+                below = {}   # one label per FLOPs point: the seeds' accuracies there
+                for r in pts:
+                    if 100 * r["accuracy"] < floor:
+                        below.setdefault(round(r["flops_ratio_physical"], 2), []).append(100 * r["accuracy"])
+                for x, values in below.items():
+                    ax.annotate(" / ".join(f"{v:.1f}" for v in sorted(values)) + "%", (x, floor), fontsize=6,
+                                xytext=(5, 4), textcoords="offset points", color=colors[method])
+        ax.set_ylim(bottom=floor - 0.02 * (best - floor))
         ax.set_title(net)
         ax.set_xlabel("physical FLOPs / dense")
         ax.set_ylabel("test accuracy %")
