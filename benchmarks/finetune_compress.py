@@ -550,14 +550,14 @@ def plot(rows, path):
     for ax, net in zip(axes.flat, nets):
         # A row far below the rest (a collapsed fine-tuning) would squash every other point into a line: the
         # axis stops FAR_BELOW points under the net's best row and such rows sit on its floor, labelled
-        best = max(100 * r["accuracy"] for r in ok if r["net"] == net)
-        floor = min([100 * r["accuracy"] for r in ok if r["net"] == net and 100 * r["accuracy"] >= best - FAR_BELOW])
+        net_rows = [r for r in ok if r["net"] == net]
+        best = max(100 * r["accuracy"] for r in net_rows)
+        floor = min(100 * r["accuracy"] for r in net_rows if 100 * r["accuracy"] >= best - FAR_BELOW)
         floor -= 0.05 * (best - floor) + 0.1
         for method, marker in markers.items():
-            pts = [r for r in ok if r["net"] == net and r["method"] == method]
+            pts = [r for r in net_rows if r["method"] == method]
             if pts:
-                acc = [max(100 * r["accuracy"], floor) for r in pts]
-                ax.scatter([r["flops_ratio_physical"] for r in pts], acc,
+                ax.scatter([r["flops_ratio_physical"] for r in pts], [max(100 * r["accuracy"], floor) for r in pts],
                            marker=marker, color=colors[method], s=120 if method == "dense" else 45, label=method)
                 below = {}   # one label per FLOPs point: the seeds' accuracies there
                 for r in pts:

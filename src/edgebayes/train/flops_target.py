@@ -68,18 +68,17 @@ that the batch-norm scale keeps. And a first-order Taylor importance, gamma_j ti
 steps of the loss change when the unit goes (Molchanov et al. 2019: batch-norm weight and bias times their
 gradients where the layer owns a batch norm, else the weights' means times theirs), SS-GL fine-tuned 5 epochs
 with the last at a tenth of the rate, seed 0, test accuracy with / without it: efficientnet_b0 at 0.25 71.80 /
-76.05, mobilenet_v2 at 0.25 86.55 / 91.80, resnet18 at 0.5 97.85 / 98.10. Nor can the data choose between these measures by
-the validation loss right after a one-shot cut (batch norms on batch statistics, seed 0, 0.25 of the FLOPs): it
-ranks them against their fine-tuned accuracy, the weight norm lower on mobilenet_v2 (2.65 / 3.14 nats, then
-78.50 / 91.80) and the batch-norm scale far lower on resnet18 (0.58 / 1.44, then 97.15 / 97.40). And the
-batch-norm scale times the L2 norm of the unit's columns in the layers that read it (its consumers, over the
-whole coupled group, as Torch-Pruning's group magnitude counts them), SS-GL, 5 epochs with the last at a tenth
-of the rate, test accuracy with / without it: efficientnet_b0 at 0.25 seeds 0/1/2 79.80/81.10/74.25 against
+76.05, mobilenet_v2 at 0.25 86.55 / 91.80, resnet18 at 0.5 97.85 / 98.10. Nor can the data choose between these
+measures by the validation loss right after a one-shot cut (batch norms on batch statistics, seed 0, 0.25 of the
+FLOPs): it ranks them against their fine-tuned accuracy, the weight norm lower on mobilenet_v2 (2.65 / 3.14 nats,
+then 78.50 / 91.80) and the batch-norm scale far lower on resnet18 (0.58 / 1.44, then 97.15 / 97.40). And the
+batch-norm scale times the L2 norm of the unit's columns in the layers that read it (its consumers, over the whole
+coupled group, as Torch-Pruning's group magnitude counts them), SS-GL, 5 epochs with the last at a tenth of the
+rate, test accuracy with / without it: efficientnet_b0 at 0.25 seeds 0/1/2 79.80/81.10/74.25 against
 76.05/81.45/70.10 (mean 78.38 / 75.87, Torch-Pruning's magnitude pruner 78.48), but mobilenet_v2 at 0.25 87.80 /
 91.80, resnet18 at 0.5 97.50 / 98.10, the home-made net at 0.25 95.60 / 95.75 (seed 0): the trade of the weight
-norm again, smaller. What holds
-efficientnet_b0 back at 0.25 is not the KL either: with the KL's weight at 1e-6, 74.50 against 79.55 (seed 0,
-5 epochs at a constant rate).
+norm again, smaller. What holds efficientnet_b0 back at 0.25 is not the KL either: with the KL's weight at 1e-6,
+74.50 against 79.55 (seed 0, 5 epochs at a constant rate).
 
 Units go in groups that surgery removes together (`channel_families`): a channel of a residual stream is
 switched off in every block that writes it, an expand channel with the depthwise channel it feeds, as
