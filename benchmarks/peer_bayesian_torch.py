@@ -29,12 +29,17 @@ Inference: M = 8 MC-averaged class probabilities at batch 1, 1 thread, timed in 
 edgebayes' packed ONNX of 8 posterior samples (eb.compress + eb.save; ss-gl pruned by surgery) in onnxruntime,
 against bayesian-torch's 8 eager forward passes in PyTorch (how its README predicts).
 
+Several seeds: one process per seed (--seed S --out DIR/seedS; they may run side by side, one core each), then
+`--merge DIR/seed*.json` writes the result: per method, the seeds that reached the target and the median of their
+training seconds, then each seed's tables.
+
 Results: benchmarks/results/peer_bayesian_torch.{json,md} (machine, commit and versions in the JSON).
 """
 
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -197,6 +202,70 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
+def merged_markdown(result):
+    """The summary over seeds (median seconds to target of the seeds that reached it), then each seed's tables."""
+    runs = result["runs"]
+    lines = ["# edgebayes against bayesian-torch: LeNet-5 on MNIST, 1 thread, "
+             f"{len(runs)} seeds (issue 37)", "",
+             "Per method and seed: training seconds until the validation NLL of the M = 8 MC average reaches the "
+             "seed's dnn best + 10%, rounds interleaved in one process per seed; M = 8 MC inference at batch 1. "
+             "What and how: benchmarks/peer_bayesian_torch.py's docstring.", "", f"`{result['command']}`", "",
+             "| method | seeds reaching the target | training seconds to target, per seed | median over the seeds "
+             "| epochs, per seed | M = 8 inference, median ms |", "|---|---:|---|---:|---|---:|"]
+    for name in runs[0]["training"]:
+        hits = [next((e for e in r["training"][name] if e["reached"]), None) for r in runs]
+        reached = [h["seconds_total"] for h in hits if h]
+        median = statistics.median(h["seconds_total"] if h else math.inf for h in hits)   # not reached: slowest
+        per_seed = ", ".join(f"{h['seconds_total']:.1f}" if h else "-" for h in hits)
+        epochs = ", ".join(str(h["epoch"]) if h else "-" for h in hits)
+        ms = statistics.median(r["inference"][name]["median_ms"] for r in runs)
+        lines.append(f"| {name} | {len(reached)} of {len(runs)} | {per_seed} | "
+                     f"{'not reached' if median == math.inf else f'{median:.1f}'} | {epochs} | {ms:.3f} |")
+    lines += ["", "'-': not reached within the run's epochs; the median counts it as slower than any seed that "
+              "reached. Seeds in the order "
+              + ", ".join(str(r["settings"]["seed"]) for r in runs) + "."]
+    for r in runs:
+        body = markdown(r).split("\n")[2:]   # a seed's own tables, without its title
+        lines += ["", f"## Seed {r['settings']['seed']}", "", *body]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def merge(paths, out, command):
+    """One result from runs of several seeds (same settings otherwise); 2 with a message naming the file if not."""
+    runs = []
+    for path in paths:
+        try:
+            run = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            print(f"peer_bayesian_torch: --merge: {path}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(run, dict) or not {"settings", "training", "inference", "provenance"} <= set(run):
+            print(f"peer_bayesian_torch: --merge: {path} is not a result of this benchmark", file=sys.stderr)
+            return 2
+        runs.append(run)
+    other = [str(p) for p, r in zip(paths, runs)
+             if {k: v for k, v in r["settings"].items() if k != "seed"}
+             != {k: v for k, v in runs[0]["settings"].items() if k != "seed"}]
+    if other:
+        print(f"peer_bayesian_torch: --merge: {', '.join(other)} made with other settings than {paths[0]}",
+              file=sys.stderr)
+        return 2
+    runs.sort(key=lambda r: r["settings"]["seed"])
+    result = {"measures": runs[0]["measures"] + ", several seeds", "command": command, "runs": runs,
+              "provenance": provenance("benchmark")}
+    write(result, Path(out), merged_markdown(result))
+    return 0
+
+
+def write(result, out, text):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out.with_suffix(".json")) as tmp:
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+    with atomic_path(out.with_suffix(".md")) as tmp:
+        tmp.write_text(text)
+    print(text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mnist-root", default=str(Path(__file__).resolve().parents[2] / "shared" / "datasets"))
@@ -204,7 +273,11 @@ def main(argv=None):
     parser.add_argument("--max-epochs", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "peer_bayesian_torch"), help="results path without suffix")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge these runs' results (one per seed) into --out")
     args = parser.parse_args(argv)
+    command = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    if args.merge:
+        return merge(args.merge, args.out, command)
     torch.set_num_threads(1)
     try:
         splits = load_data(DataConfig(dataset="mnist", root=args.mnist_root, val_fraction=1 / 12,
@@ -244,19 +317,13 @@ def main(argv=None):
     prov["versions"]["bayesian-torch"] = metadata.version("bayesian-torch")
     result = {"measures": "seconds and epochs to a validation NLL target, and M = 8 inference latency, edgebayes "
                           "against bayesian-torch (issue 37)",
-              "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+              "command": command,
               "settings": {"train_size": len(splits.train_x), "val_size": len(splits.val_x),
                            "max_epochs": args.max_epochs, "seed": args.seed, "batch": BATCH, "lr": LR, "mc": M,
                            "threads": 1},
               "dnn": dnn, "dnn_best_val_nll": best, "target_val_nll": target, "training": training,
               "inference": inference, "provenance": prov}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out.with_suffix(".json")) as tmp:
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-    with atomic_path(out.with_suffix(".md")) as tmp:
-        tmp.write_text(markdown(result))
-    print(markdown(result))
+    write(result, Path(args.out), markdown(result))
 
 
 if __name__ == "__main__":

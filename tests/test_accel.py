@@ -255,3 +255,22 @@ def test_hold_freed_memory_applies_on_glibc_linux_only(monkeypatch):
     assert accel.hold_freed_memory() is glibc
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
     assert accel.hold_freed_memory() is False
+
+
+def test_both_trainers_step_with_the_fused_optimizer_on_cpu_and_stay_unfused_elsewhere(digits):
+    """Adam / SGD of the ELBO trainer and AdamW of SQS take torch's fused kernel for CPU (and CUDA) parameters;
+    parameters it has no kernel for (here on the meta device) keep torch's default loop."""
+    from edgebayes.train.sqs import SQSObjective
+    from edgebayes.train.trainer import ELBO
+
+    cfg = digits[0]
+    model = build_model(cfg.model, cfg.prior, (1, 8, 8), 10, n_train=1000)
+    for optimizer in ("adam", "sgd"):
+        t = copy.deepcopy(cfg.train)
+        t.optimizer = optimizer
+        opt, _ = ELBO().optimizer(model, t)
+        assert opt.defaults["fused"] is True, optimizer
+    sqs_opt, _ = SQSObjective(cfg.sqs).optimizer(build_sqs(cfg, (1, 8, 8), 10, 1000), cfg.train)
+    assert sqs_opt.defaults["fused"] is True
+    assert accel.fused_optimizer([torch.nn.Parameter(torch.zeros(2, device="meta"))]) == {}
+    assert accel.fused_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))]}]) == {"fused": True}

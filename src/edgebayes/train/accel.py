@@ -20,6 +20,8 @@
   so that passes over the two run in one memory order and a convolution keeps the network's layout.
 - `hold_freed_memory`: glibc's malloc keeps freed large blocks instead of giving them back to the OS, so a
   training step does not fault the same pages in again at every step (CPU).
+- `fused_optimizer`: the optimizer's fused kernel (one pass over all parameters per step) where torch has one for
+  the parameters' device.
 - `compile_step`: optional torch.compile of the forward and of the KL, tried once on a copy of the model;
   if compiling fails (no compiler, an unsupported op, an old GPU), training runs eager and the log says why.
 """
@@ -150,6 +152,20 @@ def hold_freed_memory():
         return bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)) and bool(libc.mallopt(_M_MMAP_MAX, 0))
     except (OSError, AttributeError):
         return False
+
+
+def fused_optimizer(params):
+    """{"fused": True} for torch.optim's Adam, AdamW and SGD when every parameter is a floating-point tensor on a
+    CPU or CUDA device (where torch has their fused kernels), else {} (torch's default, a loop over parameters).
+
+    Why: by default torch steps CPU parameters one tensor at a time, several elementwise passes each; the fused
+    kernel does the whole update of a tensor in one pass. The same update rule and hyperparameters: only the
+    floating-point order of the arithmetic differs. Measured (one thread, LeNet-5-Caffe, 2.1 M variational
+    parameters): 7.1 -> 1.5 ms per Adam step, about 5 % of a bnn step at batch 128 (issue 37).
+    """
+    params = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    supported = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return {"fused": True} if params and supported else {}
 
 
 def compile_step(forward, model, example, log):

@@ -69,7 +69,7 @@ from edgebayes.compressed.samples import sample_generator
 from edgebayes.config import fingerprint
 from edgebayes.errors import InputError
 from edgebayes.provenance import code_version, read_json, write_json
-from edgebayes.train.accel import autocast, in_layout
+from edgebayes.train.accel import autocast, fused_optimizer, in_layout
 from edgebayes.train.flops_target import pruning_schedule
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 from edgebayes.train.models import build_model
@@ -587,9 +587,8 @@ class SQSObjective:
 
     def optimizer(self, model, t):
         quantization, pruning = model.parameter_groups()
-        return torch.optim.AdamW([{"params": quantization, "lr": self.s.lr_quantization},
-                                  {"params": pruning, "lr": self.s.lr_pruning}],
-                                 weight_decay=self.s.weight_decay), None
+        groups = [{"params": quantization, "lr": self.s.lr_quantization}, {"params": pruning, "lr": self.s.lr_pruning}]
+        return torch.optim.AdamW(groups, weight_decay=self.s.weight_decay, **fused_optimizer(groups)), None
 
     def prepare(self, model, forward, example, t, log):
         if t.compile:

@@ -96,7 +96,8 @@ from edgebayes.errors import StageError
 from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
-from edgebayes.train.accel import DeviceData, autocast, compile_step, hold_freed_memory, to_channels_last
+from edgebayes.train.accel import (DeviceData, autocast, compile_step, fused_optimizer, hold_freed_memory,
+                                   to_channels_last)
 from edgebayes.train.flops_target import FlopsTargetSchedule
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.spike_slab import SCALE_VARIABLES
@@ -226,9 +227,9 @@ class ELBO:
             groups.setdefault(lr, []).append(p)
         params = [{"params": ps} if lr is None else {"params": ps, "lr": lr} for lr, ps in groups.items()]
         if t.optimizer == "adam":
-            optimizer = torch.optim.Adam(params, lr=t.lr)
+            optimizer = torch.optim.Adam(params, lr=t.lr, **fused_optimizer(params))
         else:
-            optimizer = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum)
+            optimizer = torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, **fused_optimizer(params))
         return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=t.lr_milestones,
                                                                gamma=t.lr_gamma)
 
