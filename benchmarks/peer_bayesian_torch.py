@@ -28,6 +28,7 @@ evaluation excluded) and epochs until the validation NLL first reaches the targe
 Inference: M = 8 MC-averaged class probabilities at batch 1, 1 thread, timed in interleaved rounds:
 edgebayes' packed ONNX of 8 posterior samples (eb.compress + eb.save; ss-gl pruned by surgery) in onnxruntime,
 against bayesian-torch's 8 eager forward passes in PyTorch (how its README predicts).
+A method whose median model has an emptied layer (ss-gl's collapse) cannot be exported: its row says so.
 
 Several seeds: one process per seed (--seed S --out DIR/seedS; they may run side by side, one core each), then
 `--merge DIR/seed*.json` writes the result: per method, the seeds that reached the target and the median of their
@@ -51,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 import edgebayes as eb
+from edgebayes.compressed.samples import EmptyLayerError
 from edgebayes.config import SPIKE_SLAB_FAMILIES, DataConfig
 from edgebayes.data import DataError, load_data
 from edgebayes.ondevice.runtimes import make_backend
@@ -194,6 +196,9 @@ def markdown(result):
     lines += ["", "| M = 8 inference, batch 1 | runtime | median ms | vs bayesian-torch-reparam |", "|---|---|---:|---:|"]
     ref = result["inference"]["bayesian-torch-reparam"]["median_ms"]
     for name, r in result["inference"].items():
+        if r["median_ms"] is None:
+            lines.append(f"| {name} | {r['runtime']} | - | - |")
+            continue
         lines.append(f"| {name} | {r['runtime']} | {r['median_ms']:.3f} | {ref / r['median_ms']:.1f}x faster |"
                      if not name.startswith("bayesian-torch") else
                      f"| {name} | {r['runtime']} | {r['median_ms']:.3f} | {ref / r['median_ms']:.2f}x |")
@@ -218,9 +223,10 @@ def merged_markdown(result):
         median = statistics.median(h["seconds_total"] if h else math.inf for h in hits)   # not reached: slowest
         per_seed = ", ".join(f"{h['seconds_total']:.1f}" if h else "-" for h in hits)
         epochs = ", ".join(str(h["epoch"]) if h else "-" for h in hits)
-        ms = statistics.median(r["inference"][name]["median_ms"] for r in runs)
+        timed = [r["inference"][name]["median_ms"] for r in runs if r["inference"][name]["median_ms"] is not None]
+        ms = f"{statistics.median(timed):.3f}" if timed else "not exported"
         lines.append(f"| {name} | {len(reached)} of {len(runs)} | {per_seed} | "
-                     f"{'not reached' if median == math.inf else f'{median:.1f}'} | {epochs} | {ms:.3f} |")
+                     f"{'not reached' if median == math.inf else f'{median:.1f}'} | {epochs} | {ms} |")
     lines += ["", "'-': not reached within the run's epochs; the median counts it as slower than any seed that "
               "reached. Seeds in the order "
               + ", ".join(str(r["settings"]["seed"]) for r in runs) + "."]
@@ -299,10 +305,14 @@ def main(argv=None):
                    **{name: BayesianTorch(net, kind, args.seed) for name, kind in BAYESIAN_TORCH.items()}}
         training = train_rounds(methods, data, target, args.max_epochs, args.seed, log)
         x1 = splits.val_x[:1]
-        predictors, runtimes = {}, {}
+        predictors, runtimes, no_model = {}, {}, {}
         for name in EDGEBAYES:
-            path = eb.save(eb.compress(methods[name].net, m=M, seed=args.seed), Path(work) / f"{name}.onnx",
-                           example=splits.val_x[:16])
+            try:
+                packed = eb.compress(methods[name].net, m=M, seed=args.seed)
+            except EmptyLayerError as e:   # an emptied median model (ss-gl's collapse): nothing to deploy
+                no_model[name] = f"not exported: {e}"
+                continue
+            path = eb.save(packed, Path(work) / f"{name}.onnx", example=splits.val_x[:16])
             backend = make_backend("onnxruntime", str(path), 1)
             predictors[name], runtimes[name] = (lambda x, b=backend: b.run(x.numpy())), "onnxruntime, packed ONNX"
         for name in BAYESIAN_TORCH:
@@ -312,6 +322,7 @@ def main(argv=None):
         inference = time_calls(predictors, x1, warmup=20, calls=100, repeats=7)
     for name in inference:
         inference[name]["runtime"] = runtimes[name]
+    inference.update({name: {"runtime": why, "median_ms": None} for name, why in no_model.items()})
     from importlib import metadata
     prov = provenance("benchmark")
     prov["versions"]["bayesian-torch"] = metadata.version("bayesian-torch")
