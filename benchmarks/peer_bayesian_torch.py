@@ -31,8 +31,8 @@ against bayesian-torch's 8 eager forward passes in PyTorch (how its README predi
 A method whose median model has an emptied layer (ss-gl's collapse) cannot be exported: its row says so.
 
 Several seeds: one process per seed (--seed S --out DIR/seedS; they may run side by side, one core each), then
-`--merge DIR/seed*.json` writes the result: per method, the seeds that reached the target and the median of their
-training seconds, then each seed's tables.
+`--merge DIR/seed*.json` writes the result: per method, the seeds that reached the target and the median of the
+training seconds over every seed (one that did not reach it counts as the slowest), then each seed's tables.
 
 Results: benchmarks/results/peer_bayesian_torch.{json,md} (machine, commit and versions in the JSON).
 """
@@ -56,7 +56,7 @@ from edgebayes.compressed.samples import EmptyLayerError
 from edgebayes.config import SPIKE_SLAB_FAMILIES, DataConfig
 from edgebayes.data import DataError, load_data
 from edgebayes.ondevice.runtimes import make_backend
-from edgebayes.provenance import atomic_path, provenance
+from edgebayes.provenance import atomic_path, provenance, read_json
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.trainer import mc_predict
 
@@ -208,7 +208,8 @@ def markdown(result):
 
 
 def merged_markdown(result):
-    """The summary over seeds (median seconds to target of the seeds that reached it), then each seed's tables."""
+    """The summary over seeds (median seconds to target over every seed, one that did not reach it counting as the
+    slowest), then each seed's tables."""
     runs = result["runs"]
     lines = ["# edgebayes against bayesian-torch: LeNet-5 on MNIST, 1 thread, "
              f"{len(runs)} seeds (issue 37)", "",
@@ -241,19 +242,21 @@ def merge(paths, out, command):
     runs = []
     for path in paths:
         try:
-            run = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
+            run = read_json(path)
+        except (OSError, ValueError) as e:   # CorruptFileError is a ValueError
             print(f"peer_bayesian_torch: --merge: {path}: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         if not isinstance(run, dict) or not {"settings", "training", "inference", "provenance"} <= set(run):
             print(f"peer_bayesian_torch: --merge: {path} is not a result of this benchmark", file=sys.stderr)
             return 2
         runs.append(run)
-    other = [str(p) for p, r in zip(paths, runs)
-             if {k: v for k, v in r["settings"].items() if k != "seed"}
-             != {k: v for k, v in runs[0]["settings"].items() if k != "seed"}]
+    def setup(run):   # what must match between seeds: the settings but the seed, and the methods compared
+        return ({k: v for k, v in run["settings"].items() if k != "seed"}, sorted(run["training"]),
+                sorted(run["inference"]))
+
+    other = [str(p) for p, r in zip(paths, runs) if setup(r) != setup(runs[0])]
     if other:
-        print(f"peer_bayesian_torch: --merge: {', '.join(other)} made with other settings than {paths[0]}",
+        print(f"peer_bayesian_torch: --merge: {', '.join(other)} made with other settings or methods than {paths[0]}",
               file=sys.stderr)
         return 2
     runs.sort(key=lambda r: r["settings"]["seed"])
