@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgebayes.compressed.samples import predict
+from edgebayes.compressed.samples import MCAverage, fit_temperature, predict
 from edgebayes.compressed.structure import count_weights, paper_flops, structure_report
 from edgebayes.config import DataConfig
 from edgebayes.data import DataError, load_data
@@ -163,8 +163,21 @@ def metrics_of(probs, y):
     return {"accuracy": m["accuracy"], "ece": m["ece"], "nll": m["nll"]}
 
 
-def plain_metrics(model, x, y):
-    return metrics_of(predict(nn.Sequential(model.eval(), nn.Softmax(-1)), x), y)
+def tempered_metrics(samples, data, shipped):
+    """Test metrics of the MC average of `samples` at T = 1 (`*_raw`) and at the temperature fitted on the
+    validation split (`*_ts`, fit_temperature, what edgebayes ships with select.temperature_scaling), and
+    accuracy / ece / nll of the one the method ships: `shipped` "ts" (edgebayes) or "raw" (a plain network
+    as the user has it; its `_ts` figures say what temperature scaling would give it too)."""
+    t = fit_temperature(samples, *data["val"])
+    row = {"temperature": t}
+    for name, temperature in (("raw", 1.0), ("ts", t)):
+        m = metrics_of(predict(MCAverage(samples, temperature), data["test"][0]), data["test"][1])
+        row.update({f"{k}_{name}": v for k, v in m.items()})
+    return {**row, **{k: row[f"{k}_{shipped}"] for k in ("accuracy", "ece", "nll")}}
+
+
+def plain_metrics(model, data):
+    return tempered_metrics([model.eval()], data, "raw")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +224,7 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
            "flops_ratio_masks": s["flops_ratio"],
            "flops_ratio_physical_samples": [paper_flops(p, SHAPE) / dense_flops for p in c.samples],
            "val_accuracy": history[-1].get("val_accuracy") if history else None}
-    row.update(metrics_of(predict(c.mc_model(), data["test"][0]), data["test"][1]))
+    row.update(tempered_metrics(c.samples, data, "ts"))   # as the pipeline ships it: c.calibrate(*data["val"])
     row["compress_seconds"] = time.perf_counter() - t0
     return row
 
@@ -275,12 +288,13 @@ def tp_row(trained, method, wanted, data, epochs, seed, device, milestones=()):
     row = {"pruning_ratio": ratio, "flops_ratio_physical": flops, "flops_ratio_wanted": wanted,
            "params_ratio": count_weights(model) / count_weights(trained),
            "prune_seconds": time.perf_counter() - t0,
-           "pruned_accuracy": plain_metrics(model, *data["test"])["accuracy"]}   # before fine-tuning
+           "pruned_accuracy": metrics_of(predict(MCAverage([model.eval()]), data["test"][0]),
+                                         data["test"][1])["accuracy"]}   # before fine-tuning
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     train_plain(model, *data["train"], epochs, seed, device, milestones)
     row["fine_tune_seconds"] = time.perf_counter() - t0
-    row.update(plain_metrics(model, *data["test"]))
+    row.update(plain_metrics(model, data))
     return row
 
 
@@ -353,9 +367,9 @@ def run(args, data, out, rows):
             if all((net_name, m, t, seed) in done for m, t in wanted):
                 continue
             trained, seconds = dense_model(net_name, seed, data, args, device, Path(args.cache))
-            dense = plain_metrics(trained, *data["test"])
+            dense = plain_metrics(trained, data)
             base = {"net": net_name, "seed": seed, "dense_accuracy": dense["accuracy"], "dense_ece": dense["ece"],
-                    "dense_nll": dense["nll"]}
+                    "dense_nll": dense["nll"], "dense_ece_ts": dense["ece_ts"]}
             add({**base, "method": "dense", "target": None, "fine_tune_epochs": 0, "dense_epochs": args.dense_epochs,
                  "train_seconds": seconds, "flops_ratio_physical": 1.0, "params_ratio": 1.0, **dense,
                  "dense_flops": paper_flops(trained, SHAPE), "dense_params": count_weights(trained)})
@@ -366,7 +380,7 @@ def run(args, data, out, rows):
                 train_plain(model, *data["train"], args.epochs, seed, device, milestones)
                 add({**base, "method": "dense-ft", "target": None, "fine_tune_epochs": args.epochs,
                      "fine_tune_seconds": time.perf_counter() - t0, "flops_ratio_physical": 1.0, "params_ratio": 1.0,
-                     **plain_metrics(model, *data["test"])})
+                     **plain_metrics(model, data)})
             for target in args.targets:
                 for method in eb_methods + tp_methods:
                     if (net_name, method, target, seed) in done:
@@ -411,6 +425,19 @@ def criteria(row, rows):
     return "; ".join(misses)
 
 
+def ece_if_all_scaled(row, rows):
+    """Whether the row's temperature-scaled ECE is below the dense net's and every Torch-Pruning row's, each
+    temperature-scaled as well (tempered_metrics): the issue's ECE criterion, had every method a temperature.
+    '—' for rows of a run before select.temperature_scaling."""
+    tp = [r for r in rows if r["net"] == row["net"] and r["seed"] == row["seed"] and r["target"] == row["target"]
+          and r["method"] in TORCH_PRUNING and "error" not in r]
+    if "ece_ts" not in row or "dense_ece_ts" not in row or any("ece_ts" not in r for r in tp):
+        return "—"
+    worse = (["dense"] if row["ece_ts"] >= row["dense_ece_ts"] else []) + [
+        r["method"] for r in tp if row["ece_ts"] >= r["ece_ts"]]
+    return "below" if not worse else "not below " + ", ".join(worse)
+
+
 def _epochs(n):
     return f"{n} epoch" + ("s" if n != 1 else "")
 
@@ -421,6 +448,13 @@ def _pct(v):
 
 def _num(v, spec):
     return "—" if v is None else format(v, spec)
+
+
+def tempered(row):
+    """'ECE at T = 1 / at the fitted T (T)' of a row (tempered_metrics), '—' for rows of an earlier run."""
+    if "ece_ts" not in row:
+        return "—"
+    return f"{row['ece_raw']:.4f} / {row['ece_ts']:.4f} ({row['temperature']:.2f})"
 
 
 def data_line(args):
@@ -446,7 +480,11 @@ def markdown(result):
                 result.get("settings", {}) else "") + "). edgebayes rows: bayesianize -> fit "
              f"({flops_target}) -> compress with "
              f"M = {args.mc} posterior samples -> surgery; accuracy, ECE (15 bins) and NLL of the MC-averaged "
-             "prediction. Torch-Pruning rows: its magnitude (L1, BasePruner) and group-norm (GroupNormPruner, "
+             "prediction as the pipeline ships it, each sample's logits divided by the temperature fitted on the "
+             "validation split (select.temperature_scaling; rows of runs before it: at T = 1). The plain rows "
+             "(dense, Torch-Pruning) ship at T = 1, as their users have them; the 'ECE at T = 1 / fitted T' column "
+             "gives every row's both, and the column after it compares the edgebayes row with the others all at "
+             "their fitted T. Torch-Pruning rows: its magnitude (L1, BasePruner) and group-norm (GroupNormPruner, "
              "group L2, no sparsity learning) pruners, one-shot and layer-wise, the classifier kept, pruned to the "
              "physical FLOPs of the edgebayes rows that reached the target (the largest of them), else to the "
              f"target (within {TP_TOLERANCE:.0%} where channels allow), then fine-tuned. FLOPs: paper 000's "
@@ -472,14 +510,16 @@ def markdown(result):
     for net in nets:
         lines += [f"## {net}", "",
                   "| target | method | seed | FLOPs physical | params | accuracy % | vs dense (pts) | ECE | NLL | "
-                  "fine-tune s | criteria | commit | ran on |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "ECE at T = 1 / fitted T (T) | ECE, all at fitted T: vs dense and TP | "
+                  "fine-tune s | criteria | commit | ran on |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         mine = sorted((r for r in rows if r["net"] == net), key=lambda r: (*reading_order(r)[1:3], r["seed"],
                                                                            reading_order(r)[3]))
         for r in mine:
             target = "—" if r["target"] is None else r["target"]
             if "error" in r:
                 lines.append("| " + " | ".join([str(target), r["method"], str(r["seed"]), f"failed: {r['error']}"]
-                                               + [""] * 7 + [str(r.get("git_commit") or "")[:7],
+                                               + [""] * 9 + [str(r.get("git_commit") or "")[:7],
                                                              machine_key(rows, r)]) + " |")
                 continue
             crit = "" if r["method"] not in EDGEBAYES else (criteria(r, rows) or "met")
@@ -489,7 +529,9 @@ def markdown(result):
             delta = "" if r["method"] == "dense" else f"{100 * (r['accuracy'] - r['dense_accuracy']):+.2f}"
             lines.append(f"| {target} | {r['method']} | {r['seed']} | {r['flops_ratio_physical']:.3f} | "
                          f"{r['params_ratio']:.3f} | {_pct(r['accuracy'])} | {delta} | {r['ece']:.4f} | "
-                         f"{r['nll']:.4f} | {_num(r.get('fine_tune_seconds', r.get('train_seconds')), '.0f')} | "
+                         f"{r['nll']:.4f} | {tempered(r)} | "
+                         f"{ece_if_all_scaled(r, rows) if r['method'] in EDGEBAYES else ''} | "
+                         f"{_num(r.get('fine_tune_seconds', r.get('train_seconds')), '.0f')} | "
                          f"{crit} | {str(r.get('git_commit') or '')[:7]} | {machine_key(rows, r)} |")
         lines.append("")
     if len(set(r["seed"] for r in rows)) > 1:

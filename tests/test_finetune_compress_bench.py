@@ -36,6 +36,11 @@ def test_quick_run_writes_one_row_per_method_with_the_issues_keys(tmp_path):
         assert r["dense_accuracy"] == dense["accuracy"] and r["dense_ece"] == dense["ece"]   # one trained net
         assert 0 <= r["accuracy"] <= 1 and 0 < r["flops_ratio_physical"] <= 1 and 0 < r["params_ratio"] <= 1
     assert rows["dense-ft"]["fine_tune_epochs"] == 1 and rows["dense-ft"]["flops_ratio_physical"] == 1
+    # edgebayes ships its fitted temperature (select.temperature_scaling), the plain nets T = 1; both figures in each
+    for r in rows.values():
+        shipped = "ts" if r["method"] in fc.EDGEBAYES else "raw"
+        assert r["temperature"] > 0 and r["ece"] == r[f"ece_{shipped}"] and r["nll"] == r[f"nll_{shipped}"]
+        assert r["nll_ts"] <= r["nll_raw"] + 0.05   # fitted on validation, scored on test: about as good or better
     eb = rows["edgebayes-ss-gl"]
     assert eb["mc_samples"] == 2 and eb["fine_tune_epochs"] == 1 and eb["target"] == 0.5
     reached = eb["flops_ratio_physical"] <= 0.5 * (1 + fc.TP_TOLERANCE)

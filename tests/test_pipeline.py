@@ -45,6 +45,10 @@ def test_pipeline_meets_the_foundation_targets(run):
     hidden = kept[:-1]
     assert s["pruned_fraction_hidden"] == pytest.approx(1 - sum(hidden) / (64 * len(hidden)))
     assert s["compression_ratio"] == pytest.approx(export["kept_weights_per_sample"] / (65 * 64 + 65 * 64 + 65 * 10))
+    # What ships is the candidate select scored: the temperature it fitted on the validation split
+    # (select.temperature_scaling, on by default), baked into the graph the runner ran.
+    chosen = json.loads((run / "select/local/choice.json").read_text())["candidate"]
+    assert export["temperature"] == chosen["temperature"] != 1.0
 
 
 def test_second_run_skips_every_stage(run, capsys):

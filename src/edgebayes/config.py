@@ -314,6 +314,11 @@ class SelectConfig(Section):
         "the candidates whose val ECE is at most max_ece."))
     max_ece: Annotated[Optional[float], Range("expected a number in (0, 1] or null", gt=0, le=1)] = Field(
         None, description="ece-constrained-accuracy: the largest validation ECE a candidate may have")
+    temperature_scaling: bool = Field(True, description=(
+        "divide every posterior sample's logits by one temperature fitted on the validation split (the NLL of the "
+        "MC average; compressed/samples.py fit_temperature) in every candidate and the exported model: a network "
+        "fine-tuned for a few epochs after its cut is under-confident. false: the papers' MC average as it is. The "
+        "validation metrics select reports are then of a temperature fitted on them; the test split's are not"))
 
 
 # Target formats of the exported MC-averaged model (export/formats.py has what each one is).

@@ -523,6 +523,9 @@ def run_export(ctx):
     compressed = compress(model, knob_value, m, ctx.cfg.seed, ctx.profile.runtime.channel_block)
     if compressed.not_pruned:
         ctx.log(f"export: WARNING {compressed.not_pruned}")
+    if ctx.cfg.select.temperature_scaling:   # as select fitted it for this candidate: the same data, the same T
+        ctx.log(f"export: temperature {compressed.calibrate(splits.val_x, splits.val_y):.3f} "
+                f"(fitted on {len(splits.val_x)} validation examples; select.temperature_scaling)")
     mc_model = compressed.mc_model()
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
@@ -573,7 +576,7 @@ def run_export(ctx):
                                  splits.input_shape)
     summary = {
         "format": formats[0], "precision": primary["precision"], "layout": primary["layout"],
-        "mc_samples": m, "knob": model.knob, "knob_value": knob_value,
+        "mc_samples": m, "knob": model.knob, "knob_value": knob_value, "temperature": compressed.temperature,
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
                                      "physical_flops_ratio")},

@@ -203,6 +203,8 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 first_of[key] = knob_value
             if compressed.not_pruned:
                 log(f"select: {model.knob} {knob_value}, M={m}: {compressed.not_pruned}")
+            if cfg.select.temperature_scaling:
+                compressed.calibrate(val_x, val_y)
             mc_model = compressed.mc_model()
             kept_weights = sum(count_weights(s, fold_batch_norm=True) for s in compressed.samples)
             activations = activation_mb(compressed.samples[0], batch)
@@ -222,6 +224,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
                 candidates.append({
                     "id": ident, "knob": model.knob, "knob_value": knob_value, "mc_samples": m,
                     "format": fmt.name, "precision": fmt.precision, "runtime": fmt.runtime,
+                    "temperature": compressed.temperature,
                     "layout": details["layout"], "packed_refused": details.get("packed_refused"),
                     "kept_units": {name: int(mask.sum()) for name, mask in compressed.kept.items()},
                     "not_pruned": compressed.not_pruned,

@@ -642,7 +642,7 @@ class _Packer:
             self.unsupported(node, f"method .{node.target}()", per_example=True)
         self.unsupported(node, f"a {node.op} node")
 
-    def build(self, folded=(), unfolded=()) -> PackedMC:
+    def build(self, folded=(), unfolded=(), temperature=1.0) -> PackedMC:
         graph0 = self.traced[0].graph
         for node in graph0.nodes:
             if node.op == "placeholder":
@@ -657,6 +657,8 @@ class _Packer:
                     raise PackingError("the network output does not depend on the posterior sample")
                 classes = self.shape(out)[1]
                 logits = self.method("reshape", self.env[out][0], -1, self.m, classes)  # [B, M, classes]
+                if temperature != 1.0:   # as MCAverage: every sample's logits times 1 / T
+                    logits = self.call(operator.mul, logits, 1.0 / temperature)
                 probs = self.call(torch.softmax, logits, -1)
                 self.graph.output(self.method("mean", probs, 1))
             elif node.op == "get_attr":
@@ -689,8 +691,9 @@ def _check_same_architecture(traced):
 
 
 @torch.no_grad()
-def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC:
-    """The packed MC-averaged network of `samples` (plain modules of one architecture, logits out).
+def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5, temperature: float = 1.0) -> PackedMC:
+    """The packed MC-averaged network of `samples` (plain modules of one architecture, logits out), each
+    sample's logits divided by `temperature` before its softmax (MCAverage).
 
     `example` (a batch of inputs, [B, ...]) drives shape propagation and the equality check against the
     unrolled MC average; a packed graph that differs by more than `atol` is refused (on an ill-conditioned
@@ -704,8 +707,8 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5) -> PackedMC
     folds = [_fold_batch_norms(_trace(s)) for s in samples]
     traced = [t for t, _, _ in folds]
     _check_same_architecture(traced)
-    packed = _Packer(traced, example).build(folds[0][1], folds[0][2])
-    unrolled = MCAverage(samples).eval()
+    packed = _Packer(traced, example).build(folds[0][1], folds[0][2], temperature)
+    unrolled = MCAverage(samples, temperature).eval()
     with torch.no_grad():
         agreement = fp32_agreement(packed(example), unrolled(example), unrolled, example, atol)
     if not agreement["passed"]:
@@ -735,7 +738,7 @@ def mc_graph(mc_model, layout: str, example: torch.Tensor, fallback=None) -> nn.
             # convolutions and reshapes, slower in onnxruntime (benchmarks/results/export_packed_latency.md, M = 1).
             return mc_model.eval()
         try:
-            return pack_samples(mc_model.samples, example)
+            return pack_samples(mc_model.samples, example, temperature=mc_model.temperature)
         except PackingError as e:
             if fallback is None:
                 raise
