@@ -469,3 +469,19 @@ def test_training_plot_of_a_network_of_many_layers_keeps_its_axes(layers):
         warnings.simplefilter("error")
         png = plots.plot_history(history, [f"features.{j}" for j in range(layers)])
     assert png.startswith(PNG_MAGIC)
+
+
+def test_the_shipped_temperature_is_in_the_summary_and_the_headline(tmp_path):
+    """select.temperature_scaling: the graph's temperature (export.json) is said beside M; at 1 nothing is."""
+    inputs = make_inputs()
+    inputs["export"]["temperature"] = 0.7412
+    rep = report_mod.write_report(inputs, tmp_path)
+    assert rep["summary"]["temperature"] == 0.7412
+    line = next(l for l in report_mod.summary_text(report_mod.terminal_summary(rep), 0) if "chosen point" in l)
+    assert "M=4, T=0.7412," in line
+    assert "at temperature 0.7412 (fitted on the validation split)" in (tmp_path / "report.html").read_text()
+    inputs["export"]["temperature"] = 1.0
+    rep = report_mod.write_report(inputs, tmp_path)
+    assert "T=" not in next(l for l in report_mod.summary_text(report_mod.terminal_summary(rep), 0)
+                            if "chosen point" in l)
+    assert "at temperature" not in (tmp_path / "report.html").read_text()

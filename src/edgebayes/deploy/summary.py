@@ -397,6 +397,7 @@ def summarize(d: dict) -> dict:
         "knob": choice.get("knob"),
         "knob_value": choice.get("knob_value"),
         "mc_samples": choice.get("mc_samples"),
+        "temperature": export.get("temperature"),   # of the shipped graph (select.temperature_scaling)
         "precision": choice.get("precision"),
         "format": choice.get("format"),
         "objective": d.get("objective"),
@@ -497,7 +498,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
     return {
         "run": s.get("run_name"), "device": s.get("device"), "mode": s.get("mode"),
         "settings": get(report, "config", "settings") or [],
-        "chosen": {k: s.get(k) for k in ("knob", "knob_value", "mc_samples", "format", "precision")},
+        "chosen": {k: s.get(k) for k in ("knob", "knob_value", "mc_samples", "temperature", "format", "precision")},
         "accuracy": get(s, "metrics", "accuracy", "device"), "ece": get(s, "metrics", "ece", "device"),
         "metrics_measured_on": s.get("metrics_measured_on"),
         "ood_auroc": get(s, "ood", "auroc"), "ood_aupr": get(s, "ood", "aupr"),
@@ -542,7 +543,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
     lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})"
              + "".join(f" --set {x}" for x in t.get("settings") or []),
              f"  chosen point  {knob_label(c.get('knob'))} {fmt(c.get('knob_value'))}, M={c.get('mc_samples')}, "
-             f"{c.get('format')} ({c.get('precision')})",
+             + (f"T={fmt(c['temperature'])}, " if c.get("temperature") not in (None, 1.0) else "")
+             + f"{c.get('format')} ({c.get('precision')})",
              f"  accuracy      {fmt(t.get('accuracy'))}, ECE {fmt(t.get('ece'))}, OOD AUROC {fmt(t.get('ood_auroc'))}"
              + (" (the bundle on this machine)" if predicted else " (on the device)"),
              f"  latency       {lat_txt} ({t.get('latency_basis')})"
