@@ -89,3 +89,9 @@ def test_the_exported_artifact_carries_the_temperature(fmt, layout, tmp_path):
     with torch.no_grad():
         ref = mc(x).numpy()
     assert np.abs(artifact_predict(path, fmt, x.numpy()) - ref).max() <= 1e-5
+
+
+def test_a_validation_split_without_errors_leaves_the_temperature_at_one():
+    """Every label the argmax: the NLL falls all the way to T -> 0, which would ship probabilities of 0 and 1."""
+    z = torch.randn(200, 4, generator=torch.Generator().manual_seed(3))
+    assert fit_temperature([Fixed(z)], torch.arange(200).float(), z.argmax(1)) == 1.0

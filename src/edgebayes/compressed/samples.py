@@ -110,37 +110,54 @@ def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1) -
 
 
 TEMPERATURES = (0.05, 20.0)   # fit_temperature's search range: beyond it a network is broken, not miscalibrated
+GRID = 81                      # log-spaced points over it (neighbours 8% apart), then golden section
 MIN_CALIBRATION_EXAMPLES = 20   # fewer validation examples than this: T = 1 (one parameter, but on 5 images...)
+CHUNK = 4096                    # examples per step of the NLL: temporaries stay small for many classes and M
 
 
 @torch.no_grad()
 def fit_temperature(samples, x, y, batch_size: int = 2048) -> float:
     """The temperature T minimising the NLL of mean_m softmax(logits_m / T) on (x, y): validation data.
 
-    One parameter, searched on a grid of log T (401 points over TEMPERATURES) and refined by golden section
-    between the grid's neighbours of the best point: the NLL of an MC average is not convex in T in general,
-    and a grid never stops at a local minimum the way a gradient method can. Fewer than
-    MIN_CALIBRATION_EXAMPLES examples leave T = 1."""
+    One parameter, searched on a grid of log T over TEMPERATURES and refined by golden section between the
+    grid's neighbours of the best point: the NLL of an MC average need not be convex in T, and a grid does not
+    stop at a local minimum the way a gradient method can. T = 1 (the papers' average, unchanged) where the data
+    cannot fit it: fewer than MIN_CALIBRATION_EXAMPLES examples, or a minimum at an end of the range (a
+    validation split the network gets all right has its NLL falling all the way to T -> 0: fitted there, the
+    shipped probabilities would be 0 or 1)."""
     y = torch.as_tensor(y).long()
     if len(y) < MIN_CALIBRATION_EXAMPLES:
         return 1.0
     logits = torch.stack([torch.cat([s.eval()(x[i: i + batch_size]) for i in range(0, len(x), batch_size)])
-                          for s in samples]).double()   # [M, N, K]
+                          for s in samples])   # [M, N, K]
     if not torch.isfinite(logits).all():
         raise ValueError("fit_temperature: a posterior sample gives non-finite logits on the validation data")
-    rows = torch.arange(len(y))
 
     def nll(log_t):
-        log_p = torch.logsumexp(torch.log_softmax(logits / math.exp(log_t), -1), 0) - math.log(len(logits))
-        return -float(log_p[rows, y].mean())
+        total = 0.0
+        for i in range(0, len(y), CHUNK):
+            part = logits[:, i: i + CHUNK].double() / math.exp(log_t)
+            log_p = torch.logsumexp(torch.log_softmax(part, -1), 0) - math.log(len(logits))
+            total -= float(log_p.gather(1, y[i: i + CHUNK, None]).sum())
+        return total / len(y)
 
-    grid = torch.linspace(math.log(TEMPERATURES[0]), math.log(TEMPERATURES[1]), 401).tolist()
-    best = min(range(len(grid)), key=lambda i: nll(grid[i]))
-    lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
+    grid = torch.linspace(math.log(TEMPERATURES[0]), math.log(TEMPERATURES[1]), GRID).tolist()
+    best = min(range(GRID), key=lambda i: nll(grid[i]))
+    if best in (0, GRID - 1):
+        return 1.0
+    lo, hi = grid[best - 1], grid[best + 1]
     ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(30):   # golden section: the bracket shrinks to 1e-7 of the grid step
-        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        lo, hi = (lo, b) if nll(a) <= nll(b) else (a, hi)
+    a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+    fa, fb = nll(a), nll(b)
+    for _ in range(30):   # golden section: one new point a step, the bracket down to 1e-6 of a grid step
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - ratio * (hi - lo)
+            fa = nll(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + ratio * (hi - lo)
+            fb = nll(b)
     return math.exp((lo + hi) / 2)
 
 
