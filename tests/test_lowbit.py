@@ -31,12 +31,16 @@ def sqs_net(first_layer_scores="per-input", seed=0):
     return net
 
 
-@pytest.mark.parametrize("layout", ["packed", "unrolled"])
-@pytest.mark.parametrize("m", [1, 3])
-def test_codebook_onnx_has_integer_weights_no_pruned_inputs_and_the_torch_probabilities(tmp_path, layout, m):
+@pytest.mark.parametrize("layout, m, temperature", [("packed", 1, 1.0), ("packed", 3, 1.0), ("unrolled", 1, 1.0),
+                                                   ("unrolled", 3, 1.0), ("packed", 3, 0.6), ("unrolled", 3, 0.6)])
+def test_codebook_onnx_has_integer_weights_no_pruned_inputs_and_the_torch_probabilities(tmp_path, layout, m,
+                                                                                       temperature):
+    """... at a fitted temperature too (select.temperature_scaling): one more scalar, not a weight."""
     torch.set_num_threads(1)
     net = sqs_net()
-    mc = compress(net, 0.5, m, seed=0).mc_model()
+    compressed = compress(net, 0.5, m, seed=0)
+    compressed.temperature = temperature
+    mc = compressed.mc_model()
     x = torch.randn(64, INPUTS)
     details = {}
     path = export_artifact(mc, "onnx-codebook", tmp_path / "cb.onnx", x[:16], layout=layout, details=details)

@@ -95,3 +95,16 @@ def test_a_validation_split_without_errors_leaves_the_temperature_at_one():
     """Every label the argmax: the NLL falls all the way to T -> 0, which would ship probabilities of 0 and 1."""
     z = torch.randn(200, 4, generator=torch.Generator().manual_seed(3))
     assert fit_temperature([Fixed(z)], torch.arange(200).float(), z.argmax(1)) == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["onnx-fp16w", "onnx-int8", "tflite-int8"])
+def test_low_precision_artifacts_keep_the_temperature(fmt, tmp_path):
+    """The fp16 / int8 graphs divide by T too: closer to the tempered average than to the plain one."""
+    samples, x = samples_and_inputs("lenet", 3, n=64)
+    mc = MCAverage(samples, 0.25).eval()   # sharp: far from T = 1's probabilities
+    calib = samples_and_inputs("lenet", 1, n=64, seed=7)[1]
+    path = export_artifact(mc, fmt, tmp_path / f"m{FORMATS[fmt].suffix}", x[:8], calib)
+    probs = artifact_predict(path, fmt, x.numpy())
+    with torch.no_grad():
+        tempered, plain = mc(x).numpy(), MCAverage(samples)(x).numpy()
+    assert np.abs(probs - tempered).max() < 0.5 * np.abs(plain - tempered).max()
