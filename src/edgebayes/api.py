@@ -87,7 +87,8 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
 def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
     """m posterior samples at a knob value (the family's default when None), dead units physically removed;
     each pruned convolution keeps a multiple of `channel_multiple` channels (the runtime's channel block: 4 for
-    onnxruntime, 8 for TensorRT; ondevice/tables.py CHANNEL_MULTIPLE)."""
+    onnxruntime, 8 for TensorRT; ondevice/tables.py CHANNEL_MULTIPLE). `.calibrate(x_val, y_val)` on the result
+    fits the MC average's temperature on validation data, as the pipeline's select does (compressed/samples.py)."""
     knob = net.default_knob if knob is None else knob
     try:
         net.operating_points([knob])   # the family's range: an inclusion threshold in (0, 1), a width in 1..D
