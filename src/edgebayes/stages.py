@@ -508,7 +508,7 @@ def run_select(ctx):
 def run_export(ctx):
     import tempfile
 
-    from edgebayes.compressed.samples import compress, fp32_agreement, predict
+    from edgebayes.compressed.samples import NOT_FITTED, compress, fp32_agreement, predict
     from edgebayes.compressed.structure import count_weights, structure_report
     from edgebayes.export.bundle import write_bundle
     from edgebayes.export.formats import FORMATS, artifact_predict, check_fidelity, export_artifact, fidelity
@@ -524,8 +524,9 @@ def run_export(ctx):
     if compressed.not_pruned:
         ctx.log(f"export: WARNING {compressed.not_pruned}")
     if ctx.cfg.select.temperature_scaling:   # as select fitted it for this candidate: the same data, the same T
-        ctx.log(f"export: temperature {compressed.calibrate(splits.val_x, splits.val_y):.3f} "
-                f"(fitted on {len(splits.val_x)} validation examples; select.temperature_scaling)")
+        t = compressed.calibrate(splits.val_x, splits.val_y)
+        ctx.log(f"export: temperature {t:.3f} (fitted on {len(splits.val_x)} validation examples; "
+                f"select.temperature_scaling)" if t != 1.0 else f"export: temperature 1, not fitted: {NOT_FITTED}")
     mc_model = compressed.mc_model()
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()

@@ -113,6 +113,9 @@ TEMPERATURES = (0.05, 20.0)   # fit_temperature's search range: beyond it a netw
 GRID = 81                      # log-spaced points over it (neighbours 8% apart), then golden section
 MIN_CALIBRATION_EXAMPLES = 20   # fewer validation examples than this: T = 1 (one parameter, but on 5 images...)
 CHUNK = 4096                    # examples per step of the NLL: temporaries stay small for many classes and M
+# Why fit_temperature returned exactly 1 (a fitted T is never exactly 1: it is the exp of a bracket's midpoint)
+NOT_FITTED = (f"the validation split cannot fit one: fewer than {MIN_CALIBRATION_EXAMPLES} examples, or its NLL "
+              f"is lowest at an end of {TEMPERATURES[0]:g}..{TEMPERATURES[1]:g} (a split the network gets all right)")
 
 
 @torch.no_grad()
