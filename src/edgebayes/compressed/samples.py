@@ -14,8 +14,8 @@ after its cut is under-confident (issue 33: the home-made net at 0.25 of its FLO
 mean confidence 0.936 at 95.7 % test accuracy, ECE 0.027 against the dense net's 0.014), and the weight
 posterior is not the cause: its scales stay near their initial 0.0025 and the posterior-mean network is as
 under-confident (0.937), with or without the KL (weight 1e-6: 0.936). T = 0.74 fitted on 1,000 validation
-images: test ECE 0.0106, accuracy unchanged. T = 1 is the papers' predictive, and what select.calibration none
-ships.
+images: test ECE 0.0106, accuracy unchanged. T = 1 is the papers' predictive, and what
+select.temperature_scaling false ships.
 """
 
 import copy
