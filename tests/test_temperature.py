@@ -108,3 +108,16 @@ def test_low_precision_artifacts_keep_the_temperature(fmt, tmp_path):
     with torch.no_grad():
         tempered, plain = mc(x).numpy(), MCAverage(samples)(x).numpy()
     assert np.abs(probs - tempered).max() < 0.5 * np.abs(plain - tempered).max()
+
+
+def test_calibrate_takes_arrays_and_refuses_mismatched_or_foreign_labels_by_name():
+    """Compressed.calibrate, as a user calls it with numpy validation data."""
+    samples, x = samples_and_inputs("mlp", 2, n=64)
+    with torch.no_grad():
+        y = MCAverage(samples)(x).argmax(1)
+    y[::3] = (y[::3] + 1) % 3
+    assert fit_temperature(samples, x.numpy(), y.numpy()) == fit_temperature(samples, x, y)
+    with pytest.raises(ValueError, match="64 validation inputs but 63 labels"):
+        fit_temperature(samples, x, y[:63])
+    with pytest.raises(ValueError, match=r"labels must be classes 0\.\.\d+, got 0\.\.99"):
+        fit_temperature(samples, x, torch.cat([y[:-1], torch.tensor([99])]))

@@ -128,13 +128,19 @@ def fit_temperature(samples, x, y, batch_size: int = 2048) -> float:
     cannot fit it: fewer than MIN_CALIBRATION_EXAMPLES examples, or a minimum at an end of the range (a
     validation split the network gets all right has its NLL falling all the way to T -> 0: fitted there, the
     shipped probabilities would be 0 or 1)."""
-    y = torch.as_tensor(y).long()
+    x = torch.as_tensor(x, dtype=torch.float32).cpu()   # arrays too, as eb.fit and eb.save take them
+    y = torch.as_tensor(y).long().cpu().flatten()
+    if len(x) != len(y):
+        raise ValueError(f"fit_temperature: {len(x)} validation inputs but {len(y)} labels")
     if len(y) < MIN_CALIBRATION_EXAMPLES:
         return 1.0
     logits = torch.stack([torch.cat([s.eval()(x[i: i + batch_size]) for i in range(0, len(x), batch_size)])
                           for s in samples])   # [M, N, K]
     if not torch.isfinite(logits).all():
         raise ValueError("fit_temperature: a posterior sample gives non-finite logits on the validation data")
+    if y.min() < 0 or y.max() >= logits.shape[-1]:
+        raise ValueError(f"fit_temperature: validation labels must be classes 0..{logits.shape[-1] - 1}, got "
+                         f"{int(y.min())}..{int(y.max())}")
 
     def nll(log_t):
         total = 0.0
