@@ -192,9 +192,20 @@ def test_unsupported_operation_is_refused_by_name():
     with pytest.raises(PackingError, match="mean over the batch"):
         pack_samples([BatchMean().eval(), BatchMean().eval()], x)
 
-    rnn = nn.Sequential(nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 3)).eval()
-    with pytest.raises(PackingError, match="PReLU"):
-        pack_samples([rnn, rnn], torch.randn(4, 8))
+    # A module the packer has no rule for runs per example where its weights are the same in every sample (the
+    # deterministic parts of a posterior sample); where they differ it is refused by name.
+    same = [nn.Sequential(nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 3)).eval() for _ in range(2)]
+    assert pack_samples(same, x)(x).shape == (4, 3)   # equal to unrolled: checked
+    with pytest.raises(PackingError, match="module PReLU whose weights differ between the posterior samples"):
+        pack_samples(_prelus_that_differ(), x)
+
+
+def _prelus_that_differ():
+    torch.manual_seed(0)
+    samples = [nn.Sequential(nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 3)).eval() for _ in range(2)]
+    with torch.no_grad():
+        samples[1][1].weight.fill_(0.5)
+    return samples
 
 
 def test_samples_of_different_widths_are_refused():
@@ -371,15 +382,99 @@ def test_packed_torchvision_models_in_onnx(name, tmp_path):
         assert packed.unfolded_batch_norms == []
 
 
+def _small_transformer(name):
+    """torchvision's ViT, Swin and ConvNeXt builders at a test's size (32x32 inputs, 10 classes)."""
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+    from torchvision.models.swin_transformer import SwinTransformer
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    if name == "vit":   # class token expanded to the batch size, positional embedding, MultiheadAttention
+        return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
+                                 num_classes=10)
+    if name == "swin":  # shifted windows (roll, pad, window attention with relative position tables), patch merging
+        return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=[4, 4],
+                               num_classes=10)
+    return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=10)   # LayerNorm2d, layer scale
+
+
+@pytest.mark.parametrize("name", ["vit", "swin", "convnext"])
+def test_packed_transformers_in_onnx(name, tmp_path):
+    """Posterior samples of bayesianized transformers pack (they were exported unrolled): their deterministic
+    parts (LayerNorm, attention, class token, layer scale, read as modules or tensor attributes) run on the
+    samples folded into the batch, each Bayesian Linear on tokens is one batched matmul over the M samples'
+    weights, not M calls. Packed equals unrolled (pack_samples checks 1e-5) and ONNX equals PyTorch."""
+    pytest.importorskip("torchvision")
+    from edgebayes.train.families import bayesianize
+
+    net = bayesianize(_small_transformer(name), "ss-gl", input_shape=(3, 32, 32), n_train=100)
+    with torch.no_grad():   # posterior samples that differ visibly, so that the per-sample weights matter
+        for _, layer in net.bayesian_layers():
+            layer.weight_rho.fill_(-2.0)
+    samples = compress(net.eval(), 0.5, 3, 0).samples
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    packed = pack_samples(samples, x)
+    traced = torch.fx.symbolic_trace(samples[0])   # the layers called as modules (attention's read their weights)
+    layers = [n for n in traced.graph.nodes
+              if n.op == "call_module" and isinstance(traced.get_submodule(n.target), (nn.Linear, nn.Conv2d))]
+    nodes = list(packed.net.graph.nodes)
+    assert not any(n.op == "call_module" and isinstance(packed.net.get_submodule(n.target), nn.Linear) for n in nodes)
+    weighted = [n for n in nodes if n.op == "call_function" and n.target in (torch.matmul, F.linear, F.conv2d)]
+    assert len(weighted) == len(layers)   # one call per layer for all M samples
+    assert _onnx_gap(packed, x, tmp_path / "packed.onnx") <= 1e-4
+
+
+def test_a_tensor_attribute_that_differs_between_samples_is_refused_by_name():
+    class Scaled(nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.fc, self.scale = nn.Linear(8, 3), nn.Parameter(torch.full((3,), scale))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    x = torch.randn(4, 8)
+    same = [Scaled(2.0).eval(), Scaled(2.0).eval()]
+    with torch.no_grad():
+        assert (pack_samples(same, x)(x) - MCAverage(same).eval()(x)).abs().max() <= 1e-6
+    with pytest.raises(PackingError, match="tensor attribute scale read directly, which differs between"):
+        pack_samples([Scaled(2.0).eval(), Scaled(3.0).eval()], x)
+
+
+def test_linear_on_the_shared_sequence_input_is_one_batched_matmul(tmp_path):
+    """A network whose input is a sequence [B, T, F] (a user's sensor windows): the first Linear reads the shared
+    input once for all M samples; later ones read each sample's own rows."""
+    class Sequence(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.norm, self.mix, self.head = nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.mix(torch.relu(self.norm(self.embed(x))))
+            return self.head(h.mean(1))
+
+    torch.manual_seed(0)
+    base = Sequence()
+    samples = []
+    for i in range(3):
+        sample = copy.deepcopy(base)
+        with torch.no_grad():
+            for layer in (sample.embed, sample.mix, sample.head):
+                layer.weight.add_(torch.randn(layer.weight.shape) * 0.3)
+        samples.append(sample.eval())
+    x = torch.randn(5, 7, 6)
+    packed = pack_samples(samples, x)
+    assert sum(n.target is torch.matmul for n in packed.net.graph.nodes) == 2
+    assert _onnx_gap(packed, x, tmp_path / "packed.onnx") <= 1e-4
+
+
 def test_a_network_the_packed_layout_refuses_is_exported_unrolled_and_says_why(tmp_path):
     """export_artifact in the packed layout (the default) on a network the packer refuses (a PReLU: a
-    module with weights it has no rule for) writes the unrolled graph instead of failing, and its details
+    module with weights it has no rule for, different in each sample) writes the unrolled graph instead of failing, and its details
     say why and what the unrolled layout costs; the artifact computes the MC average."""
     from edgebayes.export.formats import artifact_predict, export_artifact
 
-    torch.manual_seed(0)
-    samples = [nn.Sequential(nn.Linear(8, 8), nn.PReLU(), nn.Linear(8, 3)).eval() for _ in range(2)]
-    mc, x = MCAverage(samples).eval(), torch.randn(16, 8)
+    mc, x = MCAverage(_prelus_that_differ()).eval(), torch.randn(16, 8)
     details = {}
     path = export_artifact(mc, "onnx", tmp_path / "m.onnx", x, layout="packed", details=details)
     assert details["layout"] == "unrolled"

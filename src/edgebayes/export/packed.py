@@ -19,6 +19,8 @@ their weights, so each layer can instead run all M samples in one operator call:
                  exists to cut. The first Linear reads the shared input and is one matmul with M*out
                  outputs. (A batched matmul over [M, B, F] was 3x slower in onnxruntime 1.31, whose fused
                  batched MatMul has no fast path for it, and its int8 kernel refuses it.)
+                 A Linear on tokens, [B, T, F] per sample (a transformer's MLP), is one batched matmul:
+                 [B, M, T, F] @ [M, F, out] -> [B, M*T, out] (every sample's T rows are a real GEMM).
     activations, pooling, spatial reductions (mean/amax/amin/sum over dimensions >= 2)
                  unchanged: they act per element or per channel.
     add/sub/mul  elementwise; operands broadcasting over the channel dimension (an attention map
@@ -28,9 +30,15 @@ their weights, so each layer can instead run all M samples in one operator call:
                  x.reshape(x.shape[0], -1), x.view(-1, F)), squeeze/unsqueeze off the batch dimension: sample
                  m's values are contiguous in every layout, so any per-example reshape [B, C, ...] ->
                  [B, C', ...] is the reshape [B, M*C, ...] -> [B, M*C', ...]. x.size()/x.shape are accepted
-                 only as the shape of such a reshape.
+                 only as the shape of such a reshape or of a new per-example tensor (x.shape[0] in
+                 class_token.expand(x.shape[0], -1, -1)), never as a number in arithmetic.
     cat          channel concatenation per sample: [B, M, C1, ...] and [B, M, C2, ...] -> [B, M, C1+C2, ...].
     output       [B, M*K] -> [B, M, K]: the mean over M of the softmaxes, exactly as MCAverage.
+    anything else that acts on each example alone (a LayerNorm, attention, a transpose, a class token
+                 expanded to the batch size) and whose weights are the same in every sample (the
+                 deterministic parts of a posterior sample): run as written on the samples folded into the
+                 batch, [B*M, ...] (`_Packer.per_example`); a tensor attribute read directly (a class token,
+                 a layer scale, a LayerNorm2d's weight) is then a constant of the graph.
 
 The graph is built generically: torch.fx traces sample 0 (after batch-norm folding), shapes are
 propagated on an example input, and each call is replaced by its packed version, the weights taken
@@ -42,6 +50,7 @@ unrolled MC average.
 import builtins
 import collections
 import copy
+import math
 import operator
 
 import torch
@@ -60,6 +69,7 @@ CHANNELS = "channels"  # [B, M*C, ...]: sample m's channels (or features) at m*C
 FEATURE_MAPS = "feature maps"  # per-sample [B, F] features held as [B, M*F, 1, 1], as a grouped 1x1 conv makes them
 SIZE = "size"          # an x.size() / x.shape value: no node until an operation needs it (`size_of`)
 BATCHED = "batched"    # [B*M, ...]: the samples folded into the batch, sample m of example b at row b*M + m
+CONSTANT = "constant"  # a tensor attribute, the same in every sample: no batch dimension, used as it is
 
 # Parameter-free modules and functions acting per element or per channel: they keep the layout.
 ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
@@ -76,6 +86,9 @@ BINARY_FUNCTIONS = {operator.add, torch.add, operator.sub, torch.sub, operator.m
 BINARY_METHODS = {"add", "sub", "mul"}
 REDUCTIONS = {torch.mean: "mean", torch.amax: "amax", torch.amin: "amin", torch.sum: "sum"}
 RESHAPE_METHODS = {"view", "reshape"}
+# Operations that take sizes as the shape of a new per-example tensor (a class token expanded to the batch)
+SHAPE_METHODS = {"expand", "repeat", "new_zeros", "new_ones", "new_empty", "new_full"}
+SHAPE_FUNCTIONS = {torch.zeros, torch.ones, torch.empty, torch.full}
 FOLDABLE = ((nn.Conv2d, nn.BatchNorm2d), (nn.Linear, nn.BatchNorm1d))  # (layer, batch norm that folds into it)
 
 
@@ -239,6 +252,29 @@ class _Packer:
         mods = [mods[node.target] for mods in self.modules]
         return [getattr(mod, attr) for mod in mods]
 
+    def same_in_every_sample(self, node):
+        """Whether the module called by `node` has the same parameters and buffers in all M samples (none, or
+        the deterministic layers of a posterior sample: a LayerNorm, an attention block)."""
+        states = [mods[node.target].state_dict() for mods in self.modules]
+        return all(torch.equal(t, other[name]) for other in states[1:] for name, t in states[0].items())
+
+    def attribute(self, node):
+        """A tensor attribute read directly (get_attr): a constant of the packed graph where it is the same in
+        every sample, else refused (its per-sample layout would need a rule of its own)."""
+        def fetch(traced):
+            value = traced
+            for name in node.target.split("."):
+                value = getattr(value, name)
+            return value
+
+        values = [fetch(t) for t in self.traced]
+        if not isinstance(values[0], torch.Tensor):
+            self.unsupported(node, f"the attribute {node.target} of type {type(values[0]).__name__}")
+        if any(not torch.equal(values[0], v) for v in values[1:]):
+            self.unsupported(node, f"the tensor attribute {node.target} read directly, which differs between the "
+                                   f"posterior samples")
+        return self.constant(values[0], node.target), CONSTANT
+
     def as_features(self, value, shape):
         """A FEATURE_MAPS value as [B, M*F] (CHANNELS); any other value unchanged."""
         node, have = value
@@ -274,7 +310,7 @@ class _Packer:
         """The packed value of `node` with the samples folded into the batch: [B*M, ...] (BATCHED). Sample m's
         values are contiguous in every layout, so it is one reshape; a shared value is repeated per sample."""
         value, layout = self.env[node]
-        if layout == BATCHED:
+        if layout in (BATCHED, CONSTANT):
             return value
         if layout == SIZE:
             return self.size_of(node)
@@ -291,18 +327,25 @@ class _Packer:
         """A SIZE value as a node: the sizes of its tensor with the samples folded into the batch, or of the
         shared tensor as it is (folded=False)."""
         tensor, dims = self.sizes[node]
-        h = self.batched(tensor) if folded else self.env[tensor][0]
-        if isinstance(dims, int):
-            return self.method("size", h, dims)
-        return tuple(self.method("size", h, d) for d in dims)
+        value, layout = self.env[tensor]
+        if folded and layout == SHARED:   # B*M rows of the shared shape, without materialising them (`batched`)
+            def size(d):
+                return self.call(operator.mul, self.method("size", value, 0), self.m) if d == 0 else \
+                    self.method("size", value, d)
+        else:
+            h = self.batched(tensor) if folded else value
+            def size(d):
+                return self.method("size", h, d)
+        return size(dims) if isinstance(dims, int) else tuple(size(d) for d in dims)
 
     def per_example(self, node):
-        """Any operation without weights that acts on each example alone (a transpose, a channel slice, chunk,
-        x[:, :, None, None], expand, a reduction over channels, a channel shuffle's views): run as written on
+        """Any operation that acts on each example alone, without weights or with the same weights in every
+        sample (a transpose, a channel slice, chunk, x[:, :, None, None], expand, a reduction over channels, a
+        channel shuffle's views, a LayerNorm, attention, a class token, a layer scale): run as written on
         the samples folded into the batch, [B*M, ...], which is each sample's own computation. Whether it
         really is per example is checked by pack_samples (packed against unrolled, on the example batch)."""
         values = [self.env[a][1] for a in node.all_input_nodes]
-        if all(layout in (SHARED, SIZE) for layout in values) and \
+        if all(layout in (SHARED, SIZE, CONSTANT) for layout in values) and \
                 all(self.env[self.sizes[a][0]][1] == SHARED for a in node.all_input_nodes if a in self.sizes):
             convert, layout = (lambda a: self.size_of(a, folded=False) if a in self.sizes else self.env[a][0]), SHARED
         else:
@@ -318,6 +361,10 @@ class _Packer:
     def rewrite_any(self, node):
         """The packed value of `node`: by the rule for its operation (`rewrite`), or per example."""
         inputs = node.all_input_nodes
+        if inputs and all(self.env[a][1] == CONSTANT for a in inputs):   # arithmetic on constants
+            return self.graph.node_copy(node, lambda a: self.env[a][0]), CONSTANT
+        if any(self.env[a][1] == CONSTANT for a in inputs):   # no rule reads a constant operand
+            return self.per_example(node)
         size_ops = self._is_view(node) or (node.op == "call_function" and node.target is operator.getitem
                                            and inputs and inputs[0] in self.sizes)
         if not size_ops and any(not hasattr(a.meta.get("tensor_meta"), "shape") for a in inputs):
@@ -365,10 +412,11 @@ class _Packer:
 
     def linear(self, node, x):
         in_shape = self.shape(node.args[0])
-        if len(in_shape) != 2:
-            raise PackingError(f"{node.target}: Linear on a {len(in_shape)}-D input is not supported "
-                               f"(flatten to [batch, features] first)")
+        if len(in_shape) < 2:
+            raise PackingError(f"{node.target}: Linear on a 1-D input (no batch dimension) is not supported")
         weights, biases = self.per_sample(node, "weight"), self.per_sample(node, "bias")
+        if len(in_shape) > 2:
+            return self.linear_on_rows(node, x, in_shape, weights, biases)
         bias = None if biases[0] is None else self.constant(torch.cat(biases), node.target + ".bias")
         if x[1] == SHARED:  # one matmul with M*out outputs: [B, M*out], sample-major
             return self.call(F.linear, x[0], self.constant(torch.cat(weights), node.target + ".weight"), bias), CHANNELS
@@ -376,6 +424,22 @@ class _Packer:
         weight = self.constant(torch.cat(weights)[:, :, None, None], node.target + ".weight")
         h = x[0] if x[1] == FEATURE_MAPS else self.method("reshape", x[0], -1, self.m * in_shape[1], 1, 1)
         return self.call(F.conv2d, h, weight, bias, 1, 0, 1, self.m), FEATURE_MAPS
+
+    def linear_on_rows(self, node, x, in_shape, weights, biases):
+        """A Linear on [B, T, ..., F] per sample (a transformer's tokens): one batched matmul,
+        [B, M, T*..., F] @ [M, F, out] (+ bias [M, 1, out]) -> [B, M*T, ..., out] (CHANNELS): each sample's rows
+        are one GEMM with its own weights. A shared input is viewed as [B, 1, T*..., F] and broadcast."""
+        rows, features = math.prod(in_shape[1:-1]), in_shape[-1]
+        if x[1] == SHARED:
+            h = self.method("reshape", x[0], -1, 1, rows, features)
+        else:
+            h = self.method("reshape", self.lift(x, in_shape), -1, self.m, rows, features)
+        weight = self.constant(torch.stack([w.t() for w in weights]), node.target + ".weight")   # [M, F, out]
+        out = self.call(torch.matmul, h, weight)
+        if biases[0] is not None:
+            out = self.call(operator.add, out, self.constant(torch.stack(biases)[:, None, :], node.target + ".bias"))
+        out_shape = self.shape(node)
+        return self.method("reshape", out, -1, self.m * out_shape[1], *out_shape[2:]), CHANNELS
 
     def batch_norm(self, node, x):
         """A batch norm that could not be folded: one batch norm over the M*C channels (eval statistics).
@@ -452,17 +516,21 @@ class _Packer:
         """x.size(), x.size(d), x.shape, x.shape[d]: kept aside (no node) for the reshape that reads it.
 
         The batch size is the one size that differs between the example and the deployed graph (and B*M
-        where the samples are folded into the batch): a size that includes it is accepted only as a reshape's
-        shape. Other sizes are per example: an operation that needs one reads it off the value (`size_of`).
+        where the samples are folded into the batch): a size that includes it is accepted only as the shape
+        of a reshape (which reads it as the batch: `view`) or of a new tensor per example (a class token
+        expanded to x.shape[0], run per example on the folded sizes, B*M: `size_of`), never as a number in
+        arithmetic. Other sizes are per example: an operation that needs one reads it off the value.
         """
         has_batch = 0 in (dims if isinstance(dims, tuple) else (dims,))
         for user in node.users if has_batch else ():
             ok = (user.op == "call_function" and user.target is operator.getitem and user.args[0] is node) or \
-                 (self._is_view(user) and user.args[0] is not node)
+                 (self._is_view(user) and user.args[0] is not node) or \
+                 (user.op == "call_method" and user.target in SHAPE_METHODS and user.args[0] is not node) or \
+                 (user.op == "call_function" and user.target in SHAPE_FUNCTIONS)
             if not ok:
                 raise PackingError(f"the packed MC layout takes {node.name} = {_describe_size(node)} only as the shape "
-                                   f"of a view/reshape, not in {user.format_node()}. Use export.layout: unrolled "
-                                   f"for this network")
+                                   f"of a view/reshape or of a new tensor, not in {user.format_node()}. Use "
+                                   f"export.layout: unrolled for this network")
         self.sizes[node] = (tensor, dims)
         return None, SIZE
 
@@ -565,8 +633,9 @@ class _Packer:
         raise (_PerExample if per_example else PackingError)(
             f"the packed MC layout does not support {what} ({node.format_node()}); supported: "
                            f"Conv2d, Linear, BatchNorm, elementwise activations, pooling, spatial mean/amax, "
-                           f"per-example flatten/view/reshape, add/sub/mul, cat. Use export.layout: unrolled "
-                           f"for this network")
+                           f"per-example flatten/view/reshape, add/sub/mul, cat, and what acts on each example "
+                           f"alone with the same weights in every sample. Use export.layout: unrolled for this "
+                           f"network")
 
     # -- the rewrite -----------------------------------------------------------------------------
     def rewrite(self, node):
@@ -592,8 +661,9 @@ class _Packer:
                     mod.inplace = False  # the packed graph's reshapes may alias or copy where the sample's did not
                 self.root.add_module(name, mod)
                 return self.graph.call_module(name, (x[0],)), x[1]
-            stateless = not any(True for _ in mod.parameters()) and not any(True for _ in mod.buffers())
-            self.unsupported(node, f"module {type(mod).__name__}", per_example=stateless)
+            same = self.same_in_every_sample(node)
+            self.unsupported(node, f"module {type(mod).__name__}" + ("" if same else " whose weights differ between "
+                             "the posterior samples"), per_example=same)
         if node.op == "call_function":
             if node.target in ELEMENTWISE_FUNCTIONS or \
                     (node.target in CHANNELWISE_FUNCTIONS and len(self.shape(arg)) == 4):
@@ -653,7 +723,7 @@ class _Packer:
                 out = node.args[0]
                 if not isinstance(out, fx.Node) or len(self.shape(out)) != 2:
                     raise PackingError("the posterior sample must return one [batch, classes] tensor of logits")
-                if self.env[out][1] == SHARED:
+                if self.env[out][1] in (SHARED, CONSTANT):
                     raise PackingError("the network output does not depend on the posterior sample")
                 classes = self.shape(out)[1]
                 logits = self.method("reshape", self.env[out][0], -1, self.m, classes)  # [B, M, classes]
@@ -662,7 +732,7 @@ class _Packer:
                 probs = self.call(torch.softmax, logits, -1)
                 self.graph.output(self.method("mean", probs, 1))
             elif node.op == "get_attr":
-                self.unsupported(node, "a tensor attribute used directly")
+                self.env[node] = self.attribute(node)
             else:
                 self.env[node] = self.rewrite_any(node)
         module = fx.GraphModule(self.root, self.graph)
