@@ -5,7 +5,11 @@
 M posterior samples of a LeNet-5-Caffe (conv 20 5x5, conv 50 5x5, fc 800 -> 500 -> 10) and of an
 MLP (784-300-100-10), different weights per sample, at their dense widths and at the pruned widths of
 export_pruned_latency.py (LeNet 8 / 16 channels, 60 hidden; MLP 60-30): the pipeline exports the
-physically pruned network, so the pruned rows are what a device runs. Both layouts exported by the
+physically pruned network, so the pruned rows are what a device runs. And three small transformers a user
+might ship at 32x32 (torchvision's builders: a ViT of 4 layers, width 64, patch 4, 65 tokens; a Swin of
+two stages, width 32; a ConvNeXt of three stages, widths 32-128), bayesianized (ss-gl) with their M
+posterior samples drawn by compress: their Linears on tokens, LayerNorms and attention are what the packed
+layout could not pack before (they were exported unrolled). Both layouts exported by the
 pipeline's export_artifact (fp32 ONNX and TFLite) and timed at batch 1 with 1 and 2 threads on onnxruntime
 and ai-edge-litert, rounds interleaved.
 
@@ -48,6 +52,33 @@ def samples(build, m):
     return out
 
 
+def transformer(name):
+    """A small torchvision ViT, Swin or ConvNeXt at 32x32, 10 classes (module docstring)."""
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+    from torchvision.models.swin_transformer import SwinTransformer
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    if name == "vit":
+        return VisionTransformer(image_size=32, patch_size=4, num_layers=4, num_heads=4, hidden_dim=64, mlp_dim=128,
+                                 num_classes=10)
+    if name == "swin":
+        return SwinTransformer(patch_size=[4, 4], embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4],
+                               num_classes=10)
+    return ConvNeXt([CNBlockConfig(32, 64, 2), CNBlockConfig(64, 128, 2), CNBlockConfig(128, None, 2)], num_classes=10)
+
+
+def posterior_samples(name, m):
+    """M posterior samples of the bayesianized (ss-gl) transformer, as export receives them: the Bayesian layers
+    differ per sample, LayerNorm and attention are the same in each (the weights' values do not change the
+    latency)."""
+    from edgebayes.compressed.samples import compress
+    from edgebayes.train.families import bayesianize
+
+    torch.manual_seed(0)
+    net = bayesianize(transformer(name), "ss-gl", input_shape=(3, 32, 32), n_train=1000)
+    return compress(net.eval(), 0.5, m, 0).samples
+
+
 def operator_profile(path, x1, calls=500):
     """{operator type: mean microseconds per inference} of an ONNX file in onnxruntime, one thread, from its
     profiler (which adds a little to every operator), plus "model_run" (the whole call)."""
@@ -73,22 +104,26 @@ def operator_profile(path, x1, calls=500):
 
 PACKED_TITLE = "Packed vs unrolled MC layout: M posterior samples in one graph (issues 8, 37)"
 PACKED_MEASURES = ("Median latency at batch 1 (1 and 2 threads, rounds interleaved) of M = 1, 2, 4, 8 posterior samples "
-                   "of LeNet-5-Caffe and an MLP, dense and at the pipeline's pruned widths, exported in the packed and "
+                   "of LeNet-5-Caffe and an MLP, dense and at the pipeline's pruned widths, and of a small ViT, Swin and "
+                   "ConvNeXt (bayesianized, ss-gl), exported in the packed and "
                    "the unrolled layout, in onnxruntime and ai-edge-litert; beside them the floor of M samples (the "
                    "M = 1 graph on a batch of M, onnxruntime) and where the packed graph's time goes.")
 
 
 def main():
     results, profiles, lines = {}, {}, []
-    nets = (("lenet5-caffe", lenet5_caffe), ("lenet5-caffe pruned", lambda: lenet5_caffe(8, 16, 60)),
-            ("mlp", mlp), ("mlp pruned", lambda: mlp((784, 60, 30))))
-    for net, build in nets:
-        x = inputs((1, 28, 28))
+    nets = [("lenet5-caffe", lambda m: samples(lenet5_caffe, m), (1, 28, 28)),
+            ("lenet5-caffe pruned", lambda m: samples(lambda: lenet5_caffe(8, 16, 60), m), (1, 28, 28)),
+            ("mlp", lambda m: samples(mlp, m), (1, 28, 28)),
+            ("mlp pruned", lambda m: samples(lambda: mlp((784, 60, 30)), m), (1, 28, 28))]
+    nets += [(name, lambda m, name=name: posterior_samples(name, m), (3, 32, 32)) for name in ("vit", "swin", "convnext")]
+    for net, draw, shape in nets:
+        x = inputs(shape)
         results[net] = {}
         with tempfile.TemporaryDirectory() as tmp:
             artifacts = {}
             for m in MS:
-                mc = MCAverage(samples(build, m)).eval()
+                mc = MCAverage(draw(m)).eval()
                 for runtime in RUNTIMES:
                     for layout in ("unrolled", "packed"):
                         artifacts[(m, runtime, layout)] = export_for(

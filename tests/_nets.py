@@ -264,3 +264,19 @@ def torchvision_samples(name, m, n=4, seed=123):
                 p.add_(torch.randn(p.shape, generator=gen) * 0.05 * p.abs().mean())
         samples.append(sample.eval())
     return samples, x
+
+
+def small_transformer(name):
+    """torchvision's ViT, Swin and ConvNeXt builders at a test's size (32x32 inputs, 10 classes)."""
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+    from torchvision.models.swin_transformer import SwinTransformer
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    if name == "vit":   # class token expanded to the batch size, positional embedding, MultiheadAttention
+        return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
+                                 num_classes=10)
+    if name == "swin":  # shifted windows (roll, pad, window attention with relative position tables), patch merging
+        return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=[4, 4],
+                               num_classes=10)
+    return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=10)   # LayerNorm2d, layer scale

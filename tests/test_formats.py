@@ -71,6 +71,51 @@ def test_int8_onnx_keeps_probabilities_in_float(tmp_path):
     assert facts["calibration_rows"] == 32
 
 
+def _quantized_ops(path):
+    """(weighted ops reading a dequantized input, all weighted ops) of an ONNX graph, by type."""
+    import collections
+
+    import onnx
+
+    graph = onnx.load(str(path)).graph
+    dequantized = {o for n in graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    weighted = [n for n in graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
+    return (collections.Counter(n.op_type for n in weighted if dequantized.intersection(n.input)),
+            collections.Counter(n.op_type for n in weighted))
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "packed"])
+def test_int8_onnx_of_a_transformer_quantizes_past_its_attention_and_runs(layout, tmp_path):
+    """A softmax inside the network (attention) is not an output probability: the layers after it are int8 too
+    (before, everything after a transformer's first attention stayed float). The packed layout's Linears on
+    tokens (a MatMul over the M samples' stacked weights, which onnxruntime's int8 kernels refuse at run time)
+    stay float and are named in float_ops; every other layer is int8, and the artifact runs."""
+    import onnx
+
+    pytest.importorskip("torchvision")
+    from _nets import small_transformer
+    from edgebayes.compressed.samples import compress
+    from edgebayes.train.families import bayesianize
+
+    net = bayesianize(small_transformer("vit"), "ss-gl", input_shape=(3, 32, 32), n_train=100)
+    mc = MCAverage(compress(net.eval(), 0.5, 2, 0).samples).eval()
+    x = torch.randn(32, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    facts = {}
+    path = export_artifact(mc, "onnx-int8", tmp_path / "q.onnx", x[:8], x, layout=layout, details=facts)
+    assert facts["layout"] == layout
+    quantized, weighted = _quantized_ops(path)
+    graph = onnx.load(str(path)).graph
+    stacked = [n.name for n in graph.node if n.op_type == "MatMul" and n.name in facts["float_ops"]]
+    if layout == "unrolled":
+        assert quantized == weighted and not stacked   # every Conv, Gemm and MatMul, after the attention too
+    else:
+        assert len(stacked) == 4   # the two MLP Linears of each of the two encoder blocks
+        assert quantized["MatMul"] == weighted["MatMul"] - 4 and quantized["Conv"] == weighted["Conv"]
+    with torch.no_grad():
+        ref = mc(x).numpy()
+    assert np.abs(artifact_predict(path, "onnx-int8", x.numpy()) - ref).max() < 0.05
+
+
 def test_fp16_weight_onnx_halves_the_file_keeps_fp32_compute_and_is_offered_where_fp16_is(tmp_path):
     import onnx
     from onnx import numpy_helper

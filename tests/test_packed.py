@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _nets import IDIOMS, idiom_samples, samples_and_inputs, torchvision_samples
+from _nets import IDIOMS, idiom_samples, samples_and_inputs, small_transformer, torchvision_samples
 from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.compressed.samples import MCAverage, compress, fp32_agreement, predict_float64
 from edgebayes.export.onnx_export import export_onnx, onnx_predict
@@ -382,22 +382,6 @@ def test_packed_torchvision_models_in_onnx(name, tmp_path):
         assert packed.unfolded_batch_norms == []
 
 
-def _small_transformer(name):
-    """torchvision's ViT, Swin and ConvNeXt builders at a test's size (32x32 inputs, 10 classes)."""
-    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
-    from torchvision.models.swin_transformer import SwinTransformer
-    from torchvision.models.vision_transformer import VisionTransformer
-
-    torch.manual_seed(0)
-    if name == "vit":   # class token expanded to the batch size, positional embedding, MultiheadAttention
-        return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
-                                 num_classes=10)
-    if name == "swin":  # shifted windows (roll, pad, window attention with relative position tables), patch merging
-        return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=[4, 4],
-                               num_classes=10)
-    return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=10)   # LayerNorm2d, layer scale
-
-
 @pytest.mark.parametrize("name", ["vit", "swin", "convnext"])
 def test_packed_transformers_in_onnx(name, tmp_path):
     """Posterior samples of bayesianized transformers pack (they were exported unrolled): their deterministic
@@ -407,7 +391,7 @@ def test_packed_transformers_in_onnx(name, tmp_path):
     pytest.importorskip("torchvision")
     from edgebayes.train.families import bayesianize
 
-    net = bayesianize(_small_transformer(name), "ss-gl", input_shape=(3, 32, 32), n_train=100)
+    net = bayesianize(small_transformer(name), "ss-gl", input_shape=(3, 32, 32), n_train=100)
     with torch.no_grad():   # posterior samples that differ visibly, so that the per-sample weights matter
         for _, layer in net.bayesian_layers():
             layer.weight_rho.fill_(-2.0)

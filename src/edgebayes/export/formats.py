@@ -25,6 +25,7 @@ none, the posterior samples are constants, but the rule holds). Export is determ
 the M samples drawn from the run's seed, and the calibration inputs are the first `calib_x` rows.
 """
 
+import collections
 import contextlib
 import io
 import logging
@@ -88,29 +89,58 @@ def _calibration_rows(calib_x, n_min=1):
 def quantize_onnx_int8(fp32_path, out_path, calib_x):
     """NNCF post-training quantization of an ONNX model: Q/DQ int8 model that onnxruntime runs.
 
-    The softmaxes and the MC average after them stay in float (NNCF ignored scope): probabilities
-    quantized to 8 bits (steps of 1/255) wreck calibration (measured on digits: NLL 0.39 -> 0.52,
-    ECE 0.062 -> 0.13 at equal accuracy). Every Gemm and Conv (the packed layout's too) is int8.
+    Left in float (NNCF ignored scope):
+      - the output softmaxes and the MC average after them: probabilities quantized to 8 bits (steps of 1/255)
+        wreck calibration (measured on digits: NLL 0.39 -> 0.52, ECE 0.062 -> 0.13 at equal accuracy). They are
+        the softmaxes from which the output is reached without another weighted layer; an attention block's
+        softmax inside the network is not one of them (before, everything after a transformer's first
+        attention stayed float);
+      - a MatMul over the M samples' stacked weights (a packed Linear on tokens, [M, F, out]): onnxruntime's
+        int8 MatMul kernels take a 2-D weight and fail on its per-channel zero points at run time.
+    Every Gemm and Conv (the packed layout's too) is int8. Returns the float nodes' names in "float_ops".
     """
     import onnx
 
     with _quiet():
         import nncf
     model = onnx.load(str(fp32_path))
-    probabilities, produced = [], set()  # the Softmax nodes and everything downstream of them
-    for n in model.graph.node:  # ONNX graphs are topologically sorted
-        if n.op_type == "Softmax" or produced.intersection(n.input):
-            probabilities.append(n.name)
-            produced.update(n.output)
+    ignored = _output_probabilities(model.graph)
+    constants = {t.name: len(t.dims) for t in model.graph.initializer}
+    ignored += [n.name for n in model.graph.node
+                if n.op_type == "MatMul" and len(n.input) > 1 and constants.get(n.input[1], 0) > 2]
     rows = _calibration_rows(calib_x)
     input_name = model.graph.input[0].name
     dataset = nncf.Dataset([rows[i: i + 1] for i in range(len(rows))], lambda a: {input_name: a})
     with _quiet():
         quantized = nncf.quantize(model, dataset, subset_size=len(rows),
-                                  ignored_scope=nncf.IgnoredScope(names=probabilities, validate=False))
+                                  ignored_scope=nncf.IgnoredScope(names=ignored, validate=False))
     onnx.save(quantized, str(out_path))
     onnx.checker.check_model(str(out_path))
-    return {"calibration_rows": len(rows), "float_ops": probabilities}
+    return {"calibration_rows": len(rows), "float_ops": ignored}
+
+
+WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
+
+
+def _output_probabilities(graph):
+    """Names of the output softmaxes (the graph's outputs are reached from them without a weighted layer) and
+    of every node downstream of them: the probabilities and their MC average."""
+    consumers = collections.defaultdict(list)
+    for n in graph.node:
+        for name in n.input:
+            consumers[name].append(n)
+    outputs = {o.name for o in graph.output}
+    plain = set()   # nodes whose output reaches a graph output through no weighted layer
+    for n in reversed(graph.node):   # ONNX graphs are topologically sorted
+        if any(o in outputs for o in n.output) or any(
+                c.name in plain and c.op_type not in WEIGHTED for o in n.output for c in consumers[o]):
+            plain.add(n.name)
+    names, produced = [], set()
+    for n in graph.node:
+        if (n.op_type == "Softmax" and n.name in plain) or produced.intersection(n.input):
+            names.append(n.name)
+            produced.update(n.output)
+    return names
 
 
 def _litert_convert(module, example, path, quant_config=None):
