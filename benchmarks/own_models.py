@@ -261,8 +261,8 @@ def markdown(rows, args):
     return "\n".join(lines) + "\n"
 
 
-def write(out, rows, args):
-    result = {"rows": rows, "args": args, "provenance": provenance("benchmark")}
+def write(out, rows, args, origin):
+    result = {"rows": rows, "args": args, "provenance": origin}
     with atomic_path(out.with_suffix(".json")) as tmp:
         Path(tmp).write_text(json.dumps(result, indent=1, default=str))
     with atomic_path(out.with_suffix(".md")) as tmp:
@@ -296,11 +296,13 @@ def main(argv=None):
     settings = {k: v for k, v in vars(args).items() if k not in ("quick", "resume", "markdown_only")}
     settings["command"] = "python benchmarks/own_models.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = json.loads(out.with_suffix(".json").read_text())["rows"] if args.resume else []
+    # Taken before the first row is written: the rows this run writes make the checkout dirty after it
+    origin = provenance("benchmark")
     done = {(r["net"], r["family"], r["case"]) for r in rows}
     for row in run(args, done):
         rows.append(row)
         if not args.quick:   # after every row: an interrupted run keeps what it measured
-            write(out, rows, settings)
+            write(out, rows, settings, origin)
     if not args.quick:
         print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 0
