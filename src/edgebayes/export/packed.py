@@ -790,9 +790,9 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5, temperature
 
 
 # What the unrolled layout costs where packing was refused (benchmarks/results/export_packed_latency.md,
-# onnxruntime, batch 1): at M = 8 the packed graph took 0.53x-0.92x of the unrolled one's time.
-UNROLLED_COST = ("the unrolled layout runs each layer M times: at M = 8 the packed layout took 0.53-0.92x its "
-                 "latency on the nets measured (benchmarks/results/export_packed_latency.md)")
+# onnxruntime, batch 1, 1 and 2 threads): at M = 8 the packed graph took 0.27x-0.89x of the unrolled one's time.
+UNROLLED_COST = ("the unrolled layout runs each layer M times: at M = 8 the packed layout took 0.27-0.89x its "
+                 "latency in onnxruntime on the nets measured (benchmarks/results/export_packed_latency.md)")
 
 
 def mc_graph(mc_model, layout: str, example: torch.Tensor, fallback=None) -> nn.Module:
