@@ -280,3 +280,17 @@ def small_transformer(name):
         return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=[4, 4],
                                num_classes=10)
     return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=10)   # LayerNorm2d, layer scale
+
+
+def transformer_samples(name, m):
+    """M posterior samples of small_transformer(name) bayesianized (ss-gl), with the weights' posterior scales
+    at softplus(-2) so that the samples differ visibly and the untrained net's probabilities are not flat
+    (torchvision's ViT starts its head at zero), and 8 inputs."""
+    from edgebayes.compressed.samples import compress
+    from edgebayes.train.families import bayesianize
+
+    net = bayesianize(small_transformer(name), "ss-gl", input_shape=(3, 32, 32), n_train=100)
+    with torch.no_grad():
+        for _, layer in net.bayesian_layers():
+            layer.weight_rho.fill_(-2.0)
+    return compress(net.eval(), 0.5, m, 0).samples, torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))

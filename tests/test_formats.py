@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from _nets import samples_and_inputs
+from _nets import samples_and_inputs, transformer_samples
 from edgebayes.config import ExportFormat
 from edgebayes.compressed.samples import MCAverage
 from edgebayes.export.formats import FORMATS, artifact_predict, check_fidelity, export_artifact, fidelity
@@ -93,13 +93,8 @@ def test_int8_onnx_of_a_transformer_quantizes_past_its_attention_and_runs(layout
     import onnx
 
     pytest.importorskip("torchvision")
-    from _nets import small_transformer
-    from edgebayes.compressed.samples import compress
-    from edgebayes.train.families import bayesianize
-
-    net = bayesianize(small_transformer("vit"), "ss-gl", input_shape=(3, 32, 32), n_train=100)
-    mc = MCAverage(compress(net.eval(), 0.5, 2, 0).samples).eval()
-    x = torch.randn(32, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    samples, x = transformer_samples("vit", 2)
+    mc, x = MCAverage(samples).eval(), torch.cat([x, -x, 2 * x, x.flip(0)])   # 32 calibration inputs
     facts = {}
     path = export_artifact(mc, "onnx-int8", tmp_path / "q.onnx", x[:8], x, layout=layout, details=facts)
     assert facts["layout"] == layout
@@ -114,6 +109,22 @@ def test_int8_onnx_of_a_transformer_quantizes_past_its_attention_and_runs(layout
     with torch.no_grad():
         ref = mc(x).numpy()
     assert np.abs(artifact_predict(path, "onnx-int8", x.numpy()) - ref).max() < 0.05
+
+
+@pytest.mark.parametrize("name", ["vit", "swin", "convnext"])
+def test_packed_transformers_round_trip_through_tflite(name, tmp_path):
+    """litert-torch converts the packed graph of a transformer (the M samples folded into the batch around
+    LayerNorm and attention, batched matmuls on tokens) and LiteRT computes the MC average."""
+    pytest.importorskip("torchvision")
+    samples, x = transformer_samples(name, 2)
+    mc = MCAverage(samples).eval()
+    facts = {}
+    path = export_artifact(mc, "tflite-fp32", tmp_path / "m.tflite", x, layout="packed", details=facts)
+    assert facts["layout"] == "packed"
+    with torch.no_grad():
+        ref = mc(x).numpy()
+    assert ref.max() - ref.min() > 0.02   # probabilities that compare something
+    assert np.abs(artifact_predict(path, "tflite-fp32", x.numpy()) - ref).max() <= TOLERANCE
 
 
 def test_fp16_weight_onnx_halves_the_file_keeps_fp32_compute_and_is_offered_where_fp16_is(tmp_path):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _nets import IDIOMS, idiom_samples, samples_and_inputs, small_transformer, torchvision_samples
+from _nets import IDIOMS, idiom_samples, samples_and_inputs, torchvision_samples, transformer_samples
 from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.compressed.samples import MCAverage, compress, fp32_agreement, predict_float64
 from edgebayes.export.onnx_export import export_onnx, onnx_predict
@@ -389,14 +389,7 @@ def test_packed_transformers_in_onnx(name, tmp_path):
     samples folded into the batch, each Bayesian Linear on tokens is one batched matmul over the M samples'
     weights, not M calls. Packed equals unrolled (pack_samples checks 1e-5) and ONNX equals PyTorch."""
     pytest.importorskip("torchvision")
-    from edgebayes.train.families import bayesianize
-
-    net = bayesianize(small_transformer(name), "ss-gl", input_shape=(3, 32, 32), n_train=100)
-    with torch.no_grad():   # posterior samples that differ visibly, so that the per-sample weights matter
-        for _, layer in net.bayesian_layers():
-            layer.weight_rho.fill_(-2.0)
-    samples = compress(net.eval(), 0.5, 3, 0).samples
-    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    samples, x = transformer_samples(name, 3)
     packed = pack_samples(samples, x)
     traced = torch.fx.symbolic_trace(samples[0])   # the layers called as modules (attention's read their weights)
     layers = [n for n in traced.graph.nodes
