@@ -102,9 +102,9 @@ def test_int8_onnx_of_a_transformer_quantizes_past_its_attention_and_runs(layout
     graph = onnx.load(str(path)).graph
     stacked = [n.name for n in graph.node if n.op_type == "MatMul" and n.name in facts["float_ops"]]
     if layout == "unrolled":
-        assert quantized == weighted and not stacked   # every Conv, Gemm and MatMul, after the attention too
+        assert quantized == weighted and not stacked and facts["float_layers"] == []   # every Conv, Gemm and MatMul, after the attention too
     else:
-        assert len(stacked) == 4   # the two MLP Linears of each of the two encoder blocks
+        assert len(stacked) == 4 and sorted(facts["float_layers"]) == sorted(stacked)   # 2 MLP Linears x 2 blocks
         assert quantized["MatMul"] == weighted["MatMul"] - 4 and quantized["Conv"] == weighted["Conv"]
     with torch.no_grad():
         ref = mc(x).numpy()

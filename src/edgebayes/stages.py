@@ -545,6 +545,10 @@ def run_export(ctx):
             export_artifact(mc_model, fmt, path, x[:16], calib_x, e.opset, layout=e.layout, details=facts)
             if "packed_refused" in facts:
                 ctx.log(f"export: {fmt}: {facts['packed_refused']}")
+            if facts.get("float_layers"):
+                ctx.log(f"export: {fmt}: {len(facts['float_layers'])} packed Linear layer(s) on tokens stay fp32 "
+                        f"(onnxruntime's int8 MatMul takes 2-D weights); export.layout: unrolled quantizes them, at "
+                        f"M passes per layer")
             # TensorRT engines are built on the target: here the shipped ONNX is checked with onnxruntime.
             probs = artifact_predict(path, "onnx" if f.runtime == "tensorrt" else fmt, x.numpy())
             line = fidelity(probs, reference_probs, y)

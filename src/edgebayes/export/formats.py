@@ -97,17 +97,18 @@ def quantize_onnx_int8(fp32_path, out_path, calib_x):
         attention stayed float);
       - a MatMul over the M samples' stacked weights (a packed Linear on tokens, [M, F, out]): onnxruntime's
         int8 MatMul kernels take a 2-D weight and fail on its per-channel zero points at run time.
-    Every Gemm and Conv (the packed layout's too) is int8. Returns the float nodes' names in "float_ops".
+    Every Gemm and Conv (the packed layout's too) is int8. Returns the float nodes' names in "float_ops", and
+    those of them that are layers (the stacked MatMuls) in "float_layers".
     """
     import onnx
 
     with _quiet():
         import nncf
     model = onnx.load(str(fp32_path))
-    ignored = _output_probabilities(model.graph)
     constants = {t.name: len(t.dims) for t in model.graph.initializer}
-    ignored += [n.name for n in model.graph.node
-                if n.op_type == "MatMul" and len(n.input) > 1 and constants.get(n.input[1], 0) > 2]
+    stacked = [n.name for n in model.graph.node
+               if n.op_type == "MatMul" and len(n.input) > 1 and constants.get(n.input[1], 0) > 2]
+    ignored = _output_probabilities(model.graph) + stacked
     rows = _calibration_rows(calib_x)
     input_name = model.graph.input[0].name
     dataset = nncf.Dataset([rows[i: i + 1] for i in range(len(rows))], lambda a: {input_name: a})
@@ -116,7 +117,7 @@ def quantize_onnx_int8(fp32_path, out_path, calib_x):
                                   ignored_scope=nncf.IgnoredScope(names=ignored, validate=False))
     onnx.save(quantized, str(out_path))
     onnx.checker.check_model(str(out_path))
-    return {"calibration_rows": len(rows), "float_ops": ignored}
+    return {"calibration_rows": len(rows), "float_ops": ignored, "float_layers": stacked}
 
 
 WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
