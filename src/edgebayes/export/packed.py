@@ -261,13 +261,7 @@ class _Packer:
     def attribute(self, node):
         """A tensor attribute read directly (get_attr): a constant of the packed graph where it is the same in
         every sample, else refused (its per-sample layout would need a rule of its own)."""
-        def fetch(traced):
-            value = traced
-            for name in node.target.split("."):
-                value = getattr(value, name)
-            return value
-
-        values = [fetch(t) for t in self.traced]
+        values = [operator.attrgetter(node.target)(t) for t in self.traced]
         if not isinstance(values[0], torch.Tensor):
             self.unsupported(node, f"the attribute {node.target} of type {type(values[0]).__name__}")
         if any(not torch.equal(values[0], v) for v in values[1:]):
