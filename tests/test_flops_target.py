@@ -129,6 +129,45 @@ def test_a_grouped_convolution_reaches_the_target_after_surgery_not_only_on_the_
     assert reached and f"{physical:.3f} of the dense FLOPs" in reached[-1]   # the log says what was shipped
 
 
+class Transition(nn.Module):
+    """DenseNet's transition layer: a batch norm that reads the block's input, then a convolution named `conv`
+    beside it, so `conv` and `norm` are siblings with different channel counts (not a convolution and its own
+    batch norm)."""
+
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.norm, self.conv = nn.BatchNorm2d(c_in), nn.Conv2d(c_in, c_out, 1, bias=False)
+
+    def forward(self, x):
+        return self.conv(F.relu(self.norm(x)))
+
+
+class PreActivationNet(nn.Module):
+    def __init__(self, classes=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.transition = Transition(16, 8)
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x):
+        h = self.transition(F.relu(self.stem(x)))   # the stem feeds a ReLU: the batch norm stays the transition's
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+def test_a_convolution_named_conv_beside_a_batch_norm_it_does_not_feed_fine_tunes_to_the_target():
+    """torchvision's densenet121 with train.flops_target raised 'The size of tensor a (256) must match the size
+    of tensor b (128)': switching a unit off took any module named `conv` for a convolution that owns the
+    sibling `norm`."""
+    x, y = data()
+    torch.manual_seed(0)
+    net = eb.bayesianize(PreActivationNet(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.5, log=lambda *_: None)
+    c = eb.compress(net, m=1)
+    assert structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)["physical_flops_ratio"] <= 0.5 * 1.01
+    norm = c.samples[0].transition.norm   # the pre-activation batch norm still reads every stem channel left
+    assert isinstance(norm, nn.BatchNorm2d) and norm.num_features == c.samples[0].stem.out_channels
+
+
 class Versioned(nn.Module):
     """Converts old states when it loads one, as torchvision's MNASNet does: refuses a state dict that does not
     say which version saved it (its `_metadata`)."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from edgebayes.train.arch import as_builder, resolve_arch
 from edgebayes.train.bayesianize import load_matching
-from edgebayes.train.layers import LayerFactory
+from edgebayes.train.layers import ConvNorm, LayerFactory
 from edgebayes.train.nested import NESTED_FAMILIES, NestedLayer, recollect_batch_norm
 from edgebayes.train.spike_slab import (
     GlobalHorseshoeScale,
@@ -270,10 +270,11 @@ def drop_outputs(plain, name, keep):
     affine.weight.mul_(keep.view((-1,) + (1,) * (affine.weight.dim() - 1)))
     if affine.bias is not None:
         affine.bias.mul_(keep)
-    if name.endswith(".conv"):
-        norm = plain.get_submodule(name[: -len(".conv")] + ".norm")
-        norm.weight.mul_(keep)
-        norm.bias.mul_(keep)
+    parent, _, child = name.rpartition(".")
+    owner = plain.get_submodule(parent) if parent else plain
+    if isinstance(owner, ConvNorm) and child == "conv":   # not any module named conv: densenet's transition
+        owner.norm.weight.mul_(keep)                      # conv has a sibling `norm` that reads its input
+        owner.norm.bias.mul_(keep)
 
 
 def build_model(model_cfg, prior_cfg, input_shape, classes, n_train):
