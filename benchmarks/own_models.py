@@ -7,6 +7,9 @@ For each network and family, the cases:
            logits set to -10, seeded): what surgery can cut when a quarter of everything is dead;
   trained  (--cases trained) the bayesianized net after a short real training on digits (8x8 upscaled,
            3 channels), kl_weight 0.1 as the embedded default: the channels the posterior switched off.
+  target   (--cases target) the same training with train.flops_target (--flops-target, default 0.25,
+           train/flops_target.py): whether the recipe for a user's trained network reaches the share on
+           every architecture, counted after surgery (the nets start untrained here: no downloads).
 Input 3x32x32 where the network takes it, else the smallest of 64, 75, 96, 128, 160, 224 it runs on (the
 `input` key says which; vit_b_16 is built with image_size=32). Per row: `status` ("ok", or "degraded: ..."
 when surgery could not prune the network or the packed layout fell back to unrolled; "error: ..." would be
@@ -203,10 +206,14 @@ def run(args, done=()):
                     if case == "forced":
                         force_dead(net)
                     else:
+                        target = {"flops_target": args.flops_target} if case == "target" else {}
                         history = eb.fit(net, x_train, y_train, val=(x_val, y_val), epochs=args.train_epochs,
-                                         batch_size=64, lr=1e-3, kl_weight=0.1, log=lambda *_: None)
-                        row.update(epochs=args.train_epochs, val_accuracy=history[-1]["val_accuracy"])
+                                         batch_size=64, lr=1e-3, kl_weight=0.1, log=lambda *_: None, **target)
+                        row.update(epochs=args.train_epochs, val_accuracy=history[-1]["val_accuracy"], **target)
                     row.update(measure(net, x_eval, shape, args.m))
+                    if case == "target" and row["flops_physical"] > args.flops_target * 1.01:
+                        row["status"] = (("" if row["status"] == "ok" else row["status"] + "; ")
+                                         + f"target missed: physical FLOPs {row['flops_physical']:.3f}")
                 except Exception as e:  # a bug: the row says where, the run goes on
                     row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 row["seconds"] = time.perf_counter() - t0
@@ -222,7 +229,8 @@ def _fmt(v, spec):
 def markdown(rows, args):
     lines = ["# Users' own networks: bayesianize -> surgery -> ONNX (benchmarks/own_models.py)", "",
              f"M = {args['m']} posterior samples at inclusion threshold 0.5; 'forced': 25% of every prunable layer's "
-             f"units off; 'trained': {args['train_epochs']} epochs on digits. FLOPs by paper 000's formula, relative to "
+             f"units off; 'trained': {args['train_epochs']} epochs on digits; 'target': the same with train.flops_target "
+             f"{args.get('flops_target', 0.25)}, reached where FLOPs physical <= it (1% tolerance). FLOPs by paper 000's formula, relative to "
              f"the dense net. 'not residual': dead channels that are not kept because a live block writes the same "
              f"residual-stream channel. ONNX differences over {args['probes']} digits inputs, fp32, onnxruntime. "
              f"In vit_b_16 and swin_t the prunable units are the Linear layers' outputs (the patch embedding is a "
@@ -231,8 +239,8 @@ def markdown(rows, args):
              f"parameters, stay. 'input': the smallest size of 32, 64, 75, ... the net runs on.", "",
              f"    {args['command']}", "",
              "| net | input | case | status | dead removed | of not residual | max abs pruned - masked | FLOPs promised | "
-             "FLOPs physical | ONNX packed (shipped) | ONNX unrolled | s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "FLOPs physical | ONNX packed (shipped) | ONNX unrolled | val acc | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         share = r.get("removed_of_not_residual")
         share = "—" if share is None else f"{share:.0%} of {r['dead_not_residual']}"
@@ -247,7 +255,8 @@ def markdown(rows, args):
                      f"{_fmt(r.get('flops_promised'), '.3f')} | "
                      f"{_fmt(r.get('flops_physical'), '.3f')} | {_fmt(r.get('onnx_max_abs_prob_diff_packed'), '.1e')}"
                      f"{' (unrolled)' if r.get('layout_shipped') == 'unrolled' else ''} | "
-                     f"{_fmt(r.get('onnx_max_abs_prob_diff_unrolled'), '.1e')} | {r['seconds']:.0f} |")
+                     f"{_fmt(r.get('onnx_max_abs_prob_diff_unrolled'), '.1e')} | {_fmt(r.get('val_accuracy'), '.3f')} | "
+                     f"{r['seconds']:.0f} |")
     kept = [(r["net"], r["family"], r["case"], r["surgery_kept"]) for r in rows if r.get("surgery_kept")]
     if kept:
         lines += ["", "## Dead channels surgery kept, and why (per-layer tables in the JSON's surgery_report)", ""]
@@ -273,7 +282,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nets", nargs="+", default=NETS)
     parser.add_argument("--families", nargs="+", default=["ss-gl"], choices=["ss-ig", "ss-gl", "ss-ghs"])
-    parser.add_argument("--cases", nargs="+", default=["forced"], choices=["forced", "trained"])
+    parser.add_argument("--cases", nargs="+", default=["forced"], choices=["forced", "trained", "target"])
+    parser.add_argument("--flops-target", type=float, default=0.25, help="train.flops_target of the target case")
     parser.add_argument("--m", type=int, default=2, help="posterior samples in the MC graph")
     parser.add_argument("--probes", type=int, default=16, help="inputs of the ONNX and surgery checks")
     parser.add_argument("--train-epochs", type=int, default=2)
