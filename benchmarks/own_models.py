@@ -12,8 +12,9 @@ For each network and family, the cases:
            every architecture, counted after surgery (the nets start untrained here: no downloads).
 Input 3x32x32 where the network takes it, else the smallest of 64, 75, 96, 128, 160, 224 it runs on (the
 `input` key says which; vit_b_16 is built with image_size=32). Per row: `status` ("ok", or "degraded: ..."
-when surgery could not prune the network or the packed layout fell back to unrolled; "error: ..." would be
-a bug), dead units and how many surgery removed (overall, and of those not coupled to a live residual
+when surgery could not prune the network or the packed layout fell back to unrolled; "target missed: ..."
+where the physical FLOPs exceed the target, "target unreachable: ..." with fit's message where the architecture
+allows no network that small; "error: ..." would be a bug), dead units and how many surgery removed (overall, and of those not coupled to a live residual
 stream), max |pruned - masked| over a probe batch (and relative to the largest |logit|: float rounding
 grows with it, and untrained nets with a quarter of their batch norms zeroed reach 1e5), the FLOPs the masks promise (paper 000's formula)
 against the physical FLOPs after surgery, the ONNX's largest probability difference against PyTorch in
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgebayes.compressed.samples import compress
+from edgebayes.config import ConfigError
 from edgebayes.export.formats import artifact_predict, export_artifact
 from edgebayes.provenance import atomic_path, provenance
 from edgebayes.train.families import bayesianize
@@ -214,6 +216,8 @@ def run(args, done=()):
                     if case == "target" and row["flops_physical"] > args.flops_target * 1.01:
                         row["status"] = (("" if row["status"] == "ok" else row["status"] + "; ")
                                          + f"target missed: physical FLOPs {row['flops_physical']:.3f}")
+                except ConfigError as e:   # a target below the smallest network the architecture allows: said
+                    row["status"] = f"target unreachable: {str(e).split('; set ')[0]}"   # before the first step
                 except Exception as e:  # a bug: the row says where, the run goes on
                     row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 row["seconds"] = time.perf_counter() - t0
