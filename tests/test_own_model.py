@@ -209,6 +209,63 @@ def test_bayesianize_torchvision_models(name):
     assert all(layer.weight_mu.grad is not None for layer in layers)
 
 
+class _Norms(nn.Module):
+    """Batch norms as users' networks have them: eps 1e-3 and a slow momentum (torchvision's efficientnet_v2 and
+    mnasnet), no affine parameters, no running statistics."""
+
+    def __init__(self, track=True):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, eps=1e-3, momentum=3e-4)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, affine=False)
+        self.c3, self.b3 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, track_running_stats=track)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = F.relu(self.b1(self.c1(x)))
+        h = F.relu(self.b2(self.c2(h)))
+        return self.fc(F.relu(self.b3(self.c3(h))).mean((2, 3)))
+
+
+def test_bayesianize_keeps_each_batch_norms_settings_and_function():
+    """The batch norm a convolution takes with it was a fresh nn.BatchNorm2d loaded with the user's state: eps
+    1e-5 where the network had 1e-3 (a different function where the running variance is small), momentum 0.1,
+    and a network whose batch norm has no affine parameters could not be bayesianized at all."""
+    torch.manual_seed(0)
+    module = _Norms()
+    with torch.no_grad():
+        for norm in (module.b1, module.b2, module.b3):
+            norm.running_var.uniform_(1e-4, 1e-2)
+            norm.running_mean.uniform_(-0.2, 0.2)
+    module.eval()
+    x = torch.randn(4, 3, 8, 8)
+    net = bayesianize(module, "dnn", input_shape=(3, 8, 8), n_train=100).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), module(x), rtol=0, atol=1e-5)
+    norm = net.net.c1.norm
+    assert (norm.eps, norm.momentum) == (1e-3, 3e-4)
+    mean_net = bayesianize(module, "ss-gl", input_shape=(3, 8, 8), n_train=100)
+    for _, layer in mean_net.bayesian_layers():
+        with torch.no_grad():
+            layer.weight_rho.fill_(-40.0)   # a sample is the posterior mean
+            layer.bias_rho.fill_(-40.0)
+    sample, _ = mean_net.eval().posterior_sample(0.5, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(sample(x), module(x), rtol=0, atol=1e-5)
+
+
+def test_a_batch_norm_without_running_statistics_trains_and_is_refused_at_export_by_name(tmp_path):
+    import edgebayes as eb
+    from edgebayes.export.formats import ExportError
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 3, 8, 8), torch.randint(4, (64,))
+    net = bayesianize(_Norms(track=False).eval(), "ss-gl", input_shape=(3, 8, 8), n_train=len(x))
+    eb.fit(net, x, y, epochs=1, batch_size=32, log=lambda *_: None)
+    with pytest.raises(ExportError, match=r"batch norm 'c3.norm' keeps no running statistics"):
+        eb.save(eb.compress(net, m=2), tmp_path / "m.onnx", example=x[:4])
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_bayesianize_keeps_a_pre_activation_batch_norm_plain():
     """densenet-style BN -> ReLU -> conv: the BN follows no conv, so it stays a module of its own."""
     class PreAct(nn.Module):

@@ -105,7 +105,27 @@ def _start_from(layer, affine, norm):
         target = layer.conv if hasattr(layer, "conv") else layer
         target.load_state_dict(affine.state_dict())
     if norm is not None and own_norm is not None:
-        own_norm.load_state_dict(norm.state_dict())
+        _copy_batch_norm(own_norm, norm)
+
+
+def _copy_batch_norm(own, norm):
+    """The user's batch norm, state and settings, in the layer's own nn.BatchNorm2d: eps and momentum
+    (torchvision's efficientnet_v2 normalises with eps 1e-3, mnasnet averages with momentum 3e-4; the factory's
+    defaults would change the function and its fine-tuning). Without affine parameters (affine=False) the own
+    ones stay at 1 and 0, the same function, and become trainable: a switched-off channel is zeroed through
+    them (models.drop_outputs). Without running statistics (track_running_stats=False) the own one normalises
+    by each batch's too."""
+    own.eps, own.momentum = norm.eps, norm.momentum
+    if norm.affine:
+        own.weight.copy_(norm.weight)
+        own.bias.copy_(norm.bias)
+    if norm.track_running_stats:
+        own.running_mean.copy_(norm.running_mean)
+        own.running_var.copy_(norm.running_var)
+        own.num_batches_tracked.copy_(norm.num_batches_tracked)
+    else:
+        own.track_running_stats = False
+        own.running_mean = own.running_var = own.num_batches_tracked = None
 
 
 def _relative_rho(weight, rho, delta=MOPED_DELTA):
