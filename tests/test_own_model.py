@@ -253,6 +253,28 @@ def test_bayesianize_keeps_each_batch_norms_settings_and_function():
         torch.testing.assert_close(sample(x), module(x), rtol=0, atol=1e-5)
 
 
+def test_string_paddings_are_bayesianized_as_numbers_and_an_uneven_one_stays_plain():
+    """padding="same" / "valid" (Keras-style networks) left the convolution plain and unprunable."""
+    class Padded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.same, self.valid = nn.Conv2d(3, 8, (3, 5), padding="same"), nn.Conv2d(8, 8, 3, padding="valid")
+            self.even = nn.Conv2d(8, 8, 2, padding="same")
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(self.even(F.relu(self.valid(F.relu(self.same(x))))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    module, x = Padded().eval(), torch.randn(2, 3, 8, 8)
+    net = bayesianize(module, "ss-gl", input_shape=(3, 8, 8), n_train=100)
+    assert isinstance(net.net.same, SpikeSlabLayer) and isinstance(net.net.valid, SpikeSlabLayer)
+    assert net.net.plain_layers == ["even"]
+    with torch.no_grad():
+        torch.testing.assert_close(bayesianize(module, "dnn", input_shape=(3, 8, 8), n_train=100).eval()(x),
+                                   module(x), rtol=0, atol=1e-5)
+
+
 def test_a_batch_norm_without_running_statistics_trains_and_is_refused_at_export_by_name(tmp_path):
     import edgebayes as eb
     from edgebayes.export.formats import ExportError

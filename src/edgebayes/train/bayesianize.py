@@ -17,7 +17,8 @@ user's own `forward` keeps running unchanged:
     statistics) are the given weights, and the spike-and-slab posterior scales min(softplus(-6), 0.1 |w|)
     (`_relative_rho` says why this deviates from paper 000's -6), so a pretrained network starts where it
     was trained. Nested layers keep paper 002's log alpha initialisation.
-  - dilated convolutions, padding modes other than zeros, other convolutions (Conv1d, Conv3d, transposed) and
+  - padding "valid" and "same" are taken as the numbers they mean (`_explicit_padding`); dilated convolutions,
+    "same" with an even kernel (it pads unevenly), padding modes other than zeros, other convolutions (Conv1d, Conv3d, transposed) and
     nn.MultiheadAttention have no Bayesian twin here: they stay plain, deterministic and whole, listed in
     `net.plain_layers` and in one warning (FLOPs ratios count them: compressed/structure.py).
 
@@ -140,6 +141,18 @@ def _relative_rho(weight, rho, delta=MOPED_DELTA):
     return sigma + torch.log(-torch.expm1(-sigma))   # softplus^-1(sigma) = log(exp(sigma) - 1), stably
 
 
+def _explicit_padding(conv):
+    """A Conv2d's padding as the numbers the layers take: "valid" is 0, "same" (stride 1) is (k - 1) / 2 on each
+    side where every kernel size is odd; None where it has no such form (an even kernel pads unevenly)."""
+    if not isinstance(conv.padding, str):
+        return conv.padding
+    if conv.padding == "valid":
+        return (0, 0)
+    if all(k % 2 == 1 for k in conv.kernel_size) and conv.dilation == (1, 1):
+        return tuple((k - 1) // 2 for k in conv.kernel_size)
+    return None
+
+
 def _replace(module, name, new):
     parent, _, attr = name.rpartition(".")
     setattr(module.get_submodule(parent) if parent else module, attr, new)
@@ -161,11 +174,12 @@ def convert(module: nn.Module, factory) -> nn.Module:
         if isinstance(affine, nn.Linear):
             layer = factory.linear(affine.in_features, affine.out_features, prunable=prunable, bias=bias)
         else:
-            if affine.dilation != (1, 1) or affine.padding_mode != "zeros" or isinstance(affine.padding, str):
+            padding = _explicit_padding(affine)
+            if affine.dilation != (1, 1) or affine.padding_mode != "zeros" or padding is None:
                 plain_layers[name] = "dilated" if affine.dilation != (1, 1) else "padding"
                 continue
             layer = factory.conv(affine.in_channels, affine.out_channels, affine.kernel_size, stride=affine.stride,
-                                 padding=affine.padding, groups=affine.groups, bias=bias, norm=norm is not None,
+                                 padding=padding, groups=affine.groups, bias=bias, norm=norm is not None,
                                  prunable=prunable)
         _start_from(layer, affine, norm)
         _replace(net, name, layer)
