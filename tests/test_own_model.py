@@ -253,6 +253,24 @@ def test_bayesianize_keeps_each_batch_norms_settings_and_function():
         torch.testing.assert_close(sample(x), module(x), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("head", [nn.Softmax(dim=1), lambda h: F.softmax(h, -1),
+                                  lambda h: h.softmax(1), lambda h: torch.softmax(h, 1)])
+def test_a_network_that_returns_probabilities_is_refused_naming_the_softmax(head):
+    """A softmax on the output trained a flat network in silence (cross-entropy and the MC average of
+    probabilities taken as scores); log_softmax is a valid score, the same softmax."""
+    class Probabilities(nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.fc, self.head = nn.Linear(12, 4), head
+
+        def forward(self, x):
+            return self.head(self.fc(x.flatten(1)))
+
+    with pytest.raises(ArchError, match="returns probabilities .*drop the final softmax"):
+        bayesianize(Probabilities(head), "ss-gl", input_shape=(3, 2, 2), n_train=10)
+    bayesianize(Probabilities(lambda h: F.log_softmax(h, 1)), "ss-gl", input_shape=(3, 2, 2), n_train=10)
+
+
 def test_string_paddings_are_bayesianized_as_numbers_and_an_uneven_one_stays_plain():
     """padding="same" / "valid" (Keras-style networks) left the convolution plain and unprunable."""
     class Padded(nn.Module):

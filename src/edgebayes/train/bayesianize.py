@@ -67,9 +67,14 @@ def _structure(module):
             (user,) = n.users
             if user.op == "call_module" and isinstance(mods[user.target], NORMS) and count[user.target] == 1:
                 pairs[n.target] = user.target
+    stack = [n for n in graph.nodes if n.op == "output"]
+    if any(_is_softmax(arg, mods) for node in stack for arg in node.all_input_nodes):
+        raise ArchError(f"bayesianize: {type(module).__name__} returns probabilities (its output is a softmax); "
+                        f"the ELBO's likelihood and the MC average take class scores (logits), and a softmax of "
+                        f"probabilities trains a flat network: return the scores (drop the final softmax) or "
+                        f"log_softmax")
     # Output layers: walk back from the output through everything that is not a Linear / Conv2d.
     outputs, seen = set(), set()
-    stack = [n for n in graph.nodes if n.op == "output"]
     while stack:
         node = stack.pop()
         for arg in node.all_input_nodes:
@@ -81,6 +86,12 @@ def _structure(module):
             else:
                 stack.append(arg)
     return pairs, outputs, order
+
+
+def _is_softmax(node, mods):
+    return ((node.op == "call_module" and isinstance(mods[node.target], nn.Softmax))
+            or (node.op == "call_function" and node.target in (torch.softmax, torch.nn.functional.softmax))
+            or (node.op == "call_method" and node.target == "softmax"))
 
 
 MOPED_DELTA = 0.1   # posterior scale at most this fraction of each given weight (Krishnan et al. 2020)
