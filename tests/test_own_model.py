@@ -399,6 +399,25 @@ def test_python_api_in_a_few_lines(tmp_path):
     assert abs(probs - reference).max() < 1e-4
 
 
+def test_a_second_fit_into_the_same_checkpoint_is_refused_at_once_naming_the_first(tmp_path):
+    """Two processes fitting into one checkpoint resumed from each other's epochs; the lock is the run folder's
+    (provenance.exclusive). Another open of the lock file conflicts like another process's."""
+    import os
+
+    import edgebayes as eb
+    from edgebayes.errors import StageError
+    from edgebayes.provenance import exclusive
+
+    x, y = torch.randn(64, 1, 4, 4), torch.randint(3, (64,))
+    net = eb.bayesianize(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)), "bnn", input_shape=(1, 4, 4), n_train=64)
+    checkpoint = tmp_path / "fit.pt"
+    with exclusive(tmp_path / "fit.pt.lock", "the first fit"):
+        with pytest.raises(StageError, match=rf"checkpoint .*fit.pt is in use by another edgebayes \(pid {os.getpid()}\)"):
+            eb.fit(net, x, y, epochs=1, batch_size=32, checkpoint=checkpoint, log=lambda *_: None)
+        assert not checkpoint.exists()
+    assert len(eb.fit(net, x, y, epochs=1, batch_size=32, checkpoint=checkpoint, log=lambda *_: None)) == 1
+
+
 def test_a_rewritten_pretrained_file_retrains(user_package, tmp_path):
     """The train stage's fingerprint follows what model.pretrained holds, not only its name."""
     import os

@@ -32,6 +32,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     `x`, `y`: training inputs and integer labels (tensors or arrays); `val` = (x_val, y_val), default: 10%
     of the training data, carved out with the seed. `train` takes the keys of the config's train section
     (batch_size, lr, optimizer, kl_weight, device, ...). `checkpoint` (a path) makes the run resumable.
+    Another process fitting into the same checkpoint is refused at once (a StageError naming its pid).
     `until_epoch` (with `checkpoint`) stops after that epoch of the `epochs`-epoch run; a later call with the same
     arguments and a later until_epoch goes on, the same run as an uninterrupted one (trainer.train).
     Raises trainer.TrainingDiverged when an epoch's loss is not finite (the learning rate or the KL's weight is
@@ -79,8 +80,11 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             _, history = run_train(cfg, splits, Path(tmp) / "checkpoint.pt", lambda: net, ELBO(), log)
-    else:
-        _, history = run_train(cfg, splits, path, lambda: net, ELBO(), log, until_epoch)
+    else:   # two fits resuming from one checkpoint would interleave their epochs
+        from edgebayes.provenance import exclusive
+
+        with exclusive(path.with_name(path.name + ".lock"), f"checkpoint {path}"):
+            _, history = run_train(cfg, splits, path, lambda: net, ELBO(), log, until_epoch)
     return history
 
 

@@ -6,7 +6,9 @@ Every results file carries a provenance block. Files are written with the one at
 interrupted run never leaves a half-written artifact behind.
 """
 
+import contextlib
 import datetime
+import fcntl
 import functools
 import hashlib
 import json
@@ -155,6 +157,31 @@ def provenance(config_hash: str) -> dict:
     return {"git_commit": git_commit(), "code_version": code_version(), "config_hash": config_hash,
             "versions": versions(), "machine": device_info(),
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+@contextlib.contextmanager
+def exclusive(path, what):
+    """Hold the lock file `path` for this process: a second holder fails at once with a StageError naming
+    `what` and this one's pid (two writers of one run folder or one checkpoint interleave their states)."""
+    from edgebayes.errors import StageError
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise StageError(f"{what} is in use by another edgebayes (pid {holder}); wait for it to finish or "
+                             f"stop it, then run again") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def read_json(path):

@@ -24,7 +24,6 @@ one edgebayes runs at a time (Context.lock); nothing is written outside --runs-d
 Selection depends on the device, so its folder is per device (DESIGN.md puts it at select/; the code wins).
 """
 
-import fcntl
 import os
 import re
 import shutil
@@ -41,7 +40,7 @@ from edgebayes.data import data_fingerprint, load_data
 from edgebayes.errors import StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
-from edgebayes.provenance import (code_hash, code_version, load_checkpoint, provenance, read_json,
+from edgebayes.provenance import (code_hash, code_version, exclusive, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
 from edgebayes.train.accel import set_threads
@@ -267,23 +266,8 @@ class Context:
             yield
             return
         self._inside(self.run_dir).mkdir(parents=True, exist_ok=True)
-        path = self.run_dir / ".lock"
-        with open(path, "a+") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "unknown"
-                raise StageError(f"{self.run_dir} is in use by another edgebayes (pid {holder}); wait for it to "
-                                 f"finish or stop it, then run again") from None
-            f.seek(0)
-            f.truncate()
-            f.write(f"{os.getpid()}\n")
-            f.flush()
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        with exclusive(self.run_dir / ".lock", self.run_dir):
+            yield
 
     def command(self, stage, *extra):
         """The command line that runs `stage` for this run's config and device; hints print it whole,
