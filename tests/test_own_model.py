@@ -399,6 +399,34 @@ def test_python_api_in_a_few_lines(tmp_path):
     assert abs(probs - reference).max() < 1e-4
 
 
+@pytest.mark.parametrize("name, kwargs, message", [
+    ("m.onnx", {"example": torch.randn(4, 3, 5, 5)}, r"save: example: expected a batch of inputs of shape "
+                                                      r"\(N, 3, 4, 4\), got \(4, 3, 5, 5\)"),
+    ("m.onnx", {"example": torch.randn(3, 4, 4)}, r"save: example: .* got \(3, 4, 4\)"),
+    ("m.onnx", {"example": torch.randn(4, 3, 4, 4), "fmt": "tflite-fp32"}, r"save: path: tflite-fp32 is written "
+                                                                            r"as a .tflite file, got 'm.onnx'"),
+    ("m.onnx", {"example": torch.randn(4, 3, 4, 4), "fmt": "onnx-int8"}, r"save: calib_x: onnx-int8 needs"),
+])
+def test_save_refuses_an_example_or_path_that_does_not_fit_by_argument(tmp_path, name, kwargs, message):
+    """An example of another size exported a graph for that size (the network runs on any, being fully
+    convolutional); one without its batch dimension failed deep in torch.fx; a .onnx path given a TFLite format
+    wrote a file that run() then read as ONNX."""
+    import edgebayes as eb
+
+    class Conv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).mean((2, 3)))
+
+    net = eb.bayesianize(Conv(), "ss-gl", input_shape=(3, 4, 4), n_train=10)
+    with pytest.raises(ValueError, match=message):
+        eb.save(eb.compress(net, m=1), tmp_path / name, **kwargs)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_second_fit_into_the_same_checkpoint_is_refused_at_once_naming_the_first(tmp_path):
     """Two processes fitting into one checkpoint resumed from each other's epochs; the lock is the run folder's
     (provenance.exclusive). Another open of the lock file conflicts like another process's."""

@@ -104,10 +104,20 @@ def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
 
 
 def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", calib_x=None, opset=17):
-    """Write the MC-averaged graph of the compressed samples in `fmt` (export/formats.py); returns the path."""
-    from edgebayes.export.formats import export_artifact
+    """Write the MC-averaged graph of the compressed samples in `fmt` (export/formats.py); returns the path.
+    `example`: a batch of inputs of the network's shape (its shapes are the graph's)."""
+    from edgebayes.export.formats import export_artifact, get_format
 
+    f = get_format(fmt)
+    if Path(path).suffix != f.suffix:   # run() and the device runner tell the runtime by the file's suffix
+        raise ValueError(f"save: path: {fmt} is written as a {f.suffix} file, got {Path(path).name!r}")
+    if f.precision == "int8" and calib_x is None:
+        raise ValueError(f"save: calib_x: {fmt} needs calibration inputs (a few hundred rows of the training data)")
     example = torch.as_tensor(np.asarray(example), dtype=torch.float32)
+    shape = compressed.input_shape
+    if shape is not None and (example.dim() != len(shape) + 1 or tuple(example.shape[1:]) != tuple(shape)):
+        raise ValueError(f"save: example: expected a batch of inputs of shape (N, {', '.join(map(str, shape))}), "
+                         f"got {tuple(example.shape)}")
     export_artifact(compressed.mc_model(), fmt, Path(path), example, calib_x, opset, layout=layout)
     return Path(path)
 

@@ -64,6 +64,7 @@ class Compressed:
     kept: dict               # name of each Linear in the plain module -> boolean mask of kept outputs
     surgery: dict = None     # surgery's report on the first sample: per layer, dead / removed / why kept
     temperature: float = 1.0  # of the MC average's softmaxes: fit_temperature (module docstring), 1: none
+    input_shape: tuple = None  # of one example, the network's (what an export's example must have)
 
     @property
     def not_pruned(self):
@@ -106,7 +107,7 @@ def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1) -
         dense0 = dense if dense0 is None else dense0
         samples.append(remove_dead_units(dense, kept, torch.zeros((1,) + tuple(model.input_shape)),
                                          report=None if samples else report, channel_multiple=channel_multiple))
-    return Compressed(knob, samples, dense0, kept, report)
+    return Compressed(knob, samples, dense0, kept, report, input_shape=tuple(model.input_shape))
 
 
 TEMPERATURES = (0.05, 20.0)   # fit_temperature's search range: beyond it a network is broken, not miscalibrated
