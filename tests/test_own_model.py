@@ -348,6 +348,12 @@ def test_bayesianize_nested_and_unknown_families():
         bayesianize(module, "sqs", input_shape=(1, 4, 4), n_train=100)
     with pytest.raises(ArchError, match="unknown family 'ss-xx'"):
         bayesianize(module, "ss-xx", input_shape=(1, 4, 4), n_train=100)
+    for n_train in (0, 10.5, "100", True):   # the KL is divided by it: 0 trained to NaN
+        with pytest.raises(ArchError, match=r"bayesianize: n_train: expected the number of training examples"):
+            bayesianize(module, "ss-gl", input_shape=(1, 4, 4), n_train=n_train)
+    for shape in (16, (), (1, 4.0, 4), (1, 0, 4)):
+        with pytest.raises(ArchError, match=r"bayesianize: input_shape: expected the shape of one example"):
+            bayesianize(module, "ss-gl", input_shape=shape, n_train=100)
 
 
 @pytest.mark.parametrize("family", ["ss-gl", "bn3"])

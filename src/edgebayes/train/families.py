@@ -18,6 +18,7 @@ sections) are still in config.py.
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -146,6 +147,13 @@ def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=N
     if FAMILIES[family].wrap is None:  # SQS fine-tunes a trained dnn in two calls of the loop (train/sqs.py)
         raise ArchError(f"bayesianize: family {family} runs through the pipeline: model.family: {family} with "
                         f"model.arch: <import path of the module's constructor> (and model.pretrained)")
+    if isinstance(n_train, bool) or not isinstance(n_train, (int, np.integer)) or n_train < 1:
+        raise ArchError(f"bayesianize: n_train: expected the number of training examples (a positive integer: "
+                        f"the ELBO's KL is per example), got {n_train!r}")
+    shape = tuple(input_shape) if isinstance(input_shape, (tuple, list, torch.Size)) else ()
+    if not shape or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise ArchError(f"bayesianize: input_shape: expected the shape of one example, without the batch "
+                        f"(e.g. (3, 32, 32)), got {input_shape!r}")
     classes = output_classes(module, input_shape)
     return FAMILIES[family].wrap(module_builder(lambda _: module), input_shape, classes, n_train,
                                  prior or PriorConfig(), nested or NestedConfig(), activation, calibration_x)
