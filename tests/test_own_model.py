@@ -446,7 +446,8 @@ def test_a_second_fit_into_the_same_checkpoint_is_refused_at_once_naming_the_fir
     net = eb.bayesianize(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)), "bnn", input_shape=(1, 4, 4), n_train=64)
     checkpoint = tmp_path / "fit.pt"
     with exclusive(tmp_path / "fit.pt.lock", "the first fit"):
-        with pytest.raises(StageError, match=rf"checkpoint .*fit.pt is in use by another edgebayes \(pid {os.getpid()}\)"):
+        in_use = rf"checkpoint .*fit.pt is in use by another edgebayes \(pid {os.getpid()}\)"
+        with pytest.raises(StageError, match=in_use):
             eb.fit(net, x, y, epochs=1, batch_size=32, checkpoint=checkpoint, log=lambda *_: None)
         assert not checkpoint.exists()
     assert len(eb.fit(net, x, y, epochs=1, batch_size=32, checkpoint=checkpoint, log=lambda *_: None)) == 1

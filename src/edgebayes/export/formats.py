@@ -200,9 +200,9 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
                         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is None]
     if batch_statistics:   # torch's exporters fail on them deep inside ("batch_size and channel_size must be non-None")
         raise ExportError(f"{fmt}: batch norm {batch_statistics[0]!r} keeps no running statistics "
-                          f"(track_running_stats=False; {len(set(batch_statistics))} such): evaluated, it normalises by "
-                          f"each batch, which an exported graph's BatchNormalization cannot; build the network's "
-                          f"batch norms with track_running_stats=True")
+                          f"(track_running_stats=False; {len(set(batch_statistics))} such): evaluated, it "
+                          f"normalises by each batch, which an exported graph's BatchNormalization cannot; build "
+                          f"the network's batch norms with track_running_stats=True")
     refused = []   # the packed layout refused this network: it is exported unrolled, and says why
     module = mc_graph(mc_model, layout, example_x[:16], fallback=refused.append)
     info = {"format": f.name, "precision": f.precision, "runtime": f.runtime,

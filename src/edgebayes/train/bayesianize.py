@@ -17,10 +17,11 @@ user's own `forward` keeps running unchanged:
     statistics) are the given weights, and the spike-and-slab posterior scales min(softplus(-6), 0.1 |w|)
     (`_relative_rho` says why this deviates from paper 000's -6), so a pretrained network starts where it
     was trained. Nested layers keep paper 002's log alpha initialisation.
-  - padding "valid" and "same" are taken as the numbers they mean (`_explicit_padding`); dilated convolutions,
-    "same" with an even kernel (it pads unevenly), padding modes other than zeros, other convolutions (Conv1d, Conv3d, transposed) and
-    nn.MultiheadAttention have no Bayesian twin here: they stay plain, deterministic and whole, listed in
-    `net.plain_layers` and in one warning (FLOPs ratios count them: compressed/structure.py).
+  - padding "valid" and "same" are taken as the numbers they mean (`_explicit_padding`); dilated
+    convolutions, "same" with an even kernel (it pads unevenly), padding modes other than zeros, other
+    convolutions (Conv1d, Conv3d, transposed) and nn.MultiheadAttention have no Bayesian twin here: they
+    stay plain, deterministic and whole, listed in `net.plain_layers` and in one warning (FLOPs ratios count
+    them: compressed/structure.py).
 
 The structure is read with torch.fx (symbolic_trace), which every torchvision classifier supports; a
 forward that fx cannot trace gets one ArchError saying so.
