@@ -496,6 +496,24 @@ def test_a_pretrained_file_that_is_not_a_state_dict_is_bad_input(user_package, t
     assert "model.pretrained" in err and "weights_only=True" in err and "weights_only` set to `False" not in err
 
 
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
+def test_pretrained_weights_saved_from_a_training_wrapper_load_into_the_plain_module(prefix):
+    """A state dict saved from DistributedDataParallel(model) or torch.compile(model) prefixes every key;
+    none matched the model's, and model.pretrained was refused."""
+    from edgebayes.errors import InputError
+    from edgebayes.train.bayesianize import apply_state_dict
+
+    torch.manual_seed(0)
+    trained, fresh = (nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)) for _ in range(2))
+    state = {prefix + k: v for k, v in trained.state_dict().items()}
+    apply_state_dict(fresh, state, "w.pt")
+    for k, v in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    assert fresh.skipped_pretrained == []
+    with pytest.raises(InputError, match="none of its 2 tensors matches the model"):
+        apply_state_dict(fresh, {"encoder.weight": torch.zeros(3, 4), "encoder.bias": torch.zeros(3)}, "w.pt")
+
+
 class _AuxHeads(nn.Module):
     """Returns (logits, auxiliary logits) in training mode, as torchvision's googlenet and inception_v3 do."""
 

@@ -315,6 +315,7 @@ def apply_state_dict(module, state, path):
     """Load `state` into a plain module; tensors whose shapes differ (a classifier trained for another number
     of classes) keep their fresh initialisation, and `module.skipped_pretrained` names them."""
     own = module.state_dict()
+    state = _unwrapped(state, own)
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not fits:
         raise InputError(f"model.pretrained {path}: none of its {len(state)} tensors matches the model "
@@ -322,6 +323,21 @@ def apply_state_dict(module, state, path):
     load_matching(module, fits)   # with the module's state-dict versions (MNASNet refuses a state without them)
     module.skipped_pretrained = sorted(k for k in own if k not in fits)
     return module
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")   # nn.DataParallel / DistributedDataParallel, torch.compile
+
+
+def _unwrapped(state, own):
+    """`state` without the prefix a training wrapper put on every key (a state dict saved from
+    DistributedDataParallel(model) or torch.compile(model) names model's tensors module.* / _orig_mod.*),
+    where the module's own keys do not carry it."""
+    while state and not any(k in own for k in state):
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)
+        if prefix is None:
+            break
+        state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
 
 
 def _check_runs(module, input_shape):
