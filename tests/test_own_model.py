@@ -3,6 +3,7 @@
 
 import json
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -431,6 +432,27 @@ def test_save_refuses_an_example_or_path_that_does_not_fit_by_argument(tmp_path,
     with pytest.raises(ValueError, match=message):
         eb.save(eb.compress(net, m=1), tmp_path / name, **kwargs)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_save_that_fails_midway_keeps_the_artifact_that_was_there(tmp_path, monkeypatch):
+    """eb.save wrote straight into the destination: an export that failed after writing (onnx's checker, a
+    converter) left a broken file where the user's last good model was."""
+    import edgebayes as eb
+    from edgebayes.export import formats
+
+    net = eb.bayesianize(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)), "ss-gl", input_shape=(1, 4, 4), n_train=10)
+    compressed, x = eb.compress(net, m=1), torch.randn(4, 1, 4, 4)
+    path = eb.save(compressed, tmp_path / "model.onnx", example=x)
+    good = path.read_bytes()
+
+    def write_then_fail(module, example, out, opset):
+        Path(out).write_bytes(b"half an onnx")
+        raise RuntimeError("checker: invalid graph")
+
+    monkeypatch.setattr(formats, "export_onnx", write_then_fail)
+    with pytest.raises(RuntimeError, match="checker"):
+        eb.save(compressed, path, example=x)
+    assert path.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["model.onnx"]
 
 
 def test_a_second_fit_into_the_same_checkpoint_is_refused_at_once_naming_the_first(tmp_path):

@@ -15,6 +15,8 @@ compressed/samples.py's, `save` and `run` are export/formats.py's (`save`, not `
 is the export package).
 """
 
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +79,6 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     cfg = PipelineConfig(seed=seed, train=t)
     path = Path(checkpoint) if checkpoint else None
     if path is None:
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             _, history = run_train(cfg, splits, Path(tmp) / "checkpoint.pt", lambda: net, ELBO(), log)
     else:   # two fits resuming from one checkpoint would interleave their epochs
@@ -118,8 +119,14 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
     if shape is not None and (example.dim() != len(shape) + 1 or tuple(example.shape[1:]) != tuple(shape)):
         raise ValueError(f"save: example: expected a batch of inputs of shape (N, {', '.join(map(str, shape))}), "
                          f"got {tuple(example.shape)}")
-    export_artifact(compressed.mc_model(), fmt, Path(path), example, calib_x, opset, layout=layout)
-    return Path(path)
+    path = Path(path)
+    # Written beside the destination and renamed onto it: a failed export leaves no half-written file and
+    # keeps the artifact that was there (the export stage does the same with its folder)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        staged = Path(tmp) / path.name
+        export_artifact(compressed.mc_model(), fmt, staged, example, calib_x, opset, layout=layout)
+        os.replace(staged, path)
+    return path
 
 
 def run(path, x, fmt=None):
