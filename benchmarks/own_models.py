@@ -233,8 +233,11 @@ def _fmt(v, spec):
 def markdown(rows, args):
     lines = ["# Users' own networks: bayesianize -> surgery -> ONNX (benchmarks/own_models.py)", "",
              f"M = {args['m']} posterior samples at inclusion threshold 0.5; 'forced': 25% of every prunable layer's "
-             f"units off; 'trained': {args['train_epochs']} epochs on digits; 'target': the same with train.flops_target "
-             f"{args.get('flops_target', 0.25)}, reached where FLOPs physical <= it (1% tolerance). FLOPs by paper 000's formula, relative to "
+             f"units off; 'trained': {args['train_epochs']} epoch(s) on {args['train_size']} digits images; 'target': the "
+             f"same with train.flops_target {args.get('flops_target', 0.25)}, reached where FLOPs physical <= it (1% "
+             f"tolerance). 'val acc': after that training, from untrained weights (no downloads): near chance for "
+             f"most nets after so few steps; these rows check structure (reached, cut, exported equal), "
+             f"benchmarks/finetune_compress.py measures accuracy. FLOPs by paper 000's formula, relative to "
              f"the dense net. 'not residual': dead channels that are not kept because a live block writes the same "
              f"residual-stream channel. ONNX differences over {args['probes']} digits inputs, fp32, onnxruntime. "
              f"In vit_b_16 and swin_t the prunable units are the Linear layers' outputs (the patch embedding is a "
