@@ -162,6 +162,13 @@ def test_latency_fails_memory_passes_and_params_mismatch(tmp_path):
     assert 'class="badge fail"' in html_text and 'class="badge pass"' in html_text
 
 
+def test_a_training_that_lost_the_trained_network_is_among_the_warnings():
+    inputs = make_inputs()
+    inputs["train"]["history"][-1]["accuracy_lost"] = "validation accuracy fell from 0.905 to 0.276"
+    s = report_mod._summarize(report_mod._jsonable(inputs))
+    assert "Validation accuracy fell from 0.905 to 0.276." in s["warnings"]
+
+
 def test_percentile_not_reported_uses_next_higher():
     inputs = make_inputs()
     inputs["device"]["budgets"]["percentile"] = 95

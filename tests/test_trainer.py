@@ -338,3 +338,39 @@ def test_fit_leaves_a_diverged_network_at_its_last_finite_weights(monkeypatch):
             eb.fit(net, x, y, epochs=2, lr=1e-3, log=lambda *_: None)
         assert says in str(e.value)
         assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+def test_a_training_that_loses_the_trained_network_says_so_and_one_from_scratch_does_not(tmp_path):
+    """bn3 fine-tuned a trained MobileNetV2 from 90% to 23% and said nothing (train/nested.py); any training that
+    ends more than LOST_ACCURACY below the network it was given now says so, in the log and the history (the
+    report's warnings read it). Here: a trained net fine-tuned on labels shifted by one class."""
+    import edgebayes as eb
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(4, (400,), generator=g)
+    x = torch.randn(400, 8, generator=g) * 0.3 + nn.functional.one_hot(y, 8).float() * 2   # separable classes
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(module.parameters(), 1e-2)
+    for _ in range(100):
+        opt.zero_grad()
+        nn.functional.cross_entropy(module(x), y).backward()
+        opt.step()
+    relabelled = (y + 1) % 4
+    val = (x[:100], y[:100])
+    lines = []
+    net = eb.bayesianize(module, "bnn", input_shape=(8,), n_train=400)
+    history = eb.fit(net, x, relabelled, val=val, epochs=3, batch_size=50, lr=5e-2, log=lines.append)
+    assert history[0]["val_accuracy_before"] > 0.9 and history[-1]["val_accuracy"] < 0.6
+    assert "validation accuracy fell from" in history[-1]["accuracy_lost"]
+    assert any(str(line).startswith("train: WARNING validation accuracy fell") for line in lines)
+    # in slices (until_epoch) the same: the network as given is the first slice's
+    sliced = eb.bayesianize(module, "bnn", input_shape=(8,), n_train=400)
+    for k in (1, 2, 3):
+        h = eb.fit(sliced, x, relabelled, val=val, epochs=3, batch_size=50, lr=5e-2, log=lambda *_: None,
+                   checkpoint=tmp_path / "sliced.pt", until_epoch=k)
+    assert h[-1]["accuracy_lost"] == history[-1]["accuracy_lost"]
+    scratch = eb.bayesianize(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "bnn", input_shape=(8,),
+                             n_train=400)
+    history = eb.fit(scratch, x, y, val=val, epochs=2, batch_size=50, lr=1e-2, log=lambda *_: None)
+    assert "accuracy_lost" not in history[-1] and history[-1]["val_accuracy"] > history[0]["val_accuracy_before"]

@@ -342,6 +342,9 @@ def summarize(d: dict) -> dict:
     floor = history[-1].get("flops_target_verdict") if history and isinstance(history[-1], dict) else None
     if isinstance(floor, str):   # train.max_accuracy_drop: the FLOPs target cost more accuracy than allowed
         warnings.append(floor[0].upper() + floor[1:] + ".")
+    lost = history[-1].get("accuracy_lost") if history and isinstance(history[-1], dict) else None
+    if isinstance(lost, str):   # the training wrecked the trained network it started from (trainer.lost_accuracy)
+        warnings.append(lost[0].upper() + lost[1:] + ".")
     if params_match is False:
         warnings.append(f"ONNX parameter count {onnx_params} != kept weights {kept_total}: "
                         "the exported graph does not match the pruned model.")

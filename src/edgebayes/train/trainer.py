@@ -260,6 +260,21 @@ class ELBO:
                 "mean_inclusion": mean_inclusion(model)}
 
 
+LOST_ACCURACY = 0.10   # validation accuracy a training may lose against the network it started from, unsaid
+
+
+def lost_accuracy(before, after):
+    """The warning when training ended more than LOST_ACCURACY below the validation accuracy of the network it
+    started from (a user's trained network that the fine-tuning wrecked), else None. A network trained from
+    scratch starts near chance and is never said."""
+    if before is None or before - after <= LOST_ACCURACY:
+        return None
+    return (f"validation accuracy fell from {before:.3f} (the network as given, before the first step) to "
+            f"{after:.3f} after the last epoch: the training lost the trained network. A smaller lr or kl_weight "
+            f"keeps more of it; bn3 / fn3 on a trained batch-norm network lose it as a rule (train/nested.py): "
+            f"a spike-and-slab family with train.flops_target is the recipe for trained networks")
+
+
 def kl_warmup_factor(step, warmup_steps, start=0.0):
     """The KL term's factor at `step` (module docstring): 1 after the warm-up; during it linear from 0, or, with
     0 < start < 1, geometric from `start` (start ** (1 - progress))."""
@@ -341,6 +356,12 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
         model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None),
         evaluate=(lambda m: objective.validate(m, splits, cfg, device)["val_accuracy"]) if world.main else None,
         points=history[-1].get("flops_target_points", []) if history else [])
+    # The network as given, validated once: a trained network that the training loses is said at the end
+    before = history[0].get("val_accuracy_before") if history else None
+    if not history and world.main:
+        model.eval()
+        with torch.random.fork_rng(devices=[]):   # as the flops target's validation: no training noise changes
+            before = objective.validate(model, splits, cfg, device)["val_accuracy"]
     last = t.epochs if until_epoch is None else min(t.epochs, until_epoch)
     bar = tqdm(range(start_epoch, last), desc=objective.name, unit="epoch", initial=start_epoch,
                total=t.epochs, disable=not world.main)
@@ -380,6 +401,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
             history.append({"epoch": epoch + 1, "loss": nll_mean + t.kl_weight * kl_mean / n, "nll": nll_mean,
                             "kl": kl_mean, "kl_warmup": warm, **objective.validate(model, splits, cfg, device),
                             "train_seconds": train_seconds, "seconds": time.perf_counter() - t0})
+            if epoch == 0:
+                history[-1]["val_accuracy_before"] = before
             if flops_target is not None:   # the schedule's cuts so far, validated (a resumed run goes on with them)
                 history[-1]["flops_target_points"] = [dict(p) for p in flops_target.trajectory]
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{history[-1]['val_accuracy']:.3f}",
@@ -398,5 +421,9 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
                 log(line)
         if verdict:
             history[-1]["flops_target_verdict"] = verdict
+    lost = lost_accuracy(before, history[-1]["val_accuracy"]) if world.main and finished else None
+    if lost:
+        log(f"train: WARNING {lost}")
+        history[-1]["accuracy_lost"] = lost
     world.close()
     return model.cpu().to(memory_format=torch.contiguous_format).eval(), history
