@@ -455,3 +455,24 @@ def test_layers_without_a_bayesian_twin_are_told_counted_and_named_when_they_blo
     eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.995, log=lines.append)   # within reach: trains
     c = eb.compress(net)
     assert structure_report(c.dense_sample, c.samples[0], c.kept, (2, 40))["physical_flops_ratio"] <= 0.995 * 1.01
+
+
+def test_export_says_when_the_runtimes_channel_block_puts_the_shipped_network_above_the_target():
+    """One training serves every device, so the target is counted without the runtime's channel block, and
+    surgery then rounds each pruned width up to a multiple of it: mobilenet_v2 fine-tuned to 0.25 shipped at
+    0.2975 of its FLOPs for a block of 8, and nothing said so."""
+    from types import SimpleNamespace
+
+    from edgebayes.config import DeviceProfile, PipelineConfig
+    from edgebayes.stages import _above_flops_target
+
+    def ctx(target, block):
+        cfg = PipelineConfig(train={"flops_target": target})
+        profile = DeviceProfile(name="orin", runtime={"name": "tensorrt", "channel_multiple": block})
+        return SimpleNamespace(cfg=cfg, profile=profile)
+
+    message = _above_flops_target(ctx(0.25, 8), 0.2975)
+    assert message.startswith("the shipped network has 0.297 of the dense FLOPs, above train.flops_target 0.25")
+    assert "blocks of 8 channels" in message and "runtime.channel_multiple: 1" in message
+    assert _above_flops_target(ctx(0.25, 8), 0.2520) is None   # within 1%
+    assert _above_flops_target(ctx(None, 8), 0.9) is None

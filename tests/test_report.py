@@ -169,6 +169,13 @@ def test_a_training_that_lost_the_trained_network_is_among_the_warnings():
     assert "Validation accuracy fell from 0.905 to 0.276." in s["warnings"]
 
 
+def test_a_shipped_network_above_its_flops_target_is_among_the_warnings():
+    inputs = make_inputs()
+    inputs["export"]["flops_target_exceeded"] = "the shipped network has 0.297 of the dense FLOPs"
+    s = report_mod._summarize(report_mod._jsonable(inputs))
+    assert "The shipped network has 0.297 of the dense FLOPs." in s["warnings"]
+
+
 def test_percentile_not_reported_uses_next_higher():
     inputs = make_inputs()
     inputs["device"]["budgets"]["percentile"] = 95

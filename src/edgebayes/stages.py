@@ -581,12 +581,33 @@ def run_export(ctx):
                       for name, art in manifest["artifacts"].items()},
         "provenance": ctx.provenance("export"),
     }
+    if above := _above_flops_target(ctx, structure["physical_flops_ratio"]):
+        ctx.log(f"export: WARNING {above}")
+        summary["flops_target_exceeded"] = above
     write_compressed = family_of(ctx.cfg).write_compressed
     if write_compressed is not None:  # SQS: the real compressed form of the M exported samples
         summary["compressed_form"] = write_compressed(model, out, knob_value, m, ctx.cfg.seed)
     write_json(out / "export.json", summary)
     ctx.log(f"export: {out / 'bundle'} with {', '.join(artifacts)}; ONNX parameters {onnx_params} = {m} x "
             f"{kept_per_sample} kept weights: {summary['params_match']}")
+
+
+def _above_flops_target(ctx, physical):
+    """The message when the shipped network's FLOPs exceed train.flops_target (the training counts them without
+    the runtime's channel block, since one training serves every device: surgery then rounds each pruned width up
+    to a multiple of it, faster in that runtime despite the FLOPs), else None."""
+    target = ctx.cfg.train.flops_target
+    if target == "device":
+        target = resolved_device_target(ctx, ctx.cfg, ctx.stage_dir("train")).train.flops_target
+    if target is None or physical <= target * 1.01:
+        return None
+    block = ctx.profile.runtime.channel_block
+    why = (f"{ctx.profile.name}'s runtime ({ctx.profile.runtime.name}) runs convolutions in blocks of {block} "
+           f"channels and each pruned width is rounded up to a multiple of it (faster there despite the FLOPs: "
+           f"benchmarks/results/channel_multiple.md); runtime.channel_multiple: 1 in the device profile ships the "
+           f"target's widths" if block > 1 else "surgery kept more than the training counted")
+    return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}: {why}; "
+            f"or aim the target lower (about {target * target / physical:.2f})")
 
 
 def run_deploy(ctx):

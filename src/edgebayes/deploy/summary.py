@@ -342,6 +342,9 @@ def summarize(d: dict) -> dict:
     floor = history[-1].get("flops_target_verdict") if history and isinstance(history[-1], dict) else None
     if isinstance(floor, str):   # train.max_accuracy_drop: the FLOPs target cost more accuracy than allowed
         warnings.append(floor[0].upper() + floor[1:] + ".")
+    above = export.get("flops_target_exceeded")
+    if isinstance(above, str):   # the runtime's channel block rounded the pruned widths past the target
+        warnings.append(above[0].upper() + above[1:] + ".")
     lost = history[-1].get("accuracy_lost") if history and isinstance(history[-1], dict) else None
     if isinstance(lost, str):   # the training wrecked the trained network it started from (trainer.lost_accuracy)
         warnings.append(lost[0].upper() + lost[1:] + ".")
