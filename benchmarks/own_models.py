@@ -46,6 +46,7 @@ from edgebayes.config import ConfigError
 from edgebayes.export.formats import artifact_predict, export_artifact
 from edgebayes.provenance import atomic_path, provenance
 from edgebayes.train.families import bayesianize
+from edgebayes.train.flops_target import TOLERANCE
 from edgebayes.compressed.structure import structure_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -213,7 +214,7 @@ def run(args, done=()):
                                          batch_size=64, lr=1e-3, kl_weight=0.1, log=lambda *_: None, **target)
                         row.update(epochs=args.train_epochs, val_accuracy=history[-1]["val_accuracy"], **target)
                     row.update(measure(net, x_eval, shape, args.m))
-                    if case == "target" and row["flops_physical"] > args.flops_target * 1.01:
+                    if case == "target" and row["flops_physical"] > args.flops_target * (1 + TOLERANCE):
                         row["status"] = (("" if row["status"] == "ok" else row["status"] + "; ")
                                          + f"target missed: physical FLOPs {row['flops_physical']:.3f}")
                 except ConfigError as e:   # a target below the smallest network the architecture allows: said

@@ -596,10 +596,12 @@ def _above_flops_target(ctx, physical):
     """The message when the shipped network's FLOPs exceed train.flops_target (the training counts them without
     the runtime's channel block, since one training serves every device: surgery then rounds each pruned width up
     to a multiple of it, faster in that runtime despite the FLOPs), else None."""
+    from edgebayes.train.flops_target import TOLERANCE
+
     target = ctx.cfg.train.flops_target
     if target == "device":
         target = resolved_device_target(ctx, ctx.cfg, ctx.stage_dir("train")).train.flops_target
-    if target is None or physical <= target * 1.01:
+    if target is None or physical <= target * (1 + TOLERANCE):
         return None
     block = ctx.profile.runtime.channel_block
     why = (f"{ctx.profile.name}'s runtime ({ctx.profile.runtime.name}) runs convolutions in blocks of {block} "

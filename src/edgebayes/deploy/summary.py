@@ -339,15 +339,12 @@ def summarize(d: dict) -> dict:
                         + ("it was measured on the device instead." if num(cost.get("measured_latency_ms")) is not None
                            else "its prediction is an extrapolation; measure it on the device."))
     history = train.get("history") if isinstance(train.get("history"), list) else []
-    floor = history[-1].get("flops_target_verdict") if history and isinstance(history[-1], dict) else None
-    if isinstance(floor, str):   # train.max_accuracy_drop: the FLOPs target cost more accuracy than allowed
-        warnings.append(floor[0].upper() + floor[1:] + ".")
-    above = export.get("flops_target_exceeded")
-    if isinstance(above, str):   # the runtime's channel block rounded the pruned widths past the target
-        warnings.append(above[0].upper() + above[1:] + ".")
-    lost = history[-1].get("accuracy_lost") if history and isinstance(history[-1], dict) else None
-    if isinstance(lost, str):   # the training wrecked the trained network it started from (trainer.lost_accuracy)
-        warnings.append(lost[0].upper() + lost[1:] + ".")
+    last_epoch = history[-1] if history and isinstance(history[-1], dict) else {}
+    for said in (last_epoch.get("flops_target_verdict"),   # train.max_accuracy_drop: the target cost more
+                 export.get("flops_target_exceeded"),       # the runtime's channel block rounded past the target
+                 last_epoch.get("accuracy_lost")):          # the training wrecked the network it was given
+        if isinstance(said, str) and said:
+            warnings.append(said[0].upper() + said[1:] + ".")
     if params_match is False:
         warnings.append(f"ONNX parameter count {onnx_params} != kept weights {kept_total}: "
                         "the exported graph does not match the pruned model.")

@@ -356,9 +356,10 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
         model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None),
         evaluate=(lambda m: objective.validate(m, splits, cfg, device)["val_accuracy"]) if world.main else None,
         points=history[-1].get("flops_target_points", []) if history else [])
-    # The network as given, validated once: a trained network that the training loses is said at the end
+    # The network as given, validated once: a trained network that the training loses is said at the end. A FLOPs
+    # target's schedule validates it at its step 0 anyway (flops_target.trajectory[0]): that figure is taken
     before = history[0].get("val_accuracy_before") if history else None
-    if not history and world.main:
+    if not history and world.main and flops_target is None:
         model.eval()
         with torch.random.fork_rng(devices=[]):   # as the flops target's validation: no training noise changes
             before = objective.validate(model, splits, cfg, device)["val_accuracy"]
@@ -402,6 +403,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
                             "kl": kl_mean, "kl_warmup": warm, **objective.validate(model, splits, cfg, device),
                             "train_seconds": train_seconds, "seconds": time.perf_counter() - t0})
             if epoch == 0:
+                if flops_target is not None:
+                    before = flops_target.trajectory[0]["val_accuracy"]
                 history[-1]["val_accuracy_before"] = before
             if flops_target is not None:   # the schedule's cuts so far, validated (a resumed run goes on with them)
                 history[-1]["flops_target_points"] = [dict(p) for p in flops_target.trajectory]
