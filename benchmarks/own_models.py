@@ -310,6 +310,8 @@ def main(argv=None):
         return 0
     if args.train_epochs < 1 or args.m < 1:
         parser.error("--train-epochs and --m: expected positive integers")
+    if not 0 < args.flops_target <= 1:
+        parser.error(f"--flops-target: expected a share of the dense FLOPs in (0, 1], got {args.flops_target}")
     torch.set_num_threads(args.threads)
     settings = {k: v for k, v in vars(args).items() if k not in ("quick", "resume", "markdown_only")}
     settings["command"] = "python benchmarks/own_models.py " + " ".join(argv if argv is not None else sys.argv[1:])
