@@ -374,3 +374,43 @@ def test_a_training_that_loses_the_trained_network_says_so_and_one_from_scratch_
                              n_train=400)
     history = eb.fit(scratch, x, y, val=val, epochs=2, batch_size=50, lr=1e-2, log=lambda *_: None)
     assert "accuracy_lost" not in history[-1] and history[-1]["val_accuracy"] > history[0]["val_accuracy_before"]
+
+
+def test_a_training_that_loses_the_network_it_reached_says_so():
+    """A spike-and-slab run on a small training set learnt the task during its KL warm-up, then the exact KL
+    switched its units off together and it ended near chance, with nothing said (LeNet-5 on 20,000 MNIST images:
+    0.971 after epoch 4, 0.116 after epoch 12, benchmarks/results/peer_bayesian_torch.md). The warning now names
+    the best epoch; the setting it names (a smaller kl_weight) keeps the network, and says nothing."""
+    import edgebayes as eb
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(4, (400,), generator=g)
+    x = torch.randn(400, 8, generator=g) * 0.3 + nn.functional.one_hot(y, 8).float() * 2
+    val = (x[:100], y[:100])
+
+    def run(**kw):
+        torch.manual_seed(0)
+        net = eb.bayesianize(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)), "ss-gl", input_shape=(8,),
+                             n_train=400)
+        lines = []
+        history = eb.fit(net, x, y, val=val, epochs=8, batch_size=50, lr=1e-2, kl_warmup_epochs=3, inclusion_lr=0.3,
+                         log=lines.append, **kw)
+        return history, lines
+
+    history, lines = run()
+    best = max(history[:-1], key=lambda h: h["val_accuracy"])
+    assert best["val_accuracy"] - history[-1]["val_accuracy"] > trainer.LOST_ACCURACY
+    said = history[-1]["accuracy_lost"]
+    assert f"fell from {best['val_accuracy']:.3f} (after epoch {best['epoch']})" in said and "kl_weight" in said
+    assert any(str(line) == f"train: WARNING {said}" for line in lines)
+    history, _ = run(kl_weight=0.01)
+    assert history[-1]["val_accuracy"] > 0.9 and "accuracy_lost" not in history[-1]
+
+
+def test_what_a_schedule_cut_costs_is_not_said_as_a_lost_network():
+    """Epochs before the one with a FLOPs target's (or SQS's) last cut are left out of the comparison: the
+    schedule is still cutting the network there, and its own verdict says what the target costs."""
+    history = [{"epoch": 1, "val_accuracy": 0.95}, {"epoch": 2, "val_accuracy": 0.90}, {"epoch": 3, "val_accuracy": 0.80}]
+    assert trainer.lost_accuracy(None, history, settled_epoch=2) is None
+    assert "after epoch 1" in trainer.lost_accuracy(None, history, settled_epoch=1)
+    assert "the network as given" in trainer.lost_accuracy(0.97, history, settled_epoch=2)

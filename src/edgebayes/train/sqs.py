@@ -596,6 +596,10 @@ class SQSObjective:
                 "weights every step); the pretraining stage compiles")
         return forward, model.kl
 
+    def schedule_steps(self, total_steps):
+        """The pruning schedule's span: the keep rate reaches sqs.nonzero_rate after it (`terms`)."""
+        return math.ceil(self.s.schedule_fraction * total_steps)
+
     def start_epoch(self, model, epoch, epochs):
         pass
 
