@@ -199,21 +199,29 @@ def edgebayes_knob(net, target, seed):
     return widths[-1]
 
 
-def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=()):
-    """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples."""
+def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=(), fits=None):
+    """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples.
+    `fits` (a dict, one per net and seed) keeps a nested net's training for the next target: bn3 serves every
+    width from one training, and a second fit with the same seed would repeat it."""
     import edgebayes as eb
 
     x, y = data["train"]
-    torch.manual_seed(seed)
-    net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
-                         calibration_x=x if family in ("bn3", "fn3") else None)
-    train = {"batch_size": BATCH, "lr": LR, "device": device, "lr_milestones": list(milestones),
-             "lr_gamma": FINE_TUNE_GAMMA}
-    if net.knob != "width":   # spike-and-slab: train.flops_target; bn3 serves every width, picked below
-        train["flops_target"] = target
-    t0 = time.perf_counter()
-    history = eb.fit(net, x, y, val=data["val"], epochs=epochs, seed=seed, log=log, **train)
-    seconds = time.perf_counter() - t0
+    nested = family in ("bn3", "fn3")
+    if nested and fits is not None and family in fits:
+        net, history, seconds = fits[family]
+    else:
+        torch.manual_seed(seed)
+        net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
+                             calibration_x=x if nested else None)
+        train = {"batch_size": BATCH, "lr": LR, "device": device, "lr_milestones": list(milestones),
+                 "lr_gamma": FINE_TUNE_GAMMA}
+        if not nested:   # spike-and-slab: train.flops_target; bn3 serves every width, picked below
+            train["flops_target"] = target
+        t0 = time.perf_counter()
+        history = eb.fit(net, x, y, val=data["val"], epochs=epochs, seed=seed, log=log, **train)
+        seconds = time.perf_counter() - t0
+        if nested and fits is not None:
+            fits[family] = (net, history, seconds)
     t0 = time.perf_counter()
     knob = edgebayes_knob(net, target, seed)
     c = eb.compress(net, knob=knob, m=m, seed=seed)
@@ -381,6 +389,7 @@ def run(args, data, out, rows):
                 add({**base, "method": "dense-ft", "target": None, "fine_tune_epochs": args.epochs,
                      "fine_tune_seconds": time.perf_counter() - t0, "flops_ratio_physical": 1.0, "params_ratio": 1.0,
                      **plain_metrics(model, data)})
+            fits = {}   # a nested family's one training, for every target (edgebayes_row)
             for target in args.targets:
                 for method in eb_methods + tp_methods:
                     if (net_name, method, target, seed) in done:
@@ -390,7 +399,7 @@ def run(args, data, out, rows):
                         if method in EDGEBAYES:
                             log = functools.partial(print, f"{net_name}/{method}:", flush=True)
                             row.update(edgebayes_row(trained, EDGEBAYES[method], target, data, args.epochs, args.mc,
-                                                     seed, device, log=log, milestones=milestones))
+                                                     seed, device, log=log, milestones=milestones, fits=fits))
                         else:
                             wanted, row["matched_to"] = tp_flops_wanted(rows, net_name, seed, target)
                             row.update(tp_row(trained, method, wanted, data, args.epochs, seed, device, milestones))

@@ -290,6 +290,10 @@ class NestedConfig(Section):
         "from FN3's distribution, every width equally likely (train/nested.py OrderingUnit)"))
     prior_keep_logit: float | Literal["uniform"] = Field(3.0, description=(
         "the prior chain's pi = sigmoid(this), or FN3's uniform distribution (not given in the paper)"))
+    shared_draw: bool = Field(True, description=(
+        "one Downhill draw per training step shared by every nested layer, so that the layers' widths move "
+        "together as the deployed widths do (each layer's distribution unchanged; false: an independent draw per "
+        "layer, the paper's mean field; train/nested.py)"))
     log_alpha_init: float = Field(-1.0, description="initial log variance ratio of the multiplicative weight noise")
     log_alpha_init_first: float = Field(-8.0, description="log_alpha_init of the network's first layer")
     temperature: Positive = Field(0.3, description=(

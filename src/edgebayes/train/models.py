@@ -19,7 +19,7 @@ from torch import nn
 from edgebayes.train.arch import as_builder, resolve_arch
 from edgebayes.train.bayesianize import load_matching
 from edgebayes.train.layers import ConvNorm, LayerFactory
-from edgebayes.train.nested import NESTED_FAMILIES, NestedLayer, recollect_batch_norm
+from edgebayes.train.nested import NESTED_FAMILIES, NestedLayer, gumbel_uniforms, recollect_batch_norm
 from edgebayes.train.spike_slab import (
     GlobalHorseshoeScale,
     GlobalScale,
@@ -161,8 +161,22 @@ class NestedNet(nn.Module):
         # The running statistics of training are a blend over the sub-networks drawn: the per-epoch validation
         # recollects them at the width, as compress does (trainer.ELBO.validate).
         self.validate_compressed = with_norms and calibration_x is not None
+        self.shared_draw, self.mask_per_batch = nested_cfg.shared_draw, with_norms
 
     def forward(self, x):
+        ordered = [layer for _, layer in self.nested_layers() if layer.nested]
+        if self.training and self.shared_draw and ordered:   # one Gumbel draw for every layer (train/nested.py)
+            draws = {}   # per number of ordered groups K (the same in every layer the factory builds)
+            for layer in ordered:
+                k = layer.ordering.k
+                if k not in draws:
+                    draws[k] = gumbel_uniforms((1 if self.mask_per_batch else x.shape[0], k), layer.theta)
+                layer.shared_uniforms = draws[k]
+            try:
+                return self.net(x)
+            finally:   # not kept beyond the step: a deep copy or a later step never sees this one's draws
+                for layer in ordered:
+                    layer.shared_uniforms = None
         return self.net(x)
 
     def nested_layers(self):

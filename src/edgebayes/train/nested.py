@@ -115,13 +115,18 @@ def keep_probabilities(logits):
     return torch.exp(torch.cumsum(torch.cat([logits.new_zeros(1), F.logsigmoid(logits)]), 0))
 
 
-def downhill_sample(log_beta, temperature, shape=(), generator=None, hard=False):
+def gumbel_uniforms(shape, like, generator=None):
+    """The U(0, 1) draws a Downhill sample turns into Gumbel noise, g = -log(-log u), kept off 0 and 1."""
+    return torch.rand(shape, generator=generator, dtype=like.dtype, device=like.device).clamp(1e-10, 1 - 1e-7)
+
+
+def downhill_sample(log_beta, temperature, shape=(), generator=None, hard=False, uniforms=None):
     """Samples of Downhill(beta, tau) (Property 1), shape (*shape, K): non-increasing, in [0, 1], z_1 = 1.
 
     hard=True is the tau -> 0 limit (Property 2): c is one-hot at argmax(log beta + g), z an ordered mask.
+    `uniforms` (shape (*shape, K)): the draws behind g, given where several layers share them (nested.shared_draw).
     """
-    u = torch.rand(tuple(shape) + tuple(log_beta.shape), generator=generator, dtype=log_beta.dtype,
-                   device=log_beta.device).clamp(1e-10, 1 - 1e-7)
+    u = gumbel_uniforms(tuple(shape) + tuple(log_beta.shape), log_beta, generator) if uniforms is None else uniforms
     scores = log_beta - torch.log(-torch.log(u))
     if hard:
         c = F.one_hot(scores.argmax(-1), log_beta.numel()).to(log_beta.dtype)
@@ -182,8 +187,9 @@ class OrderingUnit(nn.Module):
     def keep_probability(self):
         return keep_probabilities(self.mubar)
 
-    def sample(self, batch, temperature, generator=None):
-        return downhill_sample(self.log_beta(), temperature, (batch,), generator, hard=not self.learned)
+    def sample(self, batch, temperature, generator=None, uniforms=None):
+        return downhill_sample(self.log_beta(), temperature, (batch,), generator, hard=not self.learned,
+                               uniforms=uniforms)
 
     def kl(self):
         return phi1(self.log_beta(), ordered_mask_log_probs(self.prior_logits))
@@ -223,6 +229,7 @@ class NestedLayer(nn.Module):
             self.ordering = OrderingUnit(groups - fixed_groups, mubar_init, prior_keep_logit, learned_order)
         self.temperature = 1.0
         self.mask_per_batch = False             # one mask shared by the batch (module docstring)
+        self.shared_uniforms = None             # the step's draws behind every layer's mask (nested.shared_draw)
         self.width = groups                     # evaluation width (groups kept)
         self.rescale = True                     # test time: kept channels scaled by P(z_j = 1) (appendix 8.2)
         self.__dict__["truncates"] = truncates  # a layer whose output channels this one's mask also drops
@@ -285,7 +292,8 @@ class NestedLayer(nn.Module):
                 out = self.norm(out)
             if self.nested:
                 draws = 1 if self.mask_per_batch else x.shape[0]
-                z = self.ordering.sample(draws, self.temperature).expand(x.shape[0], -1)   # (batch, K)
+                z = self.ordering.sample(draws, self.temperature,
+                                         uniforms=self.shared_uniforms).expand(x.shape[0], -1)   # (batch, K)
                 z = torch.cat([z.new_ones(x.shape[0], self.fixed_groups), z], 1)     # (batch, D)
                 out = out * self._channel_view(z[:, self.group], out.dim())
             return out
