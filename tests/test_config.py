@@ -439,3 +439,16 @@ def test_lr_milestones_may_be_written_empty_as_its_default_is(tmp_path):
     assert load_pipeline_config(config).train.lr_milestones == []
     assert load_pipeline_config(config, ("train.lr_milestones=[]",)).train.lr_milestones == []
     assert load_pipeline_config(config, ("train.lr_milestones=[1]",)).train.lr_milestones == [1]
+
+
+@pytest.mark.parametrize("text, said", [("- name: x\n", "got a list"), ("hello\n", "got a string"),
+                                        ("1: 2\nname: x\n", "key 1 is not a name")])
+def test_a_config_or_device_profile_that_is_not_a_mapping_is_one_message(tmp_path, capsys, text, said):
+    """A YAML list or scalar at the top level was an IndexError from the validator, exit 1; a number as a key
+    read as 'expected PipelineConfig'."""
+    path = _write(tmp_path / "odd.yaml", text)
+    for args in (["train", "--config", str(path)], ["train", "--config", str(PIPELINE), "--device", str(path)]):
+        rc = main(args + ["--runs-dir", str(tmp_path / "runs")])
+        err = capsys.readouterr().err
+        assert rc == EXIT_BAD_INPUT and said in err and "odd.yaml" in err and "Traceback" not in err, args
+    assert not (tmp_path / "runs").exists()

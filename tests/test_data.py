@@ -246,8 +246,27 @@ def _bad_npz(**arrays):
     return write
 
 
+def _damaged_npz(cut=None):
+    """A good archive cut off after `cut` bytes (a half-finished download), or with a byte of its first member's
+    data flipped (a bad CRC)."""
+    def write(tmp_path):
+        path = _npz(tmp_path / "bad.npz", x=np.arange(400, dtype=np.float32).reshape(100, 4), y=np.arange(100) % 2)
+        raw = bytearray(path.read_bytes())
+        if cut is not None:
+            raw = raw[:cut]
+        else:
+            raw[200] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        return path
+    return write
+
+
 X, Y = np.zeros((10, 4), dtype=np.float32), np.arange(10) % 2
 OWN_DATA_ERRORS = {
+    "truncated npz": ("npz", _damaged_npz(cut=500), r"bad\.npz: not an \.npz archive"),
+    "npz with a bad CRC": ("npz", _damaged_npz(), r"bad\.npz: the archive is damaged"),
+    "inputs without features": ("npz", _bad_npz(x=np.zeros((10, 0), dtype=np.float32), y=Y),
+                                r"x_train inputs have shape \(0,\)"),
     "missing file": ("npz", lambda t: t / "absent.npz", r"data\.path: .*absent\.npz: no such file"),
     "not an npz": ("npz", lambda t: (t / "x.npz").write_text("a,b\n") and t / "x.npz", r"not an \.npz archive"),
     "an npy": ("npz", lambda t: np.save(t / "x.npy", X) or t / "x.npy", r"a single array \(\.npy\)"),

@@ -281,6 +281,29 @@ def test_pickled_eval_arrays_are_refused(bundle, tmp_path, capsys):
     assert "eval.npz" in msg and "unpickling" in msg
 
 
+def test_a_damaged_or_non_finite_eval_file_is_refused(bundle, tmp_path, capsys):
+    """An eval file cut off or with a bad CRC gave zipfile's traceback, one holding NaN gave NaN metrics and exit
+    0; each is now the bundle's one-line error (their hashes match the manifest here: what the hash cannot catch)."""
+    bundle_dir, probs, y = bundle
+    path = bundle_dir / "eval.npz"
+    good = path.read_bytes()
+    x = np.load(path)["x"]
+    for name, raw in (("cut off", good[:200]), ("bad CRC", good[:300] + bytes([good[300] ^ 0xFF]) + good[301:])):
+        path.write_bytes(raw)
+        manifest = _manifest(bundle_dir)
+        manifest["files"]["eval.npz"] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        _write_manifest(bundle_dir, manifest)
+        msg = _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+        assert "eval.npz" in msg and "Traceback" not in msg, name
+    bad = probs.copy()
+    bad[3, 0] = np.nan
+    np.savez(path, x=x, y=y, reference_probs=bad)
+    manifest = _manifest(bundle_dir)
+    manifest["files"]["eval.npz"] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    _write_manifest(bundle_dir, manifest)
+    assert "'reference_probs' holds NaN" in _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+
+
 def test_unknown_runtime_fails_clearly(bundle, tmp_path, capsys):
     bundle_dir, _, _ = bundle
     out = tmp_path / "r.json"
@@ -352,6 +375,16 @@ def test_metrics_reject_bad_input():
         metrics.brier_score(np.array([[0.5, 0.5]]), np.array([2]))
     with pytest.raises(ValueError):
         metrics.classification_metrics(np.zeros((0, 2)), np.zeros(0, dtype=int))
+    # Logits, scores and NaN were taken as probabilities: an NLL of 0 and an ECE of 4.6 for rows of 5.0
+    y = np.array([0, 1, 2, 0, 1])
+    with pytest.raises(ValueError, match="pass softmax outputs, not logits"):
+        metrics.classification_metrics(np.full((5, 3), 5.0), y)
+    with pytest.raises(ValueError, match="pass softmax outputs, not logits"):
+        metrics.classification_metrics(np.random.default_rng(0).normal(size=(5, 3)), y)
+    with pytest.raises(ValueError, match="NaN or infinite values \\(5 of 5 rows\\)"):
+        metrics.classification_metrics(np.full((5, 3), np.nan), y)
+    fp16 = np.full((5, 3), 1 / 3, dtype=np.float16).astype(np.float64)   # rows 1e-4 off 1: probabilities still
+    assert metrics.classification_metrics(fp16, y)["accuracy"] == 0.4
 
 
 # --------------------------------------------------------------------------

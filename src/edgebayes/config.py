@@ -609,6 +609,8 @@ def validate(cls, data, path, set_keys=()):
         errors = [err for err in errors if not (str(err["loc"][-1]).startswith("literal[") and err["loc"][:-1] in ranged)]
         # types and keys first, then ranges: the order the file is read in, one message
         first = min(errors, key=lambda err: err["type"] == "check")
+        if not first["loc"]:   # the whole value is wrong: not a mapping of keys at all
+            raise ConfigError(f"{path}: expected a mapping of keys, got {_show(data)} ({type(data).__name__})") from None
         raise ConfigError(_message(cls, data, first, str(path), set_keys)) from None
 
 
@@ -665,6 +667,9 @@ _Yaml12Loader.add_implicit_resolver(
 )
 
 
+_KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
+
 def _load_yaml(path: Path):
     if not path.is_file():
         raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'}")
@@ -686,6 +691,12 @@ def _load_yaml(path: Path):
         raise ConfigError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
     if data is None:  # an empty file would otherwise run every default without a word
         raise ConfigError(f"{path}: empty file (expected a mapping of keys, e.g. pipeline.yaml or devices/local.yaml)")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys (key: value lines, e.g. pipeline.yaml or "
+                          f"devices/local.yaml), got {_KINDS.get(type(data), type(data).__name__)} {_show(data)}")
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"{path}: key {_show(odd[0])} is not a name; keys are words such as data, model, train")
     return data
 
 

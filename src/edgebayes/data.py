@@ -26,6 +26,7 @@ import csv
 import gzip
 import os
 import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -265,7 +266,7 @@ def _npz(cfg):
     where = f"data.path: {path}"
     try:
         archive = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:   # BadZipFile: a truncated download
         raise DataError(f"{where}: not an .npz archive ({e}); write one with "
                         f"np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)") from None
     if not isinstance(archive, np.lib.npyio.NpzFile):
@@ -274,6 +275,8 @@ def _npz(cfg):
     with archive:
         try:
             arrays = {k: archive[k] for k in archive.files}
+        except (zipfile.BadZipFile, EOFError, OSError) as e:   # a damaged member (CRC) or a cut-off one
+            raise DataError(f"{where}: the archive is damaged ({e}); copy or write it again") from None
         except ValueError as e:
             raise DataError(f"{where}: {e}; save labels and class names as plain arrays, e.g. "
                             f"np.array(names, dtype=str)") from None
@@ -603,6 +606,8 @@ def _lookup(sorted_values, a, order=None):
 def checked_sets(sets: dict, classes, where):
     """The checks every source passes: one label per input, one input shape, finite inputs, the labels."""
     shape = tuple(sets["train"][0].shape[1:])
+    if 0 in shape:   # a layer would read no inputs: a division by zero at its initialisation, not a message
+        raise DataError(f"{where}: x_train inputs have shape {shape}: no values per input")
     labels = {}
     for s, (x, y) in sets.items():
         y = _label_array(y, f"y_{s}", where)

@@ -5,6 +5,7 @@ unpickling anything (a bundle is data that must not be able to run code)."""
 import hashlib
 import json
 import os
+import zipfile
 
 import numpy as np
 
@@ -166,7 +167,7 @@ def load_eval_set(bundle_dir, manifest):
         raise
     except ValueError as exc:  # includes "Object arrays cannot be loaded when allow_pickle=False"
         fail(f"cannot be read without unpickling or is malformed ({exc})")
-    except (OSError, EOFError) as exc:
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:   # BadZipFile: cut off, or a member's CRC is wrong
         fail(f"not a readable .npz file ({exc})")
 
     if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
@@ -181,6 +182,9 @@ def load_eval_set(bundle_dir, manifest):
         fail(f"reference_probs has {ref.shape[1]} columns but the manifest lists {n_classes} classes")
     if y.min() < 0 or y.max() >= ref.shape[1]:
         fail(f"labels must lie in [0, {ref.shape[1]}), got [{y.min()}, {y.max()}]")
+    for key, a in (("x", x), ("reference_probs", ref)):   # a NaN would come back as every metric NaN, exit 0
+        if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
+            fail(f"'{key}' holds NaN or infinite values")
     # Compare per-example shape with the manifest, ignoring dynamic (null) dims.
     declared = manifest["input"].get("shape")
     if isinstance(declared, list) and len(declared) >= 1:
@@ -205,7 +209,7 @@ def load_ood_set(bundle_dir, manifest, x):
             if OOD_ARRAY not in data.files:
                 return None
             ood = data[OOD_ARRAY]
-    except ValueError as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         raise BundleError(f"bundle {os.fspath(bundle_dir)}: {name}: {OOD_ARRAY} cannot be read without "
                           f"unpickling or is malformed ({exc})") from None
     if ood.ndim != x.ndim or ood.shape[1:] != x.shape[1:] or len(ood) == 0:

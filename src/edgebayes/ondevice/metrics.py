@@ -7,6 +7,7 @@ done in float64 so that fp16/fp32 model outputs do not change the metric definit
 import numpy as np
 
 NLL_CLIP = 1e-12      # log(0) would make one bad example dominate the mean
+PROB_TOLERANCE = 1e-2  # how far a row of probabilities may stray from [0, 1] and from summing to 1
 # Fractions of the evaluation set rejected (most uncertain first) for the accuracy-vs-rejection curve.
 REJECTION_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(19))   # 0 .. 0.9
 
@@ -20,6 +21,16 @@ def _check_probs_labels(probs, y):
         raise ValueError(f"y must be 1-D with N={probs.shape[0]} entries, got shape {y.shape}")
     if probs.shape[0] == 0:
         raise ValueError("metrics of an empty set are undefined")
+    if not np.isfinite(probs).all():
+        raise ValueError(f"probs holds NaN or infinite values ({int((~np.isfinite(probs)).any(1).sum())} of "
+                         f"{probs.shape[0]} rows)")
+    # Logits or scores give an NLL, ECE and Brier score that mean nothing, without a word. The tolerance admits
+    # an average of fp16 softmaxes (rows within about 1e-3 of 1).
+    if probs.min() < -PROB_TOLERANCE or probs.max() > 1 + PROB_TOLERANCE or \
+            np.abs(probs.sum(axis=1) - 1).max() > PROB_TOLERANCE:
+        raise ValueError(f"probs must be class probabilities, each row in [0, 1] summing to 1 (got values in "
+                         f"[{probs.min():.3g}, {probs.max():.3g}], row sums in [{probs.sum(1).min():.3g}, "
+                         f"{probs.sum(1).max():.3g}]); pass softmax outputs, not logits")
     if not np.issubdtype(y.dtype, np.integer):
         raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
     if y.min() < 0 or y.max() >= probs.shape[1]:
