@@ -641,6 +641,7 @@ BAD_FIT = {   # what a user passes to eb.fit: each refused by name before any tr
                                                   r"for input_shape \(1, 8, 8\)"),
     "one class": (dict(y=np.zeros(60, dtype=int)), r"fit: y_train holds a single class"),
     "val labels short": (dict(val=(_X[:5], _Y[:4])), r"fit: x_val has 5 inputs but y_val has 4 labels"),
+    "val not a pair": (dict(val=(_X[:5],)), r"fit: val: expected a pair \(x_val, y_val\), got tuple of 1"),
 }
 
 
@@ -665,5 +666,48 @@ def test_compress_refuses_a_knob_out_of_range_and_no_samples():
     net = _small_net()
     with pytest.raises(ValueError, match=r"compress: knob: inclusion thresholds must lie in \(0, 1\), got \[1\.5\]"):
         eb.compress(net, knob=1.5)
-    with pytest.raises(ValueError, match=r"compress: m: expected a positive number of posterior samples, got 0"):
+    with pytest.raises(ValueError, match=r"compress: m: expected a whole number in 1\.\.1000, got 0 \(int\)"):
         eb.compress(net, m=0)
+    with pytest.raises(ValueError, match=r"compress: m: expected a whole number in 1\.\.1000, got '2' \(str\)"):
+        eb.compress(net, m="2")
+    with pytest.raises(ValueError, match=r"compress: m: .* got 1000000000 \(int\)"):   # ran past 10 minutes
+        eb.compress(net, m=10**9)
+    with pytest.raises(ValueError, match=r"compress: channel_multiple: expected a whole number of 1 or more, got 0"):
+        eb.compress(net, channel_multiple=0)
+    with pytest.raises(ValueError, match=r"compress: knob: expected a number .* got '0\.5' \(str\)"):
+        eb.compress(net, knob="0.5")
+
+
+def test_fit_and_compress_take_only_networks_bayesianize_made():
+    import edgebayes as eb
+    from edgebayes.config import ConfigError
+
+    for call in (lambda: eb.fit(nn.Linear(64, 3), _X.reshape(60, -1), _Y, epochs=1), lambda: eb.compress(nn.Linear(8, 3))):
+        with pytest.raises(ConfigError, match=r"net: expected a network made by eb\.bayesianize\(model, family, "
+                                              r"\.\.\.\), got Linear"):
+            call()
+
+
+def test_fit_refuses_a_checkpoint_of_another_run_instead_of_resuming_it(tmp_path):
+    """Re-running fit with a new lr, other data or another network on the same checkpoint resumed the old run in
+    silence (the new lr never used: the optimizer's state came back with the old one), or failed in
+    load_state_dict; each is refused, naming what differs. The same call goes on from it, as before."""
+    import edgebayes as eb
+    from edgebayes.config import ConfigError
+
+    ckpt = tmp_path / "fit.pt"
+    quiet = {"log": lambda *_: None, "checkpoint": ckpt}
+    eb.fit(_small_net(), _X, _Y, epochs=2, until_epoch=1, lr=1e-3, **quiet)
+    with pytest.raises(ConfigError, match=r"fit\.pt holds another run \(it differs in: train\.lr 0\.001 -> 0\.5\)"):
+        eb.fit(_small_net(), _X, _Y, epochs=2, until_epoch=2, lr=0.5, **quiet)
+    with pytest.raises(ConfigError, match=r"differs in: the data\)"):
+        eb.fit(_small_net(), _X * 2, _Y, epochs=2, until_epoch=2, lr=1e-3, **quiet)
+    wider = bayesianize(nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3)),
+                        "ss-gl", input_shape=(1, 8, 8), n_train=60)
+    with pytest.raises(ConfigError, match=r"differs in: the network\)"):
+        eb.fit(wider, _X, _Y, epochs=2, until_epoch=2, lr=1e-3, **quiet)
+    history = eb.fit(_small_net(), _X, _Y, epochs=2, until_epoch=2, lr=1e-3, **quiet)
+    assert [h["epoch"] for h in history] == [1, 2]
+    with pytest.raises(ConfigError, match=r"checkpoint: .* is a folder"):
+        eb.fit(_small_net(), _X, _Y, epochs=1, log=lambda *_: None, checkpoint=tmp_path)

@@ -15,6 +15,7 @@ compressed/samples.py's, `save` and `run` are export/formats.py's (`save`, not `
 is the export package).
 """
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgebayes.config import ConfigError, PipelineConfig, TrainConfig, check_train, validate
+from edgebayes.config import MAX_MC_SAMPLES, ConfigError, PipelineConfig, TrainConfig, check_train, validate
 from edgebayes.compressed.samples import Compressed, compress as _compress
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
@@ -43,6 +44,10 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     from edgebayes.data import DataError, Splits, checked_sets
     from edgebayes.train.trainer import ELBO, train as run_train
 
+    _check_made_by_bayesianize(net, "fit")
+    if val is not None and (isinstance(val, (str, bytes)) or not hasattr(val, "__len__") or len(val) != 2):
+        raise ConfigError(f"fit: val: expected a pair (x_val, y_val), got {type(val).__name__}"
+                          f"{f' of {len(val)}' if hasattr(val, '__len__') else ''}")
     if train.get("flops_target") == "device":
         raise ConfigError("flops_target: device needs a device profile, which fit does not take: run `edgebayes "
                           "train --device NAME` (its pre-flight finds the share), or give the share (0 < f <= 1)")
@@ -78,6 +83,13 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     splits = Splits(x, y, vx, vy, vx, vy, classes)
     cfg = PipelineConfig(seed=seed, train=t)
     path = Path(checkpoint) if checkpoint else None
+    if path is not None and path.is_dir():
+        raise ConfigError(f"fit: checkpoint: {path} is a folder; give a file path, e.g. {path / 'checkpoint.pt'}")
+    # What this run is: a checkpoint of another (a new lr, other data, another network) is refused, not resumed
+    identity = None if path is None else {
+        "family": getattr(net, "family", None), "seed": seed, "train": t.model_dump(mode="json"),
+        "network": _digest(repr([(k, tuple(v.shape)) for k, v in net.state_dict().items()]).encode()),
+        "data": _digest(*(a.numpy().tobytes() for a in (x, y, vx, vy)))}
     if path is None:
         with tempfile.TemporaryDirectory() as tmp:
             _, history = run_train(cfg, splits, Path(tmp) / "checkpoint.pt", lambda: net, ELBO(), log)
@@ -85,8 +97,15 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
         from edgebayes.provenance import exclusive
 
         with exclusive(path.with_name(path.name + ".lock"), f"checkpoint {path}"):
-            _, history = run_train(cfg, splits, path, lambda: net, ELBO(), log, until_epoch)
+            _, history = run_train(cfg, splits, path, lambda: net, ELBO(), log, until_epoch, identity)
     return history
+
+
+def _digest(*chunks):
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
@@ -94,14 +113,30 @@ def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
     each pruned convolution keeps a multiple of `channel_multiple` channels (the runtime's channel block: 4 for
     onnxruntime, 8 for TensorRT; ondevice/tables.py CHANNEL_MULTIPLE). `.calibrate(x_val, y_val)` on the result
     fits the MC average's temperature on validation data, as the pipeline's select does (compressed/samples.py)."""
+    _check_made_by_bayesianize(net, "compress")
+    if knob is not None and (isinstance(knob, bool) or not isinstance(knob, (int, float))):
+        raise ValueError(f"compress: knob: expected a number (an inclusion threshold, a width, a non-zero rate), "
+                         f"got {knob!r} ({type(knob).__name__})")
+    for name, value, most in (("m", m, MAX_MC_SAMPLES), ("channel_multiple", channel_multiple, None)):
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1
+                or (most is not None and value > most)):
+            allowed = f"in 1..{most}" if most else "of 1 or more"
+            raise ValueError(f"compress: {name}: expected a whole number {allowed}, got {value!r} "
+                             f"({type(value).__name__})")
     knob = net.default_knob if knob is None else knob
     try:
         net.operating_points([knob])   # the family's range: an inclusion threshold in (0, 1), a width in 1..D
     except ValueError as e:
         raise ValueError(f"compress: knob: {e}") from None
-    if int(m) != m or m < 1:
-        raise ValueError(f"compress: m: expected a positive number of posterior samples, got {m}")
-    return _compress(net.cpu().eval(), knob, int(m), seed, channel_multiple)
+    return _compress(net.cpu().eval(), knob, int(m), seed, int(channel_multiple))
+
+
+def _check_made_by_bayesianize(net, where):
+    """fit and compress take the networks bayesianize (or the family registry) makes: a plain nn.Module was an
+    AttributeError about `classes` or `default_knob`."""
+    if not all(hasattr(net, a) for a in ("family", "classes", "default_knob", "operating_points")):
+        raise ConfigError(f"{where}: net: expected a network made by eb.bayesianize(model, family, ...), got "
+                          f"{type(net).__name__}")
 
 
 def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", calib_x=None, opset=17):

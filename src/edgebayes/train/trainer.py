@@ -92,6 +92,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from edgebayes.compressed.samples import compress, predict
+from edgebayes.config import ConfigError
 from edgebayes.errors import StageError
 from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 from edgebayes.provenance import atomic_torch_save, load_checkpoint
@@ -323,7 +324,21 @@ def ordered_kl_warmup(model, progress, start=0.0):
                 layer.unit_kl_factor.copy_(factor)
 
 
-def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_epoch=None):
+def checkpoint_differences(saved, identity):
+    """What a checkpoint's run identity ({name: value}, `train`'s `identity`) differs in from this run's, in
+    words: ["train.lr 0.001 -> 0.5", "the data"]. Nested mappings (the train keys) are compared key by key."""
+    said = []
+    for key in sorted(set(saved) | set(identity)):
+        old, new = saved.get(key), identity.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            said += [f"{key}.{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+                     if old.get(k) != new.get(k)]
+        elif old != new:
+            said.append(f"the {key}" if key in ("data", "network") else f"{key} {old!r} -> {new!r}")
+    return said
+
+
+def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_epoch=None, identity=None):
     """Train (or resume) the net that `build()` makes, under `objective` (default: the ELBO); returns
     (model, history). `build` is called after seeding with cfg.seed, so every process starts from the same
     weights; the family registry (train/families.py) passes the configured family's builder.
@@ -335,6 +350,10 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
 
     Under torchrun (train/distributed.py) every process returns the trained model; process 0 alone
     validates, writes the checkpoint and keeps the history (the others' is not kept up to date).
+
+    identity: what makes this run this run ({name: value}: settings, digests of the data and the network), kept in
+    the checkpoint; a checkpoint of another identity is refused rather than resumed (eb.fit passes one; the
+    pipeline's stages remove a stale checkpoint themselves).
     """
     objective = objective or ELBO()
     t = cfg.train
@@ -350,7 +369,17 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
     world.barrier()  # process 0 may just have removed a stale checkpoint (stages.run_train)
     if checkpoint_path.exists():
         state = load_checkpoint(checkpoint_path, map_location=device)
-        model.load_state_dict(state["model"])
+        differs = checkpoint_differences(state.get("identity") or {}, identity) if identity is not None else []
+        if differs and state.get("identity") is not None:   # resuming would mix two runs, or train the old one on
+            raise ConfigError(f"checkpoint {checkpoint_path} holds another run (it differs in: {'; '.join(differs)}): "
+                              f"give the same settings, data and network to go on from it, or another checkpoint "
+                              f"path (or delete it) to start over")
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as e:   # another architecture or family
+            raise ConfigError(f"checkpoint {checkpoint_path} is of another network: "
+                              f"{str(e).strip().splitlines()[0][:300]}; give another checkpoint path (or delete it) "
+                              f"to start over") from None
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
@@ -433,7 +462,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
         if world.main:
             atomic_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                "scheduler": None if scheduler is None else scheduler.state_dict(),
-                               "rng_states": rng, "history": history, "epoch": epoch + 1}, checkpoint_path)
+                               "rng_states": rng, "history": history, "epoch": epoch + 1, "identity": identity},
+                              checkpoint_path)
     finished = bool(history) and history[-1]["epoch"] == t.epochs
     if flops_target is not None and world.main and finished:
         curve, verdict = flops_target.finish(history[-1]["val_accuracy"])   # and train.max_accuracy_drop
