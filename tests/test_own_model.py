@@ -711,3 +711,65 @@ def test_fit_refuses_a_checkpoint_of_another_run_instead_of_resuming_it(tmp_path
     assert [h["epoch"] for h in history] == [1, 2]
     with pytest.raises(ConfigError, match=r"checkpoint: .* is a folder"):
         eb.fit(_small_net(), _X, _Y, epochs=1, log=lambda *_: None, checkpoint=tmp_path)
+
+
+def test_save_run_and_calibrate_refuse_empty_or_misshapen_inputs_by_name(tmp_path):
+    """Each was torch's or numpy's own error (max() of an empty tensor, an opset error, `need at least one array`,
+    `mat1 and mat2 shapes cannot be multiplied`), or for calibrate on nothing a silent T = 1."""
+    import edgebayes as eb
+
+    torch.manual_seed(0)
+    net = bayesianize(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), "ss-gl", input_shape=(8,),
+                      n_train=60)
+    c = eb.compress(net, m=2)
+    x, y = np.random.default_rng(0).random((20, 8), dtype=np.float32), np.arange(20) % 3
+    cases = [(lambda: c.calibrate(x[:, :4], y), r"calibrate: x: expected inputs of shape \(8,\), got \(4,\)"),
+             (lambda: c.calibrate(x[:0], y[:0]), r"calibrate: expected validation inputs .* got 0 inputs"),
+             (lambda: eb.save(c, tmp_path / "m.onnx", example=x[:0]), r"save: example: .* at least one input"),
+             (lambda: eb.save(c, tmp_path / "m.onnx", example=x, opset=3), r"save: opset: .* in 7\.\.20, got 3")]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    path = eb.save(c, tmp_path / "m.onnx", example=x[:2])
+    with pytest.raises(ValueError, match=r"run: x: expected a batch of at least one input, got shape \(0, 8\)"):
+        eb.run(path, x[:0])
+    assert eb.run(path, x[:3]).shape == (3, 3)
+
+
+def test_bayesianize_refuses_a_network_whose_output_is_not_floating_point():
+    class Argmax(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(x).round().long()
+
+    with pytest.raises(ArchError, match=r"returns torch\.int64 values; it must return \[batch, classes\] logits"):
+        bayesianize(Argmax(), "ss-gl", input_shape=(8,), n_train=60)
+
+
+def test_a_network_too_large_for_memory_names_the_model_keys(tmp_path, capsys, monkeypatch):
+    """model.hidden of 1e8 was torch's allocator traceback about 25,600,000,000 bytes, exit 1. The allocation is
+    faked here: a real one may succeed on a machine that overcommits, and then fill its memory."""
+    from edgebayes.train import families
+
+    def too_large(cfg, splits):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 25600000000 bytes. Error code 12 (Cannot allocate memory)")
+
+    real = families.family_of
+
+    class Huge:
+        def __init__(self, family):
+            self.family = family
+
+        def __getattr__(self, name):
+            return too_large if name == "build" else getattr(self.family, name)
+
+    monkeypatch.setattr(families, "family_of", lambda cfg: Huge(real(cfg)))
+    root = Path(__file__).resolve().parents[1]
+    rc = main(["train", "--config", str(root / "pipeline.yaml"), "--set", "train.epochs=1",
+               "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit in this machine's memory" in err and "model.hidden" in err, err

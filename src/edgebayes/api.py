@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgebayes.config import MAX_MC_SAMPLES, ConfigError, PipelineConfig, TrainConfig, check_train, validate
+from edgebayes.config import MAX_MC_SAMPLES, OPSETS, ConfigError, PipelineConfig, TrainConfig, check_train, validate
 from edgebayes.compressed.samples import Compressed, compress as _compress
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
@@ -149,7 +149,11 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
         raise ValueError(f"save: path: {fmt} is written as a {f.suffix} file, got {Path(path).name!r}")
     if f.precision == "int8" and calib_x is None:
         raise ValueError(f"save: calib_x: {fmt} needs calibration inputs (a few hundred rows of the training data)")
+    if isinstance(opset, bool) or not isinstance(opset, int) or not OPSETS[0] <= opset <= OPSETS[1]:
+        raise ValueError(f"save: opset: expected an ONNX opset in {OPSETS[0]}..{OPSETS[1]}, got {opset!r}")
     example = torch.as_tensor(np.asarray(example), dtype=torch.float32)
+    if example.dim() == 0 or len(example) == 0:
+        raise ValueError(f"save: example: expected a batch of at least one input, got shape {tuple(example.shape)}")
     shape = compressed.input_shape
     if shape is not None and (example.dim() != len(shape) + 1 or tuple(example.shape[1:]) != tuple(shape)):
         raise ValueError(f"save: example: expected a batch of inputs of shape (N, {', '.join(map(str, shape))}), "
@@ -169,7 +173,10 @@ def run(path, x, fmt=None):
     from edgebayes.export.formats import artifact_predict
 
     fmt = fmt or ("tflite-fp32" if str(path).endswith(".tflite") else "onnx")
-    return artifact_predict(Path(path), fmt, np.asarray(x, dtype=np.float32))
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 0 or len(x) == 0:
+        raise ValueError(f"run: x: expected a batch of at least one input, got shape {x.shape}")
+    return artifact_predict(Path(path), fmt, x)
 
 
 def metrics(probs, y) -> dict:

@@ -77,6 +77,13 @@ class Compressed:
 
     def calibrate(self, x, y) -> float:
         """Set `temperature` to the one fitted on (x, y), validation data (`fit_temperature`); returns it."""
+        x, y = torch.as_tensor(x, dtype=torch.float32).cpu(), torch.as_tensor(y).cpu()
+        if len(x) == 0 or len(x) != len(y):
+            raise ValueError(f"calibrate: expected validation inputs and one label each, got {len(x)} inputs and "
+                             f"{len(y)} labels")
+        if self.input_shape is not None and tuple(x.shape[1:]) != tuple(self.input_shape):
+            raise ValueError(f"calibrate: x: expected inputs of shape {tuple(self.input_shape)}, got "
+                             f"{tuple(x.shape[1:])}")
         self.temperature = fit_temperature(self.samples, x, y)
         return self.temperature
 

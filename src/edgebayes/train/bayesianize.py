@@ -362,4 +362,7 @@ def output_classes(module, input_shape):
         out = module.eval()(torch.zeros((1,) + tuple(input_shape)))
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
         raise ArchError(f"bayesianize: {type(module).__name__} must return [batch, classes] logits")
+    if not out.is_floating_point():   # class indices (argmax) or rounded scores: no softmax, no gradient
+        raise ArchError(f"bayesianize: {type(module).__name__} returns {out.dtype} values; it must return "
+                        f"[batch, classes] logits as floating-point numbers (leave out any argmax or rounding)")
     return out.shape[1]

@@ -161,7 +161,14 @@ def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=N
 
 def build(cfg, splits) -> PosteriorNet:
     """The configured family's net of the configured architecture, untrained (to load a checkpoint into)."""
-    return family_of(cfg).build(cfg, splits)
+    try:
+        return family_of(cfg).build(cfg, splits)
+    except RuntimeError as e:   # torch's allocator: a traceback about bytes, where the config's sizes are the cause
+        if "allocate" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        raise ArchError(f"model: the {cfg.model.family} network of model.arch {cfg.model.arch!r} does not fit in "
+                        f"this machine's memory ({str(e).strip().splitlines()[0][:200]}); make it smaller "
+                        f"(model.hidden, the architecture's widths)") from None
 
 
 def fit(cfg, splits, checkpoint_path, log=print):
