@@ -274,6 +274,11 @@ def test_user_devices_folder_comes_first(tmp_path, monkeypatch, capsys):
     assert load_device_profile("local").description != "my own local"
     code, out, _ = cli(capsys, "devices", "list", "--devices-dir", mine)
     assert code == 0 and "a box of mine" in out and "jetson-orin-nano" in out
+    # a broken profile among them is said after the table, which lists every other one (it stopped the listing)
+    (mine / "broken.yaml").write_text("- name: broken\n")
+    code, out, err = cli(capsys, "devices", "list", "--devices-dir", mine)
+    assert code == 2 and "a box of mine" in out and "jetson-orin-nano" in out
+    assert "broken.yaml: expected a mapping of keys" in err
 
 
 # ---------------------------------------------------------------------------------------------

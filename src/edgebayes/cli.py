@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from edgebayes import STAGES
-from edgebayes.config import load_device_profile, load_pipeline_config
+from edgebayes.config import ConfigError, load_device_profile, load_pipeline_config
 from edgebayes.errors import InputError, StageError
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
@@ -271,7 +271,13 @@ def _list_devices(names):
 
     from edgebayes.deploy.latency_model import table_path
 
-    profiles = {name: load_device_profile(name) for name in names}
+    # Every profile that loads is listed; one that does not is said after the table (exit 2), not in place of it
+    profiles, bad = {}, []
+    for name in names:
+        try:
+            profiles[name] = load_device_profile(name)
+        except ConfigError as e:
+            bad.append(str(e))
     with ThreadPoolExecutor(max(1, len(profiles))) as pool:
         reachable = dict(zip(profiles, pool.map(_reachable, profiles.values())))
     rows = [("device", "runtime", "latency table", "reachable now", "description")]
@@ -285,7 +291,9 @@ def _list_devices(names):
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(f"{v:<{w}}" for v, w in zip(r[:4], widths)) + "  " + r[4])
-    return 0
+    for message in bad:
+        print(f"edgebayes: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT if bad else 0
 
 
 def _check(profile, transport):
