@@ -516,6 +516,9 @@ def test_a_pretrained_file_that_is_not_a_state_dict_is_bad_input(user_package, t
     assert main(["train", "--config", str(config), "--runs-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert "model.pretrained" in err and "weights_only=True" in err and "weights_only` set to `False" not in err
+    (tmp_path / "w.pt").write_text("hi\n")   # torch.load read it as its legacy format: `KeyError: 105`
+    assert main(["train", "--config", str(config), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "w.pt: not a file torch.save wrote" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])

@@ -32,6 +32,8 @@ from collections import OrderedDict
 import math
 import pickle
 import warnings
+import zipfile
+from pathlib import Path
 
 import torch
 from torch import fx, nn
@@ -303,6 +305,9 @@ def read_state_dict(path):
         raise InputError(f"model.pretrained {path}: not a file of tensors that torch.load(weights_only=True) "
                          f"accepts (save one with torch.save(model.state_dict(), path))") from None
     except Exception as e:
+        if Path(path).is_file() and not zipfile.is_zipfile(path):   # a text or other file: torch says `KeyError: 105`
+            raise InputError(f"model.pretrained {path}: not a file torch.save wrote (save one with "
+                             f"torch.save(model.state_dict(), path))") from None
         raise InputError(f"model.pretrained {path}: cannot load a state dict ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
     state = state.get("model", state) if isinstance(state, dict) else state
