@@ -549,3 +549,11 @@ def test_candidates_a_table_does_not_cover_are_measured_when_the_device_can_be(m
     measured = {"a": None, "b": None}
     selection._measure_uncovered({"b": "x"}, measured, None, predictor, profile, None, models, None, {}, logged.append)
     assert measured == {"a": None, "b": None} and "keep the table's prediction, marked as not covered" in logged[-1]
+
+
+def test_an_alias_to_a_missing_profile_names_the_file_that_holds_it(tmp_path, monkeypatch):
+    """It said only `unknown device 'local2'`, with no word of which file pointed there."""
+    (tmp_path / "myboard.yaml").write_text("alias: local2\n")
+    monkeypatch.setenv("EDGEBAYES_DEVICES", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"myboard\.yaml: alias: unknown device 'local2'"):
+        load_device_profile("myboard")

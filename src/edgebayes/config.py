@@ -889,7 +889,10 @@ def load_device_profile(name: str) -> DeviceProfile:
         _check(set(data) == {"alias"} and isinstance(data["alias"], str), f"{path}: alias",
                "an alias file holds only `alias: <profile name>`")
         _check(data["alias"] != path.stem, f"{path}: alias", "a profile cannot be an alias of itself")
-        target = _profile_path(data["alias"])
+        try:
+            target = _profile_path(data["alias"])
+        except ConfigError as e:   # say which file points there
+            raise ConfigError(f"{path}: alias: {e}") from None
         _check(not (isinstance(_load_yaml(target), dict) and "alias" in _load_yaml(target)), f"{path}: alias",
                f"{data['alias']!r} is itself an alias; point at the profile")
         return load_device_profile(data["alias"])
