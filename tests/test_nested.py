@@ -425,3 +425,33 @@ def test_two_devices_with_different_latency_budgets_pick_different_widths(nested
     roomy_id = chosen["roomy"]["candidate"]["id"]
     candidates = json.loads((tmp / "runs/digits-mlp-bn3/select/tight/candidates.json").read_text())["candidates"]
     assert any("latency" in v for c in candidates if c["id"] == roomy_id for v in c["violations"])
+
+
+def test_a_shared_draw_cuts_every_layer_at_one_width_and_keeps_each_layers_law():
+    """nested.shared_draw (train/nested.py): in one training step every nested layer's mask comes from the same
+    uniforms, so layers with the same ordering keep the same width (the deployed sub-networks); each layer's
+    own masks are still Downhill(beta, tau) draws, checked against its probabilities P(z_j = 1). With
+    shared_draw false the layers draw apart, as the paper's mean field does."""
+    def widths(shared, steps=400):
+        torch.manual_seed(0)
+        net = NestedNet("mlp", "fn3", NestedConfig(groups=5, fixed_groups=1, shared_draw=shared), (1, 4, 4), 3,
+                        hidden=[10, 10, 10]).train()
+        layers = [layer for _, layer in net.nested_layers() if layer.nested]
+        seen = []
+        for layer in layers:   # the mask each layer multiplies its output by, per example
+            layer.register_forward_hook(lambda mod, inp, out, seen=seen: seen.append((out != 0).sum(1)))
+        rows = []
+        for _ in range(steps):
+            seen.clear()
+            net(torch.rand(8, 1, 4, 4) + 1)   # positive inputs: a kept unit's output is never exactly 0 here
+            rows.append(torch.stack(seen[:len(layers)], 1))
+        assert all(layer.shared_uniforms is None for layer in layers)   # not kept beyond the step
+        return torch.cat(rows), layers
+
+    kept, layers = widths(True)
+    assert (kept == kept[:, :1]).all()   # fn3's equal orderings: one width per example in every layer
+    expected = layers[0].inclusion_probability().detach()   # P(unit kept) under Downhill(beta)
+    share = torch.stack([(kept[:, 0] > j).float().mean() for j in range(10)])
+    assert torch.allclose(share, expected, atol=0.04), (share, expected)
+    apart, _ = widths(False)
+    assert (apart != apart[:, :1]).any(1).float().mean() > 0.5
