@@ -164,8 +164,8 @@ class NestedNet(nn.Module):
         self.shared_draw, self.mask_per_batch = nested_cfg.shared_draw, with_norms
 
     def forward(self, x):
-        ordered = [layer for _, layer in self.nested_layers() if layer.nested]
-        if self.training and self.shared_draw and ordered:   # one Gumbel draw for every layer (train/nested.py)
+        ordered = [layer for _, layer in self.nested_layers() if layer.nested] if self.training else []
+        if self.shared_draw and ordered:   # one Gumbel draw for every layer in a training step (train/nested.py)
             draws = {}   # per number of ordered groups K (the same in every layer the factory builds)
             for layer in ordered:
                 k = layer.ordering.k
