@@ -85,9 +85,11 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     path = Path(checkpoint) if checkpoint else None
     if path is not None and path.is_dir():
         raise ConfigError(f"fit: checkpoint: {path} is a folder; give a file path, e.g. {path / 'checkpoint.pt'}")
-    # What this run is: a checkpoint of another (a new lr, other data, another network) is refused, not resumed
+    # What this run is: a checkpoint of another (a new lr, other data, another network) is refused, not resumed.
+    # Where and how fast it runs is not what it is: a run goes on from its checkpoint on another device
     identity = None if path is None else {
-        "family": getattr(net, "family", None), "seed": seed, "train": t.model_dump(mode="json"),
+        "family": getattr(net, "family", None), "seed": seed,
+        "train": t.model_dump(mode="json", exclude={"device", "threads", "compile", "channels_last", "processes"}),
         "network": _digest(repr([(k, tuple(v.shape)) for k, v in net.state_dict().items()]).encode()),
         "data": _digest(*(a.numpy().tobytes() for a in (x, y, vx, vy)))}
     if path is None:
