@@ -287,9 +287,9 @@ def lost_accuracy(before, history, settled_epoch=1):
         return None
     said = f"validation accuracy fell from {best:.3f} ({when}) to {after:.3f} after the last epoch: "
     if best == before:
-        return (said + "the training lost the trained network. A smaller lr or kl_weight keeps more of it; bn3 / "
-                "fn3 on a trained batch-norm network lose it as a rule (train/nested.py): a spike-and-slab family "
-                "with train.flops_target is the recipe for trained networks")
+        return (said + "the training lost the trained network. A smaller lr or kl_weight keeps more of it, and a "
+                "spike-and-slab family with train.flops_target is the recipe for trained networks "
+                "(train/flops_target.py; bn3 / fn3 keep their narrow widths poorly in a few epochs: train/nested.py)")
     return (said + "the training lost the network it had reached, and the checkpoint holds the last epoch's. In a "
             "spike-and-slab family that is the KL outweighing the data, most often on a small training set: a "
             "smaller train.kl_weight, train.kl_warmup_ordered or a lower lr keeps it (train/trainer.py)")
