@@ -16,6 +16,7 @@ is the export package).
 """
 
 import hashlib
+import numbers
 import os
 import tempfile
 from pathlib import Path
@@ -44,7 +45,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     from edgebayes.data import DataError, Splits, checked_sets
     from edgebayes.train.trainer import ELBO, train as run_train
 
-    _check_made_by_bayesianize(net, "fit")
+    _check_made_by_bayesianize(net, "fit", ("classes", "input_shape", "default_knob"))
     if val is not None and (isinstance(val, (str, bytes)) or not hasattr(val, "__len__") or len(val) != 2):
         raise ConfigError(f"fit: val: expected a pair (x_val, y_val), got {type(val).__name__}"
                           f"{f' of {len(val)}' if hasattr(val, '__len__') else ''}")
@@ -115,12 +116,12 @@ def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
     each pruned convolution keeps a multiple of `channel_multiple` channels (the runtime's channel block: 4 for
     onnxruntime, 8 for TensorRT; ondevice/tables.py CHANNEL_MULTIPLE). `.calibrate(x_val, y_val)` on the result
     fits the MC average's temperature on validation data, as the pipeline's select does (compressed/samples.py)."""
-    _check_made_by_bayesianize(net, "compress")
-    if knob is not None and (isinstance(knob, bool) or not isinstance(knob, (int, float))):
+    _check_made_by_bayesianize(net, "compress", ("default_knob", "operating_points", "posterior_sample"))
+    if knob is not None and (isinstance(knob, bool) or not isinstance(knob, numbers.Real)):   # numpy's too
         raise ValueError(f"compress: knob: expected a number (an inclusion threshold, a width, a non-zero rate), "
                          f"got {knob!r} ({type(knob).__name__})")
     for name, value, most in (("m", m, MAX_MC_SAMPLES), ("channel_multiple", channel_multiple, None)):
-        if (isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value or value < 1
                 or (most is not None and value > most)):
             allowed = f"in 1..{most}" if most else "of 1 or more"
             raise ValueError(f"compress: {name}: expected a whole number {allowed}, got {value!r} "
@@ -133,10 +134,10 @@ def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
     return _compress(net.cpu().eval(), knob, int(m), seed, int(channel_multiple))
 
 
-def _check_made_by_bayesianize(net, where):
-    """fit and compress take the networks bayesianize (or the family registry) makes: a plain nn.Module was an
-    AttributeError about `classes` or `default_knob`."""
-    if not all(hasattr(net, a) for a in ("family", "classes", "default_knob", "operating_points")):
+def _check_made_by_bayesianize(net, where, needed):
+    """fit and compress take the networks bayesianize (or the family registry) makes, which have the `needed`
+    attributes: a plain nn.Module was an AttributeError about `classes` or `default_knob`."""
+    if not all(hasattr(net, a) for a in needed):
         raise ConfigError(f"{where}: net: expected a network made by eb.bayesianize(model, family, ...), got "
                           f"{type(net).__name__}")
 
@@ -151,7 +152,7 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
         raise ValueError(f"save: path: {fmt} is written as a {f.suffix} file, got {Path(path).name!r}")
     if f.precision == "int8" and calib_x is None:
         raise ValueError(f"save: calib_x: {fmt} needs calibration inputs (a few hundred rows of the training data)")
-    if isinstance(opset, bool) or not isinstance(opset, int) or not OPSETS[0] <= opset <= OPSETS[1]:
+    if isinstance(opset, bool) or not isinstance(opset, numbers.Integral) or not OPSETS[0] <= opset <= OPSETS[1]:
         raise ValueError(f"save: opset: expected an ONNX opset in {OPSETS[0]}..{OPSETS[1]}, got {opset!r}")
     example = torch.as_tensor(np.asarray(example), dtype=torch.float32)
     if example.dim() == 0 or len(example) == 0:
