@@ -184,6 +184,8 @@ def run(path, x, fmt=None):
 
 def metrics(probs, y) -> dict:
     """Accuracy, NLL, ECE (15 bins) and Brier score of MC-averaged probabilities."""
+    from edgebayes.ondevice.metrics import check_probabilities
     from edgebayes.train.metrics import classification_metrics
 
+    check_probabilities(probs)
     return classification_metrics(np.asarray(probs), np.asarray(y))

@@ -315,11 +315,7 @@ def main(argv=None):
             print(f"runner: bundle {args.bundle}: {artifact['model_file']}: the model's output holds NaN or "
                   f"infinite values for {bad} of {len(probs)} eval inputs on this runtime", file=sys.stderr)
             return EXIT_RUNTIME
-        try:
-            metrics = classification_metrics(probs, y)
-        except ValueError as exc:   # a model whose output is not probabilities (logits)
-            print(f"runner: bundle {args.bundle}: {artifact['model_file']}: {exc}", file=sys.stderr)
-            return EXIT_BUNDLE
+        metrics = classification_metrics(probs, y)
         max_diff = float(np.max(np.abs(probs - reference_probs.astype(np.float64))))
         ood = None if ood_x is None else ood_detection(probs, predict_all(backend, ood_x))
         say(f"accuracy {metrics['accuracy']:.4f}  nll {metrics['nll']:.4f}  ece {metrics['ece']:.4f}  "

@@ -12,6 +12,20 @@ PROB_TOLERANCE = 1e-2  # how far a row of probabilities may stray from [0, 1] an
 REJECTION_FRACTIONS = tuple(round(0.05 * i, 2) for i in range(19))   # 0 .. 0.9
 
 
+def check_probabilities(probs):
+    """Refuse what is not class probabilities: logits or scores give an NLL, ECE and Brier score that mean nothing,
+    without a word. For arrays a user hands over (eb.metrics); the exported graphs end in a softmax average, and a
+    quantized one may stray further than the tolerance, which admits an average of fp16 softmaxes (rows within
+    about 1e-3 of 1)."""
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim == 2 and probs.size and np.isfinite(probs).all() and (
+            probs.min() < -PROB_TOLERANCE or probs.max() > 1 + PROB_TOLERANCE
+            or np.abs(probs.sum(axis=1) - 1).max() > PROB_TOLERANCE):
+        raise ValueError(f"probs must be class probabilities, each row in [0, 1] summing to 1 (got values in "
+                         f"[{probs.min():.3g}, {probs.max():.3g}], row sums in [{probs.sum(1).min():.3g}, "
+                         f"{probs.sum(1).max():.3g}]); pass softmax outputs, not logits")
+
+
 def _check_probs_labels(probs, y):
     probs = np.asarray(probs, dtype=np.float64)
     y = np.asarray(y)
@@ -24,13 +38,6 @@ def _check_probs_labels(probs, y):
     if not np.isfinite(probs).all():
         raise ValueError(f"probs holds NaN or infinite values ({int((~np.isfinite(probs)).any(1).sum())} of "
                          f"{probs.shape[0]} rows)")
-    # Logits or scores give an NLL, ECE and Brier score that mean nothing, without a word. The tolerance admits
-    # an average of fp16 softmaxes (rows within about 1e-3 of 1).
-    if probs.min() < -PROB_TOLERANCE or probs.max() > 1 + PROB_TOLERANCE or \
-            np.abs(probs.sum(axis=1) - 1).max() > PROB_TOLERANCE:
-        raise ValueError(f"probs must be class probabilities, each row in [0, 1] summing to 1 (got values in "
-                         f"[{probs.min():.3g}, {probs.max():.3g}], row sums in [{probs.sum(1).min():.3g}, "
-                         f"{probs.sum(1).max():.3g}]); pass softmax outputs, not logits")
     if not np.issubdtype(y.dtype, np.integer):
         raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
     if y.min() < 0 or y.max() >= probs.shape[1]:
