@@ -161,16 +161,16 @@ class NestedNet(nn.Module):
         # The running statistics of training are a blend over the sub-networks drawn: the per-epoch validation
         # recollects them at the width, as compress does (trainer.ELBO.validate).
         self.validate_compressed = with_norms and calibration_x is not None
-        self.shared_draw, self.mask_per_batch = nested_cfg.shared_draw, with_norms
+        self.shared_draw = nested_cfg.shared_draw
 
     def forward(self, x):
-        ordered = [layer for _, layer in self.nested_layers() if layer.nested] if self.training else []
-        if self.shared_draw and ordered:   # one Gumbel draw for every layer in a training step (train/nested.py)
+        ordered = [m for _, m in self.nested_layers() if m.nested] if self.training and self.shared_draw else []
+        if ordered:   # one Gumbel draw for every layer in a training step (train/nested.py)
             draws = {}   # per number of ordered groups K (the same in every layer the factory builds)
             for layer in ordered:
                 k = layer.ordering.k
                 if k not in draws:
-                    draws[k] = gumbel_uniforms((1 if self.mask_per_batch else x.shape[0], k), layer.theta)
+                    draws[k] = gumbel_uniforms((1 if layer.mask_per_batch else x.shape[0], k), layer.theta)
                 layer.shared_uniforms = draws[k]
             try:
                 return self.net(x)

@@ -369,8 +369,9 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
     world.barrier()  # process 0 may just have removed a stale checkpoint (stages.run_train)
     if checkpoint_path.exists():
         state = load_checkpoint(checkpoint_path, map_location=device)
-        differs = checkpoint_differences(state.get("identity") or {}, identity) if identity is not None else []
-        if differs and state.get("identity") is not None:   # resuming would mix two runs, or train the old one on
+        saved = state.get("identity")   # None: written by the pipeline's stage, or before identities were kept
+        differs = checkpoint_differences(saved, identity) if saved is not None and identity is not None else []
+        if differs:   # resuming would mix two runs, or train the old one on
             raise ConfigError(f"checkpoint {checkpoint_path} holds another run (it differs in: {'; '.join(differs)}): "
                               f"give the same settings, data and network to go on from it, or another checkpoint "
                               f"path (or delete it) to start over")
