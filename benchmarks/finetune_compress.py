@@ -14,7 +14,8 @@ Per net and seed:
                and "group_norm" = GroupNormPruner + GroupMagnitudeImportance(p=2), one-shot, layer-wise
                (global_pruning=False), without the sparsity-learning pass ("group_sl"): training beyond the
                shared budget. Where Torch-Pruning breaks a net (own_models.Custom: a concatenation read by
-               flatten -> Linear), the row records the failure.
+               flatten -> Linear), it prunes again with the layers it breaks on kept whole, as its user would
+               (tp_unprunable), and the row names them.
   dense-ft     the dense net trained the same E more epochs, uncompressed: how much of a row's change is the
                extra training (the issue's criteria compare with the dense row).
 Fine-tuning, every method alike: Adam LR, batch BATCH, E = 5 epochs (the issue's largest budget), the last at a
@@ -240,8 +241,9 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
 # ---------------------------------------------------------------------------------------------
 # Torch-Pruning
 # ---------------------------------------------------------------------------------------------
-def tp_prune(trained, method, ratio, classes):
-    """A copy of the trained net pruned one-shot at `ratio` of every layer's channels (the classifier kept)."""
+def tp_prune(trained, method, ratio, classes, ignored=()):
+    """A copy of the trained net pruned one-shot at `ratio` of every layer's channels (the classifier and the
+    layers named in `ignored` kept)."""
     import torch_pruning as tp
 
     model = copy.deepcopy(trained).eval()
@@ -249,9 +251,9 @@ def tp_prune(trained, method, ratio, classes):
         pruner, importance = tp.pruner.BasePruner, tp.importance.MagnitudeImportance(p=1)
     else:
         pruner, importance = tp.pruner.GroupNormPruner, tp.importance.GroupMagnitudeImportance(p=2)
-    classifier = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == classes]
+    kept = tp_classifiers(model, classes) + [model.get_submodule(name) for name in ignored]
     example = torch.randn((1,) + SHAPE)
-    pruner(model, example, importance=importance, pruning_ratio=ratio, ignored_layers=classifier).step()
+    pruner(model, example, importance=importance, pruning_ratio=ratio, ignored_layers=kept).step()
     try:
         with torch.no_grad():
             model(example)
@@ -262,7 +264,46 @@ def tp_prune(trained, method, ratio, classes):
     return model
 
 
-def tp_match_flops(trained, method, wanted, classes, iterations=30):
+def tp_classifiers(model, classes):
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == classes]
+
+
+def tp_unprunable(trained, classes):
+    """Names of the layers whose channels Torch-Pruning cannot remove without breaking the net, as a user of it
+    finds them and passes them as ignored_layers: each pruning group of its dependency graph pruned by two
+    channels alone, and the root layer of a group after which the forward pass fails kept whole; repeated,
+    since keeping one layer splits the groups it was in. Torch-Pruning 1.6 merges the inputs of a concatenation
+    into one group and mis-indexes a flatten -> Linear behind it (its issues #146 and #481: own_models.Custom's
+    `side` and `pw`); every other layer is still pruned."""
+    import torch_pruning as tp
+
+    example, ignored = torch.randn((1,) + SHAPE), []
+    while True:
+        model = copy.deepcopy(trained).eval()
+        names = {m: n for n, m in model.named_modules()}
+        kept = tp_classifiers(model, classes) + [model.get_submodule(n) for n in ignored]
+        graph = tp.DependencyGraph().build_dependency(model, example_inputs=example)
+        roots = [names[g[0].dep.target.module] for g in graph.get_all_groups(
+            ignored_layers=kept, root_module_types=[nn.Conv2d, nn.Linear])]
+        broken = []
+        for name in roots:
+            probe = copy.deepcopy(trained).eval()
+            layer = probe.get_submodule(name)
+            graph = tp.DependencyGraph().build_dependency(probe, example_inputs=example)
+            prune = tp.prune_conv_out_channels if isinstance(layer, nn.Conv2d) else tp.prune_linear_out_channels
+            n = layer.out_channels if isinstance(layer, nn.Conv2d) else layer.out_features
+            graph.get_pruning_group(layer, prune, idxs=list(range(min(2, n - 1)))).prune()
+            try:
+                with torch.no_grad():
+                    probe(example)
+            except RuntimeError:
+                broken.append(name)
+        if not broken:
+            return ignored
+        ignored += broken
+
+
+def tp_match_flops(trained, method, wanted, classes, iterations=30, ignored=()):
     """Bisection on the pruning ratio until paper_flops(pruned) / paper_flops(dense) is within TP_TOLERANCE
     of `wanted` (relative); the closest one found when channel granularity does not allow it.
     Returns (model, flops ratio, pruning ratio)."""
@@ -272,7 +313,7 @@ def tp_match_flops(trained, method, wanted, classes, iterations=30):
         if abs(best[1] / wanted - 1) <= TP_TOLERANCE:
             break
         ratio = (lo + hi) / 2
-        model = tp_prune(trained, method, ratio, classes)
+        model = tp_prune(trained, method, ratio, classes, ignored)
         flops = paper_flops(model, SHAPE) / dense
         if abs(flops - wanted) < abs(best[1] - wanted):
             best = (model, flops, ratio)
@@ -291,9 +332,19 @@ def tp_flops_wanted(rows, net, seed, target):
 
 
 def tp_row(trained, method, wanted, data, epochs, seed, device, milestones=()):
+    """Torch-Pruning as its user runs it: plain, and where it breaks the net, again with the layers it breaks on
+    kept whole (tp_unprunable; the row's `tp_ignored_layers`)."""
     t0 = time.perf_counter()
-    model, flops, ratio = tp_match_flops(trained, method, wanted, data["classes"])
+    try:
+        ignored = []
+        model, flops, ratio = tp_match_flops(trained, method, wanted, data["classes"])
+    except RuntimeError:
+        ignored = tp_unprunable(trained, data["classes"])
+        if not ignored:
+            raise
+        model, flops, ratio = tp_match_flops(trained, method, wanted, data["classes"], ignored=ignored)
     row = {"pruning_ratio": ratio, "flops_ratio_physical": flops, "flops_ratio_wanted": wanted,
+           "tp_ignored_layers": ignored,
            "params_ratio": count_weights(model) / count_weights(trained),
            "prune_seconds": time.perf_counter() - t0,
            "pruned_accuracy": metrics_of(predict(MCAverage([model.eval()]), data["test"][0]),
@@ -534,7 +585,9 @@ def markdown(result):
             crit = "" if r["method"] not in EDGEBAYES else (criteria(r, rows) or "met")
             if r["method"] in TORCH_PRUNING:
                 crit = f"pruned to {r['flops_ratio_wanted']:.3f} ({r['matched_to']}); before fine-tuning " \
-                       f"{_pct(r['pruned_accuracy'])}%"
+                       f"{_pct(r['pruned_accuracy'])}%" + (
+                           f"; kept whole (Torch-Pruning breaks the net on them): {', '.join(r['tp_ignored_layers'])}"
+                           if r.get("tp_ignored_layers") else "")
             delta = "" if r["method"] == "dense" else f"{100 * (r['accuracy'] - r['dense_accuracy']):+.2f}"
             lines.append(f"| {target} | {r['method']} | {r['seed']} | {r['flops_ratio_physical']:.3f} | "
                          f"{r['params_ratio']:.3f} | {_pct(r['accuracy'])} | {delta} | {r['ece']:.4f} | "

@@ -105,10 +105,20 @@ def test_torch_pruning_reaches_the_flops_asked_for(method):
     assert (flops, ratio) == (1.0, 0.0) and model is not net
 
 
-def test_a_network_torch_pruning_breaks_is_a_failed_row_not_a_crash():
+def test_a_network_torch_pruning_breaks_is_pruned_again_with_the_layers_it_breaks_on_kept_whole():
     torch.manual_seed(0)
+    net = fc.make_net("custom").eval()
     with pytest.raises(RuntimeError, match="forward pass fails"):
-        fc.tp_prune(fc.make_net("custom"), "tp-magnitude", 0.3, 10)   # concatenation -> flatten -> Linear
+        fc.tp_prune(net, "tp-magnitude", 0.3, 10)   # concatenation -> flatten -> Linear
+    ignored = fc.tp_unprunable(net, 10)
+    assert ignored and fc.tp_unprunable(conv_stack(), 10) == []
+    dense = paper_flops(net, fc.SHAPE)
+    for method in fc.TORCH_PRUNING:
+        model, flops, ratio = fc.tp_match_flops(net, method, 0.5, 10, ignored=ignored)
+        assert abs(flops / 0.5 - 1) <= fc.TP_TOLERANCE and flops == pytest.approx(paper_flops(model, fc.SHAPE) / dense)
+        assert model(torch.zeros((2,) + fc.SHAPE)).shape == (2, 10)
+        for name in ignored:   # its outputs kept whole (its inputs as the layers it reads are pruned)
+            assert model.get_submodule(name).weight.shape[0] == net.get_submodule(name).weight.shape[0]
 
 
 def test_bad_arguments_are_refused(tmp_path, capsys):
