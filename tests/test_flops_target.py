@@ -11,7 +11,8 @@ import edgebayes as eb
 from edgebayes.compressed.structure import paper_flops, structure_report
 from edgebayes.compressed.surgery import coupled_channels
 from edgebayes.config import ConfigError
-from edgebayes.train.flops_target import SURE, FlopsTargetSchedule, channel_families, plan, prunable_layers
+from edgebayes.train.flops_target import (SURE, FlopsTargetSchedule, GroupFlops, _dense_sample, channel_families,
+                                          masked_flops, plan, prunable_layers)
 
 SHAPE = (3, 8, 8)
 
@@ -81,6 +82,62 @@ def test_plan_keeps_the_most_important_groups_within_the_target():
     kept = keep["conv1"].nonzero().flatten().tolist()
     assert kept and kept == list(range(16 - len(kept), 16))    # the largest scales stay
     assert keep["stem"].tolist() == keep["conv2"].tolist()     # the stream goes in both writers together
+
+
+class Gated(nn.Module):
+    """A residual stream; an expand -> depthwise -> squeeze-and-excitation gate -> project block; a
+    concatenation read by the head: the ways a channel's liveness hangs on a group that GroupFlops reads."""
+
+    def __init__(self, c=8, classes=4):
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.expand, self.bn1 = nn.Conv2d(c, 2 * c, 1, bias=False), nn.BatchNorm2d(2 * c)
+        self.dw, self.bn2 = nn.Conv2d(2 * c, 2 * c, 3, padding=1, groups=2 * c, bias=False), nn.BatchNorm2d(2 * c)
+        self.squeeze, self.excite = nn.Conv2d(2 * c, 4, 1), nn.Conv2d(4, 2 * c, 1)
+        self.project, self.bn3 = nn.Conv2d(2 * c, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.side, self.bn4 = nn.Conv2d(c, 4, 1, bias=False), nn.BatchNorm2d(4)
+        self.fc = nn.Linear(c + 4, classes)
+
+    def forward(self, x):
+        h = F.relu(self.bn0(self.stem(x)))
+        d = F.relu(self.bn2(self.dw(F.relu(self.bn1(self.expand(h))))))
+        gate = torch.sigmoid(self.excite(F.relu(self.squeeze(F.adaptive_avg_pool2d(d, 1)))))
+        h = h + self.bn3(self.project(d * gate))
+        c = torch.cat([h, F.relu(self.bn4(self.side(h)))], 1)
+        return self.fc(F.adaptive_avg_pool2d(c, 1).flatten(1))
+
+
+@pytest.mark.parametrize("module", [Residual, Gated])
+def test_group_flops_counts_what_the_probe_counts_and_plans_alike(module):
+    torch.manual_seed(0)
+    net = eb.bayesianize(module().eval(), "ss-gl", input_shape=SHAPE, n_train=256)
+    families = channel_families(net, log=lambda *_: None)
+    plain, plain_names = _dense_sample(net)
+    counter = GroupFlops.build(net, families, plain, plain_names)
+    assert counter is not None
+    generator = torch.Generator().manual_seed(1)
+    for share in (0.9, 0.5, 0.3, 0.0):   # 0: one group of each family, the least a plan keeps
+        keep = GroupFlops._keep(net, [g for f in families for g in f], GroupFlops._draw(families, share, generator))
+        assert counter.count(keep) == masked_flops(net, keep, plain_names, plain)
+    dense = paper_flops(plain, SHAPE)
+    for target in (0.6, 0.3):
+        slow = plan(net, target * dense, families, plain, plain_names)
+        fast = plan(net, target * dense, families, plain, plain_names, counter)
+        assert fast[1] == slow[1] and all(torch.equal(fast[0][n], slow[0][n]) for n in slow[0])
+
+
+def test_a_plan_is_counted_by_the_probe_whatever_the_counter_says():
+    class Wrong:
+        def count(self, keep):
+            return 0   # every mask within any target: the plan it gives keeps everything
+    torch.manual_seed(0)
+    net = eb.bayesianize(Gated().eval(), "ss-gl", input_shape=SHAPE, n_train=256)
+    families = channel_families(net, log=lambda *_: None)
+    plain, plain_names = _dense_sample(net)
+    target = 0.4 * paper_flops(plain, SHAPE)
+    keep, flops = plan(net, target, families, plain, plain_names, Wrong())
+    slow, slow_flops = plan(net, target, families, plain, plain_names)
+    assert flops == slow_flops <= target and all(torch.equal(keep[n], slow[n]) for n in slow)
 
 
 def test_fine_tuning_reaches_the_target_in_the_network_that_is_shipped():

@@ -24,8 +24,10 @@ from edgebayes.compressed.surgery import probe_inputs
 COSTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)   # the layers FLOPs and weights are counted over
 
 
-def _layer_costs(module: nn.Module, input_shape, effective: bool):
+def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
     """(FLOPs, weights) of the Linear / Conv2d layers of a plain module, for one example, by appendix A.1.
+    A list `terms` receives each layer's (layer, live output rows, live input channels, kernel size, positions),
+    the parts its FLOPs are made of (train/flops_target.py's GroupFlops counts masks from them).
 
     effective=False counts the module's shapes. effective=True counts a masked module as the paper does:
     C_out,pr = outputs whose weight row or bias is non-zero, C_in,pr = input channels that are not
@@ -63,13 +65,13 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool):
         c_in = int(live_in.view(groups, -1).sum(1).repeat_interleave(w.shape[0] // groups)[rows].sum())
         c_out = int(rows.sum())
         bias = 1 if m.bias is not None else 0
-        if conv:
-            kernel, positions = math.prod(m.kernel_size), math.prod(output.shape[2:])
-            flops += (c_in * kernel + c_out) * positions   # the formula's +1 is there with or without a bias
-            weights += c_in * kernel + bias * c_out
-        else:   # per position: a Linear on (B, T, F) (a transformer's tokens) maps every one of the T
-            flops += (c_in + c_out) * math.prod(output.shape[1:-1])
-            weights += c_in + bias * c_out
+        # per position: a Linear on (B, T, F) (a transformer's tokens) maps every one of the T
+        kernel = math.prod(m.kernel_size) if conv else 1
+        positions = math.prod(output.shape[2:]) if conv else math.prod(output.shape[1:-1])
+        flops += (c_in * kernel + c_out) * positions   # the formula's +1 is there with or without a bias
+        weights += c_in * kernel + bias * c_out
+        if terms is not None:
+            terms.append((m, rows, live_in, kernel, positions))
 
     def attention_hook(m, args, kwargs, output):
         """nn.MultiheadAttention: its four projections, Linear maps by the same formula, per token (the

@@ -96,11 +96,12 @@ the smallest network the families allow (one group of each) is a ConfigError bef
 """
 
 import copy
+import itertools
 import math
 
 import torch
 
-from edgebayes.compressed.structure import paper_flops
+from edgebayes.compressed.structure import _layer_costs, paper_flops
 from edgebayes.compressed.surgery import SurgeryError, coupled_channels, remove_dead_units
 from edgebayes.config import ConfigError
 from edgebayes.train.bayesianize import load_matching
@@ -145,18 +146,121 @@ def _dense_sample(model):
 
 
 @torch.no_grad()
-def masked_flops(model, keep, plain_names=None, base=None):
+def masked_flops(model, keep, plain_names=None, base=None, terms=None):
     """Paper-formula FLOPs of the model's plain twin with the units `keep` ({layer name: mask}) leaves out
-    switched off, for one example."""
+    switched off, for one example (`terms`: as compressed/structure.py's _layer_costs)."""
     if base is None:
         base, plain_names = _dense_sample(model)
     plain = {k: v.clone() for k, v in base.state_dict().items()}
     try:
         for name, mask in keep.items():
             drop_outputs(base, plain_names[name], mask)
-        return paper_flops(base, model.input_shape, effective=True)
+        return _layer_costs(base, model.input_shape, effective=True, terms=terms)[0]
     finally:
         load_matching(base, plain)   # with the module's state-dict versions: MNASNet refuses a state without them
+
+
+class GroupFlops:
+    """masked_flops of a plan, counted from which group of units each channel depends on.
+
+    Why: `plan` counts FLOPs some 20 + (number of families) times per cut, and masked_flops runs surgery's probe
+    (two forward passes of the network) each time: 46% of an efficientnet_b0 epoch with a FLOPs target
+    (benchmarks/finetune_compress.py's net, 1 epoch, 1 thread: 61 s of 201 in `plan`).
+
+    How: the FLOPs of a masked network are sums over its layers of (live output rows, live input channels),
+    and with whole groups switched off, and at least one group of every family kept as a plan keeps it, each
+    row and channel is live, dead, or live exactly when one group is kept. Which, is read once from
+    masked_flops' own probe: RUNS runs, each with a random half of every family's groups switched off (one
+    kept), give every group its own pattern of runs it was kept in; a channel live in the runs of one group's
+    pattern depends on that group, one live in all of them is live whatever is cut, in none, dead. `build`
+    returns None (plan counts with masked_flops) where a channel fits none of these (it depends on two groups)
+    or where the count differs from masked_flops on check masks; plan checks its result with masked_flops."""
+
+    def __init__(self, model, groups, sources, other):
+        self.sources, self.other = sources, other
+        # each group's first unit, as an index into the masks laid end to end (count reads them so)
+        sizes = {name: layer.out_units for name, layer in prunable_layers(model)}
+        self.layers = list(sizes)
+        offsets = dict(zip(self.layers, itertools.accumulate([0] + [sizes[n] for n in self.layers])))
+        self.first_units = torch.tensor([offsets[g[0][0]] + g[0][1] for g in groups])
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, model, families, plain, plain_names, spare_runs=20):
+        groups = [g for family in families for g in family]
+        if not groups:
+            return None
+        # random patterns, distinct with probability about 1 - (groups)^2 2^-runs; at most 62: int64 keys
+        runs = min(62, max(1, math.ceil(math.log2(len(groups)))) + spare_runs)
+        generator = torch.Generator().manual_seed(0)
+        kept = torch.stack([cls._draw(families, 0.5, generator) for _ in range(runs)])   # runs x groups
+        weights = 1 << torch.arange(runs, dtype=torch.long)[:, None]
+        patterns = (kept.long() * weights).sum(0)
+        everything = (1 << runs) - 1
+        several = torch.tensor([len(f) > 1 for f in families for _ in f])
+        if len(set(patterns.tolist())) < len(groups) or bool((patterns[several] == everything).any()):
+            return None
+        terms = []
+        for alive in kept:
+            terms.append([])
+            masked_flops(model, cls._keep(model, groups, alive), plain_names, plain, terms[-1])
+        if any([t[0] for t in run] != [t[0] for t in terms[0]] for run in terms):
+            return None
+        order = torch.argsort(patterns)
+        sources = []
+        for i, (layer, *_, kernel, positions) in enumerate(terms[0]):
+            decoded = []
+            for part in (1, 2):   # live output rows, live input channels
+                seen = (torch.stack([run[i][part] for run in terms]).long() * weights).sum(0)
+                at = torch.searchsorted(patterns[order], seen).clamp_max(len(groups) - 1)
+                group = order[at]
+                single = patterns[group] == seen
+                always, never = seen == everything, seen == 0
+                if not bool((single | always | never).all()):
+                    return None
+                decoded.append(torch.where(always & ~single, len(groups), torch.where(never, len(groups) + 1, group)))
+            sources.append((decoded[0], decoded[1], getattr(layer, "groups", 1), kernel, positions))
+        counter = cls(model, groups, sources, 0)
+        counter.other = masked_flops(model, cls._keep(model, groups, kept[0]), plain_names, plain) - \
+            counter._layers(kept[0])   # what no mask changes: attention's FLOPs (compressed/structure.py)
+        for share in (1.0, 0.5, 0.2):
+            keep = cls._keep(model, groups, cls._draw(families, share, generator))
+            if counter.count(keep) != masked_flops(model, keep, plain_names, plain):
+                return None
+        return counter
+
+    @staticmethod
+    def _draw(families, share, generator):
+        """Groups kept, each with probability `share`, at least one of every family."""
+        alive = []
+        for family in families:
+            on = torch.rand(len(family), generator=generator) < share
+            if not bool(on.any()):
+                on[int(torch.randint(len(family), (1,), generator=generator))] = True
+            alive.append(on)
+        return torch.cat(alive)
+
+    @staticmethod
+    def _keep(model, groups, alive):
+        keep = {n: torch.ones(layer.out_units, dtype=torch.bool) for n, layer in prunable_layers(model)}
+        for group, on in zip(groups, alive.tolist()):
+            if not on:
+                for name, unit in group:
+                    keep[name][unit] = False
+        return keep
+
+    def _layers(self, alive):
+        live = torch.cat([alive, torch.tensor([True, False])])   # then "always live", "never live"
+        flops = 0
+        for row_source, in_source, groups, kernel, positions in self.sources:
+            rows, live_in = live[row_source], live[in_source]
+            c_in = int(live_in.view(groups, -1).sum(1).repeat_interleave(len(rows) // groups)[rows].sum())
+            flops += (c_in * kernel + int(rows.sum())) * positions
+        return flops
+
+    def count(self, keep):
+        """FLOPs of the masks `keep` ({layer name: mask}), each group kept when its first unit is."""
+        return self.other + self._layers(torch.cat([keep[name] for name in self.layers])[self.first_units])
 
 
 @torch.no_grad()
@@ -226,41 +330,58 @@ def channel_families(model, seed=0, log=print):
 
 
 @torch.no_grad()
-def plan(model, target_flops, families, plain=None, plain_names=None):
+def plan(model, target_flops, families, plain=None, plain_names=None, counter=None):
     """{layer name: kept mask} within `target_flops` (paper-formula FLOPs), and the FLOPs of that plan.
 
     Every family keeps the same share k of its groups, its most important ones (at least one), as
     Torch-Pruning's default per-layer ratio does: a global ranking across layers emptied the cheapest layers
     first and left units of one (a home-made CNN fell to chance at a 25% target). A group's importance is
     the sum of its units' importance, each over its layer's mean. k is the largest share within the target,
-    by bisection (FLOPs fall as k falls); then each family takes one group more where that still fits."""
+    by bisection (FLOPs fall as k falls); then each family takes one group more where that still fits.
+    `counter` (a GroupFlops) counts the trial masks; the plan found is counted by masked_flops again, and
+    planned with masked_flops alone where the two differ."""
     if plain is None:
         plain, plain_names = _dense_sample(model)
+
+    def exact(keep):
+        return masked_flops(model, keep, plain_names, plain)
+    if counter is not None:
+        keep, flops = _plan(model, target_flops, families, counter.count)
+        if flops == exact(keep):
+            return keep, flops
+    return _plan(model, target_flops, families, exact)
+
+
+def _plan(model, target_flops, families, count):
+    """plan, with `count(keep)` the FLOPs of masks {layer name: kept mask}."""
     layers = dict(prunable_layers(model))
     scores = {}
     for name, layer in layers.items():
         s = importance(layer)
         scores[name] = s / s.mean().clamp_min(1e-12)
     order = [sorted(f, key=lambda g: -sum(float(scores[n][u]) for n, u in g)) for f in families]
+    # Each family's units best group first, as indices into the masks laid end to end, and where each group ends
+    sizes = [layers[n].out_units for n in layers]
+    offsets = dict(zip(layers, itertools.accumulate([0] + sizes)))
+    units = [torch.tensor([offsets[n] + u for g in best_first for n, u in g], dtype=torch.long) for best_first in order]
+    ends = [[0] + list(itertools.accumulate(len(g) for g in best_first)) for best_first in order]
 
     def keep_at(k):
-        keep = {n: torch.ones(layers[n].out_units, dtype=torch.bool) for n in layers}
-        for best_first in order:
-            for group in best_first[max(1, math.ceil(k * len(best_first))):]:
-                for name, unit in group:
-                    keep[name][unit] = False
-        return keep
+        flat = torch.ones(sum(sizes), dtype=torch.bool)
+        for best_first, family_units, family_ends in zip(order, units, ends):
+            flat[family_units[family_ends[max(1, math.ceil(k * len(best_first)))]:]] = False
+        return dict(zip(layers, flat.split(sizes)))
 
-    flops = masked_flops(model, keep_at(1.0), plain_names, plain)
+    flops = count(keep_at(1.0))
     if flops <= target_flops:
         return keep_at(1.0), flops
-    lo_flops = masked_flops(model, keep_at(0.0), plain_names, plain)
+    lo_flops = count(keep_at(0.0))
     if lo_flops > target_flops:
         return keep_at(0.0), lo_flops   # the closest the ranked families can reach
     lo, hi, best = 0.0, 1.0, lo_flops   # invariant: flops(lo) <= target < flops(hi)
     for _ in range(14):   # k to within 1e-4: below one group of any family here
         mid = (lo + hi) / 2
-        f = masked_flops(model, keep_at(mid), plain_names, plain)
+        f = count(keep_at(mid))
         if f <= target_flops:
             lo, best = mid, f
         else:
@@ -273,7 +394,7 @@ def plan(model, target_flops, families, plain=None, plain_names=None):
             trial = {n: m.clone() for n, m in keep.items()}
             for name, unit in best_first[kept]:
                 trial[name][unit] = True
-            f = masked_flops(model, trial, plain_names, plain)
+            f = count(trial)
             if f <= target_flops:
                 keep, best = trial, f
     return keep, best
@@ -317,7 +438,8 @@ class FlopsTargetSchedule:
             self.families = channel_families(snapshot, log=self.log)
             plain, plain_names = _dense_sample(snapshot)
             self.dense_flops = paper_flops(plain, snapshot.input_shape)
-            _, smallest = plan(snapshot, 0.0, self.families, plain, plain_names)
+            self.counter = GroupFlops.build(snapshot, self.families, plain, plain_names)
+            _, smallest = plan(snapshot, 0.0, self.families, plain, plain_names, self.counter)
         smallest /= self.dense_flops
         if smallest > self.target * (1 + TOLERANCE):
             names = [n for m in model.modules() for n in getattr(m, "plain_layers", [])]
@@ -397,7 +519,7 @@ class FlopsTargetSchedule:
             if physical is None or physical <= goal * (1 + TOLERANCE):
                 break
             aim *= goal / physical   # FLOPs after surgery fall about as the masks' do
-            keep, _ = plan(snapshot, aim, self.families, plain, plain_names)
+            keep, _ = plan(snapshot, aim, self.families, plain, plain_names, self.counter)
             physical = physical_flops(snapshot, keep, plain_names, plain)
         return keep, flops if physical is None else physical
 
@@ -406,7 +528,7 @@ class FlopsTargetSchedule:
         snapshot = copy.deepcopy(model).cpu().eval()
         rate = pruning_schedule(step + 1, self.total_steps, 1.0, self.target, self.fraction)
         plain, plain_names = _dense_sample(snapshot)
-        keep, flops = plan(snapshot, rate * self.dense_flops, self.families, plain, plain_names)
+        keep, flops = plan(snapshot, rate * self.dense_flops, self.families, plain, plain_names, self.counter)
         if step + 1 == self.points[-1]:
             keep, flops = self._within_after_surgery(snapshot, keep, flops, rate * self.dense_flops, plain, plain_names)
         layers = dict(prunable_layers(model))
