@@ -43,6 +43,7 @@ import functools
 import hashlib
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -705,6 +706,24 @@ def write_result(result, out, json_too=True):
     plot(result["rows"], out.with_suffix(".png"))
 
 
+def _made_by(run, row):
+    """Whether a run ({"command", "git_commit"}) made a row: its commit, and its command's nets, seeds, methods
+    and targets (the defaults where the command leaves one out; a dense row comes with every method)."""
+    asked, flag = {}, None
+    for token in shlex.split(run["command"]):
+        if token.startswith("--"):
+            flag = token[2:]
+            asked.setdefault(flag, [])
+        elif flag:
+            asked[flag].append(token)
+    nets = asked.get("nets") or ["resnet18", "mobilenet_v2", "efficientnet_b0", "custom"]
+    methods = asked.get("methods") or ["dense-ft", *EDGEBAYES, *TORCH_PRUNING]
+    return (str(row.get("git_commit")) == str(run["git_commit"]) and row["net"] in nets
+            and str(row["seed"]) in (asked.get("seeds") or ["0"])
+            and (row["method"] == "dense" or row["method"] in methods)
+            and (row["target"] is None or float(row["target"]) in map(float, asked.get("targets") or [0.5, 0.25])))
+
+
 def merge(paths, out, command):
     """Rows of runs split over processes (or resumed at a later commit) as one result; each row keeps the commit
     of the run that made it (`git_commit`), the result's provenance is this merge's."""
@@ -731,7 +750,10 @@ def merge(paths, out, command):
             rows[(row["net"], row["method"], row["target"], row["seed"])] = {
                 **row, "git_commit": row.get("git_commit") or result["provenance"].get("git_commit"),
                 "ran_on": row.get("ran_on") or ran_on_label(result["provenance"], "cpu")}
-    merged_from = [{"command": r["command"], "git_commit": r["provenance"].get("git_commit")} for r in results]
+    merged_from = [m for r in results for m in r.get("merged_from") or   # a merged file: the runs it was made of
+                   [{"command": r["command"], "git_commit": r["provenance"].get("git_commit")}]]
+    # the runs a row is still left of (a later file replaced every row of the others)
+    merged_from = [m for m in merged_from if any(_made_by(m, row) for row in rows.values())]
     write_result({**results[-1], "rows": list(rows.values()), "command": command, "merged_from": merged_from,
                   "provenance": settings_provenance(results[0]["settings"])}, out)
     print(f"wrote {out.with_suffix('.json')}, .md and .png from {len(paths)} files")
