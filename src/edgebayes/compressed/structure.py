@@ -27,7 +27,7 @@ COSTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)   # the layers FLOPs and w
 def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
     """(FLOPs, weights) of the Linear / Conv2d layers of a plain module, for one example, by appendix A.1.
     A list `terms` receives each layer's (layer, live output rows, live input channels, kernel size, positions),
-    the parts its FLOPs are made of (train/flops_target.py's GroupFlops counts masks from them).
+    the parts its FLOPs are made of (train/flops_target.py's GroupFlops counts masks from them; paper_flops passes it on).
 
     effective=False counts the module's shapes. effective=True counts a masked module as the paper does:
     C_out,pr = outputs whose weight row or bias is non-zero, C_in,pr = input channels that are not
@@ -100,9 +100,10 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
     return flops, weights
 
 
-def paper_flops(module: nn.Module, input_shape, effective=False) -> int:
-    """FLOPs of a plain module for one example by appendix A.1 (COSTED layers; see _layer_costs)."""
-    return _layer_costs(module, input_shape, effective)[0]
+def paper_flops(module: nn.Module, input_shape, effective=False, terms=None) -> int:
+    """FLOPs of a plain module for one example by appendix A.1 (COSTED layers; see _layer_costs, also for
+    `terms`)."""
+    return _layer_costs(module, input_shape, effective, terms)[0]
 
 
 def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) -> int:

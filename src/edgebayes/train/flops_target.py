@@ -101,7 +101,7 @@ import math
 
 import torch
 
-from edgebayes.compressed.structure import _layer_costs, paper_flops
+from edgebayes.compressed.structure import paper_flops
 from edgebayes.compressed.surgery import SurgeryError, coupled_channels, remove_dead_units
 from edgebayes.config import ConfigError
 from edgebayes.train.bayesianize import load_matching
@@ -148,14 +148,14 @@ def _dense_sample(model):
 @torch.no_grad()
 def masked_flops(model, keep, plain_names=None, base=None, terms=None):
     """Paper-formula FLOPs of the model's plain twin with the units `keep` ({layer name: mask}) leaves out
-    switched off, for one example (`terms`: as compressed/structure.py's _layer_costs)."""
+    switched off, for one example (`terms`: as paper_flops')."""
     if base is None:
         base, plain_names = _dense_sample(model)
     plain = {k: v.clone() for k, v in base.state_dict().items()}
     try:
         for name, mask in keep.items():
             drop_outputs(base, plain_names[name], mask)
-        return _layer_costs(base, model.input_shape, effective=True, terms=terms)[0]
+        return paper_flops(base, model.input_shape, effective=True, terms=terms)
     finally:
         load_matching(base, plain)   # with the module's state-dict versions: MNASNet refuses a state without them
 
@@ -170,8 +170,8 @@ class GroupFlops:
     How: the FLOPs of a masked network are sums over its layers of (live output rows, live input channels),
     and with whole groups switched off, and at least one group of every family kept as a plan keeps it, each
     row and channel is live, dead, or live exactly when one group is kept. Which, is read once from
-    masked_flops' own probe: RUNS runs, each with a random half of every family's groups switched off (one
-    kept), give every group its own pattern of runs it was kept in; a channel live in the runs of one group's
+    masked_flops' own probe: log2(groups) + 20 runs, each with a random half of every family's groups switched
+    off (one kept), give every group its own pattern of runs it was kept in; a channel live in the runs of one group's
     pattern depends on that group, one live in all of them is live whatever is cut, in none, dead. `build`
     returns None (plan counts with masked_flops) where a channel fits none of these (it depends on two groups)
     or where the count differs from masked_flops on check masks; plan checks its result with masked_flops."""
