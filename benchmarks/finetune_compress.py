@@ -70,6 +70,9 @@ FINE_TUNE_GAMMA = 0.1                     # the fine-tuning's last epoch at LR t
 EDGEBAYES = {"edgebayes-ss-gl": "ss-gl", "edgebayes-ss-ghs": "ss-ghs", "edgebayes-bn3": "bn3"}
 TORCH_PRUNING = ("tp-magnitude", "tp-group-norm")
 NETS = ("resnet18", "mobilenet_v2", "efficientnet_b0", "custom", "small-cnn")
+# What a run does where its command leaves --nets, --methods, --targets or --seeds out
+DEFAULTS = {"nets": ["resnet18", "mobilenet_v2", "efficientnet_b0", "custom"],
+            "methods": ["dense-ft", *EDGEBAYES, *TORCH_PRUNING], "targets": [0.5, 0.25], "seeds": [0]}
 TP_TOLERANCE = 0.01                       # |FLOPs ratio / wanted - 1| the TP bisection stops at
 # The issue's criteria (Done when): within 1 point of dense, at least TP's best - 0.3 points, ECE below both.
 DENSE_GAP, TP_GAP = 0.01, 0.003
@@ -274,8 +277,8 @@ def tp_unprunable(trained, classes):
     finds them and passes them as ignored_layers: each pruning group of its dependency graph pruned by two
     channels alone, and the root layer of a group after which the forward pass fails kept whole; repeated,
     since keeping one layer splits the groups it was in. Torch-Pruning 1.6 merges the inputs of a concatenation
-    into one group and mis-indexes a flatten -> Linear behind it (its issues #146 and #481: own_models.Custom's
-    `side` and `pw`); every other layer is still pruned."""
+    into one group and mis-indexes a flatten -> Linear behind it (its issues #146 and #481): on own_models.Custom
+    it finds `side`, one of the two layers the concatenation joins; every other layer is still pruned."""
     import torch_pruning as tp
 
     example, ignored = torch.randn((1,) + SHAPE), []
@@ -335,9 +338,8 @@ def tp_flops_wanted(rows, net, seed, target):
 def tp_row(trained, method, wanted, data, epochs, seed, device, milestones=()):
     """Torch-Pruning as its user runs it: plain, and where it breaks the net, again with the layers it breaks on
     kept whole (tp_unprunable; the row's `tp_ignored_layers`)."""
-    t0 = time.perf_counter()
+    t0, ignored = time.perf_counter(), []
     try:
-        ignored = []
         model, flops, ratio = tp_match_flops(trained, method, wanted, data["classes"])
     except RuntimeError:
         ignored = tp_unprunable(trained, data["classes"])
@@ -709,19 +711,17 @@ def write_result(result, out, json_too=True):
 def _made_by(run, row):
     """Whether a run ({"command", "git_commit"}) made a row: its commit, and its command's nets, seeds, methods
     and targets (the defaults where the command leaves one out; a dense row comes with every method)."""
-    asked, flag = {}, None
+    asked, flag = {k: [str(v) for v in values] for k, values in DEFAULTS.items()}, None
     for token in shlex.split(run["command"]):
         if token.startswith("--"):
             flag = token[2:]
-            asked.setdefault(flag, [])
-        elif flag:
+            if flag in DEFAULTS:
+                asked[flag] = []
+        elif flag in DEFAULTS:
             asked[flag].append(token)
-    nets = asked.get("nets") or ["resnet18", "mobilenet_v2", "efficientnet_b0", "custom"]
-    methods = asked.get("methods") or ["dense-ft", *EDGEBAYES, *TORCH_PRUNING]
-    return (str(row.get("git_commit")) == str(run["git_commit"]) and row["net"] in nets
-            and str(row["seed"]) in (asked.get("seeds") or ["0"])
-            and (row["method"] == "dense" or row["method"] in methods)
-            and (row["target"] is None or float(row["target"]) in map(float, asked.get("targets") or [0.5, 0.25])))
+    return (str(row.get("git_commit")) == str(run["git_commit"]) and row["net"] in asked["nets"]
+            and str(row["seed"]) in asked["seeds"] and row["method"] in ["dense", *asked["methods"]]
+            and (row["target"] is None or float(row["target"]) in map(float, asked["targets"])))
 
 
 def merge(paths, out, command):
@@ -762,14 +762,14 @@ def merge(paths, out, command):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nets", nargs="+", default=["resnet18", "mobilenet_v2", "efficientnet_b0", "custom"],
+    parser.add_argument("--nets", nargs="+", default=DEFAULTS["nets"],
                         choices=NETS)
-    parser.add_argument("--methods", nargs="+", default=["dense-ft", *EDGEBAYES, *TORCH_PRUNING],
+    parser.add_argument("--methods", nargs="+", default=DEFAULTS["methods"],
                         choices=["dense-ft", *EDGEBAYES, *TORCH_PRUNING],
                         help="dense-ft: the dense net trained E more epochs, uncompressed (the dense rows always run)")
-    parser.add_argument("--targets", nargs="+", type=float, default=[0.5, 0.25],
+    parser.add_argument("--targets", nargs="+", type=float, default=DEFAULTS["targets"],
                         help="FLOPs fractions of the dense net")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=DEFAULTS["seeds"])
     parser.add_argument("--epochs", type=int, help="fine-tuning epochs E, every method (1..5; default 5, quick 1)")
     parser.add_argument("--dense-epochs", type=int, help="training epochs of the dense reference (default 10)")
     parser.add_argument("--mc", type=int, help="posterior samples M of the edgebayes rows (default 4)")

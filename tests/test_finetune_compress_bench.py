@@ -202,3 +202,16 @@ def test_the_over_seeds_table_reads_dense_first_then_methods_as_listed(tmp_path)
     table = fc.markdown(result).split("## Over seeds")[1]
     methods = [line.split(" | ")[2] for line in table.splitlines() if line.startswith("| small-cnn")]
     assert methods == ["dense", "edgebayes-ss-gl", "tp-magnitude"]
+
+
+def test_a_run_is_listed_while_a_row_of_it_is_left():
+    run = {"command": "python benchmarks/finetune_compress.py --nets custom --seeds 1 2 --targets 0.25 --out x",
+           "git_commit": "abc"}
+    row = {"net": "custom", "seed": 2, "method": "tp-magnitude", "target": 0.25, "git_commit": "abc"}
+    assert fc._made_by(run, row)
+    assert fc._made_by(run, {**row, "method": "dense", "target": None})                 # with every method
+    assert not fc._made_by(run, {**row, "git_commit": "def"})                           # another commit's
+    assert not fc._made_by(run, {**row, "seed": 0}) and not fc._made_by(run, {**row, "target": 0.5})
+    assert not fc._made_by(run, {**row, "net": "resnet18"})
+    assert fc._made_by({**run, "command": "python benchmarks/finetune_compress.py"},    # the defaults
+                       {**row, "net": "resnet18", "seed": 0, "target": 0.5})
