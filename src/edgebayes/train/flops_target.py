@@ -184,8 +184,8 @@ class GroupFlops:
     returns None (plan counts with masked_flops) where a channel fits none of these (it depends on two groups)
     or where the count differs from masked_flops on check masks; plan checks its result with masked_flops."""
 
-    def __init__(self, model, groups, sources, other):
-        self.sources, self.other = sources, other
+    def __init__(self, model, groups, sources):
+        self.sources, self.other = sources, 0   # other: FLOPs no mask changes, set by build
         # each group's first unit, as an index into the masks laid end to end (count reads them so)
         sizes = {name: layer.out_units for name, layer in prunable_layers(model)}
         self.layers = list(sizes)
@@ -208,10 +208,10 @@ class GroupFlops:
         several = torch.tensor([len(f) > 1 for f in families for _ in f])
         if len(set(patterns.tolist())) < len(groups) or bool((patterns[several] == everything).any()):
             return None
-        terms = []
+        terms, totals = [], []
         for alive in kept:
             terms.append([])
-            masked_flops(model, cls._keep(model, groups, alive), plain_names, plain, terms[-1])
+            totals.append(masked_flops(model, cls._keep(model, groups, alive), plain_names, plain, terms[-1]))
         if any([t[0] for t in run] != [t[0] for t in terms[0]] for run in terms):
             return None
         order = torch.argsort(patterns)
@@ -228,9 +228,8 @@ class GroupFlops:
                     return None
                 decoded.append(torch.where(always & ~single, len(groups), torch.where(never, len(groups) + 1, group)))
             sources.append((decoded[0], decoded[1], getattr(layer, "groups", 1), kernel, positions))
-        counter = cls(model, groups, sources, 0)
-        counter.other = masked_flops(model, cls._keep(model, groups, kept[0]), plain_names, plain) - \
-            counter._layers(kept[0])   # what no mask changes: attention's FLOPs (compressed/structure.py)
+        counter = cls(model, groups, sources)
+        counter.other = totals[0] - counter._layers(kept[0])   # what no mask changes: attention's (structure.py)
         for share in (1.0, 0.5, 0.2):
             keep = cls._keep(model, groups, cls._draw(families, share, generator))
             if counter.count(keep) != masked_flops(model, keep, plain_names, plain):
