@@ -4,8 +4,8 @@ edgebayes into a smaller Bayesian one, against Torch-Pruning's pruners at the sa
 Per net and seed:
   1. dense     the net trained here as a plain network (Adam 1e-3, batch 128, --dense-epochs): the reference
                accuracy, ECE, NLL. Every method below starts from a copy of THESE trained weights.
-  2. edgebayes bayesianize(trained, family) + fit(E epochs, flops_target=target where edgebayes has it) +
-               compress(M samples) -> surgery; MC-averaged test metrics, FLOPs of the network after surgery
+  2. edgebayes bayesianize(trained, family) + fit(E epochs, flops_target=target; bn3: the smallest target, its
+               one training serving the widths from there to full) + compress(M samples) -> surgery; MC-averaged test metrics, FLOPs of the network after surgery
                (edgebayes_row: the one function the recipe lives in).
   3. tp-*      Torch-Pruning on a copy of the trained net, pruned to the physical FLOPs of the edgebayes rows
                of the same target that reached it (the target itself if none did; tp_flops_wanted), then
@@ -188,26 +188,21 @@ def plain_metrics(model, data):
 # ---------------------------------------------------------------------------------------------
 # edgebayes: the recipe a user runs on their trained network
 # ---------------------------------------------------------------------------------------------
-def edgebayes_knob(net, target, seed):
+def edgebayes_knob(net, target):
     """The operating point compressed at. Spike-and-slab: the inclusion threshold 0.5 (the family's default).
-    Nested (bn3): the widest width whose physical FLOPs ratio is within `target` (the narrowest if none is),
-    found by FLOPs alone, no labels."""
-    import edgebayes as eb
+    Nested (bn3): the widest width whose physical FLOPs ratio is within `target`, of every width the net serves
+    (not only select's eight default points), found by FLOPs alone, no labels."""
+    from edgebayes.train.flops_target import nested_width_within
 
-    if net.knob != "width":
-        return net.default_knob
-    widths = sorted(net.operating_points(), reverse=True)
-    for width in widths:
-        c = eb.compress(net, knob=width, m=1, seed=seed)
-        if structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)["physical_flops_ratio"] <= target:
-            return width
-    return widths[-1]
+    return nested_width_within(net, target)[0] if net.knob == "width" else net.default_knob
 
 
-def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=(), fits=None):
+def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=(), fits=None,
+                  narrowest=None):
     """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples.
     `fits` (a dict, one per net and seed) keeps a nested net's training for the next target: bn3 serves every
-    width from one training, and a second fit with the same seed would repeat it."""
+    width from one training (trained toward `narrowest`, the smallest target of the run), and a second fit with
+    the same seed would repeat it."""
     import edgebayes as eb
 
     x, y = data["train"]
@@ -219,16 +214,14 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
         net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
                              calibration_x=x if nested else None)
         train = {"batch_size": BATCH, "lr": LR, "device": device, "lr_milestones": list(milestones),
-                 "lr_gamma": FINE_TUNE_GAMMA}
-        if not nested:   # spike-and-slab: train.flops_target; bn3 serves every width, picked below
-            train["flops_target"] = target
+                 "lr_gamma": FINE_TUNE_GAMMA, "flops_target": min(target, narrowest or target) if nested else target}
         t0 = time.perf_counter()
         history = eb.fit(net, x, y, val=data["val"], epochs=epochs, seed=seed, log=log, **train)
         seconds = time.perf_counter() - t0
         if nested and fits is not None:
             fits[family] = (net, history, seconds)
     t0 = time.perf_counter()
-    knob = edgebayes_knob(net, target, seed)
+    knob = edgebayes_knob(net, target)
     c = eb.compress(net, knob=knob, m=m, seed=seed)
     s = structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)
     dense_flops = s["dense_flops"]
@@ -453,7 +446,8 @@ def run(args, data, out, rows):
                         if method in EDGEBAYES:
                             log = functools.partial(print, f"{net_name}/{method}:", flush=True)
                             row.update(edgebayes_row(trained, EDGEBAYES[method], target, data, args.epochs, args.mc,
-                                                     seed, device, log=log, milestones=milestones, fits=fits))
+                                                     seed, device, log=log, milestones=milestones, fits=fits,
+                                                     narrowest=min(args.targets)))
                         else:
                             wanted, row["matched_to"] = tp_flops_wanted(rows, net_name, seed, target)
                             row.update(tp_row(trained, method, wanted, data, args.epochs, seed, device, milestones))
@@ -532,8 +526,9 @@ def data_line(args):
 def markdown(result):
     args, rows = argparse.Namespace(**result["args"]), result["rows"]
     prov = result["provenance"]
-    flops_target = ("spike-and-slab: train.flops_target = the target; bn3: the widest width within the target, "
-                    "chosen by FLOPs alone")
+    flops_target = ("spike-and-slab: train.flops_target = the target; bn3: train.flops_target = the smallest "
+                    "target of the run (one training serves the widths from there to full; rows of runs before "
+                    "it: every width), then the widest width within each target, chosen by FLOPs alone")
     lines = ["# Compress a trained network: edgebayes fine-tuning against Torch-Pruning at the same physical FLOPs "
              "(benchmarks/finetune_compress.py)", "",
              "Issue 33: each net is trained here as a plain network (the dense row: Adam 1e-3, batch 128, "

@@ -733,6 +733,7 @@ def _check_data(d: DataConfig, p):
 
 
 SPIKE_SLAB_FAMILIES = ("ss-ig", "ss-gl", "ss-ghs")   # the families with prunable units (train/spike_slab.py PRIORS)
+NESTED_FAMILIES = ("bn3", "fn3")                    # the families with widths (train/nested.py)
 
 
 SETTING_EXAMPLE = "train.epochs=3"
@@ -796,13 +797,18 @@ def check_train(t: "TrainConfig", family: str, p: str, prefix: str = "train."):
     _check(not t.kl_warmup_ordered or (t.kl_warmup_epochs > 0 and family in SPIKE_SLAB_FAMILIES),
            f"{p}: {prefix}kl_warmup_ordered", f"needs {prefix}kl_warmup_epochs > 0 and a spike-and-slab family "
            f"({', '.join(SPIKE_SLAB_FAMILIES)}): it orders the units of prunable layers")
-    _check(t.flops_target is None or family in SPIKE_SLAB_FAMILIES, f"{p}: {prefix}flops_target",
-           f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) switches units off; leave it out (null)")
+    _check(t.flops_target is None or family in SPIKE_SLAB_FAMILIES + NESTED_FAMILIES,
+           f"{p}: {prefix}flops_target",
+           f"only a spike-and-slab family ({', '.join(SPIKE_SLAB_FAMILIES)}) switches units off, and a nested one "
+           f"({', '.join(NESTED_FAMILIES)}) trains the widths within it; leave it out (null)")
     _check(t.flops_target != "device" or t.processes == 1, f"{p}: {prefix}flops_target",
            "device is found by one process before the first epoch; with train.processes > 1 give the share "
            "(`edgebayes train` with one process prints it first)")
     _check(t.max_accuracy_drop is None or t.flops_target is not None, f"{p}: {prefix}max_accuracy_drop",
            f"is the accuracy floor of a FLOPs target: set {prefix}flops_target too, or leave it out (null)")
+    _check(t.max_accuracy_drop is None or family in SPIKE_SLAB_FAMILIES, f"{p}: {prefix}max_accuracy_drop",
+           f"is the floor of the spike-and-slab families' cuts ({', '.join(SPIKE_SLAB_FAMILIES)}); a nested family "
+           f"keeps every width it serves, and select picks among them: leave it out (null)")
     _check(t.batch_size >= t.processes, f"{p}: {prefix}batch_size",
            f"expected at least {prefix}processes ({t.processes}): the batch is split over the processes")
 
@@ -844,7 +850,7 @@ def _check_family(cfg: PipelineConfig, p):
     where = f"{p}: select.knob_values"
     if values is None:
         return
-    if family in ("bn3", "fn3"):
+    if family in NESTED_FAMILIES:
         _check(all(v == int(v) and 1 <= v <= n.groups for v in values), where,
                f"expected widths (whole numbers of groups) in 1..nested.groups = {n.groups}, got {_show(values)}")
     elif family == "sqs":

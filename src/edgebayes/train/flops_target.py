@@ -407,6 +407,32 @@ def _plan(model, target_flops, families, count):
     return keep, best
 
 
+@torch.no_grad()
+def nested_width_within(model, target):
+    """(width, FLOPs ratio): the widest width of a nested net (train/nested.py) whose network after surgery has
+    at most `target` of the dense network's paper-formula FLOPs, found by bisection (the FLOPs grow with the
+    width; structure alone: no weights, no data). ConfigError if even the narrowest width has more."""
+    example = torch.zeros((1,) + tuple(model.input_shape))
+    dense = paper_flops(model._build_plain(), model.input_shape)
+
+    def ratio(width):
+        plain, kept = model._build_plain(), model.kept_units(width)
+        for name, keep in kept.items():
+            drop_outputs(plain, name, keep)
+        return paper_flops(remove_dead_units(plain, kept, example), model.input_shape) / dense
+
+    low, high = model.fixed_groups + 1, model.groups - 1   # the widest served width leaves one group to order
+    if ratio(low) > target:
+        raise ConfigError(f"train.flops_target: {target:g} of the dense FLOPs cannot be reached by this nested "
+                          f"network: its narrowest width ({low} of {model.groups} groups, nested.fixed_groups + 1) "
+                          f"has {ratio(low):.3g}; set train.flops_target to {math.ceil(ratio(low) * 100) / 100:g} "
+                          f"or more, or lower nested.fixed_groups")
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if ratio(middle) <= target else (low, middle - 1)
+    return low, ratio(low)
+
+
 class FlopsTargetSchedule:
     """The trainer's hook (train/trainer.py): `step(model, step)` before each optimisation step, `finish` after
     the last epoch.

@@ -19,7 +19,7 @@ from torch import nn
 from edgebayes.train.arch import as_builder, resolve_arch
 from edgebayes.train.bayesianize import load_matching
 from edgebayes.train.layers import ConvNorm, LayerFactory
-from edgebayes.train.nested import NESTED_FAMILIES, NestedLayer, gumbel_uniforms, recollect_batch_norm
+from edgebayes.train.nested import NESTED_FAMILIES, NestedLayer, OrderingUnit, gumbel_uniforms, recollect_batch_norm
 from edgebayes.train.spike_slab import (
     GlobalHorseshoeScale,
     GlobalScale,
@@ -162,6 +162,11 @@ class NestedNet(nn.Module):
         # recollects them at the width, as compress does (trainer.ELBO.validate).
         self.validate_compressed = with_norms and calibration_x is not None
         self.shared_draw = nested_cfg.shared_draw
+        self._order_init = (nested_cfg.mubar_init, nested_cfg.prior_keep_logit)
+        # The narrowest width trained (serve_from), saved with the weights: a checkpoint's ordering units are
+        # that long, so a net built from the config takes the saved width before loading them.
+        self.register_buffer("narrowest_width", torch.tensor(self.fixed_groups + 1))
+        self._register_load_state_dict_pre_hook(self._take_saved_width)
 
     def forward(self, x):
         ordered = [m for _, m in self.nested_layers() if m.nested] if self.training and self.shared_draw else []
@@ -209,6 +214,35 @@ class NestedNet(nn.Module):
     def start_epoch(self, epoch, epochs):
         """Called by the trainer before each epoch (0-based): anneal the Downhill temperature."""
         self.set_temperature(self.temperature_at(epoch, epochs))
+
+    def serve_from(self, width):
+        """Train and serve widths `width`..D only: the first width - 1 groups of every nested layer become fixed
+        groups (always kept) and each ordering unit orders the rest, restarted at its initial distribution.
+
+        What train.flops_target does for a nested family (train/nested.py): a trained network fine-tuned
+        for a few epochs keeps a narrow width only if its steps train that width, and widths narrower than the
+        user's target are never deployed."""
+        width = int(width)
+        if not 1 <= width <= self.groups - 1:
+            raise ValueError(f"the narrowest width served must lie in 1..{self.groups - 1} (D - 1: one group "
+                             f"ordered), got {width}")
+        mubar_init, prior_keep_logit = self._order_init
+        for _, layer in self.nested_layers():
+            if layer.nested:
+                learned = layer.ordering.learned
+                layer.fixed_groups = width - 1
+                layer.ordering = OrderingUnit(self.groups - layer.fixed_groups, mubar_init, prior_keep_logit,
+                                              learned).to(layer.theta.device)
+        self.fixed_groups = width - 1
+        self.narrowest_width.fill_(width)
+        return self
+
+    def _take_saved_width(self, state, prefix, *args):
+        saved = state.get(prefix + "narrowest_width")
+        if saved is None:   # saved before the narrowest width was kept: it served every width from F + 1
+            state[prefix + "narrowest_width"] = self.narrowest_width.clone()
+        elif int(saved) != int(self.narrowest_width):
+            self.serve_from(int(saved))
 
     # -- the deploy interface ---------------------------------------------------------------------
     def set_width(self, width):

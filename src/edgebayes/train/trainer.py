@@ -99,7 +99,7 @@ from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
 from edgebayes.train.accel import (DeviceData, autocast, compile_step, fused_optimizer, hold_freed_memory,
                                    to_channels_last)
-from edgebayes.train.flops_target import FlopsTargetSchedule
+from edgebayes.train.flops_target import FlopsTargetSchedule, nested_width_within
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.spike_slab import SCALE_VARIABLES
 
@@ -361,6 +361,12 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
     world, device = distributed.setup(resolve_device(t.device))
     torch.manual_seed(cfg.seed)  # the same initial weights in every process
     model = to_channels_last(build().to(device), t.channels_last)
+    nested = t.flops_target is not None and hasattr(model, "serve_from")
+    if nested:   # a nested net trains and serves the widths within reach of the target only (train/nested.py)
+        width, ratio = nested_width_within(model, t.flops_target)
+        model.serve_from(width)
+        log(f"train: flops target {t.flops_target:g}: {model.family} serves widths {width}..{model.groups} of "
+            f"{model.groups} groups, the narrowest at {ratio:.3f} of the dense FLOPs (after surgery)")
     optimizer, scheduler = objective.optimizer(model, t)
     history, start_epoch = [], 0
     if world.size > 1:
@@ -401,7 +407,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
     steps_per_epoch = math.ceil(n / t.batch_size)
     forward, kl_term = objective.prepare(model, forward, data.x[: t.batch_size], t, log)
     warmup_steps = t.kl_warmup_epochs * steps_per_epoch   # KL warm-up (module docstring); 0: none
-    flops_target = None if t.flops_target is None else FlopsTargetSchedule(   # train/flops_target.py
+    flops_target = None if t.flops_target is None or nested else FlopsTargetSchedule(   # train/flops_target.py
         model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None),
         evaluate=(lambda m: objective.validate(m, splits, cfg, device)["val_accuracy"]) if world.main else None,
         points=history[-1].get("flops_target_points", []) if history else [])
