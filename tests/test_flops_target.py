@@ -337,6 +337,50 @@ def test_a_nested_net_starts_from_the_trained_channels_most_important_first():
     assert torch.allclose(net.net.conv1.norm.weight, reordered.bn1.weight)
 
 
+def test_a_nested_net_with_a_flops_target_trains_and_serves_the_widths_within_it_and_loads_as_saved():
+    """bn3 with flops_target (train/nested.py, nested_width_within): the widest width within the target becomes
+    the narrowest one served, its ordering units order only the wider ones, and a net built from the config
+    loads the checkpoint with those widths."""
+    from edgebayes.train.flops_target import nested_width_within
+
+    x, y = data(128)
+    net = eb.bayesianize(trained_net(), "bn3", input_shape=SHAPE, n_train=len(x), calibration_x=x)
+    lines = []
+    eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.3, log=lines.append)
+    width = int(net.narrowest_width)
+    assert net.fixed_groups == width - 1 and net.operating_points()[0] == width
+    assert any(f"serves widths {width}..{net.groups}" in line for line in lines)
+    assert all(m.ordering.mubar.numel() == net.groups - width for _, m in net.nested_layers() if m.nested)
+
+    def shipped(w):   # the FLOPs ratio of the network compress and surgery make at width w
+        c = eb.compress(net, knob=w, m=1, seed=0)
+        return structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)["physical_flops_ratio"]
+
+    assert shipped(width) <= 0.3 < shipped(width + 1)
+    assert nested_width_within(net, 0.3)[1] == pytest.approx(shipped(width), rel=1e-6)
+    fresh = eb.bayesianize(trained_net(), "bn3", input_shape=SHAPE, n_train=len(x), calibration_x=x)
+    assert fresh.operating_points()[0] == 3                       # nested.fixed_groups 2 + 1, before loading
+    fresh.load_state_dict(net.state_dict())
+    assert fresh.operating_points() == net.operating_points()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), net.state_dict().values()))
+    with pytest.raises(ConfigError, match=r"train.flops_target: 0.0001 of the dense FLOPs cannot be reached by this "
+                                          r"nested network: its narrowest width \(3 of 32 groups"):
+        eb.fit(fresh, x, y, epochs=1, batch_size=32, flops_target=1e-4, log=lambda *_: None)
+
+
+def test_the_accuracy_floor_is_refused_for_a_nested_family(tmp_path):
+    from edgebayes.config import load_pipeline_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\ndata: {dataset: digits}\nmodel: {family: bn3, arch: mlp, hidden: [8]}\n"
+                    "train: {epochs: 1, flops_target: 0.5}\n")
+    assert load_pipeline_config(path).train.flops_target == 0.5
+    path.write_text("name: t\ndata: {dataset: digits}\nmodel: {family: bn3, arch: mlp, hidden: [8]}\n"
+                    "train: {epochs: 1, flops_target: 0.5, max_accuracy_drop: 0.01}\n")
+    with pytest.raises(ConfigError, match="train.max_accuracy_drop: is the floor of the spike-and-slab"):
+        load_pipeline_config(path)
+
+
 def test_a_fine_tuning_to_a_flops_target_interrupted_mid_schedule_resumes_to_the_uninterrupted_result(
         tmp_path, monkeypatch):
     """The schedule's state is the inclusion logits (in the checkpoint) and the step: a run killed after its

@@ -235,7 +235,8 @@ class TrainConfig(Section):
     flops_target: Optional[Rate | Literal["device"]] = Field(None, description=(
         "spike-and-slab: the median model's FLOPs after surgery as a fraction of the dense network's, reached by "
         "switching the least important units off during the first flops_schedule_fraction of the steps "
-        "(train/flops_target.py); device: the largest fraction the device's model_mb and latency_ms budgets "
+        "(train/flops_target.py); bn3 / fn3: the narrowest width trained and served is the widest within it "
+        "(train/nested.py); device: the largest fraction the device's model_mb and latency_ms budgets "
         "allow, found before the first epoch (deploy/budget_targets.py; the training is then the device's); null: none"))
     flops_schedule_fraction: Rate = Field(0.1, description=(
         "the share of the training steps over which train.flops_target's schedule reaches its target (0.1: the "

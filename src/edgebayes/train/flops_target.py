@@ -421,7 +421,7 @@ def nested_width_within(model, target):
             drop_outputs(plain, name, keep)
         return paper_flops(remove_dead_units(plain, kept, example), model.input_shape) / dense
 
-    low, high = model.fixed_groups + 1, model.groups - 1   # the widest served width leaves one group to order
+    low, high = model.configured_fixed_groups + 1, model.groups - 1   # the widest leaves one group to order
     if ratio(low) > target:
         raise ConfigError(f"train.flops_target: {target:g} of the dense FLOPs cannot be reached by this nested "
                           f"network: its narrowest width ({low} of {model.groups} groups, nested.fixed_groups + 1) "

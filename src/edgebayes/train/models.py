@@ -163,6 +163,7 @@ class NestedNet(nn.Module):
         self.validate_compressed = with_norms and calibration_x is not None
         self.shared_draw = nested_cfg.shared_draw
         self._order_init = (nested_cfg.mubar_init, nested_cfg.prior_keep_logit)
+        self.configured_fixed_groups = nested_cfg.fixed_groups   # the narrowest any target may serve from: + 1
         # The narrowest width trained (serve_from), saved with the weights: a checkpoint's ordering units are
         # that long, so a net built from the config takes the saved width before loading them.
         self.register_buffer("narrowest_width", torch.tensor(self.fixed_groups + 1))

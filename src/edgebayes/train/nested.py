@@ -75,6 +75,20 @@ Where this completes or deviates from the paper, and why:
     benchmarks/results/finetune_compress.md. What is not the paper's: the expected log-likelihood is taken under
     this coupled q, and the KL is still the sum of the layers' own: the coupled q's KL to the prior is larger by
     the coupling's total correlation, which the objective here leaves out.
+  - With train.flops_target (a fine-tuning with a budget) the widest width within the target becomes the narrowest
+    one trained and served (NestedNet.serve_from, flops_target.nested_width_within): its first width - 1 groups
+    are fixed groups and every ordering unit orders the wider ones, restarted at mubar_init. The paper trains every
+    width from F + 1; a user who says how small never deploys a narrower one, and a few epochs do not train every
+    width of a trained deep batch-norm network: the steps at widths under the target pull the shared weights away
+    from the widths that ship. benchmarks/finetune_compress.py's MobileNetV2 (seed 0, 5 epochs), validation
+    accuracy at width 20 of 32 (0.42 of the FLOPs) / at the widest width within 0.25 of them:
+      every width from 3 (the paper)                         0.717 / 0.401 (width 11, 0.149: select's eight points)
+      the same, weight noise at log alpha -7.8, not -4.6     0.707 / 0.425
+      the same, mubar and the prior's logit at 2 (narrower)  0.310 / 0.259
+      widths 11..32 only (fixed groups 10)                   0.819 / 0.664 (width 14, 0.23)
+      every step at width 11 alone                           -     / 0.846 (width 11)
+    so the noise is not the cause, more steps at narrow widths do not help, and a narrow width trains as a pruned
+    network does only where nothing narrower shares its steps. The cost: no width under the target is served.
   - A layer that owns a batch norm masks after it: z * BN(conv(x)), as the spike-and-slab layers do
     (train/spike_slab.py), so a dropped channel is exactly zero and physically removable.
   - The temperature schedule is not given: exponential per epoch from nested.temperature to
