@@ -167,7 +167,7 @@ class NestedNet(nn.Module):
         # The narrowest width trained (serve_from), saved with the weights: a checkpoint's ordering units are
         # that long, so a net built from the config takes the saved width before loading them.
         self.register_buffer("narrowest_width", torch.tensor(self.fixed_groups + 1))
-        self._register_load_state_dict_pre_hook(self._take_saved_width)
+        self.register_load_state_dict_pre_hook(NestedNet._take_saved_width)
 
     def forward(self, x):
         ordered = [m for _, m in self.nested_layers() if m.nested] if self.training and self.shared_draw else []
@@ -238,7 +238,7 @@ class NestedNet(nn.Module):
         self.narrowest_width.fill_(width)
         return self
 
-    def _take_saved_width(self, state, prefix, *args):
+    def _take_saved_width(self, state, prefix, *args):   # load_state_dict's pre-hook: (module, state, prefix, ...)
         saved = state.get(prefix + "narrowest_width")
         if saved is None:   # saved before the narrowest width was kept: it served every width from F + 1
             state[prefix + "narrowest_width"] = self.narrowest_width.clone()
