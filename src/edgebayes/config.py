@@ -734,7 +734,6 @@ def _check_data(d: DataConfig, p):
 
 
 SPIKE_SLAB_FAMILIES = ("ss-ig", "ss-gl", "ss-ghs")   # the families with prunable units (train/spike_slab.py PRIORS)
-NESTED_FAMILIES = ("bn3", "fn3")                    # the families with widths (train/nested.py)
 
 
 SETTING_EXAMPLE = "train.epochs=3"
@@ -785,6 +784,7 @@ def load_pipeline_config(path, settings=()) -> PipelineConfig:
 def check_train(t: "TrainConfig", family: str, p: str, prefix: str = "train."):
     """The train section's checks that span keys or need the family (the pipeline's config and `eb.fit`'s
     keywords, named `prefix` + key: "train." in a file, "" for fit's arguments)."""
+    from edgebayes.train.nested import NESTED_FAMILIES   # here: train/ imports this module
     _check(all(0 < e <= t.epochs for e in t.lr_milestones), f"{p}: {prefix}lr_milestones",
            f"expected epochs between 1 and {prefix}epochs")
     _check(t.kl_warmup_epochs <= t.epochs, f"{p}: {prefix}kl_warmup_epochs",
@@ -851,7 +851,7 @@ def _check_family(cfg: PipelineConfig, p):
     where = f"{p}: select.knob_values"
     if values is None:
         return
-    if family in NESTED_FAMILIES:
+    if family in ("bn3", "fn3"):
         _check(all(v == int(v) and 1 <= v <= n.groups for v in values), where,
                f"expected widths (whole numbers of groups) in 1..nested.groups = {n.groups}, got {_show(values)}")
     elif family == "sqs":
