@@ -5,8 +5,9 @@ Per net and seed:
   1. dense     the net trained here as a plain network (Adam 1e-3, batch 128, --dense-epochs): the reference
                accuracy, ECE, NLL. Every method below starts from a copy of THESE trained weights.
   2. edgebayes bayesianize(trained, family) + fit(E epochs, flops_target=target; bn3: the smallest target, its
-               one training serving the widths from there to full) + compress(M samples) -> surgery; MC-averaged test metrics, FLOPs of the network after surgery
-               (edgebayes_row: the one function the recipe lives in).
+               one training serving the widths from there to full) + compress(M samples) -> surgery; MC-averaged
+               test metrics, FLOPs of the network after surgery (edgebayes_row: the one function the recipe
+               lives in).
   3. tp-*      Torch-Pruning on a copy of the trained net, pruned to the physical FLOPs of the edgebayes rows
                of the same target that reached it (the target itself if none did; tp_flops_wanted), then
                fine-tuned with the same optimizer, schedule, batch and E epochs. The two pruners as Torch-Pruning's own

@@ -104,6 +104,7 @@ the smallest network the families allow (one group of each) is a ConfigError bef
 """
 
 import copy
+import functools
 import itertools
 import math
 
@@ -412,14 +413,16 @@ def nested_width_within(model, target):
     """(width, FLOPs ratio): the widest width of a nested net (train/nested.py) whose network after surgery has
     at most `target` of the dense network's paper-formula FLOPs, found by bisection (the FLOPs grow with the
     width; structure alone: no weights, no data). ConfigError if even the narrowest width has more."""
-    example = torch.zeros((1,) + tuple(model.input_shape))
-    dense = paper_flops(model._build_plain(), model.input_shape)
+    base = model._build_plain()
+    dense = paper_flops(base, model.input_shape)
+    plain_names = {name: name for name in model.kept_units(model.groups)}   # kept_units names plain layers
 
+    @functools.cache   # each width's surgery once: the bisection and the message read a width again
     def ratio(width):
-        plain, kept = model._build_plain(), model.kept_units(width)
-        for name, keep in kept.items():
-            drop_outputs(plain, name, keep)
-        return paper_flops(remove_dead_units(plain, kept, example), model.input_shape) / dense
+        flops = physical_flops(model, model.kept_units(width), plain_names, base)
+        if flops is None:
+            raise SurgeryError(f"surgery cannot remove the channels of width {width} of this nested network")
+        return flops / dense
 
     low, high = model.configured_fixed_groups + 1, model.groups - 1   # the widest leaves one group to order
     if ratio(low) > target:
