@@ -368,6 +368,23 @@ def test_a_nested_net_with_a_flops_target_trains_and_serves_the_widths_within_it
         eb.fit(fresh, x, y, epochs=1, batch_size=32, flops_target=1e-4, log=lambda *_: None)
 
 
+def test_a_nested_checkpoint_whose_saved_width_is_out_of_range_is_refused_by_name(tmp_path):
+    """A checkpoint's narrowest width comes from the file: out of 1..D-1 it stops the resume with the trainer's
+    one message for a checkpoint of another network (it was serve_from's bare ValueError), naming the range."""
+    x, y = data(64)
+    ckpt = tmp_path / "fit.pt"
+    settings = dict(epochs=2, batch_size=32, flops_target=0.3, checkpoint=ckpt, log=lambda *_: None)
+    net = eb.bayesianize(trained_net(), "bn3", input_shape=SHAPE, n_train=len(x), calibration_x=x)
+    eb.fit(net, x, y, until_epoch=1, **settings)
+    state = torch.load(ckpt, weights_only=True)
+    state["model"]["narrowest_width"] = torch.tensor(net.groups + 7)
+    torch.save(state, ckpt)
+    fresh = eb.bayesianize(trained_net(), "bn3", input_shape=SHAPE, n_train=len(x), calibration_x=x)
+    with pytest.raises(ConfigError, match=r"fit\.pt is of another network: the narrowest width served must lie "
+                                          r"in 1\.\.31 .*got 39"):
+        eb.fit(fresh, x, y, until_epoch=2, **settings)
+
+
 def test_the_accuracy_floor_is_refused_for_a_nested_family(tmp_path):
     from edgebayes.config import load_pipeline_config
 

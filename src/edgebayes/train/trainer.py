@@ -383,7 +383,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
                               f"path (or delete it) to start over")
         try:
             model.load_state_dict(state["model"])
-        except RuntimeError as e:   # another architecture or family
+        except (RuntimeError, ValueError) as e:   # another architecture or family; a nested width out of range
             raise ConfigError(f"checkpoint {checkpoint_path} is of another network: "
                               f"{str(e).strip().splitlines()[0][:300]}; give another checkpoint path (or delete it) "
                               f"to start over") from None
