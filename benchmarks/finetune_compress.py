@@ -4,10 +4,10 @@ edgebayes into a smaller Bayesian one, against Torch-Pruning's pruners at the sa
 Per net and seed:
   1. dense     the net trained here as a plain network (Adam 1e-3, batch 128, --dense-epochs): the reference
                accuracy, ECE, NLL. Every method below starts from a copy of THESE trained weights.
-  2. edgebayes bayesianize(trained, family) + fit(E epochs, flops_target=target; bn3: the smallest target, its
-               one training serving the widths from there to full) + compress(M samples) -> surgery; MC-averaged
-               test metrics, FLOPs of the network after surgery (edgebayes_row: the one function the recipe
-               lives in).
+  2. edgebayes bayesianize(trained, family) + fit(E epochs, flops_target=target; bn3: one training per target,
+               as every other method, serving the widths from the target's to full) + compress(M samples)
+               -> surgery; MC-averaged test metrics, FLOPs of the network after surgery (edgebayes_row: the one
+               function the recipe lives in).
   3. tp-*      Torch-Pruning on a copy of the trained net, pruned to the physical FLOPs of the edgebayes rows
                of the same target that reached it (the target itself if none did; tp_flops_wanted), then
                fine-tuned with the same optimizer, schedule, batch and E epochs. The two pruners as Torch-Pruning's own
@@ -198,29 +198,20 @@ def edgebayes_knob(net, target):
     return nested_width_within(net, target)[0] if net.knob == "width" else net.default_knob
 
 
-def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=(), fits=None,
-                  narrowest=None):
-    """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples.
-    `fits` (a dict, one per net and seed) keeps a nested net's training for the next target: bn3 serves every
-    width from one training (trained toward `narrowest`, the smallest target of the run), and a second fit with
-    the same seed would repeat it."""
+def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=()):
+    """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples."""
     import edgebayes as eb
 
     x, y = data["train"]
     nested = family in ("bn3", "fn3")
-    if nested and fits is not None and family in fits:
-        net, history, seconds = fits[family]
-    else:
-        torch.manual_seed(seed)
-        net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
-                             calibration_x=x if nested else None)
-        train = {"batch_size": BATCH, "lr": LR, "device": device, "lr_milestones": list(milestones),
-                 "lr_gamma": FINE_TUNE_GAMMA, "flops_target": min(target, narrowest or target) if nested else target}
-        t0 = time.perf_counter()
-        history = eb.fit(net, x, y, val=data["val"], epochs=epochs, seed=seed, log=log, **train)
-        seconds = time.perf_counter() - t0
-        if nested and fits is not None:
-            fits[family] = (net, history, seconds)
+    torch.manual_seed(seed)
+    net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
+                         calibration_x=x if nested else None)
+    train = {"batch_size": BATCH, "lr": LR, "device": device, "lr_milestones": list(milestones),
+             "lr_gamma": FINE_TUNE_GAMMA, "flops_target": target}
+    t0 = time.perf_counter()
+    history = eb.fit(net, x, y, val=data["val"], epochs=epochs, seed=seed, log=log, **train)
+    seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     knob = edgebayes_knob(net, target)
     c = eb.compress(net, knob=knob, m=m, seed=seed)
@@ -437,7 +428,6 @@ def run(args, data, out, rows):
                 add({**base, "method": "dense-ft", "target": None, "fine_tune_epochs": args.epochs,
                      "fine_tune_seconds": time.perf_counter() - t0, "flops_ratio_physical": 1.0, "params_ratio": 1.0,
                      **plain_metrics(model, data)})
-            fits = {}   # a nested family's one training, for every target (edgebayes_row)
             for target in args.targets:
                 for method in eb_methods + tp_methods:
                     if (net_name, method, target, seed) in done:
@@ -447,8 +437,7 @@ def run(args, data, out, rows):
                         if method in EDGEBAYES:
                             log = functools.partial(print, f"{net_name}/{method}:", flush=True)
                             row.update(edgebayes_row(trained, EDGEBAYES[method], target, data, args.epochs, args.mc,
-                                                     seed, device, log=log, milestones=milestones, fits=fits,
-                                                     narrowest=min(args.targets)))
+                                                     seed, device, log=log, milestones=milestones))
                         else:
                             wanted, row["matched_to"] = tp_flops_wanted(rows, net_name, seed, target)
                             row.update(tp_row(trained, method, wanted, data, args.epochs, seed, device, milestones))
@@ -527,9 +516,9 @@ def data_line(args):
 def markdown(result):
     args, rows = argparse.Namespace(**result["args"]), result["rows"]
     prov = result["provenance"]
-    flops_target = ("spike-and-slab: train.flops_target = the target; bn3: train.flops_target = the smallest "
-                    "target of the run (one training serves the widths from there to full; rows of runs before "
-                    "it: every width), then the widest width within each target, chosen by FLOPs alone")
+    flops_target = ("train.flops_target = the target, one training per target; bn3 then ships the widest width "
+                    "within it, chosen by FLOPs alone (bn3 rows of runs before 62380cd trained every width; runs "
+                    "before nested.target_width_probability trained once toward the smallest target for both)")
     lines = ["# Compress a trained network: edgebayes fine-tuning against Torch-Pruning at the same physical FLOPs "
              "(benchmarks/finetune_compress.py)", "",
              "Issue 33: each net is trained here as a plain network (the dense row: Adam 1e-3, batch 128, "

@@ -368,6 +368,29 @@ def test_a_nested_net_with_a_flops_target_trains_and_serves_the_widths_within_it
         eb.fit(fresh, x, y, epochs=1, batch_size=32, flops_target=1e-4, log=lambda *_: None)
 
 
+@pytest.mark.parametrize("family", ["bn3", "fn3"])
+def test_the_width_a_target_ships_has_its_probability_in_the_prior_and_in_q(family):
+    """serve_from puts nested.target_width_probability on the narrowest width served (train/nested.py): beta_1 of
+    the prior and of q at init (FN3: of its fixed distribution), the wider widths in the chain's own proportions,
+    so Phi1 = 0 at the start as without a target."""
+    from edgebayes.config import NestedConfig
+    from edgebayes.train.nested import ordered_mask_log_probs
+
+    x, _ = data(16)
+    net = eb.bayesianize(trained_net(), family, input_shape=SHAPE, n_train=64, calibration_x=x,
+                         nested=NestedConfig(target_width_probability=0.6))
+    before = [torch.exp(m.ordering.log_beta()) for _, m in net.nested_layers() if m.nested]
+    net.serve_from(20)
+    for (_, m), old in zip([lm for lm in net.nested_layers() if lm[1].nested], before):
+        beta, prior = torch.exp(m.ordering.log_beta()), torch.exp(ordered_mask_log_probs(m.ordering.prior_logits))
+        assert len(beta) == net.groups - 19 and beta.sum().item() == pytest.approx(1, abs=1e-5)
+        assert beta[0].item() == pytest.approx(0.6, abs=1e-6) and prior[0].item() == pytest.approx(0.6, abs=1e-6)
+        tail = old[-(len(beta) - 1):]   # the wider widths keep the chain's proportions
+        assert torch.allclose(beta[1:] / beta[1:].sum(), tail / tail.sum(), atol=1e-5)
+        if family == "bn3":   # FN3 has no KL
+            assert abs(m.ordering.kl().item()) < 1e-5
+
+
 def test_a_nested_checkpoint_whose_saved_width_is_out_of_range_is_refused_by_name(tmp_path):
     """A checkpoint's narrowest width comes from the file: out of 1..D-1 it stops the resume with the trainer's
     one message for a checkpoint of another network (it was serve_from's bare ValueError), naming the range."""

@@ -162,7 +162,8 @@ class NestedNet(nn.Module):
         # recollects them at the width, as compress does (trainer.ELBO.validate).
         self.validate_compressed = with_norms and calibration_x is not None
         self.shared_draw = nested_cfg.shared_draw
-        self._order_init = (nested_cfg.mubar_init, nested_cfg.prior_keep_logit)
+        self._order_init = (nested_cfg.mubar_init, nested_cfg.prior_keep_logit,
+                            nested_cfg.target_width_probability)
         self.configured_fixed_groups = nested_cfg.fixed_groups   # the narrowest any target may serve from: + 1
         # The narrowest width trained (serve_from), saved with the weights: a checkpoint's ordering units are
         # that long, so a net built from the config takes the saved width before loading them.
@@ -218,7 +219,8 @@ class NestedNet(nn.Module):
 
     def serve_from(self, width):
         """Train and serve widths `width`..D only: the first width - 1 groups of every nested layer become fixed
-        groups (always kept) and each ordering unit orders the rest, restarted at its initial distribution.
+        groups (always kept) and each ordering unit orders the rest, restarted at its initial distribution, with
+        nested.target_width_probability on this width in the prior and in q.
 
         What train.flops_target does for a nested family (train/nested.py): a trained network fine-tuned
         for a few epochs keeps a narrow width only if its steps train that width, and widths narrower than the
@@ -227,13 +229,13 @@ class NestedNet(nn.Module):
         if not 1 <= width <= self.groups - 1:
             raise ValueError(f"the narrowest width served must lie in 1..{self.groups - 1} (D - 1: one group "
                              f"ordered), got {width}")
-        mubar_init, prior_keep_logit = self._order_init
+        mubar_init, prior_keep_logit, target_width_probability = self._order_init
         for _, layer in self.nested_layers():
             if layer.nested:
                 learned = layer.ordering.learned
                 layer.fixed_groups = width - 1
                 layer.ordering = OrderingUnit(self.groups - layer.fixed_groups, mubar_init, prior_keep_logit,
-                                              learned).to(layer.theta.device)
+                                              learned, target_width_probability).to(layer.theta.device)
         self.fixed_groups = width - 1
         self.narrowest_width.fill_(width)
         return self
