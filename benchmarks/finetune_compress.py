@@ -201,9 +201,10 @@ def edgebayes_knob(net, target):
 def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=()):
     """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples."""
     import edgebayes as eb
+    from edgebayes.train.nested import NESTED_FAMILIES
 
     x, y = data["train"]
-    nested = family in ("bn3", "fn3")
+    nested = family in NESTED_FAMILIES
     torch.manual_seed(seed)
     net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
                          calibration_x=x if nested else None)

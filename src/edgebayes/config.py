@@ -854,7 +854,9 @@ def _check_family(cfg: PipelineConfig, p):
     where = f"{p}: select.knob_values"
     if values is None:
         return
-    if family in ("bn3", "fn3"):
+    from edgebayes.train.nested import NESTED_FAMILIES   # here: train/ imports this module (check_train)
+
+    if family in NESTED_FAMILIES:
         _check(all(v == int(v) and 1 <= v <= n.groups for v in values), where,
                f"expected widths (whole numbers of groups) in 1..nested.groups = {n.groups}, got {_show(values)}")
     elif family == "sqs":
