@@ -337,6 +337,26 @@ def test_a_nested_net_starts_from_the_trained_channels_most_important_first():
     assert torch.allclose(net.net.conv1.norm.weight, reordered.bn1.weight)
 
 
+def test_a_gate_beside_batch_norms_does_not_rank_the_channels_it_gates():
+    """The expand channels of a squeeze-and-excitation block are written by the expand and depthwise
+    convolutions (each with a batch norm) and by the excitation layer (a gate, without one): they rank by the
+    batch norms' scales alone (order_for_nesting), however large the gate's weights are."""
+    from edgebayes.train.bayesianize import order_for_nesting
+    import copy
+
+    torch.manual_seed(0)
+    module = Gated().eval()
+    with torch.no_grad():
+        module.bn1.weight.copy_(torch.linspace(0.1, 1.6, 16))                 # weakest first
+        module.bn2.weight.fill_(1.0)
+        module.excite.weight.mul_(2.0 ** torch.arange(16, 0, -1).view(-1, 1, 1, 1))   # gate rows: largest first
+    x, _ = data(16)
+    reordered = copy.deepcopy(module)
+    assert "excite" in order_for_nesting(reordered, SHAPE)
+    assert torch.allclose(reordered(x), module(x), atol=1e-4)
+    assert bool((reordered.bn1.weight.diff() < 0).all())                   # by the batch norm, strongest first
+
+
 def test_a_nested_net_with_a_flops_target_trains_and_serves_the_widths_within_it_and_loads_as_saved():
     """bn3 with flops_target (train/nested.py, nested_width_within): the widest width within the target becomes
     the narrowest one served, its ordering units order only the wider ones, and a net built from the config

@@ -748,8 +748,9 @@ def order_channels(module: nn.Module, importance, example_input: torch.Tensor):
     """Reorder the output channels of the Linear / Conv2d layers of `module`, in place, most important first,
     without changing its function: each group of coupled channels (a residual stream in every block that
     writes it, the readers' input channels, batch norms, a flatten's features, a concatenation's offsets)
-    moves as one, as Torch-Pruning's dependency graph maps them. `importance(name, layer)` gives a score per
-    output channel; a coupled group ranks by the sum of its writers' scores, each over its layer's mean.
+    moves as one, as Torch-Pruning's dependency graph maps them. `importance(writers)` takes the (name, layer)
+    pairs that write one coupled group and gives each a score per output channel, or None for a writer that
+    does not rank it; the group ranks by the sum of the scores, each over its layer's mean.
 
     Nested nets keep the first channels at narrow widths (train/nested.py), so a trained network reordered
     this way keeps its strongest channels there. Each group's move is checked on a probe and undone if the
@@ -787,9 +788,11 @@ def _order(module, importance, example_input, graph, owned):
         if any(isinstance(m, (_MIXING_NORMS, tp.ops._OutputOp)) or is_grouped(m) for m, _, _, _ in items):
             continue
         score = torch.zeros(root.weight.shape[0])
-        for m, idxs, roots in writers:
-            s = importance(names[m], m).float()
-            score.index_add_(0, torch.tensor(roots), (s / s.mean().clamp_min(1e-12))[idxs])
+        scores = importance([(names[m], m) for m, _, _ in writers])
+        for (m, idxs, roots), s in zip(writers, scores):
+            if s is not None:
+                s = s.float()
+                score.index_add_(0, torch.tensor(roots), (s / s.mean().clamp_min(1e-12))[idxs])
         perm = score.argsort(descending=True)   # new root position q holds old root channel perm[q]
         if bool((perm == torch.arange(len(perm))).all()):
             continue
