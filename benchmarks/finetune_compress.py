@@ -58,7 +58,7 @@ from edgebayes.compressed.samples import MCAverage, fit_temperature, predict
 from edgebayes.compressed.structure import count_weights, paper_flops, structure_report
 from edgebayes.config import DataConfig
 from edgebayes.data import DataError, load_data
-from edgebayes.provenance import ROOT, atomic_path, atomic_torch_save, load_checkpoint, provenance, read_json
+from edgebayes.provenance import ROOT, atomic_path, atomic_torch_save, load_checkpoint, provenance, read_json, result_path
 from edgebayes.train.metrics import classification_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -687,11 +687,11 @@ def write_result(result, out, json_too=True):
     """out.json (unless json_too is False), out.md and out.png of one result."""
     out.parent.mkdir(parents=True, exist_ok=True)
     if json_too:
-        with atomic_path(out.with_suffix(".json")) as tmp:
+        with atomic_path(result_path(out, ".json")) as tmp:
             Path(tmp).write_text(json.dumps(result, indent=1, default=str))
-    with atomic_path(out.with_suffix(".md")) as tmp:
+    with atomic_path(result_path(out, ".md")) as tmp:
         Path(tmp).write_text(markdown(result))
-    plot(result["rows"], out.with_suffix(".png"))
+    plot(result["rows"], result_path(out, ".png"))
 
 
 def _made_by(run, row):
@@ -742,7 +742,7 @@ def merge(paths, out, command):
     merged_from = [m for m in merged_from if any(_made_by(m, row) for row in rows.values())]
     write_result({**results[-1], "rows": list(rows.values()), "command": command, "merged_from": merged_from,
                   "provenance": settings_provenance(results[0]["settings"])}, out)
-    print(f"wrote {out.with_suffix('.json')}, .md and .png from {len(paths)} files")
+    print(f"wrote {result_path(out, '.json')}, .md and .png from {len(paths)} files")
     return 0
 
 
@@ -792,7 +792,7 @@ def main(argv=None):
     if args.merge:
         return merge(args.merge, out, args.command)
     if args.markdown_only:
-        write_result(read_json(out.with_suffix(".json")), out, json_too=False)
+        write_result(read_json(result_path(out, ".json")), out, json_too=False)
         return 0
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -814,14 +814,14 @@ def main(argv=None):
         return 2
     args.sizes = {s: len(data[s][1]) for s in ("train", "val", "test")}   # what the subsets hold
     rows = []
-    if args.resume and out.with_suffix(".json").is_file():
-        earlier = read_json(out.with_suffix(".json"))
+    if args.resume and result_path(out, ".json").is_file():
+        earlier = read_json(result_path(out, ".json"))
         if earlier.get("settings") != settings_of(args):
-            parser.error(f"--resume: {out.with_suffix('.json')} was made with other settings "
+            parser.error(f"--resume: {result_path(out, '.json')} was made with other settings "
                          f"({earlier.get('settings')}); use another --out or the same settings")
         rows = earlier["rows"]
     run(args, data, out, rows)
-    print(f"wrote {out.with_suffix('.json')}, .md and .png")
+    print(f"wrote {result_path(out, '.json')}, .md and .png")
     return 0
 
 

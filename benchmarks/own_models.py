@@ -44,7 +44,7 @@ from torch import nn
 from edgebayes.compressed.samples import compress
 from edgebayes.config import ConfigError
 from edgebayes.export.formats import artifact_predict, export_artifact
-from edgebayes.provenance import atomic_path, provenance
+from edgebayes.provenance import atomic_path, provenance, result_path
 from edgebayes.train.families import bayesianize
 from edgebayes.train.flops_target import TOLERANCE
 from edgebayes.compressed.structure import structure_report
@@ -280,9 +280,9 @@ def markdown(rows, args):
 
 def write(out, rows, args, origin):
     result = {"rows": rows, "args": args, "provenance": origin}
-    with atomic_path(out.with_suffix(".json")) as tmp:
+    with atomic_path(result_path(out, ".json")) as tmp:
         Path(tmp).write_text(json.dumps(result, indent=1, default=str))
-    with atomic_path(out.with_suffix(".md")) as tmp:
+    with atomic_path(result_path(out, ".md")) as tmp:
         Path(tmp).write_text(markdown(rows, args))
 
 
@@ -304,8 +304,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     out = Path(args.out)
     if args.markdown_only:
-        saved = json.loads(out.with_suffix(".json").read_text())
-        with atomic_path(out.with_suffix(".md")) as tmp:
+        saved = json.loads(result_path(out, ".json").read_text())
+        with atomic_path(result_path(out, ".md")) as tmp:
             Path(tmp).write_text(markdown(saved["rows"], saved["args"]))
         return 0
     if args.train_epochs < 1 or args.m < 1:
@@ -315,7 +315,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     settings = {k: v for k, v in vars(args).items() if k not in ("quick", "resume", "markdown_only")}
     settings["command"] = "python benchmarks/own_models.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"] if args.resume else []
+    rows = json.loads(result_path(out, ".json").read_text())["rows"] if args.resume else []
     # Taken before the first row is written: the rows this run writes make the checkout dirty after it
     origin = provenance("benchmark")
     done = {(r["net"], r["family"], r["case"]) for r in rows}
@@ -324,7 +324,7 @@ def main(argv=None):
         if not args.quick:   # after every row: an interrupted run keeps what it measured
             write(out, rows, settings, origin)
     if not args.quick:
-        print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+        print(f"wrote {result_path(out, '.json')} and {result_path(out, '.md')}")
     return 0
 
 

@@ -56,7 +56,7 @@ from edgebayes.compressed.samples import EmptyLayerError
 from edgebayes.config import SPIKE_SLAB_FAMILIES, DataConfig
 from edgebayes.data import DataError, load_data
 from edgebayes.ondevice.runtimes import make_backend
-from edgebayes.provenance import atomic_path, provenance, read_json
+from edgebayes.provenance import atomic_path, provenance, read_json, result_path
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.trainer import mc_predict
 
@@ -268,9 +268,9 @@ def merge(paths, out, command):
 
 def write(result, out, text):
     out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out.with_suffix(".json")) as tmp:
+    with atomic_path(result_path(out, ".json")) as tmp:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
-    with atomic_path(out.with_suffix(".md")) as tmp:
+    with atomic_path(result_path(out, ".md")) as tmp:
         tmp.write_text(text)
     print(text)
 

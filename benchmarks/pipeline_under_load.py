@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from edgebayes.provenance import atomic_path, provenance, write_json
+from edgebayes.provenance import atomic_path, provenance, result_path, write_json
 from edgebayes.train.accel import cpu_set, busy_elsewhere, free_cores
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,12 +241,12 @@ def main(argv=None):
               "summary": summary(runs), "runs": runs, "argv": sys.argv[1:] if argv is None else argv,
               "provenance": provenance(None)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out.with_suffix(".json"), result)
+    write_json(result_path(out, ".json"), result)
     md = markdown(result)
-    with atomic_path(out.with_suffix(".md")) as tmp:
+    with atomic_path(result_path(out, ".md")) as tmp:
         Path(tmp).write_text(md)
     print(md)
-    print(f"results: {out.with_suffix('.json')}, {out.with_suffix('.md')}")
+    print(f"results: {result_path(out, '.json')}, {result_path(out, '.md')}")
     return 0 if stopped is None else 1
 
 

@@ -31,7 +31,7 @@ from structured_sparsity import FAMILIES, PAPER_LABEL, _mean_spread, empty_epoch
 
 from edgebayes.ondevice.atomic import atomic_path  # noqa: E402
 from edgebayes.errors import CorruptFileError  # noqa: E402
-from edgebayes.provenance import provenance, read_json, write_json  # noqa: E402
+from edgebayes.provenance import provenance, read_json, result_path, write_json  # noqa: E402
 
 # Issue 20's done-when: median-model accuracy at least (%) with pruned FLOPs at most (%), at <= 20 epochs
 TARGET = {"ss-ig": (98.6, 15.0), "ss-gl": (98.8, 15.0), "ss-ghs": (98.9, 12.5)}
@@ -225,11 +225,11 @@ def main(argv=None):
     summary = summarise(rows)
     out = Path(args.out)
     md = markdown(args.title, summary, rows, unfinished, args.notes)
-    write_json(out.with_suffix(".json"), {"summary": summary, "rows": list(rows.values()), "unfinished": unfinished,
+    write_json(result_path(out, ".json"), {"summary": summary, "rows": list(rows.values()), "unfinished": unfinished,
                                           "sources": [str(p) for p in args.sources], "provenance": provenance(None)})
-    with atomic_path(out.with_suffix(".md")) as tmp:
+    with atomic_path(result_path(out, ".md")) as tmp:
         tmp.write_text(md)
-    with atomic_path(out.with_suffix(".png")) as tmp:
+    with atomic_path(result_path(out, ".png")) as tmp:
         tmp.write_bytes(plot(rows, args.title))
     print(md)
     return 0

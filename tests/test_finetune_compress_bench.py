@@ -22,11 +22,12 @@ ISSUE_KEYS = {"net", "method", "seed", "target", "fine_tune_epochs", "flops_rati
 
 
 def test_quick_run_writes_one_row_per_method_with_the_issues_keys(tmp_path):
-    out, cache = tmp_path / "r", tmp_path / "cache"
+    out, cache = tmp_path / "r_0.5", tmp_path / "cache"   # a dot in the name: r_0.5.json, not r_0.json
     argv = ["--quick", "--data", "digits", "--nets", "small-cnn", "--targets", "0.5", "--methods", "dense-ft",
             "edgebayes-ss-gl", *fc.TORCH_PRUNING, "--out", str(out), "--cache", str(cache)]
     assert fc.main(argv) == 0
-    result = json.loads(out.with_suffix(".json").read_text())
+    assert sorted(p.name for p in tmp_path.glob("r_*")) == ["r_0.5.json", "r_0.5.md", "r_0.5.png"]
+    result = json.loads((tmp_path / "r_0.5.json").read_text())
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == {"dense", "dense-ft", "edgebayes-ss-gl", *fc.TORCH_PRUNING}
     dense = rows["dense"]
@@ -54,16 +55,16 @@ def test_quick_run_writes_one_row_per_method_with_the_issues_keys(tmp_path):
     prov = result["provenance"]
     assert prov["git_commit"] and "torch" in prov["versions"] and prov["machine"]
     assert result["args"]["sizes"] == {"train": 256, "val": 64, "test": 128}
-    md = out.with_suffix(".md").read_text()
+    md = (tmp_path / "r_0.5.md").read_text()
     assert md.startswith("# Compress a trained network") and result["command"] in md and "## small-cnn" in md
     assert "| 0.5 | tp-group-norm | 0 |" in md and "digits" in md and "256 training" in md
-    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "r_0.5.png").read_bytes()[:4] == b"\x89PNG"
     assert len(list(cache.glob("small-cnn-seed0-*.pt"))) == 1   # the trained dense net, for later runs
 
     # --resume keeps every row of a finished run and trains nothing
-    before = out.with_suffix(".json").read_text()
+    before = (tmp_path / "r_0.5.json").read_text()
     assert fc.main(argv + ["--resume"]) == 0
-    assert json.loads(out.with_suffix(".json").read_text())["rows"] == json.loads(before)["rows"]
+    assert json.loads((tmp_path / "r_0.5.json").read_text())["rows"] == json.loads(before)["rows"]
     with pytest.raises(SystemExit):   # other settings: refused, nothing mixed
         fc.main(argv + ["--resume", "--epochs", "2"])
 
@@ -215,3 +216,13 @@ def test_a_run_is_listed_while_a_row_of_it_is_left():
     assert not fc._made_by(run, {**row, "net": "resnet18"})
     assert fc._made_by({**run, "command": "python benchmarks/finetune_compress.py"},    # the defaults
                        {**row, "net": "resnet18", "seed": 0, "target": 0.5})
+
+
+def test_a_results_path_keeps_the_dots_of_its_name():
+    """Every benchmark's --out is given without suffix (provenance.result_path): a name with a dot keeps it, and
+    a given .json / .md / .png is not doubled."""
+    from edgebayes.provenance import result_path
+
+    assert result_path("/tmp/eff_0.5", ".json") != result_path("/tmp/eff_0.25", ".json")
+    assert result_path("/tmp/eff_0.5", ".md").name == "eff_0.5.md"
+    assert result_path("/tmp/eff.json", ".png").name == "eff.png"

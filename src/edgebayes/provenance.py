@@ -192,6 +192,18 @@ def read_json(path):
         raise CorruptFileError(f"{path}: not valid JSON ({e})") from None
 
 
+RESULT_SUFFIXES = (".json", ".md", ".png")
+
+
+def result_path(out, suffix):
+    """A benchmark's results file: `out` (its --out, given without suffix; a .json, .md or .png is dropped) with
+    `suffix` appended. Not Path.with_suffix, which replaces whatever follows a dot in the name: --out /tmp/eff_0.5
+    and --out /tmp/eff_0.25 both wrote /tmp/eff_0.json, two runs into one file."""
+    out = Path(out)
+    name = out.name[: -len(out.suffix)] if out.suffix in RESULT_SUFFIXES else out.name
+    return out.with_name(name + suffix)
+
+
 def atomic_torch_save(obj, path):
     """torch.save through memory: torch's zip writer reports a full disk as `RuntimeError: unexpected pos`;
     writing the bytes ourselves gets the OSError (ENOSPC) that names the file."""
