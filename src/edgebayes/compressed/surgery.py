@@ -787,8 +787,10 @@ def _order(module, importance, example_input, graph, owned):
         done.update(m for m, _, _ in writers)
         if any(isinstance(m, (_MIXING_NORMS, tp.ops._OutputOp)) or is_grouped(m) for m, _, _, _ in items):
             continue
-        score = torch.zeros(root.weight.shape[0])
         scores = importance([(names[m], m) for m, _, _ in writers])
+        if all(s is None for s in scores):   # no writer ranks it: it keeps its order
+            continue
+        score = torch.zeros(root.weight.shape[0])
         for (m, idxs, roots), s in zip(writers, scores):
             if s is not None:
                 s = s.float()

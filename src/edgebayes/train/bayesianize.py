@@ -266,8 +266,9 @@ def order_for_nesting(module, input_shape):
         return norm if norm is not None and getattr(norm, "weight", None) is not None else None
 
     def importance(writers):
-        if any(norm_of(name) is not None for name, _ in writers):
-            return [None if norm_of(name) is None else norm_of(name).weight.detach().abs() for name, _ in writers]
+        norms = [norm_of(name) for name, _ in writers]
+        if any(n is not None for n in norms):
+            return [None if n is None else n.weight.detach().abs() for n in norms]
         return [layer.weight.detach().flatten(1).norm(dim=1) for _, layer in writers]
 
     return order_channels(module, importance, torch.zeros((1,) + tuple(input_shape)))
