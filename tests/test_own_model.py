@@ -357,6 +357,24 @@ def test_bayesianize_nested_and_unknown_families():
             bayesianize(module, "ss-gl", input_shape=shape, n_train=100)
 
 
+def test_a_trained_networks_nested_noise_starts_small_and_a_smaller_configured_one_is_kept():
+    """A fine-tuning does not move log alpha far, so the trained net's weights get sqrt(alpha) <= 0.03
+    (train/bayesianize.py: at MOPED's 0.1 efficientnet_b0's quarter width trained to 0.675, not 0.851)."""
+    import math
+
+    from edgebayes.config import NestedConfig
+
+    module = nn.Sequential(nn.Flatten(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
+    net = bayesianize(module, "bn3", input_shape=(1, 4, 4), n_train=100, nested=NestedConfig(groups=4, fixed_groups=1))
+    first, *rest = [layer.log_alpha.detach() for _, layer in net.nested_layers()]
+    assert float(first.max()) == -8.0                           # log_alpha_init_first, already below the bound
+    for log_alpha in rest:                                      # paper 002's -1, bounded
+        assert math.exp(0.5 * float(log_alpha.max())) == pytest.approx(0.03)
+    net = bayesianize(module, "bn3", input_shape=(1, 4, 4), n_train=100,
+                      nested=NestedConfig(groups=4, fixed_groups=1, log_alpha_init=-10.0))
+    assert all(float(layer.log_alpha.max()) == -10.0 for _, layer in list(net.nested_layers())[1:])
+
+
 @pytest.mark.parametrize("family", ["ss-gl", "bn3"])
 def test_bias_free_linear_layers_are_bayesianized_pruned_and_exported(family, tmp_path):
     """Linear(bias=False), as transformers and swin_t's patch merging write it: bayesianized without a bias,
