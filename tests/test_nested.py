@@ -322,6 +322,69 @@ def test_train_forward_masks_whole_groups_with_ordered_masks():
     assert set(mask.sum(1).tolist()) == {2.0, 3.0, 4.0}     # every width 2..4 is trained
 
 
+@pytest.mark.parametrize("blocks", ["one", "several"])
+@pytest.mark.parametrize("kind", ["linear", "linear tokens", "conv", "depthwise+bn", "conv+bn channels_last"])
+def test_bayesian_training_forward_equals_the_plain_local_reparameterization(kind, blocks, monkeypatch):
+    """BN3's weight noise goes through spike_slab's fused local reparameterization (blocks of the batch, a
+    written-out backward): the output, every gradient (theta, log alpha, the bias, x) and the batch norm's
+    running statistics are those of eq. 21-22 written plainly, with the same noise."""
+    from torch import nn
+    from edgebayes.train import spike_slab
+    from edgebayes.train.nested import NestedConv2d
+    from edgebayes.train.spike_slab import batch_blocks, standard_normal_like
+
+    torch.manual_seed(0)
+    kw = dict(groups=4, fixed_groups=1, nested=True, bayesian=True, learned_order=True, log_alpha_init=-1.0,
+              mubar_init=3.0, prior_keep_logit=3.0)
+    if kind.startswith("linear"):
+        layer = NestedLinear(6, 8, **kw)
+        x = torch.randn(5, 4, 6) if kind == "linear tokens" else torch.randn(5, 6)
+    else:
+        channels, conv_groups = (8, 8) if kind.startswith("depthwise") else (3, 1)
+        layer = NestedConv2d(channels, 8, 3, stride=2 if conv_groups > 1 else 1, padding=1, conv_groups=conv_groups,
+                             bias=kind == "conv", norm=nn.BatchNorm2d(8) if "+bn" in kind else None, **kw)
+        x = torch.randn(5, channels, 7, 7)
+        if kind.endswith("channels_last"):
+            layer, x = layer.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        layer.log_alpha.uniform_(-4, 0)
+    per_sample = layer._affine(x[:1], layer.theta, None)[0].numel()
+    if blocks == "several":
+        monkeypatch.setattr(spike_slab, "BLOCK_ELEMENTS", 2 * per_sample + 1)
+        assert len(batch_blocks(len(x), per_sample, x.device)) == 3
+    layer.train()
+    x.requires_grad_(True)
+    params = [x, layer.theta, layer.log_alpha] + ([layer.bias] if layer.bias is not None else [])
+    initial = {k: v.clone() for k, v in layer.state_dict().items() if "running" in k or "batches" in k}
+    results, stats = [], []
+    for compute in ("fused", "plain"):
+        layer.load_state_dict(initial, strict=False)
+        torch.manual_seed(11)
+        uniforms = torch.rand(len(x), 3)   # the ordering unit's draws, shared by both computations
+        layer.shared_uniforms = uniforms
+        if compute == "fused":
+            out = layer(x)
+        else:
+            mean = layer._affine(x, layer.theta, layer.bias)
+            var = layer._affine(x * x, torch.exp(layer.log_alpha) * layer.theta ** 2, None)
+            eps = torch.cat([standard_normal_like(mean[a:b]) for a, b in batch_blocks(len(x), per_sample, x.device)])
+            out = mean + torch.sqrt(var + 1e-16) * eps
+            out = out if layer.norm is None else layer.norm(out)
+            z = layer.ordering.sample(len(x), layer.temperature, uniforms=uniforms)
+            z = torch.cat([z.new_ones(len(x), layer.fixed_groups), z], 1)
+            out = out * layer._channel_view(z[:, layer.group], out.dim())
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        results.append((out.detach(), torch.autograd.grad((out * weights).sum(), params)))
+        stats.append({k: v.clone() for k, v in layer.state_dict().items() if k in initial})
+    (out, grads), (ref_out, ref_grads) = results
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    assert all(g.abs().sum() > 0 for g in grads)
+    for k in initial:
+        torch.testing.assert_close(stats[0][k], stats[1][k])
+
+
 @pytest.mark.parametrize("arch", ["mlp", "resnet20"])
 def test_a_network_with_batch_norms_draws_one_mask_per_batch_one_without_them_one_per_example(arch):
     """Per-example masks would mix sub-networks in a training batch norm's statistics (train/nested.py)."""

@@ -125,6 +125,34 @@ def batch_blocks(samples, outputs_per_sample, device):
     return [(i, min(i + size, samples)) for i in range(0, samples, size)]
 
 
+# The affine ops' geometry, which _LocalReparameterization asks its layer for (`_outputs_per_sample`,
+# `_affine_backward`): shared by the spike-and-slab layers and the nested ones (train/nested.py).
+def linear_outputs_per_sample(x, in_features, out_features):
+    return x[0].numel() // in_features * out_features
+
+
+def linear_backward(x, weight, grad, needs):
+    """(d/dx, d/dweight, d/dbias) of F.linear(x, weight, bias) for the output gradient `grad` (any leading
+    dimensions); None where `needs` says not needed."""
+    out_features, in_features = weight.shape
+    g2, x2 = grad.reshape(-1, out_features), x.reshape(-1, in_features)
+    return ((grad @ weight) if needs[0] else None, (g2.t() @ x2) if needs[1] else None,
+            g2.sum(0) if needs[2] else None)
+
+
+def conv2d_outputs_per_sample(x, out_channels, kernel_size, stride, padding):
+    (sh, sw), (ph, pw), (kh, kw) = _pair(stride), _pair(padding), _pair(kernel_size)
+    return out_channels * ((x.shape[-2] + 2 * ph - kh) // sh + 1) * ((x.shape[-1] + 2 * pw - kw) // sw + 1)
+
+
+def conv2d_backward(x, weight, grad, needs, stride, padding, groups):
+    """(d/dx, d/dweight, d/dbias) of F.conv2d(x, weight, bias, stride, padding, 1, groups) for the output
+    gradient `grad`; None where `needs` says not needed."""
+    return torch.ops.aten.convolution_backward(
+        grad, x, weight, [weight.shape[0]], list(_pair(stride)), list(_pair(padding)), [1, 1],
+        False, [0, 0], groups, list(needs))
+
+
 class _LocalReparameterization(torch.autograd.Function):
     """unit * (mean + sqrt(var + 1e-16) eps), eps ~ N(0, 1): local reparameterization, with
     mean = affine(x; weight_mu, bias_mu), var = affine(x^2; weight_var, bias_var) and a per-unit factor `unit`
@@ -161,7 +189,7 @@ class _LocalReparameterization(torch.autograd.Function):
         blocks = batch_blocks(n, layer._outputs_per_sample(x), x.device)
         unit_view = None if unit is None else layer._unit_view(unit, x.dim())
         mean_w, mean_b = _scaled_by_unit(layer, weight_mu, bias_mu, unit)
-        var_b = (torch.full((layer.out_units,), 1e-16, dtype=weight_var.dtype, device=weight_var.device)
+        var_b = (torch.full((weight_var.shape[0],), 1e-16, dtype=weight_var.dtype, device=weight_var.device)
                  if bias_var is None else bias_var + 1e-16)   # var + 1e-16 by the affine op (class docstring)
         out = eps_over_std = None
         for start, stop in blocks:
@@ -587,14 +615,10 @@ class SpikeSlabLinear(SpikeSlabLayer):
         return ndim - 1
 
     def _outputs_per_sample(self, x):
-        return x[0].numel() // self.in_features * self.out_features
+        return linear_outputs_per_sample(x, self.in_features, self.out_features)
 
     def _affine_backward(self, x, weight, grad, needs):
-        """(d/dx, d/dweight, d/dbias) of F.linear(x, weight, bias) for the output gradient `grad`; None where
-        `needs` says not needed."""
-        g2, x2 = grad.reshape(-1, self.out_features), x.reshape(-1, self.in_features)
-        return ((grad @ weight) if needs[0] else None, (g2.t() @ x2) if needs[1] else None,
-                g2.sum(0) if needs[2] else None)
+        return linear_backward(x, weight, grad, needs)
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, prior={self.prior}, prunable={self.prunable}"
@@ -613,15 +637,10 @@ class SpikeSlabConv2d(SpikeSlabLayer):
         return F.conv2d(x, weight, bias, self.stride, self.padding, 1, self.groups)
 
     def _outputs_per_sample(self, x):
-        (sh, sw), (ph, pw), (kh, kw) = _pair(self.stride), _pair(self.padding), self.kernel_size
-        return self.out_channels * ((x.shape[-2] + 2 * ph - kh) // sh + 1) * ((x.shape[-1] + 2 * pw - kw) // sw + 1)
+        return conv2d_outputs_per_sample(x, self.out_channels, self.kernel_size, self.stride, self.padding)
 
     def _affine_backward(self, x, weight, grad, needs):
-        """(d/dx, d/dweight, d/dbias) of F.conv2d(x, weight, bias) for the output gradient `grad`; None where
-        `needs` says not needed."""
-        return torch.ops.aten.convolution_backward(
-            grad, x, weight, [self.out_channels], list(_pair(self.stride)), list(_pair(self.padding)), [1, 1],
-            False, [0, 0], self.groups, list(needs))
+        return conv2d_backward(x, weight, grad, needs, self.stride, self.padding, self.groups)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
