@@ -323,11 +323,13 @@ def test_train_forward_masks_whole_groups_with_ordered_masks():
 
 
 @pytest.mark.parametrize("blocks", ["one", "several"])
-@pytest.mark.parametrize("kind", ["linear", "linear tokens", "conv", "depthwise+bn", "conv+bn channels_last"])
+@pytest.mark.parametrize("kind", ["linear", "linear tokens", "conv", "depthwise+bn", "conv+bn channels_last",
+                                  "conv+bn one mask per batch", "depthwise+bn one mask per batch"])
 def test_bayesian_training_forward_equals_the_plain_local_reparameterization(kind, blocks, monkeypatch):
     """BN3's weight noise goes through spike_slab's fused local reparameterization (blocks of the batch, a
-    written-out backward): the output, every gradient (theta, log alpha, the bias, x) and the batch norm's
-    running statistics are those of eq. 21-22 written plainly, with the same noise."""
+    written-out backward), and a batch's one mask is folded into its batch norm's affine map: the output, every
+    gradient (theta, log alpha, the bias, the norm's, x) and the batch norm's running statistics are those of
+    eq. 21-22 and the mask written plainly, with the same noise."""
     from torch import nn
     from edgebayes.train import spike_slab
     from edgebayes.train.nested import NestedConv2d
@@ -346,21 +348,27 @@ def test_bayesian_training_forward_equals_the_plain_local_reparameterization(kin
         x = torch.randn(5, channels, 7, 7)
         if kind.endswith("channels_last"):
             layer, x = layer.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    layer.mask_per_batch = kind.endswith("one mask per batch")
+    draws = 1 if layer.mask_per_batch else len(x)
     with torch.no_grad():
         layer.log_alpha.uniform_(-4, 0)
+        if layer.norm is not None:
+            layer.norm.weight.uniform_(0.5, 1.5)
+            layer.norm.bias.uniform_(-0.5, 0.5)
     per_sample = layer._affine(x[:1], layer.theta, None)[0].numel()
     if blocks == "several":
         monkeypatch.setattr(spike_slab, "BLOCK_ELEMENTS", 2 * per_sample + 1)
         assert len(batch_blocks(len(x), per_sample, x.device)) == 3
     layer.train()
     x.requires_grad_(True)
-    params = [x, layer.theta, layer.log_alpha] + ([layer.bias] if layer.bias is not None else [])
+    params = ([x, layer.theta, layer.log_alpha] + ([layer.bias] if layer.bias is not None else [])
+              + (list(layer.norm.parameters()) if layer.norm is not None else []))
     initial = {k: v.clone() for k, v in layer.state_dict().items() if "running" in k or "batches" in k}
     results, stats = [], []
     for compute in ("fused", "plain"):
         layer.load_state_dict(initial, strict=False)
         torch.manual_seed(11)
-        uniforms = torch.rand(len(x), 3)   # the ordering unit's draws, shared by both computations
+        uniforms = torch.rand(draws, 3)   # the ordering unit's draws, shared by both computations
         layer.shared_uniforms = uniforms
         if compute == "fused":
             out = layer(x)
@@ -370,7 +378,7 @@ def test_bayesian_training_forward_equals_the_plain_local_reparameterization(kin
             eps = torch.cat([standard_normal_like(mean[a:b]) for a, b in batch_blocks(len(x), per_sample, x.device)])
             out = mean + torch.sqrt(var + 1e-16) * eps
             out = out if layer.norm is None else layer.norm(out)
-            z = layer.ordering.sample(len(x), layer.temperature, uniforms=uniforms)
+            z = layer.ordering.sample(draws, layer.temperature, uniforms=uniforms).expand(len(x), -1)
             z = torch.cat([z.new_ones(len(x), layer.fixed_groups), z], 1)
             out = out * layer._channel_view(z[:, layer.group], out.dim())
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
