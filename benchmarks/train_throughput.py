@@ -1,7 +1,7 @@
 """Training throughput of each family against the deterministic network: same architecture, device, run.
 
 For each architecture (LeNet-5-Caffe at MNIST shapes, ResNet-20 at CIFAR-10 shapes), precision and family
-(dnn, bnn, ss-ig, ss-gl, ss-ghs, sqs), the pipeline's own trainer (train/trainer.py; train/sqs.py for sqs)
+(dnn, bnn, ss-ig, ss-gl, ss-ghs, bn3, sqs), the pipeline's own trainer (train/trainer.py; train/sqs.py for sqs)
 trains on random tensors of the data set's shape (throughput does not depend on the pixel values, and the
 KL is weighted as in a run on the real set's size, see `main`) for
 --epochs epochs; the epoch time is the shortest training time (the trainer's `train_seconds`: the
@@ -10,7 +10,7 @@ torch.compile), and images/s = training images / epoch time. The shortest, not t
 machine other processes only ever add time (on this project's 2-core VM one ResNet-20 step took 0.9 s or
 10.5 s minutes apart), so the minimum is the estimate of what the hardware does. The settings are the
 paper configs' (configs/mnist-lenet5-ssgl.yaml, configs/cifar10-resnet20-ssgl.yaml: optimizer, batch size,
-priors, the ResNet's augmentation) with the family swapped; `sqs` times its fine-tuning epochs (its one-epoch
+priors, the ResNet's augmentation) with the family swapped (bn3 with the nested section's defaults); `sqs` times its fine-tuning epochs (its one-epoch
 deterministic pretraining is not timed).
 
 Results: <out>.json (every row; device name, commit, versions, machine) and <out>.md. The GPU figures:
@@ -50,11 +50,12 @@ from edgebayes.config import load_pipeline_config
 from edgebayes.data import Splits
 from edgebayes.provenance import provenance, write_json
 from edgebayes.train.families import build, fit
+from edgebayes.train.nested import NestedLayer
 from edgebayes.train.spike_slab import BLOCK_ELEMENTS, SpikeSlabLayer
 from edgebayes.train.trainer import resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ("dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "sqs")
+FAMILIES = ("dnn", "bnn", "ss-ig", "ss-gl", "ss-ghs", "bn3", "sqs")
 # (paper config, input shape, training images of the real data set)
 SETUPS = {"lenet5-caffe": ("configs/mnist-lenet5-ssgl.yaml", (1, 28, 28), 60000),
           "resnet20": ("configs/cifar10-resnet20-ssgl.yaml", (3, 32, 32), 50000)}
@@ -94,11 +95,12 @@ def time_family(base_cfg, family, splits, args, precision):
 
 def noise_draws_per_batch(cfg, splits):
     """N(0, 1) draws of one training batch: local reparameterization draws one per output element of every
-    spike-and-slab layer (train/spike_slab.py); counted by forward hooks on one training-mode forward (0 for
-    a family without such layers)."""
+    spike-and-slab layer (train/spike_slab.py) and every Bayesian nested layer (train/nested.py); counted by
+    forward hooks on one training-mode forward (0 for a family without such layers)."""
     net, count = build(cfg, splits).train(), [0]
-    hooks = [m.register_forward_hook(lambda _m, _i, out: count.__setitem__(0, count[0] + out.numel()))
-             for m in net.modules() if isinstance(m, SpikeSlabLayer)]
+    noisy = [m for m in net.modules()
+             if isinstance(m, SpikeSlabLayer) or (isinstance(m, NestedLayer) and m.bayesian)]
+    hooks = [m.register_forward_hook(lambda _m, _i, out: count.__setitem__(0, count[0] + out.numel())) for m in noisy]
     with torch.no_grad():
         net(splits.train_x[: cfg.train.batch_size])
     for h in hooks:
