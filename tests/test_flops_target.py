@@ -388,6 +388,19 @@ def test_a_nested_net_with_a_flops_target_trains_and_serves_the_widths_within_it
         eb.fit(fresh, x, y, epochs=1, batch_size=32, flops_target=1e-4, log=lambda *_: None)
 
 
+def test_bayesianize_keeps_the_configured_batch_norm_calibration_rows_of_the_inputs_given():
+    """Every posterior sample recollects its batch-norm statistics on calibration_x: the first nested.bn_batches x
+    nested.bn_batch_size rows of what the user gives, as the pipeline takes them, not the whole training set."""
+    from edgebayes.config import NestedConfig
+
+    x, _ = data(40)
+    nested = NestedConfig(bn_batches=3, bn_batch_size=8)
+    net = eb.bayesianize(trained_net(), "bn3", input_shape=SHAPE, n_train=len(x), calibration_x=x, nested=nested)
+    assert torch.equal(net.calibration_x, x[:24])
+    few = eb.bayesianize(trained_net(), "bn3", input_shape=SHAPE, n_train=len(x), calibration_x=x[:5], nested=nested)
+    assert torch.equal(few.calibration_x, x[:5])
+
+
 @pytest.mark.parametrize("family", ["bn3", "fn3"])
 def test_the_width_a_target_ships_has_its_probability_in_the_prior_and_in_q(family):
     """serve_from puts nested.target_width_probability on the narrowest width served (train/nested.py): beta_1 of
