@@ -291,7 +291,7 @@ class NestedConfig(Section):
         "from FN3's distribution, every width equally likely (train/nested.py OrderingUnit)"))
     prior_keep_logit: float | Literal["uniform"] = Field(3.0, description=(
         "the prior chain's pi = sigmoid(this), or FN3's uniform distribution (not given in the paper)"))
-    target_width_probability: Fraction = Field(0.75, description=(
+    target_width_probability: Fraction = Field(0.99, description=(
         "with train.flops_target: the prior's and q's initial probability of the narrowest width served, the widest "
         "within the target (the wider ones as mubar_init and prior_keep_logit); not in the paper (train/nested.py)"))
     shared_draw: bool = Field(True, description=(
