@@ -106,7 +106,8 @@ Where this completes or deviates from the paper, and why:
     at width 22. Where the user's target lies is where the steps go; the wider widths, still served, lose some.
     0.75 was chosen on those two nets first; efficientnet_b0 then showed what the 25% of steps at wider widths
     cost a cut network still being repaired. Validation accuracy at the width within 0.25 (benchmark seeds, 5
-    epochs, e707a36), at 0.75 / 0.9 / 0.99:
+    epochs; 0.75: the rows of 9f9c77b, whose training code e707a36 kept, and efficientnet_b0's at e707a36; 0.9
+    and 0.99 at e707a36), at 0.75 / 0.9 / 0.99:
       efficientnet_b0 seed 2        0.544 / 0.666 / 0.726   (test 69.80 at 0.9, 74.25 at 0.99)
       mobilenet_v2 seeds 0, 1, 2    0.796, 0.750, 0.771 at 0.75; 0.884, 0.846, 0.831 at 0.99
       home-made CNN seeds 0, 1, 2   0.954, 0.942, 0.951 at 0.75; 0.949, 0.944, 0.946 at 0.99 (0.949, 0.941, 0.944 at 0.9)
