@@ -366,9 +366,12 @@ def test_a_nested_net_with_a_flops_target_trains_and_serves_the_widths_within_it
     x, y = data(128)
     net = eb.bayesianize(trained_net(), "bn3", input_shape=SHAPE, n_train=len(x), calibration_x=x)
     lines = []
-    eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.3, log=lines.append)
+    history = eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.3, log=lines.append)
     width = int(net.narrowest_width)
     assert net.fixed_groups == width - 1 and net.operating_points()[0] == width
+    # the width the training made is the default: validated per epoch, and what compress ships unasked
+    assert net.default_knob == width < net.groups
+    assert history[-1]["kept_nodes"] == [int(k.sum()) for k in net.kept_units(width).values()][:-1]
     assert any(f"serves widths {width}..{net.groups}" in line for line in lines)
     assert all(m.ordering.mubar.numel() == net.groups - width for _, m in net.nested_layers() if m.nested)
 
@@ -377,11 +380,12 @@ def test_a_nested_net_with_a_flops_target_trains_and_serves_the_widths_within_it
         return structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)["physical_flops_ratio"]
 
     assert shipped(width) <= 0.3 < shipped(width + 1)
+    assert shipped(None) == shipped(width)
     assert nested_width_within(net, 0.3)[1] == pytest.approx(shipped(width), rel=1e-6)
     fresh = eb.bayesianize(trained_net(), "bn3", input_shape=SHAPE, n_train=len(x), calibration_x=x)
     assert fresh.operating_points()[0] == 3                       # nested.fixed_groups 2 + 1, before loading
     fresh.load_state_dict(net.state_dict())
-    assert fresh.operating_points() == net.operating_points()
+    assert fresh.operating_points() == net.operating_points() and fresh.default_knob == width
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), net.state_dict().values()))
     with pytest.raises(ConfigError, match=r"train.flops_target: 0.0001 of the dense FLOPs cannot be reached by this "
                                           r"nested network: its narrowest width \(3 of 32 groups"):

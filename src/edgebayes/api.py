@@ -112,7 +112,8 @@ def _digest(*chunks):
 
 
 def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
-    """m posterior samples at a knob value (the family's default when None), dead units physically removed;
+    """m posterior samples at a knob value (the family's default when None: for a nested net fit to a FLOPs
+    target, the width within it, NestedNet.serve_from), dead units physically removed;
     each pruned convolution keeps a multiple of `channel_multiple` channels (the runtime's channel block: 4 for
     onnxruntime, 8 for TensorRT; ondevice/tables.py CHANNEL_MULTIPLE). `.calibrate(x_val, y_val)` on the result
     fits the MC average's temperature on validation data, as the pipeline's select does (compressed/samples.py)."""

@@ -224,7 +224,10 @@ class NestedNet(nn.Module):
 
         What train.flops_target does for a nested family (train/nested.py): a trained network fine-tuned
         for a few epochs keeps a narrow width only if its steps train that width, and widths narrower than the
-        user's target are never deployed."""
+        user's target are never deployed. That width becomes the default knob too: it is the network the
+        training made (the wider ones get 1 - target_width_probability of the steps), so the trainer validates
+        it, the train stage reports it and eb.compress(net) ships it; before, they took the full width, whose
+        FLOPs are the dense network's (a user's `compress(net)` after a fit to 0.3 shipped 1.0)."""
         width = int(width)
         if not 1 <= width <= self.groups - 1:
             raise ValueError(f"the narrowest width served must lie in 1..{self.groups - 1} (D - 1: one group "
@@ -238,6 +241,7 @@ class NestedNet(nn.Module):
                                               learned, target_width_probability).to(layer.theta.device)
         self.fixed_groups = width - 1
         self.narrowest_width.fill_(width)
+        self.default_knob = width
         return self
 
     def _take_saved_width(self, state, prefix, *args):   # load_state_dict's pre-hook: (module, state, prefix, ...)
