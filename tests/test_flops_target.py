@@ -654,3 +654,31 @@ def test_export_says_when_the_runtimes_channel_block_puts_the_shipped_network_ab
     assert "blocks of 8 channels" in message and "runtime.channel_multiple: 1" in message
     assert _above_flops_target(ctx(0.25, 8), 0.2520) is None   # within 1%
     assert _above_flops_target(ctx(None, 8), 0.9) is None
+
+
+class GroupNormed(nn.Module):
+    """Convolutions followed by GroupNorms: a channel's statistics are shared with its group's other channels, so
+    surgery cannot remove a switched-off channel exactly (compressed/surgery.py) and keeps every one."""
+
+    def __init__(self, classes=4):
+        super().__init__()
+        self.c1, self.n1 = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.c2, self.n2 = nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x):
+        h = F.relu(self.n2(self.c2(F.relu(self.n1(self.c1(x))))))
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("family", ["bn3", "ss-gl"])
+def test_a_target_that_surgery_cannot_reach_names_the_layers_it_keeps_and_why(family):
+    """A network whose channels surgery keeps (here: each normalized with others by a GroupNorm) is refused
+    before the first step, and the message names the layers and surgery's own reason, not only a ratio."""
+    x, y = data(32)
+    net = eb.bayesianize(GroupNormed(), family, input_shape=SHAPE, n_train=len(x),
+                         calibration_x=x if family == "bn3" else None)
+    with pytest.raises(ConfigError, match=r"cannot be reached") as e:
+        eb.fit(net, x, y, epochs=1, batch_size=16, flops_target=0.5, log=lambda *_: None)
+    message = str(e.value)
+    assert "c1 keeps" in message and "normalized together with other channels by n1" in message, message

@@ -653,6 +653,16 @@ def _drop(index, idxs):
     return index[~gone]
 
 
+def kept_summary(report: dict, limit: int = 3) -> str:
+    """The layers of remove_dead_units' report that keep dead channels, most first, each with its main reason:
+    what an error names when surgery cannot make a network as small as asked ("" when every dead channel went)."""
+    rows = sorted(((sum(r["kept"].values()), name, r) for name, r in report.items() if r["kept"]),
+                  key=lambda t: (-t[0], t[1]))
+    parts = [f"{name} keeps {n} of its {r['dead']} switched-off channels ({max(r['kept'], key=r['kept'].get)})"
+             for n, name, r in rows[:limit]]
+    return "; ".join(parts) + (f"; {len(rows) - limit} more layer(s)" if len(rows) > limit else "")
+
+
 def format_report(report: dict) -> str:
     """remove_dead_units' report as a table: layer, dead channels, removed, and why the others stay."""
     lines = [f"{'layer':40s} {'dead':>5s} {'removed':>7s}  kept: why"]

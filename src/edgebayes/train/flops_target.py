@@ -111,7 +111,7 @@ import math
 import torch
 
 from edgebayes.compressed.structure import paper_flops
-from edgebayes.compressed.surgery import SurgeryError, coupled_channels, remove_dead_units
+from edgebayes.compressed.surgery import SurgeryError, coupled_channels, kept_summary, remove_dead_units
 from edgebayes.config import ConfigError
 from edgebayes.train.bayesianize import load_matching
 from edgebayes.train.models import drop_outputs
@@ -272,22 +272,22 @@ class GroupFlops:
 
 
 @torch.no_grad()
-def physical_flops(model, keep, plain_names, base):
+def physical_flops(model, keep, plain_names, base, report=None):
     """Paper-formula FLOPs of the network surgery makes of `base` with the units `keep` leaves out switched off,
-    or None where surgery cannot run on it (compress says why after training)."""
+    or None where surgery cannot run on it (compress says why after training). `report`: remove_dead_units'."""
     pruned = copy.deepcopy(base)
     for name, mask in keep.items():
         drop_outputs(pruned, plain_names[name], mask)
     try:
         pruned = remove_dead_units(pruned, {plain_names[n]: m for n, m in keep.items()},
-                                   torch.zeros((1,) + tuple(model.input_shape)))
+                                   torch.zeros((1,) + tuple(model.input_shape)), report=report)
     except SurgeryError:
         return None
     return paper_flops(pruned, model.input_shape)
 
 
 @torch.no_grad()
-def channel_families(model, seed=0, log=print):
+def channel_families(model, seed=0, log=print, whole=None):
     """[family]: the units a FLOPs target may switch off, in groups that go together (module docstring).
 
     A group is a list of (layer name, unit) that surgery removes only together (compressed/surgery.py,
@@ -295,7 +295,7 @@ def channel_families(model, seed=0, log=print):
     depthwise channel; most groups are one unit. A family is the groups over the same layers (the 64 channels
     of one residual stream); `plan` keeps the same share of every family. A family whose dead units surgery
     still keeps in a probe (half of its groups off at random) is left whole: switching it off would cost
-    accuracy and save no FLOPs."""
+    accuracy and save no FLOPs. `whole`, when a dict is passed, receives {layer name: why it is left whole}."""
     plain, plain_names = _dense_sample(model)
     by_plain = {p: n for n, p in plain_names.items()}
     example = torch.zeros((1,) + tuple(model.input_shape))
@@ -329,11 +329,19 @@ def channel_families(model, seed=0, log=print):
         rows = [report.get(plain_names[n], {}) for n in layers]
         dead, removed = sum(r.get("dead", 0) for r in rows), sum(r.get("removed", 0) for r in rows)
         (ranked if dead == 0 or removed >= 0.5 * dead else left).append(family)
-    whole = sorted({n for n in blocked} | {n for f in left for n, _ in f[0]})
-    if whole:
-        log(f"flops target: {len(whole)} layer(s) whose dead units surgery cannot remove are kept whole "
-            f"(coupled to the output, a grouped convolution or a live channel): {', '.join(whole[:6])}"
-            f"{' ...' if len(whole) > 6 else ''}")
+    why = {}   # each a phrase that starts with the layer's name
+    for p in blocked:
+        name = by_plain.get(p, p)
+        why[name] = f"{name} is coupled to the model's outputs or to a layer that is not Bayesian"
+    for family in left:
+        for name, _ in family[0]:
+            why[name] = (kept_summary({name: report.get(plain_names[name], {"kept": {}})}, limit=1)
+                         or f"{name}: surgery keeps its channels")
+    if why:
+        log(f"flops target: {len(why)} layer(s) whose dead units surgery cannot remove are kept whole: "
+            f"{'; '.join(why[n] for n in sorted(why)[:6])}{' ...' if len(why) > 6 else ''}")
+    if whole is not None:
+        whole.update(why)
     return ranked
 
 
@@ -426,10 +434,14 @@ def nested_width_within(model, target):
 
     low, high = model.configured_fixed_groups + 1, model.groups - 1   # the widest leaves one group to order
     if ratio(low) > target:
+        report = {}
+        physical_flops(model, model.kept_units(low), plain_names, base, report)
+        why = kept_summary(report)
         raise ConfigError(f"train.flops_target: {target:g} of the dense FLOPs cannot be reached by this nested "
                           f"network: its narrowest width ({low} of {model.groups} groups, nested.fixed_groups + 1) "
-                          f"has {ratio(low):.3g}; set train.flops_target to {math.ceil(ratio(low) * 100) / 100:g} "
-                          f"or more, or lower nested.fixed_groups")
+                          f"has {ratio(low):.3g} of them after surgery{f' ({why})' if why else ''}; set "
+                          f"train.flops_target to {math.ceil(ratio(low) * 100) / 100:g} or more, or lower "
+                          f"nested.fixed_groups")
     while low < high:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if ratio(middle) <= target else (low, middle - 1)
@@ -471,7 +483,8 @@ class FlopsTargetSchedule:
         classifier for a 1.5% saving, at chance accuracy) and still miss the target."""
         snapshot = copy.deepcopy(model).cpu().eval()
         with torch.random.fork_rng(devices=[]):   # plain twins initialise from the global generator
-            self.families = channel_families(snapshot, log=self.log)
+            whole = {}
+            self.families = channel_families(snapshot, log=self.log, whole=whole)
             plain, plain_names = _dense_sample(snapshot)
             self.dense_flops = paper_flops(plain, snapshot.input_shape)
             self.counter = GroupFlops.build(snapshot, self.families, plain, plain_names)
@@ -481,9 +494,11 @@ class FlopsTargetSchedule:
             names = [n for m in model.modules() for n in getattr(m, "plain_layers", [])]
             plain = (f"; {len(names)} layer(s) without a Bayesian twin stay whole: {', '.join(names[:4])}"
                      f"{' ...' if len(names) > 4 else ''}" if names else "")
+            cut = (f": {'; '.join(whole[n] for n in sorted(whole)[:3])}{' ...' if len(whole) > 3 else ''}"
+                   if whole else "")
             raise ConfigError(f"train.flops_target: {self.target:g} of the dense FLOPs cannot be reached on this "
                               f"network: the smallest it allows is {smallest:.3g} (one group of units left in each "
-                              f"family, the layers surgery cannot cut whole{plain}); set train.flops_target to "
+                              f"family, the layers surgery cannot cut whole{cut}{plain}); set train.flops_target to "
                               f"{math.ceil(smallest * 100) / 100:g} or more")
 
     def step(self, model, step):
