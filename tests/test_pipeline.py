@@ -5,6 +5,7 @@ a minute on 2 cores) and checks the figures the foundation issue asks for. The o
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -174,3 +175,28 @@ def test_every_export_format_is_built_benchmarked_and_reported(run, capsys):
         else:
             assert row["accuracy"] >= row["reference"]["accuracy"] - 0.02
     assert "Fidelity of every exported artifact" in (run / "report/local/report.html").read_text()
+
+
+def test_a_bn3_pipeline_with_a_flops_target_selects_only_the_widths_its_training_served(tmp_path, capsys):
+    """With train.flops_target a nested net trains the widths from the target's up (NestedNet.serve_from): the
+    config's narrower widths were never trained, so select leaves them out and says so, the train stage reports
+    the target's width (the default knob), and the chosen width is within the target."""
+    cfg = yaml.safe_load((ROOT / "configs/digits-mlp-bn3.yaml").read_text())
+    cfg["name"] = "digits-bn3-target"
+    cfg["train"].update(epochs=2, flops_target=0.5, mc_samples_eval=1)
+    cfg["select"].update(knob_values=[2, 3, 8], mc_samples=[1])
+    cfg["benchmark"] = {"warmup": 2, "min_runs": 10, "min_seconds": 0.05}
+    path = tmp_path / "bn3.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["pipeline", "--config", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    served = re.search(r"bn3 serves widths (\d+)\.\.8 of 8 groups", out)
+    assert served, out
+    width = int(served.group(1))
+    assert width > 3   # 0.5 of the FLOPs is above widths 2 and 3 here, so both are left out
+    assert "select: width(s) [2, 3] of select.knob_values left out" in out
+    run = tmp_path / "runs/digits-bn3-target"
+    metrics = json.loads((run / "train/metrics.json").read_text())
+    assert metrics["physical_flops_ratio"] <= 0.5   # the target's width (it was the full width's 1.0)
+    chosen = json.loads((run / "select/local/choice.json").read_text())
+    assert chosen["knob_value"] in (width, 8)

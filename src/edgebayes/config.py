@@ -312,7 +312,9 @@ class NestedConfig(Section):
 class SelectConfig(Section):
     knob_values: Optional[Items[float]] = Field(None, description=(
         "values of the family's deploy-time knob to try (inclusion threshold, width, non-zero rate); null: the "
-        "model's own default operating points"))
+        "model's own default operating points. Widths narrower than a nested net's training served "
+        "(nested.fixed_groups or fewer groups, or under train.flops_target's width) are left out, and the log says "
+        "so"))
     mc_samples: Annotated[Items[int], Check(lambda v: all(m > 0 for m in v), "expected positive integers"),
                           Check(lambda v: max(v) <= MAX_MC_SAMPLES,
                                 f"expected integers in 1..{MAX_MC_SAMPLES}")] = Field([1, 2, 4, 8], description=(

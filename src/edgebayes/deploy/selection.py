@@ -178,7 +178,17 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     b = profile.budgets
     example = val_x[:1]
     batch = val_x[torch.arange(b.batch_size) % len(val_x)]
-    grid = [(k, m) for k in model.operating_points(cfg.select.knob_values) for m in sorted(cfg.select.mc_samples)]
+    knobs = model.operating_points(cfg.select.knob_values)
+    untrained = getattr(model, "untrained_widths", lambda _: [])(knobs)   # nested nets (train/models.py)
+    if untrained:   # a config's widths are written before a FLOPs target's width is known
+        knobs = [k for k in knobs if k not in untrained]
+        if not knobs:
+            raise SelectionError(f"select.knob_values: every width ({untrained}) is narrower than the narrowest one "
+                                 f"the training served ({model.fixed_groups + 1} of {model.groups} groups); give "
+                                 f"widths in {model.fixed_groups + 1}..{model.groups}, or leave knob_values out")
+        log(f"select: width(s) {untrained} of select.knob_values left out: narrower than the narrowest width the "
+            f"training served ({model.fixed_groups + 1} of {model.groups} groups), so never trained")
+    grid = [(k, m) for k in knobs for m in sorted(cfg.select.mc_samples)]
     layout, refused_logged = cfg.export.layout, False
     candidates, models, evidence = [], [], {}
     # Inclusion thresholds that keep the same units give the same network (the samples' draws do not depend on

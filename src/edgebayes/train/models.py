@@ -256,6 +256,11 @@ class NestedNet(nn.Module):
         for _, layer in self.nested_layers():
             layer.width = int(width)
 
+    def untrained_widths(self, widths):
+        """The widths of `widths` that no training step served: F or fewer groups, where F is nested.fixed_groups,
+        or train.flops_target's width - 1 once serve_from raised it (select leaves them out and says so)."""
+        return [w for w in widths if w <= self.fixed_groups]
+
     def operating_points(self, values=None):
         """The widths to try: integers in 1..D. Default: 8 widths spread over F+1..D (D included)."""
         if values is None:
