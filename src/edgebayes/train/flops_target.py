@@ -329,17 +329,17 @@ def channel_families(model, seed=0, log=print, whole=None):
         rows = [report.get(plain_names[n], {}) for n in layers]
         dead, removed = sum(r.get("dead", 0) for r in rows), sum(r.get("removed", 0) for r in rows)
         (ranked if dead == 0 or removed >= 0.5 * dead else left).append(family)
-    why = {}   # each a phrase that starts with the layer's name
-    for p in blocked:
-        name = by_plain.get(p, p)
-        why[name] = f"{name} is coupled to the model's outputs or to a layer that is not Bayesian"
+    why = {}   # each a phrase that starts with the layer's name; surgery's own reasons first (the surprising ones)
     for family in left:
         for name, _ in family[0]:
             why[name] = (kept_summary({name: report.get(plain_names[name], {"kept": {}})}, limit=1)
                          or f"{name}: surgery keeps its channels")
+    for p in sorted(blocked):
+        name = by_plain.get(p, p)
+        why.setdefault(name, f"{name} is coupled to the model's outputs or to a layer that is not Bayesian")
     if why:
         log(f"flops target: {len(why)} layer(s) whose dead units surgery cannot remove are kept whole: "
-            f"{'; '.join(why[n] for n in sorted(why)[:6])}{' ...' if len(why) > 6 else ''}")
+            f"{'; '.join(list(why.values())[:6])}{' ...' if len(why) > 6 else ''}")
     if whole is not None:
         whole.update(why)
     return ranked
@@ -494,8 +494,7 @@ class FlopsTargetSchedule:
             names = [n for m in model.modules() for n in getattr(m, "plain_layers", [])]
             plain = (f"; {len(names)} layer(s) without a Bayesian twin stay whole: {', '.join(names[:4])}"
                      f"{' ...' if len(names) > 4 else ''}" if names else "")
-            cut = (f": {'; '.join(whole[n] for n in sorted(whole)[:3])}{' ...' if len(whole) > 3 else ''}"
-                   if whole else "")
+            cut = f": {'; '.join(list(whole.values())[:3])}{' ...' if len(whole) > 3 else ''}" if whole else ""
             raise ConfigError(f"train.flops_target: {self.target:g} of the dense FLOPs cannot be reached on this "
                               f"network: the smallest it allows is {smallest:.3g} (one group of units left in each "
                               f"family, the layers surgery cannot cut whole{cut}{plain}); set train.flops_target to "
