@@ -189,15 +189,6 @@ def plain_metrics(model, data):
 # ---------------------------------------------------------------------------------------------
 # edgebayes: the recipe a user runs on their trained network
 # ---------------------------------------------------------------------------------------------
-def edgebayes_knob(net, target):
-    """The operating point compressed at. Spike-and-slab: the inclusion threshold 0.5 (the family's default).
-    Nested (bn3): the widest width whose physical FLOPs ratio is within `target`, of every width the net serves
-    (not only select's eight default points), found by FLOPs alone, no labels."""
-    from edgebayes.train.flops_target import nested_width_within
-
-    return nested_width_within(net, target)[0] if net.knob == "width" else net.default_knob
-
-
 def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=()):
     """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples."""
     import edgebayes as eb
@@ -214,7 +205,10 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
     history = eb.fit(net, x, y, val=data["val"], epochs=epochs, seed=seed, log=log, **train)
     seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    knob = edgebayes_knob(net, target)
+    # the family's default, as eb.compress(net) takes it: the inclusion threshold 0.5; for bn3 fit to the target,
+    # the widest width within it (NestedNet.serve_from, found by FLOPs alone; this script computed it itself
+    # before a0d860a made it the default)
+    knob = net.default_knob
     c = eb.compress(net, knob=knob, m=m, seed=seed)
     s = structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)
     dense_flops = s["dense_flops"]
