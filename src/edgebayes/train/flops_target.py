@@ -425,18 +425,19 @@ def nested_width_within(model, target):
     dense = paper_flops(base, model.input_shape)
     plain_names = {name: name for name in model.kept_units(model.groups)}   # kept_units names plain layers
 
+    reports = {}   # width -> surgery's report: what the message names when even the narrowest is too large
+
     @functools.cache   # each width's surgery once: the bisection and the message read a width again
     def ratio(width):
-        flops = physical_flops(model, model.kept_units(width), plain_names, base)
+        reports[width] = {}
+        flops = physical_flops(model, model.kept_units(width), plain_names, base, reports[width])
         if flops is None:
             raise SurgeryError(f"surgery cannot remove the channels of width {width} of this nested network")
         return flops / dense
 
     low, high = model.configured_fixed_groups + 1, model.groups - 1   # the widest leaves one group to order
     if ratio(low) > target:
-        report = {}
-        physical_flops(model, model.kept_units(low), plain_names, base, report)
-        why = kept_summary(report)
+        why = kept_summary(reports[low])
         raise ConfigError(f"train.flops_target: {target:g} of the dense FLOPs cannot be reached by this nested "
                           f"network: its narrowest width ({low} of {model.groups} groups, nested.fixed_groups + 1) "
                           f"has {ratio(low):.3g} of them after surgery{f' ({why})' if why else ''}; set "
