@@ -54,6 +54,7 @@ import torch_pruning as tp
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch_pruning.dependency import index_mapping as tp_index_mapping
+from torch_pruning.dependency.group import Group as TPGroup
 from torch_pruning.dependency.index_mapping import _ConcatIndexMapping
 
 from edgebayes.compressed.grouped import is_depthwise, is_grouped, last_inputs, regroup, ungroup
@@ -296,26 +297,41 @@ def _map_concats(owned):
                     dep.index_mapping[1] = _ConcatIndexMapping(offset=offsets[k: k + 2], reverse=False)
 
 
-_MAX_MAPPED = 1 << 21   # channel indices one index mapping may make (_tolerant_index_mapping)
+_MAX_MAPPED = 1 << 21   # channel indices one index mapping may make (_patched_torch_pruning)
 _MAPPING_UPDATES = ("update_concat_index_mapping", "update_split_index_mapping", "update_reshape_index_mapping",
                     "update_unbind_index_mapping", "update_expand_index_mapping", "update_slice_index_mapping")
 
 
 @contextmanager
-def _tolerant_index_mapping(failed: dict):
-    """Torch-Pruning's index-mapping updates, each of which may raise on a shape it does not expect (a
+def _patched_torch_pruning(failed: dict):
+    """Torch-Pruning as surgery runs it, patched for the duration of one surgery (the module-level functions
+    and methods are what Torch-Pruning looks up); not for threads sharing the process. Three changes:
+
+    Tolerant: its index-mapping updates, each of which may raise on a shape it does not expect (a
     channel shuffle's view: ZeroDivisionError in update_reshape_index_mapping, which made torchvision's
     shufflenet untraceable), run per node: a node whose update fails is recorded in `failed` with the
-    error, and every group through it keeps its channels. Patched for the duration of one surgery (the
-    module-level functions are what Torch-Pruning looks up); not for threads sharing the process.
+    error, and every group through it keeps its channels.
 
-    Also bounded: a flatten's index mapping multiplies a channel's indices by the features per channel, and
+    Bounded: a flatten's index mapping multiplies a channel's indices by the features per channel, and
     where reshapes chain (swin_t's windows: x32, x32, x32) the group search built 33 million indices and took
     24 GB before the machine killed it. A mapping that would make more than _MAX_MAPPED indices raises instead,
     so the group is not found and its channels stay, with the reason (_remove's "could not find the channels
-    coupled to them"); a flatten of a whole feature map into a Linear stays far below it."""
+    coupled to them"); a flatten of a whole feature map into a Linear stays far below it.
+
+    Each coupling followed once: the group search (DependencyGraph.get_pruning_group) goes on from a
+    dependency it reaches again unless it brings exactly the index list of an earlier visit
+    (Group.has_pruning_op). Through channel shuffles (view, transpose, view) the same channels come back in
+    ever new lists, and the search went round torchvision's shufflenet_v2_x0_5 for 53 s for one layer's
+    group (one surgery 37 s at 32x32; a nested width search runs several). Here it stops where every
+    (index, root index) pair it brings is already in the group for that dependency (_covered_by_group):
+    the index mappings map each index on its own, so such a visit adds no pair to the group that the earlier
+    visits do not. On torchvision's classifiers without shuffles the groups are the same, pair for pair
+    and in order (tests/test_surgery.py); through shuffles they hold the same channels, but a channel that
+    several root channels reach may name another of them as its root, the one that reached it first
+    (shufflenet_v2_x0_5's surgery: 3 s, the same report)."""
     originals = {name: getattr(tp_index_mapping, name) for name in _MAPPING_UPDATES}
     flatten = tp_index_mapping._FlattenIndexMapping.__call__
+    has_pruning_op = TPGroup.has_pruning_op
 
     def bounded(mapping, idxs):
         if not mapping.reverse and len(idxs) * mapping._stride > _MAX_MAPPED:
@@ -335,12 +351,27 @@ def _tolerant_index_mapping(failed: dict):
     for name, update in originals.items():
         setattr(tp_index_mapping, name, tolerant(name, update))
     tp_index_mapping._FlattenIndexMapping.__call__ = bounded
+    TPGroup.has_pruning_op = _covered_by_group
     try:
         yield
     finally:
         for name, update in originals.items():
             setattr(tp_index_mapping, name, update)
         tp_index_mapping._FlattenIndexMapping.__call__ = flatten
+        TPGroup.has_pruning_op = has_pruning_op
+
+
+def _covered_by_group(group, dep, idxs):
+    """Whether `group` (Torch-Pruning's Group while its search runs) already holds `dep` with every (index,
+    root index) pair of `idxs` (_patched_torch_pruning). The pairs per dependency are kept on the group and
+    brought up to date with the items added since the last call."""
+    pairs = group.__dict__.setdefault("_pairs", {})
+    absorbed = group.__dict__.get("_absorbed", 0)
+    for item_dep, item_idxs in group._group[absorbed:]:
+        pairs.setdefault((item_dep.target, item_dep.handler), set()).update(item_idxs)
+    group._absorbed = len(group._group)
+    have = pairs.get((dep.target, dep.handler))
+    return have is not None and have.issuperset(idxs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,7 +521,7 @@ def _remove(original, dead_sets, probe, kept, only=None, channel_multiple=1):
     reasons, order = {}, []   # (layer name, original channel) -> why that dead channel stays
 
     recorder, unmapped = _Recorder(), {}
-    with _tolerant_index_mapping(unmapped):
+    with _patched_torch_pruning(unmapped):
         try:
             with torch.enable_grad(), recorder:  # Torch-Pruning traces the graph through autograd
                 graph = tp.DependencyGraph().build_dependency(pruned, example_inputs=probe[:1], verbose=False)
@@ -694,9 +725,10 @@ def coupled_channels(module: nn.Module, layer_names: list, example_input: torch.
 @contextmanager
 def _traced(module, example_input):
     """(dependency graph, owned concatenations) of `module`, as remove_dead_units traces it; SurgeryError
-    when Torch-Pruning cannot trace it. Within the block, Torch-Pruning's index-mapping updates are tolerant."""
+    when Torch-Pruning cannot trace it. Within the block, Torch-Pruning is patched as surgery runs it
+    (_patched_torch_pruning)."""
     recorder, unmapped = _Recorder(), {}
-    with _tolerant_index_mapping(unmapped):
+    with _patched_torch_pruning(unmapped):
         try:
             with torch.enable_grad(), recorder:
                 graph = tp.DependencyGraph().build_dependency(module.eval(), example_inputs=example_input[:1],
