@@ -103,7 +103,7 @@ def _mixes_channels(m):
 @torch.no_grad()
 def probe_inputs(module: nn.Module, probe: torch.Tensor, names: dict = None) -> dict:
     """{Linear/Conv2d: (lo, hi, value)}, each a tensor over the layer's input channels (input features of
-    a Linear); `constant(ranges, k)` reads it.
+    a Linear); input channel k is the constant value[k] where _constant_mask(lo, hi)[k].
 
     Run A is the probe batch. Run B is a second batch in which every output channel of every Linear /
     Conv2d with a non-zero weight on an input channel found varying so far (the network input varies) is
@@ -164,12 +164,6 @@ def _rows_reading(m, varying):
     nonzero = m.weight.flatten(2).abs().sum(2) > 0  # [out, in / groups]
     per_output = varying.view(m.groups, -1).repeat_interleave(m.out_channels // m.groups, dim=0)
     return (nonzero & per_output).any(1)
-
-
-def constant(ranges, k):
-    """(True, c) when input channel k took the single value c in both probe runs, else (False, None)."""
-    lo, hi, value = (t[k: k + 1] for t in ranges)
-    return (True, value[0]) if bool(_constant_mask(lo, hi)) else (False, None)
 
 
 def _run(module, x, names, what):
@@ -590,7 +584,7 @@ def _check_group(graph, group, names, in_map, out_map, ranges, root, recorder, u
     for item in group:
         m = item.dep.target.module
         if isinstance(m, AFFINE) and graph.is_out_channel_pruning_fn(item.dep.handler):
-            rows = _live_rows(m)
+            rows = _live_rows(m).tolist()
             for i, r in zip(item.idxs, item.root_idxs):
                 if rows[i]:
                     writers = live_writers.setdefault(r, [])
@@ -634,17 +628,21 @@ def _check_group(graph, group, names, in_map, out_map, ranges, root, recorder, u
             for r in item.root_idxs if _mixes_channels(m) else ():
                 blocked.setdefault(r, f"read by {type(m).__name__} {label}, which surgery has no rule for")
             continue
-        for k, r in zip(item.idxs, item.root_idxs):
-            if bool((_reading(m, k) == 0).all()):
+        # Per channel of the item, computed for all of them at once (a ConvNeXt's groups hold thousands)
+        idxs = torch.as_tensor(item.idxs, dtype=torch.long)
+        reads = _reads_inputs(m)[idxs].tolist()
+        lo, hi, value = (t[in_map[m][idxs]] for t in ranges[m])
+        is_constant, values = _constant_mask(lo, hi).tolist(), value.tolist()
+        for j, (k, r) in enumerate(zip(item.idxs, item.root_idxs)):
+            if not reads[j]:
                 continue  # the reader multiplies it by zero
-            is_constant, c = constant(ranges[m], int(in_map[m][k]))
-            if not is_constant:
+            if not is_constant[j]:
                 blocked.setdefault(r, live_reason(r, m))
-            elif _pads(m) and float(c) != 0:
+            elif _pads(m) and values[j] != 0:
                 blocked.setdefault(r, f"a non-zero constant (batch-norm shift, f(0) != 0) read by padded "
                                       f"convolution {label}")
-            elif float(c) != 0:
-                folds.append((m, k, c))
+            elif values[j] != 0:
+                folds.append((m, k, value[j]))
     if not blocked:   # a group of a grouped convolution keeps one input while it has outputs
         for item in group:
             m = item.dep.target.module
@@ -654,6 +652,15 @@ def _check_group(graph, group, names, in_map, out_map, ranges, root, recorder, u
                     blocked.setdefault(root_of[i], f"the last input channel of group {g} of grouped convolution "
                                                    f"{names.get(m)}, which still has outputs there")
     return blocked, folds
+
+
+def _reads_inputs(m):
+    """[input channel]: whether m reads it with a non-zero weight (a grouped convolution's channel k: the
+    outputs of its group, at its position there); _reading's weights, for every channel at once."""
+    nonzero = m.weight.detach().flatten(2).ne(0).any(2) if isinstance(m, nn.Conv2d) else m.weight.detach().ne(0)
+    if isinstance(m, nn.Conv2d) and m.groups > 1:   # [out, in / groups] -> [groups, in / groups] -> [in]
+        return nonzero.view(m.groups, m.out_channels // m.groups, -1).any(1).flatten()
+    return nonzero.any(0)
 
 
 def _reading(m, k):
