@@ -292,6 +292,7 @@ def _map_concats(owned):
 
 
 _MAX_MAPPED = 1 << 21   # channel indices one index mapping may make (_patched_torch_pruning)
+_TP_HAS_PRUNING_OP = TPGroup.has_pruning_op   # Torch-Pruning's own, which _covered_by_group asks first
 _MAPPING_UPDATES = ("update_concat_index_mapping", "update_split_index_mapping", "update_reshape_index_mapping",
                     "update_unbind_index_mapping", "update_expand_index_mapping", "update_slice_index_mapping")
 
@@ -325,7 +326,6 @@ def _patched_torch_pruning(failed: dict):
     (shufflenet_v2_x0_5's surgery: 3 s, the same report)."""
     originals = {name: getattr(tp_index_mapping, name) for name in _MAPPING_UPDATES}
     flatten = tp_index_mapping._FlattenIndexMapping.__call__
-    has_pruning_op = TPGroup.has_pruning_op
 
     def bounded(mapping, idxs):
         if not mapping.reverse and len(idxs) * mapping._stride > _MAX_MAPPED:
@@ -352,20 +352,23 @@ def _patched_torch_pruning(failed: dict):
         for name, update in originals.items():
             setattr(tp_index_mapping, name, update)
         tp_index_mapping._FlattenIndexMapping.__call__ = flatten
-        TPGroup.has_pruning_op = has_pruning_op
+        TPGroup.has_pruning_op = _TP_HAS_PRUNING_OP
 
 
 def _covered_by_group(group, dep, idxs):
     """Whether `group` (Torch-Pruning's Group while its search runs) already holds `dep` with every (index,
-    root index) pair of `idxs` (_patched_torch_pruning). The pairs per dependency are kept on the group and
-    brought up to date with the items added since the last call."""
-    pairs = group.__dict__.setdefault("_pairs", {})
-    absorbed = group.__dict__.get("_absorbed", 0)
-    for item_dep, item_idxs in group._group[absorbed:]:
-        pairs.setdefault((item_dep.target, item_dep.handler), set()).update(item_idxs)
-    group._absorbed = len(group._group)
-    have = pairs.get((dep.target, dep.handler))
-    return have is not None and have.issuperset(idxs)
+    root index) pair of `idxs` (_patched_torch_pruning). Torch-Pruning's own test first (an exact repeat:
+    no hashing of long index lists, which swin_t's reshapes make); then the pairs of that dependency, kept
+    on the group and brought up to date with the items added since it was last asked about."""
+    if _TP_HAS_PRUNING_OP(group, dep, idxs):
+        return True
+    known = group.__dict__.setdefault("_pairs", {})   # (target, handler) -> (pairs, group items read)
+    pairs, read = known.get((dep.target, dep.handler), (set(), 0))
+    for item_dep, item_idxs in group._group[read:]:
+        if item_dep.target == dep.target and item_dep.handler == dep.handler:
+            pairs.update(item_idxs)
+    known[(dep.target, dep.handler)] = (pairs, len(group._group))
+    return pairs.issuperset(idxs)
 
 
 # --------------------------------------------------------------------------------------------------
