@@ -1006,3 +1006,45 @@ def test_the_group_search_through_channel_shuffles_is_short_and_surgery_the_same
     _assert_same_outputs(ours, net, (3, 8, 8))
     assert reports[0] == reports[1] and any(row["removed"] for row in reports[0].values())
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+
+
+def test_surgeries_in_two_threads_take_turns_and_leave_torch_pruning_as_it_was():
+    """The patches are the process's (_patched_torch_pruning): a second thread's surgery that entered while the
+    first held them would take the first's patches for Torch-Pruning's originals and put them back for good.
+    The second waits until the first is done, and afterwards Torch-Pruning is its own again."""
+    import threading
+
+    from torch_pruning.dependency import index_mapping
+    from torch_pruning.dependency.group import Group
+
+    from edgebayes.compressed import surgery
+
+    own = (Group.has_pruning_op, index_mapping.update_reshape_index_mapping,
+           index_mapping._FlattenIndexMapping.__call__)
+    first_in, first_may_leave, order = threading.Event(), threading.Event(), []
+
+    def first():
+        with surgery._patched_torch_pruning({}):
+            order.append("first in")
+            first_in.set()
+            first_may_leave.wait(10)
+            order.append("first out")
+
+    def second():
+        with surgery._patched_torch_pruning({}):
+            order.append("second in")
+
+    one = threading.Thread(target=first)
+    one.start()
+    assert first_in.wait(10)
+    two = threading.Thread(target=second)
+    two.start()
+    two.join(0.5)
+    assert two.is_alive() and order == ["first in"]   # waiting, not inside the patch with the first
+    first_may_leave.set()
+    one.join(10)
+    two.join(10)
+    assert order == ["first in", "first out", "second in"]
+    assert (Group.has_pruning_op, index_mapping.update_reshape_index_mapping,
+            index_mapping._FlattenIndexMapping.__call__) == own
+

@@ -44,6 +44,7 @@ SurgeryError naming the layer: dead_units that do not fit the module, a module t
 """
 
 import copy
+import threading
 import traceback
 from collections import Counter
 from contextlib import contextmanager
@@ -293,6 +294,10 @@ def _map_concats(owned):
 
 _MAX_MAPPED = 1 << 21   # channel indices one index mapping may make (_patched_torch_pruning)
 _TP_HAS_PRUNING_OP = TPGroup.has_pruning_op   # Torch-Pruning's own, which _covered_by_group asks first
+# Held while Torch-Pruning is patched: a second thread's surgery would otherwise take the first one's patches
+# for Torch-Pruning's originals and put them back for good when it ends (re-entrant, so that one thread may
+# nest the patch).
+_PATCH_LOCK = threading.RLock()
 _MAPPING_UPDATES = ("update_concat_index_mapping", "update_split_index_mapping", "update_reshape_index_mapping",
                     "update_unbind_index_mapping", "update_expand_index_mapping", "update_slice_index_mapping")
 
@@ -300,7 +305,9 @@ _MAPPING_UPDATES = ("update_concat_index_mapping", "update_split_index_mapping",
 @contextmanager
 def _patched_torch_pruning(failed: dict):
     """Torch-Pruning as surgery runs it, patched for the duration of one surgery (the module-level functions
-    and methods are what Torch-Pruning looks up); not for threads sharing the process. Three changes:
+    and methods are what Torch-Pruning looks up). The patches are the process's: surgeries in threads of one
+    process take turns (_PATCH_LOCK), and other Torch-Pruning work in another thread meanwhile sees them.
+    Three changes:
 
     Tolerant: its index-mapping updates, each of which may raise on a shape it does not expect (a
     channel shuffle's view: ZeroDivisionError in update_reshape_index_mapping, which made torchvision's
@@ -324,35 +331,36 @@ def _patched_torch_pruning(failed: dict):
     and in order (tests/test_surgery.py); through shuffles they hold the same channels, but a channel that
     several root channels reach may name another of them as its root, the one that reached it first
     (shufflenet_v2_x0_5's surgery: 3 s, the same report)."""
-    originals = {name: getattr(tp_index_mapping, name) for name in _MAPPING_UPDATES}
-    flatten = tp_index_mapping._FlattenIndexMapping.__call__
+    with _PATCH_LOCK:
+        originals = {name: getattr(tp_index_mapping, name) for name in _MAPPING_UPDATES}
+        flatten = tp_index_mapping._FlattenIndexMapping.__call__
 
-    def bounded(mapping, idxs):
-        if not mapping.reverse and len(idxs) * mapping._stride > _MAX_MAPPED:
-            raise ValueError(f"a reshape maps {len(idxs)} channel indices to {len(idxs) * mapping._stride} "
-                             f"(more than {_MAX_MAPPED}: chained reshapes)")
-        return flatten(mapping, idxs)
+        def bounded(mapping, idxs):
+            if not mapping.reverse and len(idxs) * mapping._stride > _MAX_MAPPED:
+                raise ValueError(f"a reshape maps {len(idxs)} channel indices to {len(idxs) * mapping._stride} "
+                                 f"(more than {_MAX_MAPPED}: chained reshapes)")
+            return flatten(mapping, idxs)
 
-    def tolerant(name, update):
-        def run(graph, node):
-            try:
-                return update(graph, node)
-            except Exception as e:
-                failed.setdefault(node, f"Torch-Pruning's {name} fails on {node.grad_fn.name()} "
-                                        f"({type(e).__name__}: {e})")
-        return run
+        def tolerant(name, update):
+            def run(graph, node):
+                try:
+                    return update(graph, node)
+                except Exception as e:
+                    failed.setdefault(node, f"Torch-Pruning's {name} fails on {node.grad_fn.name()} "
+                                            f"({type(e).__name__}: {e})")
+            return run
 
-    for name, update in originals.items():
-        setattr(tp_index_mapping, name, tolerant(name, update))
-    tp_index_mapping._FlattenIndexMapping.__call__ = bounded
-    TPGroup.has_pruning_op = _covered_by_group
-    try:
-        yield
-    finally:
         for name, update in originals.items():
-            setattr(tp_index_mapping, name, update)
-        tp_index_mapping._FlattenIndexMapping.__call__ = flatten
-        TPGroup.has_pruning_op = _TP_HAS_PRUNING_OP
+            setattr(tp_index_mapping, name, tolerant(name, update))
+        tp_index_mapping._FlattenIndexMapping.__call__ = bounded
+        TPGroup.has_pruning_op = _covered_by_group
+        try:
+            yield
+        finally:
+            for name, update in originals.items():
+                setattr(tp_index_mapping, name, update)
+            tp_index_mapping._FlattenIndexMapping.__call__ = flatten
+            TPGroup.has_pruning_op = _TP_HAS_PRUNING_OP
 
 
 def _covered_by_group(group, dep, idxs):
