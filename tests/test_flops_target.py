@@ -1,6 +1,7 @@
 """train.flops_target (train/flops_target.py): a trained network fine-tuned to a share of its dense FLOPs."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -10,9 +11,10 @@ from torch import nn
 import edgebayes as eb
 from edgebayes.compressed.structure import paper_flops, structure_report
 from edgebayes.compressed.surgery import coupled_channels
-from edgebayes.config import ConfigError
-from edgebayes.train.flops_target import (SURE, FlopsTargetSchedule, GroupFlops, _dense_sample, channel_families,
-                                          masked_flops, plan, prunable_layers)
+from edgebayes.config import ConfigError, TrainConfig
+from edgebayes.train.flops_target import (DEFAULT_BATCH, REPAIR_STEPS, SMALLEST_BATCH, SURE, FlopsTargetSchedule,
+                                          GroupFlops, _dense_sample, channel_families, fine_tuning_batch_size,
+                                          masked_flops, plan, prunable_layers, steps_at_final_structure)
 
 SHAPE = (3, 8, 8)
 
@@ -682,3 +684,40 @@ def test_a_target_that_surgery_cannot_reach_names_the_layers_it_keeps_and_why(fa
         eb.fit(net, x, y, epochs=1, batch_size=16, flops_target=0.5, log=lambda *_: None)
     message = str(e.value)
     assert "c1 keeps" in message and "normalized together with other channels by n1" in message, message
+
+
+def _repair_steps(n, batch, epochs, fraction=0.1):
+    return steps_at_final_structure(epochs * -(-n // batch), fraction)
+
+
+@pytest.mark.parametrize("n, epochs", [(1150, 3), (4000, 5), (300, 2)])
+def test_a_batch_size_left_out_is_the_largest_that_leaves_the_cut_network_steps_to_recover(n, epochs):
+    t = TrainConfig(epochs=epochs, flops_target=0.5)
+    batch, warning = fine_tuning_batch_size(t, n)
+    if _repair_steps(n, SMALLEST_BATCH, epochs) >= REPAIR_STEPS:
+        assert warning is None and _repair_steps(n, batch, epochs) >= REPAIR_STEPS
+        assert batch == DEFAULT_BATCH or _repair_steps(n, 2 * batch, epochs) < REPAIR_STEPS
+    else:   # too few examples even at the smallest batch: the epochs that would do, checked
+        assert batch == SMALLEST_BATCH
+        more = int(re.search(r"set train\.epochs to (\d+)", warning).group(1))
+        assert _repair_steps(n, batch, more) >= REPAIR_STEPS > _repair_steps(n, batch, more - 1)
+
+
+def test_a_large_training_set_or_no_target_keeps_the_default_batch_and_a_users_batch_is_kept_with_a_warning():
+    assert fine_tuning_batch_size(TrainConfig(epochs=5, flops_target=0.5), 60000) == (DEFAULT_BATCH, None)
+    assert fine_tuning_batch_size(TrainConfig(epochs=1), 100) == (DEFAULT_BATCH, None)   # from scratch: not ours
+    assert fine_tuning_batch_size(TrainConfig(epochs=1, batch_size=8), 100) == (8, None)
+    batch, warning = fine_tuning_batch_size(TrainConfig(epochs=3, batch_size=1024, flops_target=0.5), 1150)
+    assert batch == 1024 and "1,150 training examples at batch size 1024 are 2 step(s) an epoch" in warning
+    smaller, more = map(int, re.search(r"train\.batch_size to (\d+) or train\.epochs to (\d+)", warning).groups())
+    assert _repair_steps(1150, smaller, 3) >= REPAIR_STEPS and _repair_steps(1150, 1024, more) >= REPAIR_STEPS
+
+
+def test_fit_without_a_batch_size_picks_it_for_the_target_and_says_so_when_the_data_is_too_small():
+    x, y = data(n=128)
+    net = eb.bayesianize(trained_net(), "ss-gl", input_shape=SHAPE, n_train=len(x))
+    lines = []
+    history = eb.fit(net, x, y, epochs=1, lr=1e-3, flops_target=0.5, log=lines.append)
+    assert history[0]["batch_size"] == SMALLEST_BATCH   # 128 examples: 8 steps at 16, fewer than needed
+    said = [str(line) for line in lines if "WARNING train.flops_target" in str(line)]
+    assert len(said) == 1 and "set train.epochs to" in said[0]

@@ -414,3 +414,4 @@ def test_what_a_schedule_cut_costs_is_not_said_as_a_lost_network():
     assert trainer.lost_accuracy(None, history, settled_epoch=2) is None
     assert "after epoch 1" in trainer.lost_accuracy(None, history, settled_epoch=1)
     assert "the network as given" in trainer.lost_accuracy(0.97, history, settled_epoch=2)
+    assert "what the cut to 0.5 of the dense FLOPs cost" in trainer.lost_accuracy(0.97, history, 2, flops_target=0.5)

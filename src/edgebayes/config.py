@@ -189,7 +189,10 @@ class PriorConfig(Section):
 class TrainConfig(Section):
     epochs: PositiveInt = Field(100, description=(
         "training epochs (paper setups: 1200 for MLP / LeNet, 300 for ResNets)"))
-    batch_size: PositiveInt = Field(1024, description="training batch size (split over train.processes)")
+    batch_size: Optional[PositiveInt] = Field(None, description=(
+        "training batch size (split over train.processes); null: 1024, and with train.flops_target the largest "
+        "power of two down to 16 that leaves the cut network 100 steps at its final structure "
+        "(train/flops_target.py)"))
     lr: Positive = Field(1e-3, description="learning rate of every parameter without a learning rate of its own below")
     inclusion_lr: Optional[Positive] = Field(None, description=(
         "spike-and-slab inclusion logits' lr; null: lr (trainer.py)"))
@@ -815,7 +818,7 @@ def check_train(t: "TrainConfig", family: str, p: str, prefix: str = "train."):
     _check(t.max_accuracy_drop is None or family in SPIKE_SLAB_FAMILIES, f"{p}: {prefix}max_accuracy_drop",
            f"is the floor of the spike-and-slab families' cuts ({', '.join(SPIKE_SLAB_FAMILIES)}); a nested family "
            f"keeps every width it serves, and select picks among them: leave it out (null)")
-    _check(t.batch_size >= t.processes, f"{p}: {prefix}batch_size",
+    _check(t.batch_size is None or t.batch_size >= t.processes, f"{p}: {prefix}batch_size",
            f"expected at least {prefix}processes ({t.processes}): the batch is split over the processes")
 
 

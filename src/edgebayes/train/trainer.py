@@ -99,7 +99,8 @@ from edgebayes.provenance import atomic_torch_save, load_checkpoint
 from edgebayes.train import distributed
 from edgebayes.train.accel import (DeviceData, autocast, compile_step, fused_optimizer, hold_freed_memory,
                                    to_channels_last)
-from edgebayes.train.flops_target import FlopsTargetSchedule, nested_width_within
+from edgebayes.train.flops_target import (DEFAULT_BATCH, REPAIR_STEPS, FlopsTargetSchedule, fine_tuning_batch_size,
+                                          nested_width_within)
 from edgebayes.train.metrics import classification_metrics
 from edgebayes.train.spike_slab import SCALE_VARIABLES
 
@@ -269,14 +270,15 @@ class ELBO:
 LOST_ACCURACY = 0.10   # validation accuracy a training may lose against the best it had, unsaid
 
 
-def lost_accuracy(before, history, settled_epoch=1):
+def lost_accuracy(before, history, settled_epoch=1, flops_target=None):
     """The warning when training ended more than LOST_ACCURACY below the best validation accuracy it had, else
     None. The best of: the network as given (a user's trained network that the fine-tuning wrecked; one trained
     from scratch starts near chance and never counts) and the epochs from `settled_epoch` on (a run that reached
     a good network and lost it: in the centered spike-and-slab families the inclusion probabilities of a layer
     falling together, module docstring; LeNet-5 on 20,000 MNIST images went from 0.971 after epoch 4 to chance,
     benchmarks/results/peer_bayesian_torch.md). The epochs before `settled_epoch` are left out: a FLOPs target's
-    or SQS's schedule is still cutting the network there, and what its cut costs is said by its own verdict."""
+    or SQS's schedule is still cutting the network there, and what its cut costs is said by its own verdict.
+    `flops_target`: the run's train.flops_target, whose cut is then what the advice is about."""
     after = history[-1]["val_accuracy"]
     peaks = [] if before is None else [(before, "the network as given, before the first step")]
     peaks += [(h["val_accuracy"], f"after epoch {h['epoch']}") for h in history[:-1] if h["epoch"] >= settled_epoch]
@@ -286,6 +288,10 @@ def lost_accuracy(before, history, settled_epoch=1):
     if best - after <= LOST_ACCURACY:
         return None
     said = f"validation accuracy fell from {best:.3f} ({when}) to {after:.3f} after the last epoch: "
+    if best == before and flops_target is not None:
+        return (said + f"the fine-tuning did not recover what the cut to {flops_target:g} of the dense FLOPs cost. "
+                "More epochs, or a larger train.flops_target, keeps more of it; train.max_accuracy_drop names the "
+                "smallest cut of the schedule within a floor (train/flops_target.py)")
     if best == before:
         return (said + "the training lost the trained network. A smaller lr or kl_weight keeps more of it, and a "
                 "spike-and-slab family with train.flops_target is the recipe for trained networks "
@@ -368,6 +374,15 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
         model.serve_from(width)
         log(f"train: flops target {t.flops_target:g}: {model.family} serves widths {width}..{model.groups} of "
             f"{model.groups} groups, the narrowest at {ratio:.3f} of the dense FLOPs (after surgery)")
+    # train.batch_size null: the default, or one that leaves a FLOPs target's cut network steps to recover in
+    batch_size, few_steps = fine_tuning_batch_size(t, len(splits.train_x), world.size, nested)
+    if t.batch_size is None and batch_size != DEFAULT_BATCH:
+        log(f"train: batch size {batch_size}: {len(splits.train_x):,} training examples, {t.epochs} epoch(s) and "
+            f"train.flops_target leave the cut network at least {REPAIR_STEPS} steps at its final structure "
+            f"(train.batch_size null; train/flops_target.py)")
+    if few_steps:
+        log(f"train: WARNING {few_steps}")
+    t = t.model_copy(update={"batch_size": batch_size})
     optimizer, scheduler = objective.optimizer(model, t)
     history, start_epoch = [], 0
     if world.size > 1:
@@ -462,6 +477,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
                 if flops_target is not None:
                     before = flops_target.trajectory[0]["val_accuracy"]
                 history[-1]["val_accuracy_before"] = before
+                history[-1]["batch_size"] = batch_size   # chosen where train.batch_size is null
             if flops_target is not None:   # the schedule's cuts so far, validated (a resumed run goes on with them)
                 history[-1]["flops_target_points"] = [dict(p) for p in flops_target.trajectory]
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{history[-1]['val_accuracy']:.3f}",
@@ -484,7 +500,9 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
     # the first epoch whose network has its final structure: a schedule's last cut falls in it
     settled = max(objective.schedule_steps(t.epochs * steps_per_epoch), flops_target.points[-1] if flops_target else 0)
     settled_epoch = max(0, settled - 1) // steps_per_epoch + 1
-    lost = lost_accuracy(before, history, settled_epoch) if world.main and finished else None
+    lost = lost_accuracy(before, history, settled_epoch, None if nested else t.flops_target) if world.main and finished else None
+    if lost and few_steps:   # the likely cause, said where the report shows the loss
+        lost = f"{lost}; the likely cause: {few_steps}"
     if lost:
         log(f"train: WARNING {lost}")
         history[-1]["accuracy_lost"] = lost
