@@ -721,3 +721,4 @@ def test_fit_without_a_batch_size_picks_it_for_the_target_and_says_so_when_the_d
     assert history[0]["batch_size"] == SMALLEST_BATCH   # 128 examples: 8 steps at 16, fewer than needed
     said = [str(line) for line in lines if "WARNING train.flops_target" in str(line)]
     assert len(said) == 1 and "set train.epochs to" in said[0]
+    assert not any("leave the cut network at least" in str(line) for line in lines)   # not claimed when untrue

@@ -376,11 +376,11 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
             f"{model.groups} groups, the narrowest at {ratio:.3f} of the dense FLOPs (after surgery)")
     # train.batch_size null: the default, or one that leaves a FLOPs target's cut network steps to recover in
     batch_size, few_steps = fine_tuning_batch_size(t, len(splits.train_x), world.size, nested)
-    if t.batch_size is None and batch_size != DEFAULT_BATCH:
+    if t.batch_size is None and batch_size != DEFAULT_BATCH and not few_steps:
         log(f"train: batch size {batch_size}: {len(splits.train_x):,} training examples, {t.epochs} epoch(s) and "
             f"train.flops_target leave the cut network at least {REPAIR_STEPS} steps at its final structure "
             f"(train.batch_size null; train/flops_target.py)")
-    if few_steps:
+    if few_steps:   # names the batch size chosen
         log(f"train: WARNING {few_steps}")
     t = t.model_copy(update={"batch_size": batch_size})
     optimizer, scheduler = objective.optimizer(model, t)
