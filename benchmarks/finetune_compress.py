@@ -143,8 +143,8 @@ def fine_tune_milestones(epochs, decay):
     return [epochs - 1] if decay and epochs > 1 else []
 
 
-def train_plain(model, x, y, epochs, seed, device, milestones=()):
-    """Adam (LR), batch BATCH, cross-entropy, the rate times FINE_TUNE_GAMMA at each of `milestones` (epochs);
+def train_plain(model, x, y, epochs, seed, device, milestones=(), batch=BATCH):
+    """Adam (LR), batch `batch`, cross-entropy, the rate times FINE_TUNE_GAMMA at each of `milestones` (epochs);
     a last batch of one example is skipped (batch norm needs two)."""
     model.to(device).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -152,8 +152,8 @@ def train_plain(model, x, y, epochs, seed, device, milestones=()):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         perm = torch.randperm(len(x), generator=generator)
-        for i in range(0, len(x), BATCH):
-            idx = perm[i: i + BATCH]
+        for i in range(0, len(x), batch):
+            idx = perm[i: i + batch]
             if len(idx) < 2:
                 continue
             loss = F.cross_entropy(model(x[idx].to(device)), y[idx].to(device))
@@ -189,8 +189,9 @@ def plain_metrics(model, data):
 # ---------------------------------------------------------------------------------------------
 # edgebayes: the recipe a user runs on their trained network
 # ---------------------------------------------------------------------------------------------
-def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=()):
-    """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples."""
+def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=print, milestones=(), batch=BATCH):
+    """bayesianize a copy of the trained net, fit E epochs toward the FLOPs target, compress M samples.
+    `batch` None: train.batch_size left out, as a user's config may (the trainer picks it; the row's `batch`)."""
     import edgebayes as eb
     from edgebayes.train.nested import NESTED_FAMILIES
 
@@ -199,7 +200,7 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
     torch.manual_seed(seed)
     net = eb.bayesianize(copy.deepcopy(trained), family, input_shape=SHAPE, n_train=len(x),
                          calibration_x=x if nested else None)
-    train = {"batch_size": BATCH, "lr": LR, "device": device, "lr_milestones": list(milestones),
+    train = {"batch_size": batch, "lr": LR, "device": device, "lr_milestones": list(milestones),
              "lr_gamma": FINE_TUNE_GAMMA, "flops_target": target}
     t0 = time.perf_counter()
     history = eb.fit(net, x, y, val=data["val"], epochs=epochs, seed=seed, log=log, **train)
@@ -213,6 +214,7 @@ def edgebayes_row(trained, family, target, data, epochs, m, seed, device, log=pr
     s = structure_report(c.dense_sample, c.samples[0], c.kept, SHAPE)
     dense_flops = s["dense_flops"]
     row = {"fine_tune_seconds": seconds, "mc_samples": m, "knob": knob,
+           "batch": history[0].get("batch_size", batch) if history else batch,
            "flops_ratio_physical": s["physical_flops_ratio"], "params_ratio": s["physical_compression_ratio"],
            "flops_ratio_masks": s["flops_ratio"],
            "flops_ratio_physical_samples": [paper_flops(p, SHAPE) / dense_flops for p in c.samples],
@@ -315,7 +317,7 @@ def tp_flops_wanted(rows, net, seed, target):
     return max(reached) if reached else (target, "target")
 
 
-def tp_row(trained, method, wanted, data, epochs, seed, device, milestones=()):
+def tp_row(trained, method, wanted, data, epochs, seed, device, milestones=(), batch=BATCH):
     """Torch-Pruning as its user runs it: plain, and where it breaks the net, again with the layers it breaks on
     kept whole (tp_unprunable; the row's `tp_ignored_layers`)."""
     t0, ignored = time.perf_counter(), []
@@ -334,7 +336,7 @@ def tp_row(trained, method, wanted, data, epochs, seed, device, milestones=()):
                                          data["test"][1])["accuracy"]}   # before fine-tuning
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    train_plain(model, *data["train"], epochs, seed, device, milestones)
+    train_plain(model, *data["train"], epochs, seed, device, milestones, batch)
     row["fine_tune_seconds"] = time.perf_counter() - t0
     row.update(plain_metrics(model, data))
     return row
