@@ -17,6 +17,7 @@ user folder; validation and test carved out of the rest (finetune_compress.load_
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -26,19 +27,35 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune_compress as fc  # noqa: E402
 
+from edgebayes.config import TrainConfig  # noqa: E402
 from edgebayes.provenance import atomic_path, provenance, read_json, result_path  # noqa: E402
 from edgebayes.train.flops_target import steps_at_final_structure  # noqa: E402
 
+# the trainer's default, which every edgebayes row runs with (the benchmark does not set it)
+SCHEDULE_FRACTION = TrainConfig.model_fields["flops_schedule_fraction"].default
 
-def final_steps(n, batch, epochs, fraction=0.1):
-    """Steps after the schedule's last cut (train.flops_schedule_fraction's default 0.1)."""
-    return steps_at_final_structure(epochs * -(-n // batch), fraction)
+
+def final_steps(n, batch, epochs):
+    """Steps after the schedule's last cut, counted as the trainer counts them (fine_tuning_batch_size)."""
+    return steps_at_final_structure(epochs * math.ceil(n / batch), SCHEDULE_FRACTION)
+
+
+def settings_of(args):
+    """What makes two runs' rows comparable (--resume, --merge): finetune_compress's settings, the last epoch at a
+    tenth of the rate as this sweep always runs it, and the FLOPs target. `args`: the namespace or its saved dict."""
+    ns = argparse.Namespace(**{**(args if isinstance(args, dict) else vars(args)), "decay_last_epoch": True})
+    return {**fc.settings_of(ns), "target": ns.target}
+
+
+def batch_label(row, asked):
+    """'auto: 16' for the trainer's own choice, the batch asked otherwise."""
+    return f"auto: {row.get('batch', '?')}" if asked == "auto" else str(asked)
 
 
 def run(args, data, rows, write):
-    device = "cuda" if args.device == "cuda" else "cpu"
     done = {(r["net"], r["method"], r["batch_asked"], r["seed"]) for r in rows if "error" not in r}
     milestones = fc.fine_tune_milestones(args.epochs, True)
+    device = args.device
     n = len(data["train"][1])
     for net in args.nets:
         for seed in args.seeds:
@@ -85,8 +102,8 @@ def markdown(result):
              f"batch {fc.BATCH}), then fine-tuned {args['epochs']} epochs (the last at a tenth of the rate) toward "
              f"{args['target']:g} of its FLOPs at each batch size: edgebayes SS-GL (M = {args['mc']}, the temperature "
              "it ships) and Torch-Pruning's magnitude pruner pruned to the same physical FLOPs. 'steps after the cut': "
-             "the optimisation steps the network trains at its final structure (edgebayes cuts during the first 10% "
-             "of the steps; the same count is given for Torch-Pruning, which prunes before the first). 'auto': "
+             "the optimisation steps the network trains at its final structure (edgebayes cuts during the first "
+             f"{SCHEDULE_FRACTION:.0%} of the steps; the same count is given for Torch-Pruning, which prunes before the first). 'auto': "
              "train.batch_size left out, the trainer's choice (train/flops_target.py fine_tuning_batch_size). Test "
              "accuracy %, ECE in brackets.", "",
              f"`{result['command']}`", "",
@@ -112,8 +129,7 @@ def markdown(result):
         tp = next((r for r in rows if (r["net"], r["seed"], r["batch_asked"], r["method"]) ==
                    (net, seed, asked, "tp-magnitude")), None)
         first = eb or tp
-        batch = first.get("batch", asked)
-        shown = f"auto: {batch}" if asked == "auto" else str(asked)
+        shown = batch_label(first, asked)
         flops = "—" if eb is None or "error" in eb else f"{eb['flops_ratio_physical']:.3f}"
         lines.append(f"| {net} ({100 * first['dense_accuracy']:.2f}) | {seed} | {shown} | "
                      f"{first.get('final_structure_steps', '—')} | {flops} | {cell(eb)} | {cell(tp)} |")
@@ -141,9 +157,7 @@ def summary(rows):
                     f"({sum(r['ece'] for r in ok) / len(ok):.4f}){failed}")
 
         first = next((r for r in group if "error" not in r), group[0])
-        batch = first.get("batch", asked)
-        shown = f"auto: {batch}" if asked == "auto" else str(asked)
-        lines.append(f"| {net} ({dense:.2f}) | {shown} | {len(seeds)} | {first.get('final_structure_steps', '—')} | "
+        lines.append(f"| {net} ({dense:.2f}) | {batch_label(first, asked)} | {len(seeds)} | {first.get('final_structure_steps', '—')} | "
                      f"{mean('edgebayes-ss-gl')} | {mean('tp-magnitude')} |")
     return lines
 
@@ -171,13 +185,24 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--cache", default=str(fc.ROOT / "runs" / "finetune_steps_cache"))
     parser.add_argument("--out", default=str(fc.RESULTS / "finetune_steps"))
-    parser.add_argument("--resume", action="store_true", help="keep the rows of --out's JSON")
+    parser.add_argument("--resume", action="store_true", help="keep the rows of --out's JSON (same settings)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --out from the rows of these results files "
-                        "(runs split over processes, one seed each); the first file's settings")
+                        "(runs split over processes, one seed each; the same settings)")
     args = parser.parse_args(argv)
     command = "python benchmarks/finetune_steps.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.merge:
-        results = [read_json(Path(path)) for path in args.merge]
+        results = []
+        for path in args.merge:
+            try:
+                result = read_json(Path(path))
+            except (OSError, ValueError) as e:
+                parser.error(f"--merge: {path}: {type(e).__name__}: {e}")
+            if not (isinstance(result, dict) and {"rows", "args", "command"} <= set(result)):
+                parser.error(f"--merge: {path} is not a results file of this benchmark (rows, args, command)")
+            if settings_of(result["args"]) != settings_of(results[0]["args"] if results else result["args"]):
+                parser.error(f"--merge: {path} was made with other settings ({settings_of(result['args'])}) than "
+                             f"{args.merge[0]} ({settings_of(results[0]['args'])})")
+            results.append(result)
         commands = "; ".join(r["command"] for r in results)
         merged = {**results[0], "rows": [row for r in results for row in r["rows"]],
                   "command": f"{commands}, then {command}", "provenance": provenance("finetune_steps")}
@@ -195,9 +220,15 @@ def main(argv=None):
     data = fc.load_images("digits", None, {"train_size": args.train_size, "val_size": args.val_size,
                                            "test_size": args.test_size}, args.data_seed)
     out = Path(args.out)
-    rows = read_json(result_path(out, ".json"))["rows"] if args.resume and result_path(out, ".json").is_file() else []
+    rows = []
+    if args.resume and result_path(out, ".json").is_file():
+        earlier = read_json(result_path(out, ".json"))
+        if settings_of(earlier["args"]) != settings_of(args):
+            parser.error(f"--resume: {result_path(out, '.json')} was made with other settings "
+                         f"({settings_of(earlier['args'])}); use another --out or the same settings")
+        rows = earlier["rows"]
     prov = provenance("finetune_steps")
-    saved_args = {k: v for k, v in vars(args).items()}
+    saved_args = dict(vars(args))
 
     run(args, data, rows, lambda rows: write_result({"rows": rows, "args": saved_args, "command": command,
                                                      "provenance": prov}, out))

@@ -55,3 +55,25 @@ def test_the_summary_averages_each_method_over_its_seeds_and_counts_failures():
             {**base, "seed": 1, "dense_accuracy": 0.8, "method": "tp-magnitude", "error": "ZeroDivisionError: x"}]
     line = fs.summary(rows)[-1]
     assert line == "| n (85.00) | 32 | 2 | 97 | 75.00 (0.0300) | 60.00 (0.1000), fails on 1 |"
+
+
+def test_merge_and_resume_refuse_rows_made_with_other_settings(tmp_path, capsys):
+    row = {"net": "n", "seed": 0, "batch_asked": "32", "method": "edgebayes-ss-gl", "error": "x"}
+    args = {"data": "digits", "train_size": 1150, "val_size": 300, "test_size": 360, "data_seed": 0,
+            "dense_epochs": 10, "epochs": 3, "mc": 4, "target": 0.5}
+    for name, target in (("a", 0.5), ("b", 0.25)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": [row], "command": "c",
+                                                            "args": {**args, "target": target}}))
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--merge" in err and "b.json" in err and "'target': 0.25" in err
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        fs.main(["--merge", str(tmp_path / "bad.json"), "--out", str(tmp_path / "m")])
+    assert e.value.code == 2 and "bad.json" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
+
+    with pytest.raises(SystemExit) as e:   # a.json made at target 0.5, resumed at 0.25
+        fs.main(["--resume", "--target", "0.25", "--out", str(tmp_path / "a")])
+    assert e.value.code == 2 and "--resume" in capsys.readouterr().err
