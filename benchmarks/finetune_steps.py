@@ -214,6 +214,14 @@ def main(argv=None):
             parser.error(f"--batches: expected integers >= 2 or auto, got {asked!r}")
     if not 0 < args.target <= 1:
         parser.error(f"--target: expected a FLOPs fraction in (0, 1], got {args.target}")
+    for flag in ("epochs", "dense_epochs", "mc", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: expected at least 1, got {getattr(args, flag)}")
+    import torchvision
+
+    for net in args.nets:   # the benchmark's own nets, or any torchvision classification builder
+        if net not in fc.NETS and not callable(getattr(torchvision.models, net, None)):
+            parser.error(f"--nets: {net!r} is neither one of {', '.join(fc.NETS)} nor a torchvision model builder")
     torch.set_num_threads(args.threads)
     # finetune_compress's dense-net cache key and data loader read these
     args.data, args.data_seed, args.train_size, args.val_size, args.test_size = "digits", 0, 1150, 300, 360

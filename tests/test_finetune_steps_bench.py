@@ -44,6 +44,11 @@ def test_bad_batches_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         fs.main(["--batches", "0", "--out", str(tmp_path / "x")])
     assert e.value.code == 2 and "--batches" in capsys.readouterr().err
+    for argv, flag in ((["--nets", "no_such_net"], "--nets"), (["--epochs", "0"], "--epochs"),
+                       (["--mc", "0"], "--mc")):
+        with pytest.raises(SystemExit) as e:
+            fs.main([*argv, "--out", str(tmp_path / "x")])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
 
