@@ -52,8 +52,19 @@ def batch_label(row, asked):
     return f"auto: {row.get('batch', '?')}" if asked == "auto" else str(asked)
 
 
+def row_key(row):
+    """What a row is the result of: one per (net, method, batch asked, seed) in a result."""
+    return row["net"], row["method"], row["batch_asked"], row["seed"]
+
+
+def one_per_key(rows):
+    """`rows` with one row per row_key, the later one where two share it (a failed row run again, a merged file
+    given twice or a seed run in two files): a mean over seeds must count each once."""
+    return list({row_key(r): r for r in rows}.values())
+
+
 def run(args, data, rows, write):
-    done = {(r["net"], r["method"], r["batch_asked"], r["seed"]) for r in rows if "error" not in r}
+    done = {row_key(r) for r in rows if "error" not in r}
     milestones = fc.fine_tune_milestones(args.epochs, True)
     device = args.device
     n = len(data["train"][1])
@@ -87,7 +98,7 @@ def run(args, data, rows, write):
                         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                         row["error"] = f"{type(e).__name__}: {first[:300]}"
                     row["seconds"] = time.perf_counter() - t0
-                    rows.append(row)
+                    rows[:] = one_per_key([*rows, row])
                     print(json.dumps({k: v for k, v in row.items() if k != "flops_ratio_physical_samples"}),
                           flush=True)
                     write(rows)
@@ -187,7 +198,8 @@ def main(argv=None):
     parser.add_argument("--out", default=str(fc.RESULTS / "finetune_steps"))
     parser.add_argument("--resume", action="store_true", help="keep the rows of --out's JSON (same settings)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --out from the rows of these results files "
-                        "(runs split over processes, one seed each; the same settings)")
+                        "(runs split over processes, one seed each; the same settings; where two files hold the same "
+                        "net, method, batch and seed, the later file's row)")
     args = parser.parse_args(argv)
     command = "python benchmarks/finetune_steps.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.merge:
@@ -204,7 +216,7 @@ def main(argv=None):
                              f"{args.merge[0]} ({settings_of(results[0]['args'])})")
             results.append(result)
         commands = "; ".join(r["command"] for r in results)
-        merged = {**results[0], "rows": [row for r in results for row in r["rows"]],
+        merged = {**results[0], "rows": one_per_key([row for r in results for row in r["rows"]]),
                   "command": f"{commands}, then {command}", "provenance": provenance("finetune_steps")}
         write_result(merged, Path(args.out))
         print(f"wrote {result_path(Path(args.out), '.json')} and .md")

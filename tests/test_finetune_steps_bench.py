@@ -1,5 +1,5 @@
 """benchmarks/finetune_steps.py (issue 33): the batch-size sweep end to end on a small CNN and scikit-learn's
-digits (offline), its 'auto' row being the trainer's own choice, and --merge."""
+digits (offline), its 'auto' row being the trainer's own choice, --merge and --resume."""
 
 import json
 import sys
@@ -35,9 +35,19 @@ def test_a_sweep_writes_both_methods_per_batch_and_the_auto_row_is_the_trainers_
     assert tp["batch"] == 256 and tp["flops_ratio_wanted"] == pytest.approx(eb["flops_ratio_physical"])
     assert "| small-cnn" in (tmp_path / "s0.md").read_text() and "auto: " in (tmp_path / "s0.md").read_text()
 
+    # the same file given twice: each (net, method, batch, seed) counted once in the merged result
     assert fs.main(["--merge", str(tmp_path / "s0.json"), str(tmp_path / "s0.json"), "--out", str(tmp_path / "m")]) == 0
     merged = json.loads((tmp_path / "m.json").read_text())
-    assert len(merged["rows"]) == 2 * len(rows) and "--merge" in merged["command"]
+    assert len(merged["rows"]) == len(rows) and "--merge" in merged["command"]
+
+    # a failed row is run again by --resume and replaced, not kept beside the new one
+    result = json.loads((tmp_path / "s0.json").read_text())
+    failed = next(r for r in result["rows"] if r["method"] == "tp-magnitude")
+    failed["error"] = "RuntimeError: made to fail by the test"
+    (tmp_path / "s0.json").write_text(json.dumps(result))
+    assert fs.main([*argv, "--resume"]) == 0
+    resumed = json.loads((tmp_path / "s0.json").read_text())["rows"]
+    assert len(resumed) == len(rows) and not any("error" in r for r in resumed)
 
 
 def test_bad_batches_are_refused(tmp_path, capsys):
