@@ -67,4 +67,5 @@ if __name__ == "__main__":
     results = run_all(out, splits)
     if dist.get_rank() == 0:
         torch.save(results, out / "results.pt")
+    dist.barrier()   # as World.close: no process closes its connections while process 0 still writes
     dist.destroy_process_group()

@@ -73,6 +73,10 @@ class World:
 
     def close(self):
         if self.owns_group:
+            # Every process reaches the end before any closes its connections: process 0 still validates and
+            # writes while the others are done, and a gloo process that tears its group down while a peer
+            # works on it can abort at exit (SIGABRT, 'terminate called without an active exception').
+            dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
 
