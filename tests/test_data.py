@@ -327,7 +327,9 @@ def test_loader_function_errors(tmp_path, monkeypatch):
     _write_module(tmp_path, monkeypatch, "def wrong(cfg):\n    return 3\n"
                                          "def short(cfg):\n    return [1, 2]\n"
                                          "def bad_shapes(cfg):\n"
-                                         "    return [[0.0] * 3] * 4, [0, 1, 0, 1], [[0.0] * 2], [0]\n")
+                                         "    return [[0.0] * 3] * 4, [0, 1, 0, 1], [[0.0] * 2], [0]\n"
+                                         "def no_argument():\n    return 3\n"
+                                         "def gone(cfg):\n    raise FileNotFoundError('my data file is gone')\n")
     with pytest.raises(DataError, match=r"data\.dataset: userdata:wrong: returned int; expected \(x_train"):
         load_data(DataConfig(dataset="userdata:wrong"), 0)
     with pytest.raises(DataError, match=r"returned list"):
@@ -338,6 +340,11 @@ def test_loader_function_errors(tmp_path, monkeypatch):
         load_data(DataConfig(dataset="userdata:absent"), 0)
     with pytest.raises(DataError, match=r"cannot import nosuchmodule .*PYTHONPATH"):
         load_data(DataConfig(dataset="nosuchmodule:load"), 0)
+    # what the user's loader raises is bad input naming the key, not a traceback or a stage's failure
+    with pytest.raises(DataError, match=r"data\.dataset: userdata:gone: the loader failed \(FileNotFoundError: my data"):
+        load_data(DataConfig(dataset="userdata:gone"), 0)
+    with pytest.raises(DataError, match=r"userdata:no_argument: the loader failed \(TypeError.*called as no_argument\(cfg\)"):
+        load_data(DataConfig(dataset="userdata:no_argument"), 0)
 
 
 def test_too_few_inputs_for_the_splits(tmp_path):

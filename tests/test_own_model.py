@@ -2,6 +2,7 @@
 `bayesianize` of a plain nn.Module (train/bayesianize.py), carried through the real pipeline."""
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -60,6 +61,31 @@ USER_MODULE = textwrap.dedent('''
 
     def not_a_module(num_classes=10):
         return 42
+
+
+    class FixedHead(nn.Module):
+        """Takes no num_classes: always 7 class scores."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 7)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(x, 1))
+
+
+    class Squeezed(FixedHead):
+        def forward(self, x):
+            return self.fc(torch.flatten(x, 1))[:, 0]
+
+
+    class NoLayers(nn.Module):
+        def __init__(self, num_classes=10):
+            super().__init__()
+            self.classes = num_classes
+
+        def forward(self, x):
+            return torch.flatten(x, 1)[:, :self.classes]
 ''')
 
 
@@ -70,6 +96,8 @@ def user_package(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "nets.py").write_text(USER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("userpkg", "userpkg.nets"):   # this test's files, not those an earlier test imported
+        monkeypatch.delitem(sys.modules, name, raising=False)
     return "userpkg.nets"
 
 
@@ -794,3 +822,122 @@ def test_a_network_too_large_for_memory_names_the_model_keys(tmp_path, capsys, m
                "--runs-dir", str(tmp_path / "runs")])
     err = capsys.readouterr().err
     assert rc == 2 and "does not fit in this machine's memory" in err and "model.hidden" in err, err
+
+
+@pytest.mark.parametrize("arch, message", [
+    ("FixedHead", r"model\.arch: FixedHead predicts 7 classes and the data has 10; make it take num_classes"),
+    ("Squeezed", r"model\.arch: Squeezed must return \[batch, classes\] logits, got \(1,\) for a batch of one"),
+    ("NoLayers", r"bayesianize: NoLayers has no nn\.Linear or nn\.Conv2d layer"),
+])
+def test_a_module_whose_output_does_not_fit_the_data_exits_2_before_training(user_package, tmp_path, capsys, arch,
+                                                                             message):
+    """A module sized for another class count trained and shipped (exit 0) when it had more outputs, and failed
+    in the metrics with a traceback when it had fewer; one without a layer to make Bayesian crashed at the
+    report. Now each is refused with the config, before anything is written."""
+    import re
+
+    config = _config(tmp_path, arch=f"{user_package}:{arch}")
+    assert main(["train", "--config", str(config), "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert not (tmp_path / "runs" / "own" / "train" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("arch, shape, message", [
+    ("vgg11", (1, 8, 8), r"model\.arch: vgg11 cannot be built for inputs of shape \(1, 8, 8\) and 10 classes "
+                         r"\(ValueError: vgg11 needs inputs of at least 32x32"),
+    ("lenet5-caffe", (1, 8, 8), r"model\.arch: lenet5-caffe does not run on inputs of the data's shape \(1, 8, 8\)"),
+])
+def test_a_zoo_net_too_large_for_the_inputs_is_bad_input_naming_the_shape(arch, shape, message):
+    with pytest.raises(ArchError, match=message):
+        build_model(ModelConfig(family="ss-gl", arch=arch), PriorConfig(), shape, 10, n_train=100)
+
+
+def test_the_builders_check_draws_nothing_from_the_seeded_stream(monkeypatch):
+    """The forward pass that checks a zoo net on the data's shape runs outside torch's seeded stream: the
+    same seed gives the same weights and the same draws after it as without the check."""
+    import edgebayes.train.arch as arch
+
+    def built():
+        torch.manual_seed(0)
+        net = build_model(ModelConfig(family="ss-gl", arch="lenet5-caffe"), PriorConfig(), (1, 28, 28), 10,
+                          n_train=100)
+        return net, torch.rand(3)
+
+    checked, after = built()
+    monkeypatch.setattr(arch, "check_runs", lambda *a, **k: None)
+    unchecked, after_unchecked = built()
+    assert torch.equal(after, after_unchecked)
+    for a, b in zip(checked.state_dict().values(), unchecked.state_dict().values()):
+        assert torch.equal(a, b)
+    assert checked.training and all(m.training for m in checked.modules())
+
+
+def test_editing_the_users_model_or_loader_file_retrains(user_package, tmp_path, monkeypatch):
+    """The train stage's fingerprint counts the file that model.arch and data.dataset import: an edited net
+    was reported up to date, and its checkpoint then failed to load (or, same shapes, shipped the old net)."""
+    import os
+
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.stages import Context
+
+    (tmp_path / "userloader.py").write_text("def load(cfg):\n    raise RuntimeError\n")
+    sys.modules.pop("userloader", None)
+    config = _config(tmp_path, arch=f"{user_package}:PlainNet")
+    cfg = load_pipeline_config(config)
+    ctx = Context(cfg.model_copy(update={"data": cfg.data.model_copy(update={"dataset": "userloader:load"})}),
+                  load_device_profile("local"))
+    before = ctx.fingerprint("train")
+    for edited in (tmp_path / "userpkg" / "nets.py", tmp_path / "userloader.py"):
+        os.utime(edited, ns=(1, edited.stat().st_mtime_ns + 10**9))
+        assert ctx.fingerprint("train") != before, edited
+        before = ctx.fingerprint("train")
+    zoo = Context(load_pipeline_config(_config(tmp_path, arch="mlp")), load_device_profile("local"))
+    assert zoo.fingerprint("train") == zoo.fingerprint("train")   # a zoo name: nothing of the user's to follow
+
+
+def test_a_checkpoint_of_another_network_than_the_config_builds_names_train_force(user_package, tmp_path, capsys):
+    """An edit the fingerprint cannot see (a module the user's file imports): the next stage says to retrain,
+    not a traceback of load_state_dict."""
+    config = _config(tmp_path, arch=f"{user_package}:PlainNet", options={"width": 4})
+    cfg = yaml.safe_load(config.read_text())
+    cfg["train"]["epochs"] = 1
+    config.write_text(yaml.safe_dump(cfg))
+    runs = ["--config", str(config), "--runs-dir", str(tmp_path / "runs")]
+    assert main(["train", *runs]) == 0
+    nets = tmp_path / "userpkg" / "nets.py"   # conv2 gets a bias: a tensor the checkpoint does not hold
+    nets.write_text(nets.read_text().replace("nn.Conv2d(width, width, 3, padding=1, bias=False)",
+                                             "nn.Conv2d(width, width, 3, padding=1, bias=True)"))
+    sys.modules.pop("userpkg.nets", None)
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.errors import StageError
+    from edgebayes.stages import Context, load_trained_model
+
+    ctx = Context(load_pipeline_config(config), load_device_profile("local"), runs_dir=tmp_path / "runs")
+    with pytest.raises(StageError, match=r"checkpoint\.pt holds another network than model\.arch builds now "
+                                         r"\(.*\); run `.* train --force`"):
+        load_trained_model(ctx)
+
+
+def test_a_pretrained_file_that_fits_part_of_the_model_warns_naming_the_rest(user_package, tmp_path):
+    """A few matching names loaded silently: a wrong checkpoint sharing some keys looked like a fine-tuning."""
+    from userpkg.nets import PlainNet
+
+    state = {k: v for k, v in PlainNet().state_dict().items() if k.startswith(("conv1", "bn1"))}
+    torch.save(state, tmp_path / "part.pt")
+    model = ModelConfig(arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "part.pt"))
+    with pytest.warns(UserWarning, match=r"part\.pt: 5 of 8 parameters keep their fresh initialisation .*: "
+                                         r"bn2\.bias, bn2\.weight, conv2\.weight, fc\.bias, \.\.\."):
+        build_model(model, PriorConfig(), (1, 8, 8), 10, n_train=100)
+
+
+def test_a_pretrained_file_holding_nan_is_bad_input_naming_the_tensor(user_package, tmp_path):
+    from edgebayes.errors import InputError
+    from userpkg.nets import PlainNet
+
+    state = PlainNet().state_dict()
+    state["fc.weight"][0, 0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    model = ModelConfig(arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "nan.pt"))
+    with pytest.raises(InputError, match=r"nan\.pt: 1 tensor\(s\) hold NaN or infinite values \(fc\.weight\)"):
+        build_model(model, PriorConfig(), (1, 8, 8), 10, n_train=100)

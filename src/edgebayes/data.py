@@ -504,7 +504,12 @@ def _function(cfg):
     is split like digits). Inputs and labels follow the npz rules (_inputs, _encode_labels).
     """
     where = f"data.dataset: {cfg.dataset}"
-    result = resolve_loader(cfg.dataset)(cfg)
+    loader = resolve_loader(cfg.dataset)
+    try:
+        result = loader(cfg)
+    except Exception as e:   # the user's code: one message naming the key, not a traceback or "train failed"
+        raise DataError(f"{where}: the loader failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                        f"it is called as {cfg.dataset.partition(':')[2]}(cfg), cfg the config's data section") from None
     if isinstance(result, dict):
         arrays = dict(result)
     elif isinstance(result, (tuple, list)) and len(result) in (4, 5):

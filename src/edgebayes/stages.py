@@ -40,6 +40,7 @@ from edgebayes.data import data_fingerprint, load_data
 from edgebayes.errors import StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
+from edgebayes.plugins import source_file
 from edgebayes.provenance import (code_hash, code_version, exclusive, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
@@ -156,6 +157,9 @@ class Context:
             contents = [h] if (h := data_fingerprint(c.data)) is not None else []
             if c.model.pretrained:
                 contents.append(["pretrained", stat_fingerprint(Path(c.model.pretrained))])
+            for key, value in (("model.arch", c.model.arch), ("data.dataset", c.data.dataset)):
+                if (source := source_file(value)) is not None:   # the user's own net or loader, edited since
+                    contents.append([key, stat_fingerprint(source)])
             if c.train.flops_target == "device":   # the target comes from the device's budgets (run_train)
                 from edgebayes.deploy.latency_model import table_path
 
@@ -299,7 +303,12 @@ def load_trained_model(ctx):
     out = ctx.require("train", "checkpoint.pt")
     model = build(ctx.cfg, splits_for(ctx))
     state = load_checkpoint(out / "checkpoint.pt")
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:   # the net the config builds now is not the one trained (its code was edited)
+        raise StageError(f"train: {out / 'checkpoint.pt'} holds another network than model.arch builds now "
+                         f"({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}); "
+                         f"run `{ctx.program} train --force`") from None
     return model.eval()
 
 

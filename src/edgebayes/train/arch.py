@@ -27,9 +27,11 @@ it, so a switched-off channel is exactly zero after it); everything else is ordi
 
 import inspect
 
+import torch
+
 from edgebayes.errors import ArchError
 from edgebayes.plugins import IMPORT_PATH, load_callable
-from edgebayes.train.bayesianize import module_builder, with_pretrained
+from edgebayes.train.bayesianize import check_runs, module_builder, with_pretrained
 from edgebayes.train.zoo import ARCHITECTURES
 
 _REGISTERED = {}
@@ -77,12 +79,37 @@ def resolve_arch(model_cfg):
     if model_cfg.arch in ARCHITECTURES or takes_factory(fn):
         kw = (dict(hidden=model_cfg.hidden, width_multiplier=model_cfg.width_multiplier)
               if model_cfg.arch in ARCHITECTURES else dict(model_cfg.options or {}))
-        build = lambda factory, input_shape, classes: fn(factory, input_shape, classes, **kw)  # noqa: E731
+        build = checked_builder(fn, kw, model_cfg.arch)
         return with_pretrained(build, model_cfg.pretrained) if model_cfg.pretrained else build
     options = dict(model_cfg.options or {})
 
     return module_builder(lambda classes: make_plain_module(fn, classes, options, model_cfg.arch),
                           pretrained=model_cfg.pretrained)
+
+
+def checked_builder(fn, kw, name):
+    """build(factory, input_shape, classes) of a builder in the zoo's form, whose failures on the data's shape
+    are bad input (one ArchError naming model.arch and the shape), not a traceback or a later stage's failure:
+    a builder that raises (vgg11 on 8x8 digits), or a net that does not run on that shape (lenet5-caffe's 5x5
+    kernels on 8x8), found by one forward pass on zeros per shape, in both modes, outside the seeded stream."""
+    checked = set()
+
+    def build(factory, input_shape, classes):
+        try:
+            net = fn(factory, input_shape, classes, **kw)
+        except ArchError:
+            raise
+        except Exception as e:
+            raise ArchError(f"model.arch: {name} cannot be built for inputs of shape {tuple(input_shape)} and "
+                            f"{classes} classes ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        if (tuple(input_shape), classes) not in checked:
+            training = net.training
+            with torch.random.fork_rng(devices=[]):   # a Bayesian net's forward draws noise
+                check_runs(net, input_shape, name)
+            net.train(training)
+            checked.add((tuple(input_shape), classes))
+        return net
+    return build
 
 
 def as_builder(arch, **zoo_kw):

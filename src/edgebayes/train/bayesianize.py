@@ -214,6 +214,10 @@ def convert(module: nn.Module, factory) -> nn.Module:
         if isinstance(m, AFFINE + PLAIN_ONLY) and name not in order and not inside_called:
             plain_layers[name] = "never called as a module (its weights read directly, or unused): FLOPs not counted"
     net.plain_layers = list(plain_layers)
+    if not set(order) - set(plain_layers):   # no layer became the family's
+        found = f" (only {', '.join(sorted(set(plain_layers.values())))})" if plain_layers else ""
+        raise ArchError(f"bayesianize: {type(module).__name__} has no nn.Linear or nn.Conv2d layer called in its "
+                        f"forward{found}: nothing to make Bayesian, and no unit to switch off")
     if plain_layers:   # a net is converted for every twin: the default filter shows it once until the filters
         # change (torch's exporters reset them), so a pipeline may say it once per stage
         by_reason = {}
@@ -241,7 +245,10 @@ def module_builder(make_module, pretrained=None):
             module = make_module(classes)
             if pretrained:
                 apply_state_dict(module, read_state_dict(pretrained), pretrained)
-            _check_runs(module, input_shape)
+                _warn_skipped(module, pretrained)
+            if (predicted := output_classes(module, input_shape, "model.arch")) != classes:
+                raise ArchError(f"model.arch: {type(module).__name__} predicts {predicted} classes and the data has "
+                                f"{classes}; make it take num_classes, or size its last layer to {classes}")
             made[classes] = module.eval()
             if factory.family in NESTED_FAMILIES:   # a copy: the caller's module keeps its order
                 made[classes] = copy.deepcopy(made[classes])
@@ -290,10 +297,14 @@ def with_pretrained(build, path):
     state = {}
 
     def build_from(factory, input_shape, classes):
-        if not state:
+        first = not state
+        if first:
             state.update(read_state_dict(path))
         net = build(factory, input_shape, classes)
-        start_from_plain(net, apply_state_dict(build(LayerFactory("dnn"), input_shape, classes), state, path))
+        plain = apply_state_dict(build(LayerFactory("dnn"), input_shape, classes), state, path)
+        if first:
+            _warn_skipped(plain, path)
+        start_from_plain(net, plain)
         return net
     return build_from
 
@@ -338,6 +349,10 @@ def read_state_dict(path):
     state = state.get("model", state) if isinstance(state, dict) else state
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise InputError(f"model.pretrained {path}: expected a state dict of tensors")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:   # a diverged training's weights: every output NaN, which surgery's output check reports as a change
+        raise InputError(f"model.pretrained {path}: {len(bad)} tensor(s) hold NaN or infinite values "
+                         f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     return state
 
 
@@ -355,6 +370,17 @@ def apply_state_dict(module, state, path):
     return module
 
 
+def _warn_skipped(module, path):
+    """One warning naming the module's parameters that `path` left at their fresh initialisation: expected for
+    a classifier trained on another number of classes, a sign of the wrong file when it is more."""
+    params = {n for n, _ in module.named_parameters()}
+    skipped = [k for k in module.skipped_pretrained if k in params]
+    if skipped:
+        warnings.warn(f"model.pretrained {path}: {len(skipped)} of {len(params)} parameters keep their fresh "
+                      f"initialisation (no tensor of that name and shape there): {', '.join(skipped[:4])}"
+                      f"{', ...' if len(skipped) > 4 else ''}", stacklevel=2)
+
+
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")   # nn.DataParallel / DistributedDataParallel, torch.compile
 
 
@@ -370,29 +396,35 @@ def _unwrapped(state, own):
     return state
 
 
-def _check_runs(module, input_shape):
+def check_runs(module, input_shape, name=None):
+    """That `module` runs on a batch of two inputs of `input_shape` (zeros) in evaluation and in training mode
+    and returns a tensor: else one ArchError naming it (`name`, or its class) and the shape. Leaves it in
+    evaluation mode."""
+    name = name or type(module).__name__
     try:
         with torch.no_grad():
             module.eval()(torch.zeros((2,) + tuple(input_shape)))
             with torch.random.fork_rng(devices=[]):   # its dropout draws leave the seeded stream as it was
                 training = copy.deepcopy(module).train()(torch.zeros((2,) + tuple(input_shape)))
     except Exception as e:
-        raise ArchError(f"model.arch: {type(module).__name__} does not run on inputs of the data's shape "
+        raise ArchError(f"model.arch: {name} does not run on inputs of the data's shape "
                         f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     if not isinstance(training, torch.Tensor):   # torchvision's googlenet / inception_v3 with auxiliary heads
-        raise ArchError(f"model.arch: {type(module).__name__} returns {type(training).__name__} in training mode, "
+        raise ArchError(f"model.arch: {name} returns {type(training).__name__} in training mode, "
                         f"not a tensor of class scores; build it without auxiliary outputs (torchvision: "
                         f"aux_logits=False)")
 
 
-def output_classes(module, input_shape):
+def output_classes(module, input_shape, where="bayesianize"):
     """The number of classes `module` predicts (its output's second dimension), checking that it runs."""
-    _check_runs(module, input_shape)
+    check_runs(module, input_shape)
     with torch.no_grad():
         out = module.eval()(torch.zeros((1,) + tuple(input_shape)))
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
-        raise ArchError(f"bayesianize: {type(module).__name__} must return [batch, classes] logits")
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ArchError(f"{where}: {type(module).__name__} must return [batch, classes] logits, got {shape} "
+                        f"for a batch of one")
     if not out.is_floating_point():   # class indices (argmax) or rounded scores: no softmax, no gradient
-        raise ArchError(f"bayesianize: {type(module).__name__} returns {out.dtype} values; it must return "
+        raise ArchError(f"{where}: {type(module).__name__} returns {out.dtype} values; it must return "
                         f"[batch, classes] logits as floating-point numbers (leave out any argmax or rounding)")
     return out.shape[1]
