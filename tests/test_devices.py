@@ -557,3 +557,52 @@ def test_an_alias_to_a_missing_profile_names_the_file_that_holds_it(tmp_path, mo
     monkeypatch.setenv("EDGEBAYES_DEVICES", str(tmp_path))
     with pytest.raises(ConfigError, match=r"myboard\.yaml: alias: unknown device 'local2'"):
         load_device_profile("myboard")
+
+
+def test_an_interrupted_stream_stops_the_runner_it_started(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM while edgebayes relays the runner's progress left the runner (or ssh) running on its
+    own, holding the timing lock, in a work folder already removed. Now it is stopped with edgebayes."""
+    import io
+
+    from edgebayes.deploy import transport
+
+    pid_file = tmp_path / "pid"
+    child = ("import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+             "sys.stderr.write('progress\\n'); sys.stderr.flush(); time.sleep(60)")
+
+    class Interrupting(io.StringIO):
+        def write(self, text):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(transport.sys, "stderr", Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        transport._stream([sys.executable, "-c", child, str(pid_file)])
+    pid = int(pid_file.read_text())
+    # the child is gone (reaped by _stream): signalling it fails
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_one_run_at_a_time_profiles_a_device_and_the_next_waits_for_its_table(tmp_path):
+    """Two pipelines of different runs on one device both profiled it at once; the second now waits for the
+    first (and select then reads the table the first wrote instead of profiling again)."""
+    import threading
+
+    from edgebayes.config import load_device_profile
+    from edgebayes.deploy.latency_model import profiling
+
+    profile, events, said = load_device_profile("local"), [], []
+
+    def second():
+        with profiling(profile, tmp_path, log=said.append):
+            events.append("second in")
+
+    with profiling(profile, tmp_path):
+        thread = threading.Thread(target=second)
+        thread.start()
+        thread.join(timeout=1.0)
+        assert thread.is_alive() and events == []   # blocked while the first holds the device
+        events.append("first out")
+    thread.join(timeout=10)
+    assert events == ["first out", "second in"]
+    assert said and said[0].startswith("waiting for another edgebayes profiling local")

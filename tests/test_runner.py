@@ -562,3 +562,22 @@ def test_native_start_up_noise_is_filtered_and_the_rest_kept(capfd):
         os.write(2, b"E0000 real trouble: could not allocate tensors\n")
     err = capfd.readouterr().err
     assert err == "E0000 real trouble: could not allocate tensors\n"
+
+
+def test_out_onto_a_file_of_the_bundle_is_refused_and_the_bundle_kept(bundle, tmp_path, capsys):
+    """--out bundle/model.onnx replaced the model by the results (exit 0), and the next run refused the bundle."""
+    bundle_dir, _, _ = bundle
+    for name in ("model.onnx", "manifest.json"):
+        before = (bundle_dir / name).read_bytes()
+        assert cli.main(["--bundle", str(bundle_dir), "--out", str(bundle_dir / name), *FAST]) == 2
+        assert f"--out {bundle_dir / name} is a file of the bundle" in capsys.readouterr().err
+        assert (bundle_dir / name).read_bytes() == before
+    assert cli.main(["--bundle", str(bundle_dir), "--out", str(bundle_dir / "results.json"), *FAST]) == 0
+
+
+def test_a_tag_that_is_not_key_value_is_a_bad_command_line(bundle, tmp_path, capsys):
+    bundle_dir, _, _ = bundle
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--bundle", str(bundle_dir), "--out", str(tmp_path / "r.json"), "--tag", "device", *FAST])
+    assert exit_.value.code == 2 and "--tag expects KEY=VALUE, got 'device'" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

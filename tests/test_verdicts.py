@@ -217,3 +217,29 @@ def test_devices_comparison_page(trained_runs, quick_config, tmp_path, capsys):
     code, _, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", "local",
                        "jetson")
     assert code == 1 and "--device jetson" in err
+
+
+def test_an_mc_samples_budget_that_allows_none_of_the_grid_is_refused_before_any_work(quick_config, tmp_path,
+                                                                                       capsys):
+    """budgets.mc_samples [3] against select.mc_samples [1, 2, 4, 8]: train, select and export ran, then 'no fit'
+    (exit 3) with the reason in select's log only. Now bad input naming both keys, nothing written."""
+    device = write_profile(tmp_path / "three.yaml", base="local", budgets={"mc_samples": [3]})
+    code, _, err = cli(capsys, "pipeline", "--config", quick_config, "--device", device, "--runs-dir",
+                       str(tmp_path / "runs"))
+    assert code == 2, err
+    assert "budgets.mc_samples [3] of device" in err, err and "allows none of select.mc_samples [1, 2, 4, 8]" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_unreachable_device_without_a_latency_table_exits_4_saying_how_to_make_one(trained_runs, quick_config,
+                                                                                       tmp_path, capsys):
+    """Nothing to predict from and no device: no report can be written, and the exit code is the unreachable
+    device's (4, what a CI script retries on), not a stage's failure (1)."""
+    device = unreachable(tmp_path, trained_runs, name="no-table-board")
+    profile = yaml.safe_load(Path(device).read_text())
+    profile["latency_model"] = {"kind": "measure"}
+    Path(device).write_text(yaml.safe_dump(profile))
+    code, _, err = cli(capsys, "pipeline", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
+    assert code == EXIT_PREDICTED, err
+    assert "host unreachable" in err and "no latency table to predict from either" in err
+    assert not (trained_runs / "digits-ssgl/report/no-table-board/report.json").exists()

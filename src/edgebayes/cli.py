@@ -30,7 +30,7 @@ from pathlib import Path
 
 from edgebayes import STAGES
 from edgebayes.config import ConfigError, load_device_profile, load_pipeline_config
-from edgebayes.errors import InputError, StageError
+from edgebayes.errors import InputError, StageError, UnreachableWithoutTable
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 EXIT_BUDGET, EXIT_PREDICTED = 3, 4
@@ -43,7 +43,8 @@ EXIT_CODES = {
                     "reported before any work with the file and key named",
     EXIT_BUDGET: "the chosen point fails a budget on the device, or a budget could not be judged there, or no "
                  "operating point fits (the summary and the report say which)",
-    EXIT_PREDICTED: "the device could not be reached: the report holds predictions; the summary says how to finish",
+    EXIT_PREDICTED: "the device could not be reached: the report holds predictions and the summary says how to "
+                    "finish; without a latency table to predict from, no report, and the message says how to make one",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): run the same command again to resume",
     EXIT_TERMINATED: "terminated (SIGTERM): unwound as Ctrl-C is; run the same command again to resume",
 }
@@ -222,11 +223,12 @@ def _devices(args):
     transport = transport_for(profile, runs_dir / "devices" / profile.name / "device")
     if args.action == "check":
         return _check(profile, transport)
-    from edgebayes.deploy.latency_model import profile_device
+    from edgebayes.deploy.latency_model import profile_device, profiling
     from edgebayes.deploy.selection import select_bench
 
     cfg = load_pipeline_config(args.config, args.settings)
-    path, table = profile_device(profile, cfg, transport, runs_dir, select_bench(cfg.benchmark))
+    with profiling(profile, runs_dir):
+        path, table = profile_device(profile, cfg, transport, runs_dir, select_bench(cfg.benchmark))
     print(f"devices profile: {len(table['rows'])} models timed on {profile.name} "
           f"({table['runtime']['name']} {table['runtime']['version']}, threads {table['protocol']['threads']}, "
           f"batch {table['batch_size']})")
@@ -418,6 +420,15 @@ def _run(args):
         return _devices(args)
     cfg = load_pipeline_config(args.config, args.settings)   # before torch loads
     profile = load_device_profile(args.device)
+    allowed = [m for m in cfg.select.mc_samples if not profile.budgets.mc_samples_violations(m)]
+    if not allowed:   # no candidate could ever fit: say so before any work, not as "no fit" after selection
+        b = profile.budgets
+        limit = " and ".join(x for x in (b.mc_samples is not None and f"budgets.mc_samples {b.mc_samples}",
+                                         b.mc_samples_max is not None and f"budgets.mc_samples_max {b.mc_samples_max}")
+                             if x)
+        raise ConfigError(f"{args.device}: {limit} of device {profile.name} allows none of select.mc_samples "
+                          f"{list(cfg.select.mc_samples)} of {args.config}: no operating point could fit; give an "
+                          f"allowed M in select.mc_samples (--set select.mc_samples=[...]) or widen the budget")
     from edgebayes.stages import Context, run_pipeline, run_stage, splits_for
 
     ctx = Context(cfg, profile, runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config,
@@ -469,8 +480,9 @@ def main(argv=None) -> int:
         return _run(args)
     except InputError as e:
         message, code = f"{e}", EXIT_BAD_INPUT
-    except StageError as e:
-        message, code = f"{what} failed: {e}", EXIT_FAILED
+    except StageError as e:   # a device that cannot be reached, with nothing to predict from: its own code
+        message = f"{what} failed: {e}"
+        code = EXIT_PREDICTED if isinstance(e, UnreachableWithoutTable) else EXIT_FAILED
     except KeyboardInterrupt:
         message, code = "interrupted; run again to resume", EXIT_INTERRUPTED
     except Terminated:

@@ -23,3 +23,8 @@ class CorruptFileError(StageError, ValueError):
 class ArchError(InputError, ValueError):
     """`model.arch` names nothing that builds a network (train/arch.py), or a module cannot be made the
     net of a family (train/bayesianize.py); the message says what was tried."""
+
+
+class UnreachableWithoutTable(StageError):
+    """The device cannot be used and there is no latency table to predict from (deploy/selection.py): no
+    report can be written. The CLI exits with the unreachable device's code (4), not a stage's failure (1)."""

@@ -38,10 +38,10 @@ from tqdm.auto import tqdm
 from edgebayes.compressed.samples import EmptyLayerError, compress, predict
 from edgebayes.compressed.structure import count_weights, paper_flops
 from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, measure_models,
-                                            predictor_for, profile_device)
+                                            predictor_for, profile_device, profiling)
 from edgebayes.deploy.memory import deployed_estimate, memory_estimate
 from edgebayes.deploy.transport import DeviceUnavailable
-from edgebayes.errors import StageError
+from edgebayes.errors import StageError, UnreachableWithoutTable
 from edgebayes.export.formats import formats_for, operator_count
 from edgebayes.ondevice.backends import RuntimeProblem
 from edgebayes.ondevice.metrics import per_example
@@ -128,17 +128,21 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
     if profile.latency_model.kind == "measure":
         try:
             if predictor is None:
-                log(f"select: no latency table for {profile.name} yet: profiling it first (edgebayes devices profile)")
-                try:
-                    path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log)
-                    predictor = TablePredictor.load(path)
-                except LatencyModelError as e:   # measured only; the report then shows no prediction
-                    log(f"select: {e}")
+                with profiling(profile, runs_dir, log=log):
+                    predictor = predictor_for(profile, runs_dir)   # profiled by another run while this one waited
+                    if predictor is None:
+                        log(f"select: no latency table for {profile.name} yet: profiling it first "
+                            f"(edgebayes devices profile)")
+                        try:
+                            path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log)
+                            predictor = TablePredictor.load(path)
+                        except LatencyModelError as e:   # measured only; the report then shows no prediction
+                            log(f"select: {e}")
             timed = measure_models(transport, profile, models, example, bench, log=log)
             return {i: timed[i]["latency_ms"][key] for i, _, _ in models}, predictor, timed[None]
         except DeviceUnavailable as e:
             if predictor is None:
-                raise SelectionError(f"{e}; no latency table to predict from either: run `edgebayes devices "
+                raise UnreachableWithoutTable(f"{e}; no latency table to predict from either: run `edgebayes devices "
                                      f"profile {profile.name}` while the device is reachable") from None
             log(f"select: {e}; latency {predictor.describe()}")
     return {i: None for i, _, _ in models}, predictor, None

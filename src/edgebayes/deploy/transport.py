@@ -132,12 +132,22 @@ def _stream(argv, cwd=None, stdin=None, echo=True):
     proc = subprocess.Popen(argv, cwd=cwd, stdin=stdin if stdin is not None else subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     tail = b""
-    for chunk in iter(lambda: proc.stderr.read1(4096), b""):
-        if echo:
-            sys.stderr.write(chunk.decode(errors="replace"))
-            sys.stderr.flush()
-        tail = (tail + chunk)[-8192:]
-    return proc.wait(), _lines(tail)
+    try:
+        for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+            if echo:
+                sys.stderr.write(chunk.decode(errors="replace"))
+                sys.stderr.flush()
+            tail = (tail + chunk)[-8192:]
+        return proc.wait(), _lines(tail)
+    except BaseException:   # Ctrl-C, SIGTERM (Terminated): stop the runner (or ssh) too, not leave it orphaned
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        raise
 
 
 class Transport:

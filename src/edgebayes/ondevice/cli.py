@@ -30,12 +30,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from .atomic import write_json
 from .backends import RuntimeProblem
-from .bundle import (SCHEMA_VERSION, BundleError, load_eval_set, load_ood_set, select_artifact, sha256_file,
+from .bundle import (MANIFEST_NAME, SCHEMA_VERSION, BundleError, load_eval_set, load_ood_set, select_artifact, sha256_file,
                      verify_bundle)
 from .machine import DeviceBusy, current_rss_mb, device_info, peak_rss_mb, reset_peak_rss, timing_lock, utc_now
 from .metrics import classification_metrics, ood_detection, reliability_bins, selective_prediction
@@ -134,7 +135,8 @@ def _tags(pairs):
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"runner: --tag expects KEY=VALUE, got {pair!r}")
+            print(f"runner: --tag expects KEY=VALUE, got {pair!r}", file=sys.stderr)
+            raise SystemExit(EXIT_BUNDLE)   # a bad command line: 2, as argparse's own errors
         tags[key] = value
     return tags
 
@@ -240,6 +242,12 @@ def main(argv=None):
         artifact = select_artifact(args.bundle, manifest, args.artifact)
     except BundleError as exc:
         print(f"runner: {exc}", file=sys.stderr)
+        return EXIT_BUNDLE
+    # --out onto a file of the bundle (its manifest, or any file the manifest hashes) would destroy the bundle
+    bundle_dir = Path(args.bundle).resolve()
+    if any(Path(args.out).resolve() == (bundle_dir / n).resolve() for n in (MANIFEST_NAME, *manifest["files"])):
+        print(f"runner: --out {args.out} is a file of the bundle {args.bundle}; writing the results there would "
+              f"destroy it: give another path (e.g. --out results.json)", file=sys.stderr)
         return EXIT_BUNDLE
     runtime = args.runtime or artifact["runtime"]
     # Memory, in this order: the runtime imported with no model (its baseline); the eval set loaded; the
