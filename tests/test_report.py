@@ -499,3 +499,14 @@ def test_the_shipped_temperature_is_in_the_summary_and_the_headline(tmp_path):
     assert "T=" not in next(l for l in report_mod.summary_text(report_mod.terminal_summary(rep), 0)
                             if "chosen point" in l)
     assert "at temperature" not in (tmp_path / "report.html").read_text()
+
+
+def test_the_summary_says_no_budget_set_once_not_as_a_second_verdict():
+    from edgebayes.deploy.summary import summary_text
+
+    lines = summary_text({"run": "r", "device": "d", "mode": "measured", "latency_basis": "measured", "chosen": {},
+                          "budgets": {"latency_ms": {"value": 0.0385, "limit": None, "verdict": "not set"},
+                                      "model_mb": {"value": 0.03, "limit": 5, "verdict": "pass"}}})
+    budget = [ln for ln in lines if ln.startswith("  budget")]
+    assert budget[0].endswith("38.5 us: no budget set") and "not set" not in budget[0], budget
+    assert budget[1].endswith("<= 5 MB: pass"), budget

@@ -78,7 +78,7 @@ def violations(candidate, budgets, max_ece=None):
     memory = cost.get("memory_estimate_mb")
     if budgets.memory_mb is not None and memory is not None and memory > budgets.memory_mb:
         at_least = "at least " if cost.get("memory_estimate_lower_bound") else ""
-        out.append(f"model's own memory (estimated) {at_least}{memory:.1f} MB > budget {budgets.memory_mb} MB")
+        out.append(f"model's own memory (estimated) {at_least}{memory:.3g} MB > budget {budgets.memory_mb} MB")
     out += budgets.mc_samples_violations(candidate["mc_samples"])
     if max_ece is not None and candidate["val"]["ece"] > max_ece:
         out.append(f"val ECE {candidate['val']['ece']:.4f} > max_ece {max_ece}")

@@ -556,8 +556,11 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              f"  memory        {fmt(t.get('memory_mb'), 'MB')} " + _memory_note(t)]
     for key, b in dict_or_empty(t.get("budgets")).items():
         label, unit = BUDGETS.get(key, (key, ""))
-        limit = "not set" if b.get("limit") is None else f"<= {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
         value = ms(b.get("value")) if unit == "ms" else fmt(b.get("value"), unit)
+        if b.get("limit") is None:   # "latency 38.5 us not set: not set" read as a second verdict
+            lines.append(f"  budget        {label} {value}: no budget set")
+            continue
+        limit = f"<= {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
         lines.append(f"  budget        {label} {value} {limit}: {b.get('verdict')}"
                      + (f" ({b.get('basis')})" if b.get("basis") not in (None, "measured", "file") else ""))
     if t.get("no_fit"):
