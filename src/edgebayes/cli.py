@@ -420,8 +420,7 @@ def _run(args):
         return _devices(args)
     cfg = load_pipeline_config(args.config, args.settings)   # before torch loads
     profile = load_device_profile(args.device)
-    allowed = [m for m in cfg.select.mc_samples if not profile.budgets.mc_samples_violations(m)]
-    if not allowed:   # no candidate could ever fit: say so before any work, not as "no fit" after selection
+    if not profile.budgets.allowed_mc_samples(cfg.select.mc_samples):   # no candidate could ever fit: say so before any work, not as "no fit" after selection
         b = profile.budgets
         limit = " and ".join(x for x in (b.mc_samples is not None and f"budgets.mc_samples {b.mc_samples}",
                                          b.mc_samples_max is not None and f"budgets.mc_samples_max {b.mc_samples_max}")

@@ -435,6 +435,10 @@ class Budgets(Section):
             out.append(f"M={m} > budget mc_samples_max {self.mc_samples_max}")
         return out
 
+    def allowed_mc_samples(self, grid) -> list:
+        """The numbers of MC samples of `grid` (select.mc_samples) this device allows."""
+        return [m for m in grid if not self.mc_samples_violations(m)]
+
 
 # ssh argv safety: a value starting with '-' would be read as an option (`user: -oProxyCommand=...`).
 SshArgument = Annotated[Optional[str], Check(lambda v: v.strip() and not v.startswith("-"),

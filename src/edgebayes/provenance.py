@@ -160,9 +160,10 @@ def provenance(config_hash: str) -> dict:
 
 
 @contextlib.contextmanager
-def exclusive(path, what):
+def exclusive(path, what, wait=None):
     """Hold the lock file `path` for this process: a second holder fails at once with a StageError naming
-    `what` and this one's pid (two writers of one run folder or one checkpoint interleave their states)."""
+    `what` and this one's pid (two writers of one run folder or one checkpoint interleave their states).
+    With `wait` (a log function), the second holder says once that it waits for `what`, then waits."""
     from edgebayes.errors import StageError
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -172,8 +173,11 @@ def exclusive(path, what):
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "unknown"
-            raise StageError(f"{what} is in use by another edgebayes (pid {holder}); wait for it to finish or "
-                             f"stop it, then run again") from None
+            if wait is None:
+                raise StageError(f"{what} is in use by another edgebayes (pid {holder}); wait for it to finish "
+                                 f"or stop it, then run again") from None
+            wait(f"waiting for another edgebayes {what} (pid {holder}, {path})")
+            fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")

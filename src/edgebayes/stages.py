@@ -306,8 +306,9 @@ def load_trained_model(ctx):
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:   # the net the config builds now is not the one trained (its code was edited)
+        lines = str(e).splitlines()   # torch's: a heading, then one line per mismatch
         raise StageError(f"train: {out / 'checkpoint.pt'} holds another network than model.arch builds now "
-                         f"({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}); "
+                         f"({lines[1].strip() if len(lines) > 1 else e}); "
                          f"run `{ctx.program} train --force`") from None
     return model.eval()
 

@@ -47,8 +47,7 @@ def device_flops_target(shares, profile):
 
 def _fewest_mc_samples(cfg, profile):
     """The fewest MC samples select may choose on this device."""
-    allowed = [k for k in cfg.select.mc_samples if not profile.budgets.mc_samples_violations(k)]
-    return min(allowed or cfg.select.mc_samples)
+    return min(profile.budgets.allowed_mc_samples(cfg.select.mc_samples) or cfg.select.mc_samples)
 
 
 def target_advice(cfg, where, share):

@@ -39,8 +39,6 @@ candidate on the device when it can, and otherwise marks the prediction as not c
 A kind `measure` device that cannot be reached falls back to the table, then to the spec sheet.
 """
 
-import contextlib
-import fcntl
 import json
 import math
 import shutil
@@ -57,7 +55,7 @@ from edgebayes.export.formats import formats_for, operator_count
 from edgebayes.ondevice.bundle import RUNNER_FILE
 from edgebayes.ondevice.cli import command_line
 from edgebayes.ondevice.pack import write_runner
-from edgebayes.provenance import provenance, read_json, write_json
+from edgebayes.provenance import exclusive, provenance, read_json, write_json
 from edgebayes.train.layers import LayerFactory
 from edgebayes.train.zoo.mlp import mlp
 
@@ -270,23 +268,12 @@ def _mlp(widths, activation):
     return mlp(LayerFactory("dnn", activation=activation), (widths[0],), widths[-1], hidden=widths[1:-1]).eval()
 
 
-@contextlib.contextmanager
 def profiling(profile, runs_dir, log=print):
     """One process at a time profiles a device of a runs folder: two pipelines of different runs on the same
     device both profiled it at once (each timing the other's load) and the table left was one run's, while the
-    other's predictions came from its own. A second waits here (blocking), then finds the first one's table."""
-    lock = Path(runs_dir) / "devices" / profile.name / "profiling.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another edgebayes profiling {profile.name} ({lock})")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    other's predictions came from its own. A second waits here, then finds the first one's table."""
+    return exclusive(Path(runs_dir) / "devices" / profile.name / "profiling.lock", f"profiling {profile.name}",
+                     wait=log)
 
 
 def profile_device(profile, cfg, transport, runs_dir, bench, log=print):

@@ -27,8 +27,6 @@ it, so a switched-off channel is exactly zero after it); everything else is ordi
 
 import inspect
 
-import torch
-
 from edgebayes.errors import ArchError
 from edgebayes.plugins import IMPORT_PATH, load_callable
 from edgebayes.train.bayesianize import check_runs, module_builder, with_pretrained
@@ -103,10 +101,7 @@ def checked_builder(fn, kw, name):
             raise ArchError(f"model.arch: {name} cannot be built for inputs of shape {tuple(input_shape)} and "
                             f"{classes} classes ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         if (tuple(input_shape), classes) not in checked:
-            training = net.training
-            with torch.random.fork_rng(devices=[]):   # a Bayesian net's forward draws noise
-                check_runs(net, input_shape, name)
-            net.train(training)
+            check_runs(net, input_shape, name)
             checked.add((tuple(input_shape), classes))
         return net
     return build

@@ -398,14 +398,13 @@ def _unwrapped(state, own):
 
 def check_runs(module, input_shape, name=None):
     """That `module` runs on a batch of two inputs of `input_shape` (zeros) in evaluation and in training mode
-    and returns a tensor: else one ArchError naming it (`name`, or its class) and the shape. Leaves it in
-    evaluation mode."""
-    name = name or type(module).__name__
+    and returns a tensor: else one ArchError naming it (`name`, or its class) and the shape. The module's mode
+    and torch's seeded stream are left as they were (dropout, and a Bayesian net's noise in both modes)."""
+    name, was_training = name or type(module).__name__, module.training
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             module.eval()(torch.zeros((2,) + tuple(input_shape)))
-            with torch.random.fork_rng(devices=[]):   # its dropout draws leave the seeded stream as it was
-                training = copy.deepcopy(module).train()(torch.zeros((2,) + tuple(input_shape)))
+            training = copy.deepcopy(module).train()(torch.zeros((2,) + tuple(input_shape)))
     except Exception as e:
         raise ArchError(f"model.arch: {name} does not run on inputs of the data's shape "
                         f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -413,6 +412,7 @@ def check_runs(module, input_shape, name=None):
         raise ArchError(f"model.arch: {name} returns {type(training).__name__} in training mode, "
                         f"not a tensor of class scores; build it without auxiliary outputs (torchvision: "
                         f"aux_logits=False)")
+    module.train(was_training)
 
 
 def output_classes(module, input_shape, where="bayesianize"):
