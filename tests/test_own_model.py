@@ -896,6 +896,39 @@ def test_editing_the_users_model_or_loader_file_retrains(user_package, tmp_path,
     assert zoo.fingerprint("train") == zoo.fingerprint("train")   # a zoo name: nothing of the user's to follow
 
 
+def test_modules_the_users_file_imports_count_too_and_installed_ones_do_not(user_package, tmp_path):
+    """A layer edited in a module the user's net imports (relatively, absolutely, or inside a function) was
+    reported up to date; torch, torchvision and the standard library are not the user's and are not followed."""
+    import os
+
+    from edgebayes.plugins import source_files
+
+    pkg = tmp_path / "userpkg"
+    (pkg / "blocks.py").write_text("import math\nimport torch\nfrom torch import nn\n\nclass Block(nn.Module):\n"
+                                   "    pass\n")
+    (pkg / "deep.py").write_text("X = 1\n")
+    (pkg / "lazy.py").write_text("from . import deep\n")
+    (tmp_path / "userhelpers.py").write_text("import json\n")
+    nets = pkg / "nets.py"
+    nets.write_text("from .blocks import Block\nimport userhelpers\nfrom torchvision.models import resnet18\n"
+                    "def later():\n    from userpkg import lazy\n" + nets.read_text())
+    found = source_files(f"{user_package}:PlainNet")
+    assert {f.name for f in found} == {"nets.py", "blocks.py", "lazy.py", "deep.py", "userhelpers.py", "__init__.py"}
+    assert all(f.is_relative_to(tmp_path.resolve()) for f in found), found   # nothing of torch or the stdlib
+    assert source_files("mlp") == [] and source_files("no_such_module_here:net") == []
+
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.stages import Context
+
+    ctx = Context(load_pipeline_config(_config(tmp_path, arch=f"{user_package}:PlainNet")),
+                  load_device_profile("local"))
+    before = ctx.fingerprint("train")
+    for edited in (pkg / "deep.py", tmp_path / "userhelpers.py", pkg / "blocks.py"):
+        os.utime(edited, ns=(1, edited.stat().st_mtime_ns + 10**9))
+        assert ctx.fingerprint("train") != before, edited
+        before = ctx.fingerprint("train")
+
+
 def test_a_checkpoint_of_another_network_than_the_config_builds_names_train_force(user_package, tmp_path, capsys):
     """An edit the fingerprint cannot see (a module the user's file imports): the next stage says to retrain,
     not a traceback of load_state_dict."""

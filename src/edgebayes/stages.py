@@ -40,7 +40,7 @@ from edgebayes.data import data_fingerprint, load_data
 from edgebayes.errors import StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
-from edgebayes.plugins import source_file
+from edgebayes.plugins import source_files
 from edgebayes.provenance import (code_hash, code_version, exclusive, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
@@ -158,8 +158,8 @@ class Context:
             if c.model.pretrained:
                 contents.append(["pretrained", stat_fingerprint(Path(c.model.pretrained))])
             for key, value in (("model.arch", c.model.arch), ("data.dataset", c.data.dataset)):
-                if (source := source_file(value)) is not None:   # the user's own net or loader, edited since
-                    contents.append([key, stat_fingerprint(source)])
+                if sources := source_files(value):   # the user's own net or loader and what it imports, edited since
+                    contents.append([key, *(stat_fingerprint(f) for f in sources)])
             if c.train.flops_target == "device":   # the target comes from the device's budgets (run_train)
                 from edgebayes.deploy.latency_model import table_path
 
