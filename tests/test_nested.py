@@ -324,11 +324,13 @@ def test_train_forward_masks_whole_groups_with_ordered_masks():
 
 @pytest.mark.parametrize("blocks", ["one", "several"])
 @pytest.mark.parametrize("kind", ["linear", "linear tokens", "conv", "depthwise+bn", "conv+bn channels_last",
-                                  "conv+bn one mask per batch", "depthwise+bn one mask per batch"])
+                                  "conv+bn one mask per batch", "depthwise+bn one mask per batch",
+                                  "conv one mask per batch", "conv channels_last"])
 def test_bayesian_training_forward_equals_the_plain_local_reparameterization(kind, blocks, monkeypatch):
     """BN3's weight noise goes through spike_slab's fused local reparameterization (blocks of the batch, a
-    written-out backward), and a batch's one mask is folded into its batch norm's affine map: the output, every
-    gradient (theta, log alpha, the bias, the norm's, x) and the batch norm's running statistics are those of
+    written-out backward), a per-example mask without a batch norm goes into the same blocks, and a batch's one
+    mask is folded into its batch norm's affine map: the output, every gradient (theta, log alpha, the ordering
+    unit's mubar, the bias, the norm's, x) and the batch norm's running statistics are those of
     eq. 21-22 and the mask written plainly, with the same noise."""
     from torch import nn
     from edgebayes.train import spike_slab
@@ -361,8 +363,8 @@ def test_bayesian_training_forward_equals_the_plain_local_reparameterization(kin
         assert len(batch_blocks(len(x), per_sample, x.device)) == 3
     layer.train()
     x.requires_grad_(True)
-    params = ([x, layer.theta, layer.log_alpha] + ([layer.bias] if layer.bias is not None else [])
-              + (list(layer.norm.parameters()) if layer.norm is not None else []))
+    params = ([x, layer.theta, layer.log_alpha, layer.ordering.mubar]
+              + ([layer.bias] if layer.bias is not None else []) + (list(layer.norm.parameters()) if layer.norm is not None else []))
     initial = {k: v.clone() for k, v in layer.state_dict().items() if "running" in k or "batches" in k}
     results, stats = [], []
     for compute in ("fused", "plain"):

@@ -178,20 +178,26 @@ class _LocalReparameterization(torch.autograd.Function):
     layer has none), added by the affine op itself; and the backward's eps / (2 std) is kept as eps / std, the
     1/2 applied to the var map's weight-sized gradients (and x's gradient through x^2, 2 x g_sq, taken as x g_sq).
 
+    A per-example factor `example_unit` (BN3's nested mask, one per example: train/nested.py; or None),
+    broadcastable to the output with the batch on dim 0, multiplies each block in cache as well: as an autograd
+    op after this one it was one more pass over the whole output forward and two backward (the product, and
+    the factor's gradient sum g * pre over each example's outputs). It cannot go into the weights, so the
+    output before it (pre) is kept for its gradient, as autograd's product kept it.
+
     The same value and gradients as the autograd graph of the plain expression with the same noise
-    (tests/test_spike_slab.py); the noise is drawn block after block, each in memory order. Kept for the
-    backward: eps / sqrt(var + 1e-16).
+    (tests/test_spike_slab.py, tests/test_nested.py); the noise is drawn block after block, each in memory
+    order. Kept for the backward: eps / sqrt(var + 1e-16), and pre where there is a per-example factor.
     """
 
     @staticmethod
-    def forward(ctx, layer, x, weight_mu, bias_mu, weight_var, bias_var, unit):
+    def forward(ctx, layer, x, weight_mu, bias_mu, weight_var, bias_var, unit, example_unit):
         n = x.shape[0]
         blocks = batch_blocks(n, layer._outputs_per_sample(x), x.device)
         unit_view = None if unit is None else layer._unit_view(unit, x.dim())
         mean_w, mean_b = _scaled_by_unit(layer, weight_mu, bias_mu, unit)
         var_b = (torch.full((weight_var.shape[0],), 1e-16, dtype=weight_var.dtype, device=weight_var.device)
                  if bias_var is None else bias_var + 1e-16)   # var + 1e-16 by the affine op (class docstring)
-        out = eps_over_std = None
+        out = eps_over_std = pre = None
         for start, stop in blocks:
             xb = x[start:stop]
             mean = layer._affine(xb, mean_w, mean_b)
@@ -202,17 +208,23 @@ class _LocalReparameterization(torch.autograd.Function):
                 eps_over_std = torch.empty(full, **like)
                 dtype = mean.dtype if unit is None else torch.promote_types(mean.dtype, unit.dtype)
                 out = torch.empty(full, **{**like, "dtype": dtype})
+                if example_unit is not None:
+                    pre = out
+                    out = torch.empty(full, **{**like, "dtype": torch.promote_types(dtype, example_unit.dtype)})
             eps = normal_in_memory_order_(eps_over_std[start:stop])
-            torch.addcmul(mean, std if unit is None else std * unit_view, eps, out=out[start:stop])
+            written = (out if pre is None else pre)[start:stop]
+            torch.addcmul(mean, std if unit is None else std * unit_view, eps, out=written)
+            if pre is not None:
+                torch.mul(written, example_unit[start:stop], out=out[start:stop])
             eps.div_(std)   # in place: eps is not needed any more
         ctx.layer, ctx.blocks = layer, blocks
-        ctx.save_for_backward(x, weight_mu, bias_mu, weight_var, var_b, unit, eps_over_std)
+        ctx.save_for_backward(x, weight_mu, bias_mu, weight_var, var_b, unit, eps_over_std, example_unit, pre)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight_mu, bias_mu, weight_var, var_b, unit, eps_over_std = ctx.saved_tensors
-        _, need_x, need_mu, need_bias_mu, need_var, need_bias_var, need_unit = ctx.needs_input_grad
+        x, weight_mu, bias_mu, weight_var, var_b, unit, eps_over_std, example_unit, pre = ctx.saved_tensors
+        _, need_x, need_mu, need_bias_mu, need_var, need_bias_var, need_unit, need_example = ctx.needs_input_grad
         layer, dtype = ctx.layer, eps_over_std.dtype   # dtype: the affine ops' (bf16 under autocast)
         # The gradients of the unscaled weights' maps (class docstring); the unit factor's needs them all
         need_mu, need_var = need_mu or need_unit, need_var or need_unit
@@ -221,10 +233,16 @@ class _LocalReparameterization(torch.autograd.Function):
         mean_w, _ = _scaled_by_unit(layer, weight_mu, None, unit)
         var_w, _ = _scaled_by_unit(layer, weight_var, None, unit)   # x's gradient through var sees unit too
         grad_x = torch.empty_like(x) if need_x else None
+        g_example = torch.empty_like(example_unit) if need_example else None
         sums = [None] * 4   # gradients of the maps' weight_mu, bias_mu; weight_var, var_b for g eps / std: per block
         with torch.autocast(grad.device.type, enabled=False):
             for start, stop in ctx.blocks:
-                g = grad[start:stop].to(dtype)
+                g = grad[start:stop]
+                if example_unit is not None:   # the per-example factor's gradient, then g through it (in cache)
+                    if need_example:
+                        g_example[start:stop] = (g * pre[start:stop]).sum_to_size(g_example[start:stop].shape)
+                    g = g * example_unit[start:stop]
+                g = g.to(dtype)
                 xb = x[start:stop]
                 g_var = g * eps_over_std[start:stop]   # twice var's gradient (class docstring)
                 gx_mean, g_mu, g_bias_mu = layer._affine_backward(
@@ -255,7 +273,7 @@ class _LocalReparameterization(torch.autograd.Function):
             g_mu = in_layout(g_mu, weight_mu)
         if g_var_w is not None:
             g_var_w = in_layout(g_var_w, weight_var)
-        return None, grad_x, g_mu, g_bias_mu, g_var_w, g_bias_var, g_unit
+        return None, grad_x, g_mu, g_bias_mu, g_var_w, g_bias_var, g_unit, g_example
 
 
 def _scaled_by_unit(layer, weight, bias, unit):
@@ -265,14 +283,16 @@ def _scaled_by_unit(layer, weight, bias, unit):
     return weight * layer._per_group(unit.to(weight.dtype)), None if bias is None else bias * unit
 
 
-def local_reparameterization(layer, x, weight_mu, bias_mu, weight_var, bias_var, unit=None):
-    """unit * (mean + sqrt(var + 1e-16) eps) of _LocalReparameterization; under torch.compile the plain
-    expression, which the compiler fuses itself."""
+def local_reparameterization(layer, x, weight_mu, bias_mu, weight_var, bias_var, unit=None, example_unit=None):
+    """example_unit * unit * (mean + sqrt(var + 1e-16) eps) of _LocalReparameterization; under torch.compile
+    the plain expression, which the compiler fuses itself."""
     if not torch.compiler.is_compiling():
-        return _LocalReparameterization.apply(layer, x, weight_mu, bias_mu, weight_var, bias_var, unit)
+        return _LocalReparameterization.apply(layer, x, weight_mu, bias_mu, weight_var, bias_var, unit,
+                                              example_unit)
     mean = layer._affine(x, weight_mu, bias_mu)
     out = mean + torch.sqrt(layer._affine(x * x, weight_var, bias_var) + 1e-16) * standard_normal_like(mean)
-    return out if unit is None else out * layer._unit_view(unit, out.dim())
+    out = out if unit is None else out * layer._unit_view(unit, out.dim())
+    return out if example_unit is None else out * example_unit
 
 
 def scaled_batch_norm(norm, x, unit):
