@@ -66,6 +66,49 @@ def test_codebook_onnx_has_integer_weights_no_pruned_inputs_and_the_torch_probab
     assert sum(b["sections"].values()) == b["bytes"] and b["sections"]["weights"] == 0
 
 
+@pytest.mark.parametrize("layout", ["packed", "unrolled"])
+def test_the_export_summary_counts_the_shipped_files_parameters_and_flops(tmp_path, layout):
+    """The report's parameters and FLOPs of an onnx-codebook bundle were those of the fp32 ONNX beside it,
+    with the input pixels the shipped file drops still counted: now of the shipped file. Parameters as
+    onnxruntime holds them once it has decoded the weights; FLOPs by appendix A.1 with the first layer's
+    inputs kept."""
+    import onnxruntime as ort
+
+    from edgebayes.compressed.structure import structure_report
+    from edgebayes.export.onnx_export import onnx_parameter_count
+    from edgebayes.stages import _shipped_structure
+
+    torch.set_num_threads(1)
+    net, m = sqs_net(), 3
+    compressed = compress(net, 0.5, m, seed=0)
+    mc = compressed.mc_model()
+    x = torch.randn(16, INPUTS)
+    details = {}
+    path = export_artifact(mc, "onnx-codebook", tmp_path / "cb.onnx", x, layout=layout, details=details)
+    fp32 = export_artifact(mc, "onnx", tmp_path / "fp32.onnx", x, layout=layout)
+    structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept, (INPUTS,))
+    shipped = _shipped_structure(details, onnx_parameter_count(fp32), structure, m)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "decoded.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    decoded = sum(int(np.prod(t.dims)) for t in onnx.load(str(tmp_path / "decoded.onnx")).graph.initializer
+                  if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 1)
+    kept_inputs = int(net.keep_masks(0.5)[net.wrapped[0]].any(0).sum())
+    first = next(mod for mod in compressed.samples[0].modules() if isinstance(mod, torch.nn.Linear))
+    dropped = (INPUTS - kept_inputs) * first.out_features * m   # the first layer's columns, in every sample
+    assert shipped["shipped_params"] == onnx_parameter_count(fp32) - dropped
+    # onnxruntime's decoded graph: the same, or fewer where it keeps one copy of equal tensors (the biases the
+    # unrolled samples share; onnx_parameter_count counts each use, as the fp32 figure does)
+    assert decoded == shipped["shipped_params"] if layout == "packed" else decoded <= shipped["shipped_params"]
+    flops = structure["pruned_flops"] - (INPUTS - kept_inputs) * first.out_features
+    assert shipped["weights_dropped_with_inputs"] == dropped > 0
+    assert shipped["physical_flops_ratio"] == pytest.approx(flops / structure["dense_flops"])
+    assert shipped["physical_flops_ratio_before_input_removal"] == structure["physical_flops_ratio"]
+    weights_only = {}
+    export_artifact(mc, "onnx-fp16w", tmp_path / "w.onnx", x, layout=layout, details=weights_only)
+    assert _shipped_structure(weights_only, 1, structure, m) == {}   # a file that drops nothing
+
+
 @pytest.mark.parametrize("kind", ["dense", "zero-level", "mask", "zero-list"])
 @pytest.mark.parametrize("levels", [2, 4, 16, 200])
 def test_every_encoding_decodes_the_exact_weights(kind, levels):

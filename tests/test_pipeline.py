@@ -50,6 +50,12 @@ def test_pipeline_meets_the_foundation_targets(run):
     # (select.temperature_scaling, on by default), baked into the graph the runner ran.
     chosen = json.loads((run / "select/local/choice.json").read_text())["candidate"]
     assert export["temperature"] == chosen["temperature"] != 1.0
+    # The Training section's test metrics are training's own evaluation (its default knob, T = 1), and say so;
+    # the shipped widths stand beside the trained architecture.
+    html = (run / "report/local/report.html").read_text()
+    assert "Test metrics at the end of training" in html and "not the shipped point" in html
+    assert " → ".join(str(k) for k in kept) in html
+    assert "kept / dense weights per sample" in html   # the model-file card's ratio, named for what it is
 
 
 def test_second_run_skips_every_stage(run, capsys):
@@ -107,6 +113,23 @@ def test_deploy_refuses_a_corrupted_bundle(run, tmp_path, capsys):
     # own check of the manifest's hashes is in test_runner.py); the advice re-runs export, not deploy.
     assert f"{model} is not what the export stage wrote" in err
     assert "run `edgebayes export --config " in err
+
+
+def test_a_single_stage_refuses_to_build_on_an_earlier_stage_of_another_config(run, tmp_path, capsys):
+    """`report` alone after a config change re-reported the old bundle and recorded the new config beside
+    its figures (exit 0): a stage run alone now names the earlier stage that is out of date, and writes nothing."""
+    runs = tmp_path / "runs"
+    shutil.copytree(run, runs / run.name)
+    report = runs / run.name / "report/local/report.json"
+    before = report.read_bytes()
+    args = ["--config", str(ROOT / "pipeline.yaml"), "--runs-dir", str(runs)]
+    capsys.readouterr()
+    assert main(["report", *args, "--set", "select.mc_samples=[1]"]) == 1
+    err = capsys.readouterr().err
+    assert "report: the select stage is out of date for this config and device" in err
+    assert "run `edgebayes select --config" in err
+    assert report.read_bytes() == before
+    assert main(["report", *args]) == 0   # the config the run was made with: up to date
 
 
 def test_runner_reports_its_own_peak_memory(run):

@@ -441,7 +441,7 @@ def _run(args):
         if args.command == "pipeline":
             run_pipeline(ctx)
         else:
-            run_stage(ctx, args.command)
+            run_stage(ctx, args.command, single=True)
         return _finish(ctx, args)
 
 

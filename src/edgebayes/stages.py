@@ -24,6 +24,7 @@ one edgebayes runs at a time (Context.lock); nothing is written outside --runs-d
 Selection depends on the device, so its folder is per device (DESIGN.md puts it at select/; the code wins).
 """
 
+import math
 import os
 import re
 import shutil
@@ -573,6 +574,7 @@ def run_export(ctx):
     kept_per_sample = count_weights(compressed.samples[0], fold_batch_norm=True)
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
+    shipped = _shipped_structure(primary, onnx_params, structure, m)
     summary = {
         "format": formats[0], "precision": primary["precision"], "layout": primary["layout"],
         "mc_samples": m, "knob": model.knob, "knob_value": knob_value, "temperature": compressed.temperature,
@@ -584,6 +586,7 @@ def run_export(ctx):
         "onnx_params": onnx_params, "kept_weights_per_sample": kept_per_sample,
         "kept_weights_total": kept_per_sample * m,
         "params_match": None if onnx_params is None else onnx_params == kept_per_sample * m,
+        **shipped,
         "fidelity_max_abs_prob_diff": primary["fidelity"]["max_abs_prob_diff"],
         "fidelity_tolerance": e.fidelity_tolerance,
         "model_bytes": manifest["files"][manifest["model_file"]]["bytes"], "reference": manifest["reference"],
@@ -600,6 +603,25 @@ def run_export(ctx):
     write_json(out / "export.json", summary)
     ctx.log(f"export: {out / 'bundle'} with {', '.join(artifacts)}; ONNX parameters {onnx_params} = {m} x "
             f"{kept_per_sample} kept weights: {summary['params_match']}")
+
+
+def _shipped_structure(primary, onnx_params, structure, m):
+    """What the primary artifact itself holds where it is smaller than the network after surgery: an
+    onnx-codebook file drops the input features no weight of a Gemm / MatMul reads (export/lowbit.py), so it
+    holds fewer parameters than the fp32 ONNX and runs fewer multiplies. {} for every other format. FLOPs by
+    appendix A.1, (I_pr + 1) O_pr per sample: each dropped input of a layer saves its O_pr multiplies, the
+    dropped weights of the M samples over M (a MatMul over tokens saves them once per token: counted once,
+    so the ratio errs high)."""
+    tensors = primary.get("tensors")   # lowbit_onnx's per-tensor facts (weight_storage's is a count)
+    dropped = sum(math.prod(t["shape"]) - math.prod(t["stored_shape"]) for t in tensors.values()) \
+        if isinstance(tensors, dict) else 0
+    if not dropped:
+        return {}
+    flops = structure["pruned_flops"] - dropped / m
+    return {"weights_dropped_with_inputs": dropped,
+            "shipped_params": None if onnx_params is None else onnx_params - dropped,
+            "physical_flops_ratio": flops / structure["dense_flops"],
+            "physical_flops_ratio_before_input_removal": structure["physical_flops_ratio"]}
 
 
 def _above_flops_target(ctx, physical):
@@ -757,7 +779,25 @@ def run_report(ctx):
 RUNNERS = {"train": run_train, "select": run_select, "export": run_export, "deploy": run_deploy, "report": run_report}
 
 
-def run_stage(ctx, stage):
+def stale_upstream(ctx, stage):
+    """The first stage before `stage` whose artifacts no longer match this config, device profile and code,
+    with why; None when all are current. A single stage (`edgebayes report`, `make deploy`) must not build on
+    artifacts of another config: it would record this config beside figures that config did not produce."""
+    upstream = list(STAGES[:STAGES.index(stage)])
+    if stage == "report" and "deploy" in upstream and no_fit(ctx):   # no fit: nothing was deployed
+        upstream.remove("deploy")
+    for before in upstream:   # altered or missing outputs: require() names the file when the stage reads it
+        done = ctx._marker(before)
+        if done is not None and done.get("fingerprint") != ctx.fingerprint(before):
+            return before, "config, device profile or code changed"
+    return None
+
+
+def run_stage(ctx, stage, single=False):
+    if single and (stale := stale_upstream(ctx, stage)) is not None:
+        before, why = stale
+        raise StageError(f"{stage}: the {before} stage is out of date for this config and device ({why}); "
+                         f"run `{ctx.command(before)}` and the stages after it first, or the pipeline")
     why = ctx.staleness(stage)
     if why is None:
         ctx.log(f"{stage}: up to date (config, code, outputs and inputs unchanged), skipped")

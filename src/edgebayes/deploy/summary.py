@@ -439,6 +439,9 @@ def summarize(d: dict) -> dict:
         "onnx_params": onnx_params,
         "kept_weights_total": kept_total,
         "kept_weights_per_sample": export.get("kept_weights_per_sample"),
+        "kept_units": export.get("kept_units"),
+        "shipped_params": export.get("shipped_params"),   # where the file holds fewer (stages._shipped_structure)
+        "weights_dropped_with_inputs": export.get("weights_dropped_with_inputs"),
         "params_match": params_match,
         "fidelity_max_abs_prob_diff": export.get("fidelity_max_abs_prob_diff"),
         "finish": (predicted_in or {}).get("finish"),
