@@ -974,3 +974,85 @@ def test_a_pretrained_file_holding_nan_is_bad_input_naming_the_tensor(user_packa
     model = ModelConfig(arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "nan.pt"))
     with pytest.raises(InputError, match=r"nan\.pt: 1 tensor\(s\) hold NaN or infinite values \(fc\.weight\)"):
         build_model(model, PriorConfig(), (1, 8, 8), 10, n_train=100)
+
+
+class _Upsamples(nn.Module):
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.a = nn.Conv2d(1, 8, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.up(torch.relu(self.a(x)))).mean((2, 3)))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.fc = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.lstm(x)[0][:, -1])
+
+
+def test_transposed_convolutions_and_recurrent_layers_count_in_flops_and_weights():
+    """A ConvTranspose2d (no Conv2d subclass) and an LSTM stay plain; what they cost counts in every ratio, as the
+    warning says: before, neither was counted and a FLOPs target was 'reached' with most of the compute left."""
+    from edgebayes.compressed.structure import count_weights, paper_flops
+
+    up = _Upsamples()
+    # a: (9 + 1) 8 at 4x4; up: (8 * 4 + 1) 8 at its 4x4 inputs; fc: (8 + 1) 3
+    assert paper_flops(up, (1, 8, 8)) == 10 * 8 * 16 + 33 * 8 * 16 + 9 * 3
+    assert count_weights(up) == sum(p.numel() for p in up.parameters())
+    rec = _Recurrent()
+    # 8 steps of the input map (8 + 1) 64 and the hidden map (16 + 1) 64; fc (16 + 1) 3
+    assert paper_flops(rec, (8, 8)) == 8 * (9 * 64 + 17 * 64) + 17 * 3
+    assert count_weights(rec) == sum(p.numel() for p in rec.parameters())
+    with pytest.warns(UserWarning, match=r"no Bayesian twin.*LSTM: lstm"):
+        bayesianize(_Recurrent(), "ss-gl", input_shape=(8, 8), n_train=60)
+
+
+class _TakesOptions(nn.Module):
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.a = nn.Linear(64, 16)
+        self.fc = nn.Linear(16, num_classes)
+
+    def forward(self, x, scale=1.0, *, temperature=None):
+        out = self.fc(torch.relu(self.a(x.flatten(1)))) * scale
+        return out if temperature is None else out / temperature
+
+
+def test_a_forward_with_defaulted_options_exports_packed(tmp_path):
+    """forward(x, scale=1.0, *, temperature=None): the packed layout traces it at its defaults (traced as proxies,
+    `temperature is None` was False and save failed in shape propagation with a torch.fx traceback)."""
+    import edgebayes as eb
+    from edgebayes.export.formats import export_artifact
+
+    torch.manual_seed(0)
+    net = bayesianize(_TakesOptions(), "ss-gl", input_shape=(1, 8, 8), n_train=60)
+    c = eb.compress(net, m=2)
+    x = torch.as_tensor(_X[:8])
+    details = {}
+    export_artifact(c.mc_model(), "onnx", tmp_path / "m.onnx", x, details=details)
+    assert details["layout"] == "packed", details.get("packed_refused")
+    assert np.abs(eb.run(tmp_path / "m.onnx", x.numpy()) - c.mc_model()(x).detach().numpy()).max() < 1e-5
+
+
+def test_save_refuses_an_fp32_artifact_that_computes_another_function(tmp_path, monkeypatch):
+    """eb.save checks an fp32 artifact against PyTorch on the example, as the export stage does on its eval set
+    (litert-torch lowered a nearest-neighbour downsampling to other pixels, 6.5e-2 off, and save wrote it); it
+    takes an example that requires grad too."""
+    import edgebayes as eb
+    from edgebayes.export import formats
+
+    c = eb.compress(_small_net(), m=2)
+    x = torch.as_tensor(_X[:4]).requires_grad_()
+    eb.save(c, tmp_path / "ok.onnx", example=x)
+    real = formats.artifact_predict
+    monkeypatch.setattr(formats, "artifact_predict", lambda *a, **k: real(*a, **k) + np.float32(1e-3))
+    with pytest.raises(formats.ExportError, match=r"save: onnx: .* differ from PyTorch's on the example by 1.00e-03"):
+        eb.save(c, tmp_path / "bad.onnx", example=x)
+    assert not (tmp_path / "bad.onnx").exists()

@@ -155,6 +155,8 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
         raise ValueError(f"save: calib_x: {fmt} needs calibration inputs (a few hundred rows of the training data)")
     if isinstance(opset, bool) or not isinstance(opset, numbers.Integral) or not OPSETS[0] <= opset <= OPSETS[1]:
         raise ValueError(f"save: opset: expected an ONNX opset in {OPSETS[0]}..{OPSETS[1]}, got {opset!r}")
+    if isinstance(example, torch.Tensor):   # one that requires grad, or on a GPU, as eb.fit takes them
+        example = example.detach().cpu()
     example = torch.as_tensor(np.asarray(example), dtype=torch.float32)
     if example.dim() == 0 or len(example) == 0:
         raise ValueError(f"save: example: expected a batch of at least one input, got shape {tuple(example.shape)}")
@@ -167,9 +169,33 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
     # keeps the artifact that was there (the export stage does the same with its folder)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
         staged = Path(tmp) / path.name
-        export_artifact(compressed.mc_model(), fmt, staged, example, calib_x, opset, layout=layout)
+        mc_model = compressed.mc_model()
+        export_artifact(mc_model, fmt, staged, example, calib_x, opset, layout=layout)
+        if f.precision == "fp32" and f.runtime in ("onnxruntime", "tflite"):   # what the runtime runs here
+            _check_fp32_artifact(mc_model, staged, fmt, example)
         os.replace(staged, path)
     return path
+
+
+FIDELITY_TOLERANCE = 1e-4   # the export stage's default (export.fidelity_tolerance)
+
+
+def _check_fp32_artifact(mc_model, path, fmt, example):
+    """An fp32 artifact computes the PyTorch MC average on `example` within FIDELITY_TOLERANCE (as the export stage
+    checks it on the eval set; fp32_agreement's float64 rule for ill-conditioned nets), or an ExportError: a
+    converter that lowers an operation to another function (litert-torch's nearest-neighbour downsampling)
+    is not written."""
+    from edgebayes.compressed.samples import fp32_agreement
+    from edgebayes.export.formats import ExportError, artifact_predict
+
+    with torch.no_grad():
+        reference = mc_model(example)
+    agreement = fp32_agreement(artifact_predict(path, fmt, example.numpy()), reference, mc_model, example,
+                               FIDELITY_TOLERANCE)
+    if not agreement["passed"]:
+        raise ExportError(f"save: {fmt}: the exported graph's probabilities differ from PyTorch's on the example by "
+                          f"{agreement['max_abs_diff']:.2e} > {FIDELITY_TOLERANCE:.0e} (the converter computes "
+                          f"another function for some operation); not written: try fmt='onnx' or layout='unrolled'")
 
 
 def run(path, x, fmt=None):

@@ -9,7 +9,8 @@ Follow paper 000 exactly:
     Where this extends the paper: a Linear on (B, T, F) counts once per position t, a Conv1d or Conv3d by the
     same formula over its one or three kernel and output dimensions, an nn.MultiheadAttention its four
     projections as Linear maps per token (not the attention's products of activations, as the formula counts
-    affine maps only). Those stay plain layers (train/bayesianize.py has no Bayesian twin for them) and
+    affine maps only), a transposed convolution by the formula over its input positions (each multiplies the
+    kernel once), an nn.LSTM / GRU / RNN its input and hidden maps as Linear maps per time step. Those stay plain layers (train/bayesianize.py has no Bayesian twin for them) and
     nothing switches them off, but they cost what they cost: a 1-D network's ratio without them counted only its
     Linear layers.
 """
@@ -21,7 +22,22 @@ from torch import nn
 
 from edgebayes.compressed.surgery import probe_inputs
 
-COSTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)   # the layers FLOPs and weights are counted over
+# the layers FLOPs and weights are counted over: every convolution, transposed ones too (a ConvTranspose2d is no
+# Conv2d subclass); recurrent layers (nn.LSTM, nn.GRU, nn.RNN) are counted apart (_recurrent_costs)
+COSTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.modules.conv._ConvTransposeNd)
+RECURRENT = (nn.RNNBase,)
+
+
+def _recurrent_costs(m, x):
+    """(FLOPs, weights) of a recurrent layer for one example: every time step multiplies its input and its hidden
+    state by each layer's (and direction's) input and hidden weights, by the formula's (I + 1) O per map."""
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        steps = int(x.batch_sizes.numel())
+    else:
+        steps = x.shape[1] if (x.dim() == 3 and m.batch_first) else x.shape[0]
+    maps = [p for n, p in m.named_parameters(recurse=False) if n.startswith(("weight_ih", "weight_hh", "weight_hr"))]
+    flops = steps * sum(w.numel() + w.shape[0] for w in maps)
+    return flops, sum(p.numel() for p in m.parameters(recurse=False))
 
 
 def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
@@ -50,6 +66,10 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
         w = m.weight
         conv = not isinstance(m, nn.Linear)
         groups = m.groups if conv else 1
+        transposed = isinstance(m, nn.modules.conv._ConvTransposeNd)
+        if transposed:   # [in, out / groups, *k] -> a convolution's [out, in / groups, *k], group by group
+            w = w.reshape(groups, w.shape[0] // groups, *w.shape[1:]).transpose(1, 2).reshape(
+                w.shape[1] * groups, w.shape[0] // groups, *w.shape[2:])
         if effective:
             rows = w.flatten(1).abs().sum(1) > 0
             if m.bias is not None:
@@ -67,7 +87,9 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
         bias = 1 if m.bias is not None else 0
         # per position: a Linear on (B, T, F) (a transformer's tokens) maps every one of the T
         kernel = math.prod(m.kernel_size) if conv else 1
-        positions = math.prod(output.shape[2:]) if conv else math.prod(output.shape[1:-1])
+        # a transposed convolution multiplies every input position by its kernel once
+        positions = (math.prod(inputs[0].shape[2:]) if transposed else math.prod(output.shape[2:])) if conv \
+            else math.prod(output.shape[1:-1])
         flops += (c_in * kernel + c_out) * positions   # the formula's +1 is there with or without a bias
         weights += c_in * kernel + bias * c_out
         if terms is not None:
@@ -88,9 +110,17 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
         flops += per_query * tokens(query) + per_key * tokens(key)
         weights += e * e * 2 + m.kdim * e + m.vdim * e + bias * 3 * e + int(m.out_proj.bias is not None) * e
 
+    def recurrent_hook(m, inputs, output):
+        """nn.LSTM / GRU / RNN: plain and whole (no Bayesian twin), what it costs counts like attention's."""
+        nonlocal flops, weights
+        f, w = _recurrent_costs(m, inputs[0])
+        flops += f
+        weights += w
+
     handles = [m.register_forward_hook(hook) for m in module.modules() if isinstance(m, COSTED)]
     handles += [m.register_forward_hook(attention_hook, with_kwargs=True) for m in module.modules()
                 if isinstance(m, nn.MultiheadAttention)]
+    handles += [m.register_forward_hook(recurrent_hook) for m in module.modules() if isinstance(m, RECURRENT)]
     try:
         with torch.no_grad():
             module.eval()(probe[:1])
@@ -122,7 +152,8 @@ def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) 
     for m in module.modules():
         if isinstance(m, COSTED):
             own = (m.weight, m.bias)
-        elif isinstance(m, nn.MultiheadAttention):   # its input projections (its out_proj is a Linear)
+        elif isinstance(m, (nn.MultiheadAttention,) + RECURRENT):
+            # attention's input projections (its out_proj is a Linear); a recurrent layer's every weight
             own = tuple(m.parameters(recurse=False))
         else:
             continue

@@ -50,6 +50,7 @@ unrolled MC average.
 import builtins
 import collections
 import copy
+import inspect
 import math
 import operator
 
@@ -119,8 +120,26 @@ class PackedMC(nn.Module):
 
 
 def _trace(sample: nn.Module) -> fx.GraphModule:
+    """The sample's forward as torch.fx traces it, called with its input alone: the forward's other parameters
+    that have defaults (`forward(x, temperature=None)`) are traced at those defaults, as export calls it. Traced
+    as proxies instead, `temperature is None` is False while tracing and the graph divides by None."""
+    sample = copy.deepcopy(sample).eval()
+    parameters = list(inspect.signature(sample.forward).parameters.values())[1:]
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)}
     try:
-        return fx.symbolic_trace(copy.deepcopy(sample).eval())
+        traced = fx.symbolic_trace(sample, concrete_args=defaults or None)
+        if defaults:   # fx guards each default it specialised on (torch._assert nodes): the graph takes x alone
+            guards = (torch._assert, fx._symbolic_trace._assert_is_none)
+            for node in reversed(list(traced.graph.nodes)):
+                if node.op == "call_function" and node.target in guards:
+                    traced.graph.erase_node(node)
+            traced.graph.eliminate_dead_code()
+            for node in [n for n in traced.graph.nodes if n.op == "placeholder"][1:]:
+                if not node.users:
+                    traced.graph.erase_node(node)
+            traced.recompile()
+        return traced
     except Exception as e:  # fx tracing failed: data-dependent control flow and the like
         raise PackingError(f"cannot trace the posterior sample with torch.fx ({type(e).__name__}: {e}); "
                            f"export it with export.layout: unrolled") from None
@@ -216,7 +235,11 @@ class _Packer:
     def __init__(self, traced: list, example: torch.Tensor):
         self.traced, self.m = traced, len(traced)
         self.modules = [dict(t.named_modules()) for t in traced]
-        ShapeProp(traced[0]).propagate(example[:1].clone())
+        try:
+            ShapeProp(traced[0]).propagate(example[:1].clone())
+        except Exception as e:   # the traced graph does not run on the example: refused, exported unrolled
+            raise PackingError(f"the posterior sample's torch.fx graph does not run on the example "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         self.root = nn.Module()
         self.graph = fx.Graph()
         self.env = {}  # node of sample 0's graph -> (node of the packed graph, layout)

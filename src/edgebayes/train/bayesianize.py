@@ -45,7 +45,7 @@ from edgebayes.train.nested import NESTED_FAMILIES
 
 AFFINE = (nn.Conv2d, nn.Linear)
 NORMS = (nn.BatchNorm2d,)
-PLAIN_ONLY = (nn.modules.conv._ConvNd, nn.MultiheadAttention)   # affine maps without a Bayesian twin: stay plain
+PLAIN_ONLY = (nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase)   # no Bayesian twin: stay plain
 
 
 def _structure(module):
