@@ -510,3 +510,16 @@ def test_the_summary_says_no_budget_set_once_not_as_a_second_verdict():
     budget = [ln for ln in lines if ln.startswith("  budget")]
     assert budget[0].endswith("38.5 us: no budget set") and "not set" not in budget[0], budget
     assert budget[1].endswith("<= 5 MB: pass"), budget
+
+
+def test_a_model_below_what_the_memory_measurement_resolves_counts_its_weights_not_zero():
+    """The runtime's set-up, measured in another process, can exceed this process's whole rise for a model of a
+    few KB: the difference (clamped to 0 MB) passed every memory budget. The weights' exact bytes stand for it."""
+    from edgebayes.deploy.memory import own_memory
+
+    parts = {"runtime_setup_mb": 9.348, "weights_mb": 0.04}
+    small = own_memory({"model_mb": 9.285, "runtime_baseline_mb": 60.0}, parts)
+    assert small["own_mb"] == 0.04 and "below what the measurement resolves" in small["measured_as"]
+    large = own_memory({"model_mb": 30.0, "runtime_baseline_mb": 60.0}, parts)
+    assert large["own_mb"] == pytest.approx(30.0 - 9.348) and "subtracted: 9.35 MB" in large["measured_as"]
+    assert own_memory({"model_mb": 5.0}, {})["own_mb"] == 5.0   # no set-up measured: nothing subtracted
