@@ -783,6 +783,15 @@ def test_save_run_and_calibrate_refuse_empty_or_misshapen_inputs_by_name(tmp_pat
     with pytest.raises(ValueError, match=r"run: x: expected a batch of at least one input, got shape \(0, 8\)"):
         eb.run(path, x[:0])
     assert eb.run(path, x[:3]).shape == (3, 3)
+    # NaN probabilities came back silently; a folder that does not exist named a temporary file
+    bad = x[:3].copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match=r"run: x: 1 input\(s\) hold NaN or infinite values \(rows \[1\]\)"):
+        eb.run(path, bad)
+    with pytest.raises(ValueError, match=r"run: path: no such file .*other\.onnx"):
+        eb.run(tmp_path / "other.onnx", x[:3])
+    with pytest.raises(ValueError, match=r"save: path: the folder .*missing does not exist"):
+        eb.save(c, tmp_path / "missing" / "m.onnx", example=x[:2])
 
 
 def test_bayesianize_refuses_a_network_whose_output_is_not_floating_point():
@@ -1056,3 +1065,23 @@ def test_save_refuses_an_fp32_artifact_that_computes_another_function(tmp_path, 
     with pytest.raises(formats.ExportError, match=r"save: onnx: .* differ from PyTorch's on the example by 1.00e-03"):
         eb.save(c, tmp_path / "bad.onnx", example=x)
     assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_layers_inside_a_torch_module_called_whole_are_named_as_such_not_as_never_called():
+    """torch.fx calls torch.nn's own modules (nn.TransformerEncoderLayer) whole: the Linear layers inside stay plain
+    and count in the FLOPs; the warning said they were never called and not counted."""
+    class TinyViT(nn.Module):
+        def __init__(self, num_classes=3):
+            super().__init__()
+            self.patch = nn.Conv2d(3, 16, 4, stride=4)
+            self.block = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+            self.head = nn.Linear(16, num_classes)
+
+        def forward(self, x):
+            return self.head(self.block(self.patch(x).flatten(2).transpose(1, 2)).mean(1))
+
+    with pytest.warns(UserWarning, match=r"inside a TransformerEncoderLayer called whole: block\.self_attn, "
+                                         r"block\.self_attn\.out_proj, block\.linear1, block\.linear2\)") as caught:
+        net = bayesianize(TinyViT(), "ss-gl", input_shape=(3, 8, 8), n_train=30)
+    assert not any("never called" in str(w.message) for w in caught)
+    assert {"block.linear1", "block.linear2"} <= {n for m in net.modules() for n in getattr(m, "plain_layers", [])}

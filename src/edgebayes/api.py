@@ -165,6 +165,8 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
         raise ValueError(f"save: example: expected a batch of inputs of shape (N, {', '.join(map(str, shape))}), "
                          f"got {tuple(example.shape)}")
     path = Path(path)
+    if not path.parent.is_dir():   # the staging folder goes beside it: a missing folder named a temporary file
+        raise ValueError(f"save: path: the folder {path.parent} does not exist (create it first)")
     # Written beside the destination and renamed onto it: a failed export leaves no half-written file and
     # keeps the artifact that was there (the export stage does the same with its folder)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
@@ -206,6 +208,12 @@ def run(path, x, fmt=None):
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 0 or len(x) == 0:
         raise ValueError(f"run: x: expected a batch of at least one input, got shape {x.shape}")
+    if not np.isfinite(x).all():   # the graph would return NaN probabilities, silently
+        bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(1))
+        raise ValueError(f"run: x: {len(bad)} input(s) hold NaN or infinite values (rows {bad[:5].tolist()}"
+                         f"{', ...' if len(bad) > 5 else ''})")
+    if not Path(path).is_file():
+        raise ValueError(f"run: path: no such file {path}")
     return artifact_predict(Path(path), fmt, x)
 
 

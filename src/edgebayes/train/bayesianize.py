@@ -50,7 +50,8 @@ PLAIN_ONLY = (nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase)   # no
 
 def _structure(module):
     """(conv name -> batch-norm name that only it feeds, output layer names, names of the Linear and convolution
-    layers in call order)."""
+    layers in call order, names of every module fx called: torch.nn's own, such as nn.TransformerEncoderLayer,
+    are called whole, their layers inside)."""
     try:
         graph = fx.symbolic_trace(module).graph
     except Exception as e:
@@ -88,7 +89,7 @@ def _structure(module):
                 outputs.add(arg.target)
             else:
                 stack.append(arg)
-    return pairs, outputs, order
+    return pairs, outputs, order, set(count)
 
 
 def _is_softmax(node, mods):
@@ -184,7 +185,7 @@ def _replace(module, name, new):
 
 def convert(module: nn.Module, factory) -> nn.Module:
     """A copy of `module` with every Conv2d / Linear (+ its batch norm) built by `factory` (module docstring)."""
-    pairs, outputs, order = _structure(module)
+    pairs, outputs, order, called = _structure(module)
     net = copy.deepcopy(module)
     plain_layers = {}   # name -> why it has no Bayesian twin
     for name in order:
@@ -210,9 +211,13 @@ def convert(module: nn.Module, factory) -> nn.Module:
         if norm is not None:
             _replace(net, pairs[name], nn.Identity())
     for name, m in module.named_modules():   # e.g. torchvision's swin_t: attention reads qkv.weight itself
-        inside_called = any(name.startswith(c + ".") for c in order)
-        if isinstance(m, AFFINE + PLAIN_ONLY) and name not in order and not inside_called:
+        if not isinstance(m, AFFINE + PLAIN_ONLY) or name in order:
+            continue
+        whole = next((c for c in called if name.startswith(c + ".")), None)   # fx calls torch.nn's modules whole
+        if whole is None:
             plain_layers[name] = "never called as a module (its weights read directly, or unused): FLOPs not counted"
+        elif whole not in order:   # e.g. nn.TransformerEncoderLayer: its Linear layers run inside it
+            plain_layers[name] = f"inside a {type(module.get_submodule(whole)).__name__} called whole"
     net.plain_layers = list(plain_layers)
     if not set(order) - set(plain_layers):   # no layer became the family's
         found = f" (only {', '.join(sorted(set(plain_layers.values())))})" if plain_layers else ""
@@ -276,7 +281,7 @@ def order_for_nesting(module, input_shape):
     group L2 norm over every weight of the group, readers' too: 0.858 / 0.832; on mobilenet_v2 that norm gave
     0.801 / 0.793 where the batch norms give 0.875 / 0.846). Networks whose groups have no such mixed
     writers (mobilenet_v2, resnet18) are ordered as before."""
-    pairs, _, _ = _structure(module)
+    pairs, *_ = _structure(module)
 
     def norm_of(name):
         norm = module.get_submodule(pairs[name]) if name in pairs else None
