@@ -1085,3 +1085,19 @@ def test_layers_inside_a_torch_module_called_whole_are_named_as_such_not_as_neve
         net = bayesianize(TinyViT(), "ss-gl", input_shape=(3, 8, 8), n_train=30)
     assert not any("never called" in str(w.message) for w in caught)
     assert {"block.linear1", "block.linear2"} <= {n for m in net.modules() for n in getattr(m, "plain_layers", [])}
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_batch_norm_left_unfolded_in_the_file_does_not_count_as_a_parameter_mismatch(tmp_path, m):
+    """At M = 1 a BatchNorm1d after a Linear stays a BatchNormalization node in the ONNX: its 4 x C constants made
+    params_match false ("the exported graph does not match the pruned model") for a correct file."""
+    import edgebayes as eb
+    from edgebayes.compressed.structure import count_weights
+    from edgebayes.export.onnx_export import onnx_parameter_count
+
+    torch.manual_seed(0)
+    net = bayesianize(nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3)),
+                      "ss-gl", input_shape=(1, 8, 8), n_train=60)
+    c = eb.compress(net, m=m)
+    path = eb.save(c, tmp_path / "m.onnx", example=torch.as_tensor(_X[:4]))
+    assert onnx_parameter_count(path) == m * count_weights(c.samples[0], fold_batch_norm=True)

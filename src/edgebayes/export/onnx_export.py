@@ -82,16 +82,24 @@ def export_onnx(module: torch.nn.Module, example: torch.Tensor, path, opset: int
     onnx.checker.check_model(str(path))
 
 
+AFFINE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
 def onnx_parameter_count(path) -> int:
-    """Number of weight values the graph uses: its initializers, counted once per Identity that re-uses one.
+    """Number of weights and biases of the graph's affine maps (Conv, ConvTranspose, Gemm, MatMul): the
+    initializers they read, counted once per use. What compressed/structure.count_weights counts on the PyTorch
+    side, so the two can be compared: a batch norm the exporter leaves unfolded (a BatchNorm1d after a Linear
+    at M = 1) and other constants are not weights of an affine map, and counting them said "the exported graph
+    does not match the pruned model" of a correct file.
 
     The exporter stores equal constants once and hands them to several layers through Identity nodes
     (e.g. the folded batch-norm biases of freshly initialised layers); each use is a parameter of the net.
     """
     graph = onnx.load(str(path)).graph
     sizes = {t.name: int(np.prod(t.dims)) for t in graph.initializer}
-    reused = sum(sizes.get(n.input[0], 0) for n in graph.node if n.op_type == "Identity")
-    return int(sum(sizes.values()) + reused)
+    source = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity" and n.input[0] in sizes}
+    return int(sum(sizes.get(source.get(name, name), 0) for n in graph.node if n.op_type in AFFINE_OPS
+                   for name in n.input[1:]))
 
 
 def onnx_session(path, threads: int = 0):
