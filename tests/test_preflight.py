@@ -181,3 +181,25 @@ def test_flops_target_device_needs_a_device_and_one_process(tmp_path):
     with pytest.raises(ConfigError, match="train.flops_target"):
         load_pipeline_config(Path(__file__).parents[1] / "pipeline.yaml",
                              ["train.flops_target=device", "train.processes=2"])
+
+
+def test_the_model_budget_share_counts_a_files_fixed_bytes():
+    """A file is fixed bytes + M x a sample's (the pre-flight sizes it at M = 2 and M = 1): the digits MLP's int8
+    file is 16.0 kB at M = 1 and 26.2 kB at M = 2, 5.7 kB of it fixed. Against an 8 kB budget the proportional
+    rule told 0.61 (train.flops_target device trained to it; the int8 file then was 12.1 kB: exit 3); the share
+    that fits is (8 - 5.7) / 10.2."""
+    from pathlib import Path
+
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.deploy.budget_targets import model_budget_share
+
+    cfg = load_pipeline_config(Path(__file__).parents[1] / "pipeline.yaml",
+                               ["train.flops_target=null", "select.mc_samples=[1,4]"])
+    profile = load_device_profile("local")
+    profile = profile.model_copy(update={"budgets": profile.budgets.model_copy(update={"model_mb": 0.008})})
+    sizes, sizes_one = {"onnx-int8": 26_200}, {"onnx-int8": 15_960}
+    share, where = model_budget_share(cfg, profile, sizes, 2, sizes_one)
+    assert abs(share - (8_000 - 5_720) / 10_240) < 1e-3 and "fixed" in where
+    assert model_budget_share(cfg, profile, sizes, 2)[0] > 0.6          # without the M = 1 size: the old rule
+    tight = profile.model_copy(update={"budgets": profile.budgets.model_copy(update={"model_mb": 0.005})})
+    assert model_budget_share(cfg, tight, sizes, 2, sizes_one)[0] == 0.0   # under the fixed bytes: none fits

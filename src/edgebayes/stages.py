@@ -581,7 +581,7 @@ def run_export(ctx):
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
                                      "physical_flops_ratio")},
-        "kept_units": {name: int(k.sum()) for name, k in compressed.kept.items()},
+        "kept_units": shipped_units(compressed),
         "surgery": {"not_pruned": compressed.not_pruned, "layers": compressed.surgery},
         "onnx_params": onnx_params, "kept_weights_per_sample": kept_per_sample,
         "kept_weights_total": kept_per_sample * m,
@@ -603,6 +603,14 @@ def run_export(ctx):
     write_json(out / "export.json", summary)
     ctx.log(f"export: {out / 'bundle'} with {', '.join(artifacts)}; ONNX parameters {onnx_params} = {m} x "
             f"{kept_per_sample} kept weights: {summary['params_match']}")
+
+
+def shipped_units(compressed):
+    """{layer: units the shipped graph has}: the kept units and the dead ones surgery left in place (to round a
+    width up to the runtime's channel block, or where it could not cut), as the exported graph has them."""
+    surgery = compressed.surgery or {}
+    return {name: int(k.sum()) + sum(((surgery.get(name) or {}).get("kept") or {}).values())
+            for name, k in compressed.kept.items()}
 
 
 def _shipped_structure(primary, onnx_params, structure, m):
@@ -734,6 +742,7 @@ def _report_inputs(ctx, results):
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
     # default knob value; the training metrics stay as they are.
     deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio", "physical_flops_ratio")}
+    deployed["physical_compression_ratio"] = export.get("physical_compression_ratio")
     return {
         "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],

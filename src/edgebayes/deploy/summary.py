@@ -436,6 +436,9 @@ def summarize(d: dict) -> dict:
         "pruned_fraction_hidden": pruned_fraction(get(train, "sparsity", "layers")),
         "compression_ratio": train.get("compression_ratio"),
         "flops_ratio": train.get("flops_ratio"),
+        # of the shipped network (after surgery: with the dead channels a runtime's channel block keeps)
+        "shipped_compression_ratio": train.get("physical_compression_ratio", train.get("compression_ratio")),
+        "shipped_flops_ratio": train.get("physical_flops_ratio", train.get("flops_ratio")),
         "onnx_params": onnx_params,
         "kept_weights_total": kept_total,
         "kept_weights_per_sample": export.get("kept_weights_per_sample"),

@@ -55,7 +55,10 @@ def preflight(cfg, profile, splits, log=print):
         raise StageError(f"{what}: {e}") from None
     mc_model = compressed.mc_model()
     scored = {f.name for f in formats_for(profile, cfg.model.family)}   # what select may ship
-    sizes, operators = {}, {}
+    sizes, operators, sizes_one = {}, {}, {}
+    # the files at M = 1 too where the device's model_mb budget sets the FLOPs target (budget_targets.py): a file's
+    # bytes are fixed ones (graph, names, scales) + M x a sample's; not exported otherwise (it costs a conversion)
+    size_one = m > 1 and cfg.train.flops_target == "device" and profile.budgets.model_mb is not None
     with tempfile.TemporaryDirectory(prefix="edgebayes-preflight-") as tmp:
         for fmt in formats:
             path = Path(tmp) / f"{fmt}{FORMATS[fmt].suffix}"
@@ -68,11 +71,20 @@ def preflight(cfg, profile, splits, log=print):
             if fmt in scored and path.is_file():
                 sizes[fmt] = path.stat().st_size
                 operators[fmt] = operator_count(path)
+                if size_one:
+                    one = Path(tmp) / f"{fmt}-m1{FORMATS[fmt].suffix}"
+                    try:
+                        export_artifact(compressed.mc_model(1), fmt, one, x, x, cfg.export.opset,
+                                        layout=cfg.export.layout)
+                        sizes_one[fmt] = one.stat().st_size
+                    except Exception:   # the M = m export above is the pre-flight's check; this one only sizes
+                        pass
     log(f"train: pre-flight: the untrained network compresses and exports to {', '.join(formats)} "
         f"({cfg.export.layout}, M={m})")
     sample = compressed.samples[0]
     per_sample = {"flops": paper_flops(sample, tuple(x.shape[1:])),
                   "weights": count_weights(sample, fold_batch_norm=True), "in_features": int(x[0].numel())}
-    return {"sizes": sizes, "operators": operators, "per_sample": per_sample, "m": m}
+    return {"sizes": sizes, "operators": operators, "per_sample": per_sample, "m": m,
+            "sizes_one": sizes_one or None}
 
 

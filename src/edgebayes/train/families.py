@@ -160,9 +160,36 @@ def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=N
     if not shape or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape):
         raise ArchError(f"bayesianize: input_shape: expected the shape of one example, without the batch "
                         f"(e.g. (3, 32, 32)), got {input_shape!r}")
+    prior = _section("prior", prior, PriorConfig)
+    nested = _section("nested", nested, NestedConfig)
+    if calibration_x is not None:   # arrays too, as eb.fit takes its inputs
+        try:
+            calibration_x = torch.as_tensor(calibration_x.detach().cpu() if isinstance(calibration_x, torch.Tensor)
+                                            else np.asarray(calibration_x), dtype=torch.float32)
+        except (TypeError, ValueError) as e:
+            raise ArchError(f"bayesianize: calibration_x: expected training inputs (an array or a tensor), got "
+                            f"{type(calibration_x).__name__} ({e})") from None
+        if calibration_x.dim() < 2 or tuple(calibration_x.shape[1:]) != shape or len(calibration_x) == 0:
+            raise ArchError(f"bayesianize: calibration_x: expected a batch of inputs of shape (N, "
+                            f"{', '.join(map(str, shape))}), got {tuple(calibration_x.shape)}")
     classes = output_classes(module, input_shape)
     return FAMILIES[family].wrap(module_builder(lambda _: module), input_shape, classes, n_train,
-                                 prior or PriorConfig(), nested or NestedConfig(), activation, calibration_x)
+                                 prior, nested, activation, calibration_x)
+
+
+def _section(name, value, cls):
+    """bayesianize's `prior` / `nested`: None (the defaults), the config section, or a mapping of its keys
+    (validated as the config file's section is, the key named on error)."""
+    from edgebayes.config import validate
+
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return validate(cls, value, f"bayesianize: {name}")
+    raise ArchError(f"bayesianize: {name}: expected a {cls.__name__} or a dict of its keys, got "
+                    f"{type(value).__name__}")
 
 
 def build(cfg, splits) -> PosteriorNet:
