@@ -114,12 +114,19 @@ def exported(trained_runs, pipeline_run):
 
 
 def deploy_to(runs, device, capsys, *extra):
-    """Deploy the local export to another device by copying it under that device's name."""
+    """Deploy the local export to another device by copying it under that device's name, its stage markers
+    stamped for that device (a stage run alone refuses an earlier stage made for another one)."""
+    from edgebayes.config import load_pipeline_config
+    from edgebayes.stages import MARKER, Context
+
     name = Path(device).stem
     run = runs / "digits-ssgl"
+    ctx = Context(load_pipeline_config(CONFIG), load_device_profile(str(device)), runs_dir=Path(runs))
     for stage in ("select", "export"):
         if not (run / stage / name).exists():
             shutil.copytree(run / stage / "local", run / stage / name)
+        marker = run / stage / name / MARKER
+        marker.write_text(json.dumps({**json.loads(marker.read_text()), "fingerprint": ctx.fingerprint(stage)}))
     return cli(capsys, "deploy", "--config", CONFIG, "--device", device, "--runs-dir", runs, *extra)
 
 
@@ -608,3 +615,24 @@ def test_one_run_at_a_time_profiles_a_device_and_the_next_waits_for_its_table(tm
     thread.join(timeout=10)
     assert events == ["first out", "second in"]
     assert said and said[0].startswith("waiting for another edgebayes profiling local")
+
+
+def test_own_folders_left_by_killed_runs_of_this_machine_are_removed_by_the_next(tmp_path):
+    """kill -9 during deploy or profiling left the bundle copy on the device (nothing could remove it), one per
+    kill, until the board's disk check refused it. The next run from this machine removes those whose process
+    is gone; a live run's folder, another machine's and anything else in runs/ stay."""
+    import subprocess
+    import sys
+
+    from edgebayes.deploy import transport as t
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    runs = tmp_path / "runs"
+    keep = [f"run-abc-{t._HOST}-{os.getpid()}-0123abcd", f"run-abc-otherhost-{dead}-0123abcd", "notes"]
+    for name in keep + [f"run-abc-{t._HOST}-{dead}-89abcdef"]:
+        (runs / name).mkdir(parents=True)
+    with t.LocalTransport("board", tmp_path).own_folder("run-def") as own:
+        (own.workdir).mkdir(parents=True)
+        assert own.workdir.name.startswith(f"run-def-{t._HOST}-{os.getpid()}-")
+    assert sorted(p.name for p in runs.iterdir()) == sorted(keep)

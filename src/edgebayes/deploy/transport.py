@@ -25,6 +25,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -84,6 +85,24 @@ _UNREACHABLE = ("Could not resolve hostname", "Connection refused", "Connection 
 _AUTH = ("Permission denied", "Too many authentication failures", "Host key verification failed",
          "no matching host key type")
 _DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+# This machine's name as an own folder carries it (Transport.own_folder): letters, digits and dots only
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+# Run on the device: the names in a folder, one a line (none when it does not exist). argv: the folder.
+LIST_RUNS = "import os, sys; d = os.path.expanduser(sys.argv[1]); print(chr(10).join(os.listdir(d)) if os.path.isdir(d) else '')"
+
+
+def _alive(pid):
+    """Whether a process of this pid runs on this machine (one of another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 class TransportError(StageError):
@@ -186,11 +205,15 @@ class Transport:
 
     @contextmanager
     def own_folder(self, tag):
-        """This transport in a folder of the work folder for one run's files alone, `runs/<tag>-<pid>-<random>`
-        (tag: the run and its bundle), removed when done: runs sharing a device (two configs, two machines)
-        never read each other's bundle, results or timing files."""
+        """This transport in a folder of the work folder for one run's files alone,
+        `runs/<tag>-<host>-<pid>-<random>` (tag: the run and its bundle; host and pid: this edgebayes process's),
+        removed when done: runs sharing a device (two configs, two machines) never read each other's bundle,
+        results or timing files. A process killed outright (SIGKILL, power) cannot remove its folder: the next one
+        from this machine removes those of this machine whose process is gone (`_sweep_leftovers`), so bundle copies
+        do not pile up on the board until its disk check refuses it (after the run's own work: the device is
+        reachable then, and an unreachable one costs no second connect timeout)."""
         own = copy.copy(self)
-        own.workdir = self._join(f"runs/{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+        own.workdir = self._join(f"runs/{tag}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             yield own
         except DeviceUnavailable:
@@ -199,6 +222,22 @@ class Transport:
             own._remove_quietly()
             raise
         own._remove_quietly()
+        self._sweep_leftovers()
+
+    def _sweep_leftovers(self):
+        """Remove the own folders this machine's killed processes left in runs/ (their pid no longer runs here;
+        a pid reused since keeps its folder until it too is gone). Nothing else is touched: other machines'
+        folders, and live runs of this one."""
+        mine = re.compile(rf"-{re.escape(_HOST)}-(\d+)-[0-9a-f]{{8}}$")
+        try:
+            names = self.list_runs()
+        except (TransportError, OSError):
+            return   # the device went away, or runs/ is not readable: the folders stay, named as leftovers
+        stale = [n for n in names if (hit := mine.search(n)) and not _alive(int(hit.group(1)))]
+        for name in stale:
+            leftover = copy.copy(self)
+            leftover.workdir = self._join(f"runs/{name}")
+            leftover._remove_quietly()
 
     def _remove_quietly(self):
         try:
@@ -231,6 +270,11 @@ class LocalTransport(Transport):
 
     def remove_workdir(self):
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def list_runs(self):
+        """The names in the work folder's runs/ ([] when there is none)."""
+        runs = self.workdir / "runs"
+        return [p.name for p in runs.iterdir()] if runs.is_dir() else []
 
     def run_python(self, args, echo=False):
         try:
@@ -294,6 +338,13 @@ class SSHTransport(Transport):
 
     def remove_workdir(self):
         self._ssh(self._remote(["rm", "-rf", self.workdir]))
+
+    def list_runs(self):
+        """The names in the work folder's runs/ on the device ([] when there is none)."""
+        code, out, err = self.run_python(["-c", LIST_RUNS, self._join("runs")])
+        if code != 0:
+            raise TransportError(f"device {self.name}: cannot list {self._join('runs')} ({err[-1] if err else code})")
+        return [line for line in out if line]
 
     def _remote(self, *commands):
         """One remote shell line from argument lists, every word quoted; the lines joined with &&."""
