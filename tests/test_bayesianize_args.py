@@ -47,3 +47,9 @@ def test_prior_and_nested_as_dicts():
 def test_bad_prior_or_nested_is_refused_by_name(kw):
     with pytest.raises((ConfigError, ArchError), match=next(iter(kw))):
         eb.bayesianize(Net(), "bn3" if "nested" in kw else "ss-gl", input_shape=(1, 4, 4), n_train=40, **kw)
+
+
+def test_an_unknown_activation_is_refused_by_name():
+    """It was taken silently (it shapes the zoo's networks; a module of yours keeps its own)."""
+    with pytest.raises(ArchError, match=r"bayesianize: activation: expected one of \('silu', 'relu', 'tanh'\)"):
+        eb.bayesianize(Net(), "ss-gl", input_shape=(1, 4, 4), n_train=40, activation="bogus")

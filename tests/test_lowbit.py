@@ -133,9 +133,10 @@ def test_every_encoding_decodes_the_exact_weights(kind, levels):
 def test_a_network_without_a_codebook_is_refused(tmp_path):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(INPUTS, 8), torch.nn.ReLU(), torch.nn.Linear(8, CLASSES))
-    with pytest.raises(ValueError, match="SQS"):
+    with pytest.raises(ValueError, match=r"^onnx-codebook: no weight of the network .* SQS") as refused:
         export_artifact(torch.nn.Sequential(net, torch.nn.Softmax(-1)), "onnx-codebook", tmp_path / "x.onnx",
                         torch.randn(4, INPUTS), layout="unrolled")
+    assert "tmp" not in str(refused.value)   # it named the temporary fp32 file the rewrite reads
 
 
 def test_onnxruntime_decodes_the_weights_once_at_load(tmp_path):

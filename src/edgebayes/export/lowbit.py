@@ -309,8 +309,8 @@ def lowbit_onnx(fp32_path, out_path) -> dict:
         b.nodes = []
         new_nodes.append(node)
     if not tensors:
-        raise ValueError(f"{fp32_path}: no weight has <= {MAX_LEVELS} distinct values: not a codebook-quantized "
-                         f"(SQS) network; onnx-codebook is for SQS models")
+        raise ValueError(f"onnx-codebook: no weight of the network has <= {MAX_LEVELS} distinct values: not a "
+                         f"codebook-quantized (SQS) network; onnx-codebook is for SQS models")   # (the path is a temporary)
     _save(model, new_nodes, decoded, out_path)
     # What the runtime holds once it has decoded (constant-folded) the weights: dense float32 without the
     # removed inputs, plus every tensor stored as it was (biases).

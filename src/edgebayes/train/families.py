@@ -16,13 +16,13 @@ sections) are still in config.py.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, get_args, runtime_checkable
 
 import numpy as np
 import torch
 from torch import nn
 
-from edgebayes.config import NestedConfig, PriorConfig
+from edgebayes.config import ModelConfig, NestedConfig, PriorConfig
 from edgebayes.errors import ArchError
 from edgebayes.train import sqs
 from edgebayes.train.arch import resolve_arch
@@ -160,6 +160,10 @@ def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=N
     if not shape or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in shape):
         raise ArchError(f"bayesianize: input_shape: expected the shape of one example, without the batch "
                         f"(e.g. (3, 32, 32)), got {input_shape!r}")
+    activations = get_args(ModelConfig.model_fields["activation"].annotation)
+    if activation not in activations:   # a bogus one was taken silently
+        raise ArchError(f"bayesianize: activation: expected one of {activations} (of the zoo's networks; a module "
+                        f"of yours keeps its own), got {activation!r}")
     prior = _section("prior", prior, PriorConfig)
     nested = _section("nested", nested, NestedConfig)
     if calibration_x is not None:   # arrays too, as eb.fit takes its inputs
