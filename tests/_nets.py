@@ -23,6 +23,20 @@ def lenet(seed, c1=6, c2=8, hidden=32, classes=10):
                          nn.Linear(hidden, classes)).eval()
 
 
+class ConvBnFc(nn.Module):
+    """A user's smallest convolutional net: conv 3x3 + batch norm + ReLU over a one-channel `side` x `side` input,
+    then a Linear head."""
+
+    def __init__(self, channels, side, num_classes):
+        super().__init__()
+        self.conv = nn.Conv2d(1, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.fc = nn.Linear(channels * side * side, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.relu(self.bn(self.conv(x))), 1))
+
+
 class Block(nn.Module):
     def __init__(self, c):
         super().__init__()

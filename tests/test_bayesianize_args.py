@@ -3,42 +3,32 @@ refusals that name the argument instead of a TypeError / AttributeError from dee
 import numpy as np
 import pytest
 import torch
-from torch import nn
+
+from _nets import ConvBnFc
 
 import edgebayes as eb
 from edgebayes.config import ConfigError
 from edgebayes.errors import ArchError
 
 
-class Net(nn.Module):
-    def __init__(self, num_classes=3):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 8, 3, padding=1)
-        self.bn = nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8 * 16, num_classes)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(torch.relu(self.bn(self.conv(x))), 1))
-
-
 X = np.random.default_rng(0).random((40, 1, 4, 4), dtype=np.float32)
 
 
 def test_calibration_x_as_a_numpy_array():
-    net = eb.bayesianize(Net(), "bn3", input_shape=(1, 4, 4), n_train=40, calibration_x=X)
+    net = eb.bayesianize(ConvBnFc(8, 4, 3), "bn3", input_shape=(1, 4, 4), n_train=40, calibration_x=X)
     assert isinstance(net.calibration_x, torch.Tensor) and net.calibration_x.dtype == torch.float32
     eb.compress(net, m=2)
 
 
 def test_calibration_x_of_another_shape_is_refused_by_name():
     with pytest.raises(ArchError, match="calibration_x"):
-        eb.bayesianize(Net(), "bn3", input_shape=(1, 4, 4), n_train=40, calibration_x=X.reshape(40, -1))
+        eb.bayesianize(ConvBnFc(8, 4, 3), "bn3", input_shape=(1, 4, 4), n_train=40, calibration_x=X.reshape(40, -1))
 
 
 def test_prior_and_nested_as_dicts():
-    net = eb.bayesianize(Net(), "ss-gl", input_shape=(1, 4, 4), n_train=40, prior={"a0": 3.0})
+    net = eb.bayesianize(ConvBnFc(8, 4, 3), "ss-gl", input_shape=(1, 4, 4), n_train=40, prior={"a0": 3.0})
     assert net.global_scale is not None
-    net = eb.bayesianize(Net(), "bn3", input_shape=(1, 4, 4), n_train=40, nested={"groups": 4, "fixed_groups": 1})
+    net = eb.bayesianize(ConvBnFc(8, 4, 3), "bn3", input_shape=(1, 4, 4), n_train=40, nested={"groups": 4, "fixed_groups": 1})
     assert net.groups == 4
 
 
@@ -46,10 +36,10 @@ def test_prior_and_nested_as_dicts():
                                 {"prior": 3}])
 def test_bad_prior_or_nested_is_refused_by_name(kw):
     with pytest.raises((ConfigError, ArchError), match=next(iter(kw))):
-        eb.bayesianize(Net(), "bn3" if "nested" in kw else "ss-gl", input_shape=(1, 4, 4), n_train=40, **kw)
+        eb.bayesianize(ConvBnFc(8, 4, 3), "bn3" if "nested" in kw else "ss-gl", input_shape=(1, 4, 4), n_train=40, **kw)
 
 
 def test_an_unknown_activation_is_refused_by_name():
     """It was taken silently (it shapes the zoo's networks; a module of yours keeps its own)."""
     with pytest.raises(ArchError, match=r"bayesianize: activation: expected one of \('silu', 'relu', 'tanh'\)"):
-        eb.bayesianize(Net(), "ss-gl", input_shape=(1, 4, 4), n_train=40, activation="bogus")
+        eb.bayesianize(ConvBnFc(8, 4, 3), "ss-gl", input_shape=(1, 4, 4), n_train=40, activation="bogus")

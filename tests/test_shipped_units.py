@@ -6,26 +6,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from _nets import ConvBnFc
+
 import edgebayes as eb
 from edgebayes.deploy.summary import summarize
 from edgebayes.stages import shipped_units
 
 
-class Net(nn.Module):
-    def __init__(self, num_classes=10):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 16, 3, padding=1)
-        self.bn = nn.BatchNorm2d(16)
-        self.fc = nn.Linear(16 * 64, num_classes)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(torch.relu(self.bn(self.conv(x))), 1))
-
-
 def test_shipped_units_count_the_channels_kept_for_the_runtime_block():
     torch.manual_seed(0)
     x, y = torch.rand(256, 1, 8, 8), torch.randint(0, 10, (256,))
-    net = eb.bayesianize(Net(), "ss-gl", input_shape=(1, 8, 8), n_train=256)
+    net = eb.bayesianize(ConvBnFc(16, 8, 10), "ss-gl", input_shape=(1, 8, 8), n_train=256)
     eb.fit(net, x, y, epochs=1, batch_size=32, flops_target=0.4, log=lambda *a: None)
     c = eb.compress(net, m=1, channel_multiple=4)
     conv = next(m for m in c.samples[0].modules() if isinstance(m, nn.Conv2d))

@@ -24,8 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgebayes.config import MAX_MC_SAMPLES, OPSETS, ConfigError, PipelineConfig, TrainConfig, check_train, validate
+from edgebayes.config import (MAX_MC_SAMPLES, OPSETS, ConfigError, ExportConfig, PipelineConfig, TrainConfig,
+                              check_train, validate)
 from edgebayes.compressed.samples import Compressed, compress as _compress
+from edgebayes.data import as_inputs
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
 
@@ -62,13 +64,10 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
                           f"from, got until_epoch={until_epoch!r}, checkpoint={checkpoint!r}")
     # The data as every source is checked (one label per input, finite inputs, labels that are classes of the
     # net; its messages call them x_train, y_train, x_val, y_val)
-    def inputs(a):   # arrays, or tensors on any device (the trainer moves the data itself)
-        return torch.as_tensor(a.detach().cpu() if isinstance(a, torch.Tensor) else np.asarray(a), dtype=torch.float32)
-
-    classes = [str(c) for c in range(net.classes)]
-    given = {"train": (inputs(x), y)}
+    classes = [str(c) for c in range(net.classes)]   # (the trainer moves the data to its device itself)
+    given = {"train": (as_inputs(x), y)}
     if val is not None:
-        given["val"] = (inputs(val[0]), val[1])
+        given["val"] = (as_inputs(val[0]), val[1])
     sets, classes = checked_sets(given, classes, "fit")
     shape = tuple(sets["train"][0].shape[1:])
     if shape != tuple(net.input_shape):
@@ -155,9 +154,7 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
         raise ValueError(f"save: calib_x: {fmt} needs calibration inputs (a few hundred rows of the training data)")
     if isinstance(opset, bool) or not isinstance(opset, numbers.Integral) or not OPSETS[0] <= opset <= OPSETS[1]:
         raise ValueError(f"save: opset: expected an ONNX opset in {OPSETS[0]}..{OPSETS[1]}, got {opset!r}")
-    if isinstance(example, torch.Tensor):   # one that requires grad, or on a GPU, as eb.fit takes them
-        example = example.detach().cpu()
-    example = torch.as_tensor(np.asarray(example), dtype=torch.float32)
+    example = as_inputs(example)   # one that requires grad, or on a GPU, as eb.fit takes them
     if example.dim() == 0 or len(example) == 0:
         raise ValueError(f"save: example: expected a batch of at least one input, got shape {tuple(example.shape)}")
     shape = compressed.input_shape
@@ -179,7 +176,7 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
     return path
 
 
-FIDELITY_TOLERANCE = 1e-4   # the export stage's default (export.fidelity_tolerance)
+FIDELITY_TOLERANCE = ExportConfig.model_fields["fidelity_tolerance"].default   # the export stage's default
 
 
 def _check_fp32_artifact(mc_model, path, fmt, example):

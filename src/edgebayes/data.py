@@ -608,6 +608,12 @@ def _lookup(sorted_values, a, order=None):
     return np.where(found, i, -1)
 
 
+def as_inputs(a):
+    """A user's inputs as a float32 CPU tensor: an array, a list, or a tensor on any device (detached: one that
+    requires grad too). eb.fit's x, eb.save's example, bayesianize's calibration_x."""
+    return torch.as_tensor(a.detach().cpu() if isinstance(a, torch.Tensor) else np.asarray(a), dtype=torch.float32)
+
+
 def checked_sets(sets: dict, classes, where):
     """The checks every source passes: one label per input, one input shape, finite inputs, the labels."""
     shape = tuple(sets["train"][0].shape[1:])

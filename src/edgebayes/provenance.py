@@ -230,16 +230,13 @@ def load_checkpoint(path, map_location="cpu"):
 
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except OSError as e:
-        # torch's zip reader says a truncated file with a bare `[Errno 22] Invalid argument` (no file name):
-        # that is the file's content, not the disk's; real I/O errors (open, read) keep passing through
-        if e.errno != errno.EINVAL or e.filename is not None:
-            raise
-        raise CorruptFileError(f"{path}: not a checkpoint edgebayes can load (truncated or not a torch.save "
-                               f"file: {e.strerror or e}); remove it, or re-run the stage with --force") from None
     except MemoryError:
         raise
     except Exception as e:
+        # I/O errors pass through; but torch's zip reader says some truncated files with a bare `[Errno 22]
+        # Invalid argument` (no file name): that is the file's content, not the disk's
+        if isinstance(e, OSError) and (e.errno != errno.EINVAL or e.filename is not None):
+            raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CorruptFileError(f"{path}: not a checkpoint edgebayes can load ({type(e).__name__}: {first[:200]}); "
                                f"remove it, or re-run the stage with --force") from None

@@ -741,8 +741,8 @@ def _report_inputs(ctx, results):
         ctx.require("deploy", "artifacts.json")
     # Structure (kept nodes, compression, FLOPs) of the deployed operating point, not of training's
     # default knob value; the training metrics stay as they are.
-    deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio", "physical_flops_ratio")}
-    deployed["physical_compression_ratio"] = export.get("physical_compression_ratio")
+    deployed = {k: export[k] for k in ("sparsity", "compression_ratio", "flops_ratio", "physical_compression_ratio",
+                                       "physical_flops_ratio")}
     return {
         "run_name": ctx.cfg.name, "device": as_dict(ctx.profile), "train": {**train_metrics, **deployed},
         "candidates": candidates["candidates"], "objective": candidates["objective"],

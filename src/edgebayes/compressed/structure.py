@@ -10,8 +10,8 @@ Follow paper 000 exactly:
     same formula over its one or three kernel and output dimensions, an nn.MultiheadAttention its four
     projections as Linear maps per token (not the attention's products of activations, as the formula counts
     affine maps only), a transposed convolution by the formula over its input positions (each multiplies the
-    kernel once), an nn.LSTM / GRU / RNN its input and hidden maps as Linear maps per time step. Those stay plain layers (train/bayesianize.py has no Bayesian twin for them) and
-    nothing switches them off, but they cost what they cost: a 1-D network's ratio without them counted only its
+    kernel once), an nn.LSTM / GRU / RNN its input and hidden maps as Linear maps per time step. Those stay plain
+    layers (train/bayesianize.py has no Bayesian twin for them) and nothing switches them off, but they cost what they cost: a 1-D network's ratio without them counted only its
     Linear layers.
 """
 

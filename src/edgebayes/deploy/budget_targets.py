@@ -73,8 +73,9 @@ def target_advice(cfg, where, share):
 def model_budget_share(cfg, profile, sizes, m, sizes_one=None):
     """(share, where) when the untrained network's file is larger than the device's model_mb budget, else None.
 
-    `sizes`: {format select scores: bytes of its file holding m samples}. The smallest file, scaled to the
-    fewest MC samples select may choose, against the budget: the share of the weights that fits. A FLOPs
+    `sizes`: {format select scores: bytes of its file holding m samples}; `sizes_one`: the same files at M = 1,
+    where the pre-flight made them. The smallest file, scaled to the fewest MC samples select may choose, against
+    the budget: the share of the weights that fits. A FLOPs
     target removes weights about as much as FLOPs (benchmarks/results/finetune_compress.md: a params ratio of
     0.48 at 0.5 of the FLOPs, 0.23 at 0.25, on four networks), so that share is what to give as
     train.flops_target. Nested (width) and SQS nets are made small by select's own knob."""
@@ -82,33 +83,36 @@ def model_budget_share(cfg, profile, sizes, m, sizes_one=None):
     if budget is None or not sizes:
         return None
     fewest = _fewest_mc_samples(cfg, profile)
-    if sizes_one and m > 1 and any(f in sizes for f in sizes_one):
-        # `sizes_one`: the same formats' files at M = 1. A file is fixed bytes (graph, names, quantization
-        # scales) + M x one sample's: a small network's fixed bytes are a third of its int8 file (digits MLP: 5.7
-        # of 16 kB), which the proportional rule priced as weights (0.61 told, the int8 file at 0.61 was 12 kB
-        # against an 8 kB budget)
-        best = None
-        for fmt in (f for f in sizes_one if f in sizes):
-            per_sample = max((sizes[fmt] - sizes_one[fmt]) / (m - 1), 1.0)
-            fixed = max(sizes_one[fmt] - per_sample, 0.0)
-            share = (budget * 1e6 - fixed) / (fewest * per_sample)
-            if best is None or share > best[0]:
-                best = (share, fmt, (fixed + fewest * per_sample) / 1e6, fixed / 1e6)
-        share, fmt, mb, fixed_mb = best
-        if share >= 1:
-            return None
-        where = (f"at M={fewest} the network exports to about {mb:.3g} MB ({fmt}, {fixed_mb:.3g} MB of it fixed: "
-                 f"graph, names, scales) against {profile.name}'s model_mb budget of {budget:g} MB")
-        if share <= 0:
-            return 0.0, f"{where}: the fixed bytes alone exceed it, no share of the weights fits"
-        return share, f"{where}: it fits with about {share:.0%} of its weights"
-    fmt, size = min(sizes.items(), key=lambda item: item[1])
-    mb = size / m * fewest / 1e6   # the packed or unrolled file holds m samples' weights
-    share = budget / mb
+
+    def parts(fmt):
+        """(fixed bytes, bytes per sample) of a format's file. A file is fixed bytes (graph, names, quantization
+        scales) + M x one sample's; with the same file at M = 1 (`sizes_one`) both are known: a small network's
+        fixed bytes are a third of its int8 file (digits MLP: 5.7 of 16 kB), which pricing the whole file as
+        weights missed (0.61 told, the int8 file at 0.61 was 12 kB against an 8 kB budget). Without it, all of
+        the file is weights (the packed or unrolled file holds m samples')."""
+        one = (sizes_one or {}).get(fmt)
+        if one is None or m < 2:
+            return 0.0, sizes[fmt] / m
+        per_sample = max((sizes[fmt] - one) / (m - 1), 1.0)
+        return max(one - per_sample, 0.0), per_sample
+
+    # the format in which the largest share fits (without fixed bytes: the smallest file), among those whose
+    # fixed bytes are known where any are (one priced as all weights would look roomier than it is)
+    known = [f for f in sizes if f in (sizes_one or {})] if m > 1 else []
+    options = []
+    for name in known or sizes:
+        fixed, per_sample = parts(name)
+        options.append(((budget * 1e6 - fixed) / (fewest * per_sample), name, fixed, per_sample))
+    share, fmt, fixed, per_sample = max(options, key=lambda o: o[0])
     if share >= 1:
         return None
-    return share, (f"at M={fewest} the network exports to about {mb:.3g} MB ({fmt}) against {profile.name}'s "
-                   f"model_mb budget of {budget:g} MB: it fits with about {share:.0%} of its weights")
+    mb = (fixed + fewest * per_sample) / 1e6
+    where = (f"at M={fewest} the network exports to about {mb:.3g} MB ({fmt}"
+             + (f", {fixed / 1e6:.3g} MB of it fixed: graph, names, scales" if fixed else "")
+             + f") against {profile.name}'s model_mb budget of {budget:g} MB")
+    if share <= 0:
+        return 0.0, f"{where}: the fixed bytes alone exceed it, no share of the weights fits"
+    return share, f"{where}: it fits with about {share:.0%} of its weights"
 
 
 def model_budget_advice(cfg, profile, sizes, m):

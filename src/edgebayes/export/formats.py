@@ -38,7 +38,7 @@ import torch
 
 from edgebayes.errors import StageError
 from edgebayes.export.lowbit import breakdown, lowbit_onnx, weight_storage
-from edgebayes.export.onnx_export import export_onnx
+from edgebayes.export.onnx_export import AFFINE_OPS, export_onnx
 from edgebayes.export.packed import UNROLLED_COST, mc_graph
 from edgebayes.ondevice.backends import native_noise_filtered
 from edgebayes.ondevice.metrics import classification_metrics
@@ -128,7 +128,6 @@ def _reduce_weight_range(model):
     255 x 127 overflow it. A network whose weights sit at the ends of their range (an SQS codebook's few levels, the
     largest mapped to +-127) then computed another function (digits MLP, M = 4: max |p - p_torch| 0.75, accuracy
     0.822 -> 0.889) that the accuracy floor let through. At 7 bits no pair can overflow (onnxruntime's reduce_range)."""
-    import numpy as np
     from onnx import numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}
@@ -145,9 +144,6 @@ def _reduce_weight_range(model):
         inits[node.input[1]].CopyFrom(numpy_helper.from_array((scale * 2).astype(scale.dtype), node.input[1]))
 
 
-WEIGHTED = {"Conv", "Gemm", "MatMul", "ConvTranspose"}
-
-
 def _output_probabilities(graph):
     """Names of the output softmaxes (the graph's outputs are reached from them without a weighted layer) and
     of every node downstream of them: the probabilities and their MC average."""
@@ -159,7 +155,7 @@ def _output_probabilities(graph):
     plain = set()   # nodes whose output reaches a graph output through no weighted layer
     for n in reversed(graph.node):   # ONNX graphs are topologically sorted
         if any(o in outputs for o in n.output) or any(
-                c.name in plain and c.op_type not in WEIGHTED for o in n.output for c in consumers[o]):
+                c.name in plain and c.op_type not in AFFINE_OPS for o in n.output for c in consumers[o]):
             plain.add(n.name)
     names, produced = [], set()
     for n in graph.node:

@@ -308,9 +308,9 @@ def lowbit_onnx(fp32_path, out_path) -> dict:
         new_nodes += b.nodes
         b.nodes = []
         new_nodes.append(node)
-    if not tensors:
+    if not tensors:   # not named by fp32_path: that is the exporter's temporary file
         raise ValueError(f"onnx-codebook: no weight of the network has <= {MAX_LEVELS} distinct values: not a "
-                         f"codebook-quantized (SQS) network; onnx-codebook is for SQS models")   # (the path is a temporary)
+                         f"codebook-quantized (SQS) network; onnx-codebook is for SQS models")
     _save(model, new_nodes, decoded, out_path)
     # What the runtime holds once it has decoded (constant-folded) the weights: dense float32 without the
     # removed inputs, plus every tensor stored as it was (biases).

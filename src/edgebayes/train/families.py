@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from edgebayes.config import ModelConfig, NestedConfig, PriorConfig
+from edgebayes.data import as_inputs
 from edgebayes.errors import ArchError
 from edgebayes.train import sqs
 from edgebayes.train.arch import resolve_arch
@@ -168,8 +169,7 @@ def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=N
     nested = _section("nested", nested, NestedConfig)
     if calibration_x is not None:   # arrays too, as eb.fit takes its inputs
         try:
-            calibration_x = torch.as_tensor(calibration_x.detach().cpu() if isinstance(calibration_x, torch.Tensor)
-                                            else np.asarray(calibration_x), dtype=torch.float32)
+            calibration_x = as_inputs(calibration_x)
         except (TypeError, ValueError) as e:
             raise ArchError(f"bayesianize: calibration_x: expected training inputs (an array or a tensor), got "
                             f"{type(calibration_x).__name__} ({e})") from None
