@@ -629,7 +629,9 @@ def test_own_folders_left_by_killed_runs_of_this_machine_are_removed_by_the_next
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)
     runs = tmp_path / "runs"
-    keep = [f"run-abc-{t._HOST}-{os.getpid()}-0123abcd", f"run-abc-otherhost-{dead}-0123abcd", "notes"]
+    other = t._HOST.split(".")[0] + ".00000000"   # a machine of the same image: same host name, another id
+    keep = [f"run-abc-{t._HOST}-{os.getpid()}-0123abcd", f"run-abc-otherhost-{dead}-0123abcd",
+            f"run-abc-{other}-{dead}-0123abcd", "notes"]
     for name in keep + [f"run-abc-{t._HOST}-{dead}-89abcdef"]:
         (runs / name).mkdir(parents=True)
     with t.LocalTransport("board", tmp_path).own_folder("run-def") as own:

@@ -16,6 +16,7 @@ never touched, so the stage can simply be re-run.
 """
 
 import copy
+import hashlib
 import io
 import json
 import os
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -87,8 +89,22 @@ _AUTH = ("Permission denied", "Too many authentication failures", "Host key veri
 _DISK_FULL = ("No space left on device", "Disk quota exceeded")
 
 
-# This machine's name as an own folder carries it (Transport.own_folder): letters, digits and dots only
-_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+def _this_machine():
+    """This machine as an own folder names it (Transport.own_folder): its host name (letters, digits, dots) and a
+    hash of its machine id and network address, since boards are often shared by machines of one image whose host
+    names agree ("raspberrypi", "vm"): a folder of another machine's live run must never look like this one's."""
+    ident = str(uuid.getnode())
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            ident += Path(path).read_text().strip()
+            break
+        except OSError:
+            pass
+    name = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    return f"{name}.{hashlib.sha256(ident.encode()).hexdigest()[:8]}"
+
+
+_HOST = _this_machine()
 
 # Run on the device: the names in a folder, one a line (none when it does not exist). argv: the folder.
 LIST_RUNS = "import os, sys; d = os.path.expanduser(sys.argv[1]); print(chr(10).join(os.listdir(d)) if os.path.isdir(d) else '')"
@@ -233,7 +249,8 @@ class Transport:
             names = self.list_runs()
         except (TransportError, OSError):
             return   # the device went away, or runs/ is not readable: the folders stay, named as leftovers
-        stale = [n for n in names if (hit := mine.search(n)) and not _alive(int(hit.group(1)))]
+        stale = [n for n in names if "/" not in n and not n.startswith(".")   # a name in runs/, nothing above
+                 and (hit := mine.search(n)) and not _alive(int(hit.group(1)))]
         for name in stale:
             leftover = copy.copy(self)
             leftover.workdir = self._join(f"runs/{name}")
