@@ -271,6 +271,29 @@ def test_latency_prediction_error_of_the_chosen_point(tmp_path):
     assert rep["summary"]["pareto"] == ["inclusion threshold 0.3, M=1", "inclusion threshold 0.5, M=4"]
 
 
+def test_a_family_without_a_knob_is_reported_as_one_network(tmp_path):
+    """dnn and bnn have no inclusion variables: their one network is not 'inclusion threshold 0.5', and select
+    sweeps one point whatever select.knob_values (written for ss-gl) says."""
+    from edgebayes.config import PriorConfig
+    from edgebayes.train.models import BayesianNet
+
+    for family, knob in (("bnn", "none"), ("dnn", "none"), ("ss-gl", "inclusion_threshold")):
+        net = BayesianNet("mlp", family, PriorConfig(), (8,), 3, 100, hidden=[4])
+        assert net.knob == knob
+        assert net.operating_points([0.5, 0.7, 0.9]) == ([0.5] if knob == "none" else [0.5, 0.7, 0.9])
+    inputs = make_inputs()
+    inputs["train"]["family"] = "bnn"
+    inputs["candidates"] = [c for c in inputs["candidates"] if c["knob_value"] == 0.5]
+    for c in inputs["candidates"] + [inputs["choice"]]:
+        c["knob"] = "none"
+    rep = report_mod.write_report(inputs, tmp_path)
+    html_text = (tmp_path / "report.html").read_text()
+    assert "every unit kept, M = 4" in html_text and "inclusion threshold" not in html_text
+    assert "against the knob" not in html_text and not (tmp_path / "knob.png").exists()
+    line = next(l for l in report_mod.summary_text(report_mod.terminal_summary(rep), 0) if "chosen point" in l)
+    assert "every unit kept, M=4" in line and "0.5" not in line
+
+
 # ---------------------------------------------------------------------------------------------
 # issue 22: units, tail and memory figures, predicted reports, the comparison page, the summary block
 # ---------------------------------------------------------------------------------------------

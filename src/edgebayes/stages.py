@@ -488,10 +488,10 @@ def run_select(ctx):
         return
     predicted = c["cost"]["predicted_latency_ms"]
     from edgebayes.deploy.report import fmt_ms
-    from edgebayes.deploy.summary import latency_basis
+    from edgebayes.deploy.summary import latency_basis, point_label
 
     measured = c["cost"]["measured_latency_ms"] is not None
-    ctx.log(f"select: {choice['knob']} {choice['knob_value']}, M={choice['mc_samples']}, {choice['precision']} "
+    ctx.log(f"select: {point_label(choice['knob'], choice['knob_value'])}, M={choice['mc_samples']}, {choice['precision']} "
             f"(val accuracy {c['val']['accuracy']:.4f}, p{ctx.profile.budgets.percentile} latency "
             + (f"{fmt_ms(c['cost']['latency_ms'], True)} measured" if measured else "")
             + (", " if measured and predicted is not None else "")

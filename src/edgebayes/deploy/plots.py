@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from edgebayes.deploy.summary import dict_or_empty, fmt, fmt_ms, get, knob_label, num, same_point, time_axis
+from edgebayes.deploy.summary import dict_or_empty, fmt, fmt_ms, get, knob_label, num, point_label, same_point, time_axis
 
 def _new_fig(w: float, h: float, **kw: Any):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -91,8 +91,8 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
         handles.append(Line2D([], [], color="grey", linewidth=1, label="predicted latency's band"))
     if chosen:
         handles.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="none", markeredgecolor="crimson",
-                              markersize=12, label=f"chosen: {knob_label(choice.get('knob'))} "
-                                                   f"{fmt(choice.get('knob_value'))}, M={choice.get('mc_samples')}"))
+                              markersize=12, label=f"chosen: {point_label(choice.get('knob'), choice.get('knob_value'))}, "
+                                                   f"M={choice.get('mc_samples')}"))
     if len(front) > 1:
         handles.append(Line2D([], [], color="#555", label="Pareto front"))
     if budget_ms is not None:
@@ -126,7 +126,10 @@ def _size_panel(ax, candidates: list, choice: dict, budget_mb: float | None) -> 
 
 
 def plot_knob(candidates: list, knob: Any) -> bytes | None:
-    """Validation accuracy and ECE against the knob, one line per M (and precision)."""
+    """Validation accuracy and ECE against the knob, one line per M (and precision); None for a family
+    without a knob (one network)."""
+    if knob == "none":
+        return None
     series: dict = {}
     for c in candidates:
         k, acc, ece = num(c.get("knob_value")), num(get(c, "val", "accuracy")), num(get(c, "val", "ece"))

@@ -32,7 +32,7 @@ from edgebayes.deploy import plots
 from edgebayes.deploy.plots import hist_window as _hist_window  # noqa: F401  (tests check the axis window)
 from edgebayes.deploy.summary import (BUDGETS, BYTES_PER_MB, METRIC_LABELS, METRICS, NA, dict_or_empty, diff,
                                       fidelity_rows, fmt, fmt_diff, fmt_ms, fmt_pct, fmt_unit, get,
-                                      jsonable as _jsonable, knob_label, num, same_point, shipped_bytes_rows,
+                                      jsonable as _jsonable, knob_label, num, point_label, same_point, shipped_bytes_rows,
                                       summarize as _summarize, summary_text, terminal_summary)
 from edgebayes.provenance import atomic_path
 
@@ -69,7 +69,7 @@ def _environment() -> jinja2.Environment:
                        signed_pct=lambda x: NA if x is None else f"{100 * x:+.1f} %",
                        near_any=lambda x, *targets: any(math.isclose(x, t) for t in targets))
     env.globals.update(NA=NA, METRICS=METRICS, METRIC_LABELS=METRIC_LABELS, BUDGETS=BUDGETS,
-                       BYTES_PER_MB=BYTES_PER_MB, same_point=same_point, zip=zip)
+                       BYTES_PER_MB=BYTES_PER_MB, point_label=point_label, same_point=same_point, zip=zip)
     return env
 
 

@@ -141,6 +141,12 @@ def knob_label(knob: Any) -> str:
     return str(knob or "knob").replace("_", " ")
 
 
+def point_label(knob: Any, value: Any) -> str:
+    """'inclusion threshold 0.5'; 'every unit kept' for a family without a knob (dnn, bnn: nothing is pruned,
+    train/models.py NO_KNOB), whose knob value means nothing."""
+    return "every unit kept" if knob == "none" else f"{knob_label(knob)} {fmt(value)}"
+
+
 def same_point(cand: dict, knob_value: Any, m: Any, fmt: Any = None) -> bool:
     """The candidate of this knob value and M (and export format, when given: a device taking fp32 and int8
     has two candidates of one knob value and M, whose size and memory differ)."""
@@ -406,7 +412,7 @@ def summarize(d: dict) -> dict:
         "objective": d.get("objective"),
         "max_ece": d.get("max_ece"),
         "latency_prediction": latency_prediction,
-        "pareto": [c.get("id") or f"{knob_label(c.get('knob'))} {c.get('knob_value')}, M={c.get('mc_samples')}"
+        "pareto": [c.get("id") or f"{point_label(c.get('knob'), c.get('knob_value'))}, M={c.get('mc_samples')}"
                    for c in candidates if c.get("pareto")],
         "choice_reason": choice.get("reason"),
         "metrics": metrics,
@@ -551,7 +557,7 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
     best = dict_or_empty(t.get("latency_ms_best_round"))
     lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})"
              + "".join(f" --set {x}" for x in t.get("settings") or []),
-             f"  chosen point  {knob_label(c.get('knob'))} {fmt(c.get('knob_value'))}, M={c.get('mc_samples')}, "
+             f"  chosen point  {point_label(c.get('knob'), c.get('knob_value'))}, M={c.get('mc_samples')}, "
              + (f"T={fmt(c['temperature'])}, " if c.get("temperature") not in (None, 1.0) else "")
              + f"{c.get('format')} ({c.get('precision')})",
              f"  accuracy      {fmt(t.get('accuracy'))}, ECE {fmt(t.get('ece'))}, OOD AUROC {fmt(t.get('ood_auroc'))}"

@@ -28,6 +28,10 @@ from edgebayes.train.spike_slab import (
 )
 
 
+NO_KNOB = "none"   # the knob of a family that has no deploy-time choice (summary.point_label)
+UNPRUNED_FAMILIES = ("dnn", "bnn")   # no inclusion variables: nothing is switched off
+
+
 class BayesianNet(nn.Module):
     """A network of any family with the interface of the later stages (see the module docstring)."""
 
@@ -41,6 +45,8 @@ class BayesianNet(nn.Module):
         super().__init__()
         build = as_builder(build, **zoo_kw)
         self.family, self.input_shape, self.classes = family, tuple(input_shape), classes
+        if family in UNPRUNED_FAMILIES:   # no inclusion variables: one network, whatever the threshold
+            self.knob, self.default_operating_points = NO_KNOB, (self.default_knob,)
         self._build_plain = lambda: build(LayerFactory("dnn", activation=activation), input_shape, classes)
         if family == "ss-gl":
             self.global_scale = GlobalScale(prior_cfg.a0, prior_cfg.b0)
@@ -74,7 +80,10 @@ class BayesianNet(nn.Module):
         return total
 
     def operating_points(self, values=None):
-        """The inclusion thresholds to try; each must lie in (0, 1)."""
+        """The inclusion thresholds to try; each must lie in (0, 1). A family without inclusion variables has
+        the one network (select.knob_values, written for another family, changes nothing)."""
+        if self.knob == NO_KNOB:
+            return list(self.default_operating_points)
         values = list(self.default_operating_points if values is None else values)
         bad = [v for v in values if not 0 < v < 1]
         if bad:
