@@ -46,6 +46,7 @@ from edgebayes.train.nested import NESTED_FAMILIES
 AFFINE = (nn.Conv2d, nn.Linear)
 NORMS = (nn.BatchNorm2d,)
 PLAIN_ONLY = (nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase)   # no Bayesian twin: stay plain
+_SAID = set()   # the no-Bayesian-twin warnings said in this process (bayesianize)
 
 
 def _structure(module):
@@ -223,16 +224,19 @@ def convert(module: nn.Module, factory) -> nn.Module:
         found = f" (only {', '.join(sorted(set(plain_layers.values())))})" if plain_layers else ""
         raise ArchError(f"bayesianize: {type(module).__name__} has no nn.Linear or nn.Conv2d layer called in its "
                         f"forward{found}: nothing to make Bayesian, and no unit to switch off")
-    if plain_layers:   # a net is converted for every twin: the default filter shows it once until the filters
-        # change (torch's exporters reset them), so a pipeline may say it once per stage
+    if plain_layers:   # a net is converted for every twin and every stage: said once per process (_SAID; the
+        # warnings module's own once-filter is reset by torch's exporters)
         by_reason = {}
         for name, why in plain_layers.items():
             by_reason.setdefault(why, []).append(name)
         listed = "; ".join(f"{why}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
                            for why, names in by_reason.items())
-        warnings.warn(f"bayesianize: {len(plain_layers)} layer(s) of {type(module).__name__} have no Bayesian twin "
-                      f"here and stay plain, deterministic and whole ({listed}); their FLOPs count in every ratio "
-                      f"where they are called, and nothing switches their units off", stacklevel=2)
+        message = (f"bayesianize: {len(plain_layers)} layer(s) of {type(module).__name__} have no Bayesian twin "
+                   f"here and stay plain, deterministic and whole ({listed}); their FLOPs count in every ratio "
+                   f"where they are called, and nothing switches their units off")
+        if message not in _SAID:
+            _SAID.add(message)
+            warnings.warn(message, stacklevel=2)
     return net
 
 
