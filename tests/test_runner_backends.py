@@ -6,6 +6,7 @@ engine; the real engine test runs only where tensorrt imports.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,24 @@ def test_unknown_or_unlisted_artifact_is_refused(bundle, tmp_path, capsys):
                                           "precision": "int8", "runtime": "onnxruntime"}
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     assert "'model-onnx-int8.onnx' is not listed in 'files'" in _expect_bundle_error(bundle, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("raw_name", [b"caf\xc3\xa9", b"caf\xe9"], ids=["utf8-bytes", "latin1-bytes"])
+def test_runtimes_open_models_under_names_no_utf8_str_carries(multi_bundle, tmp_path, raw_name):
+    """Outside Python's UTF-8 mode (a C locale, PYTHONUTF8=0) a non-ASCII folder name reaches Python as surrogate
+    escapes, which the runtimes' bindings refused (onnxruntime: a pybind11 TypeError). Both runtimes open the
+    file such a str names, whether its bytes are UTF-8 or not."""
+    folder = Path(os.fsdecode(bytes(tmp_path) + b"/" + raw_name))
+    folder.mkdir()
+    for artifact in ("onnx", "tflite-fp32"):
+        src = multi_bundle / ("model.onnx" if artifact == "onnx" else "model-tflite-fp32.tflite")
+        shutil.copy(src, folder / src.name)
+    weird = str(folder)[:len(str(tmp_path)) + 1] + raw_name.decode("ascii", "surrogateescape")   # as a C locale shows it
+    evaluation = np.load(multi_bundle / "eval.npz")
+    x, ref = evaluation["x"][:5], evaluation["reference_probs"][:5]
+    for backend in (backends.OnnxRuntimeBackend(f"{weird}/model.onnx", threads=1),
+                    backends.TFLiteBackend(f"{weird}/model-tflite-fp32.tflite", threads=1)):
+        assert np.allclose(backend.run(x), ref, atol=1e-5)
 
 
 # --- TFLite -----------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from edgebayes.errors import StageError
 from edgebayes.export.lowbit import breakdown, lowbit_onnx, weight_storage
 from edgebayes.export.onnx_export import AFFINE_OPS, export_onnx
 from edgebayes.export.packed import UNROLLED_COST, mc_graph
-from edgebayes.ondevice.backends import native_noise_filtered
+from edgebayes.ondevice.backends import native_model_source, native_noise_filtered
 from edgebayes.ondevice.metrics import classification_metrics
 from edgebayes.ondevice.runtimes import make_backend, predict_all
 from edgebayes.ondevice.tables import FORMATS, get_format  # noqa: F401 (the one table of formats)
@@ -305,7 +305,8 @@ def operator_count(path):
         from edgebayes.ondevice.backends import _tflite_interpreter
 
         interpreter_class, _, _ = _tflite_interpreter()
-        return len(interpreter_class(model_path=str(path))._get_ops_details())
+        named, content = native_model_source(path)
+        return len(interpreter_class(model_path=named, model_content=content)._get_ops_details())
     raise ValueError(f"{path}: cannot count the operators of a {path.suffix or 'suffix-less'} file")
 
 

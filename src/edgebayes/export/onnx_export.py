@@ -13,6 +13,8 @@ import numpy as np
 import onnx
 import torch
 
+from edgebayes.ondevice.backends import native_model_source
+
 
 def _averaging(out, size):
     """[out, size]: row i averages inputs floor(i size / out) .. ceil((i + 1) size / out) - 1, as
@@ -108,7 +110,8 @@ def onnx_session(path, threads: int = 0):
     opts = ort.SessionOptions()
     if threads:
         opts.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    named, content = native_model_source(path)
+    return ort.InferenceSession(named or content, opts, providers=["CPUExecutionProvider"])
 
 
 def onnx_predict(path, x: np.ndarray, batch_size: int = 2048) -> np.ndarray:

@@ -29,6 +29,27 @@ class RuntimeProblem(Exception):
     """The requested runtime is unknown, not installed, or failed on the model."""
 
 
+def native_model_source(path):
+    """(path, None) as a runtime's C++ constructor takes it, or (None, the file's bytes) where no str can name it.
+
+    Runtimes' bindings encode a path as UTF-8. Outside Python's UTF-8 mode, in a C / POSIX or other non-UTF-8
+    locale, a folder named with non-ASCII characters reaches Python as surrogate escapes, which do not encode:
+    onnxruntime refused it with a pybind11 TypeError. Such a path's own bytes are usually UTF-8 (what the name
+    was written as), and decoded as that they name the same file; where they are not, the model is handed over
+    as bytes (held once more while the session is built)."""
+    path = os.fspath(path)
+    try:
+        path.encode("utf-8")
+        return path, None
+    except UnicodeEncodeError:
+        pass
+    try:
+        return os.fsencode(path).decode("utf-8"), None
+    except UnicodeDecodeError:
+        with open(path, "rb") as f:
+            return None, f.read()
+
+
 @contextlib.contextmanager
 def native_noise_filtered(patterns=NATIVE_NOISE):
     """Native libraries write to file descriptor 2 directly, past sys.stderr and any log level: while the
@@ -119,7 +140,8 @@ class OnnxRuntimeBackend(Backend):
         if threads > 0:
             options.intra_op_num_threads = threads
         try:
-            self.session = ort.InferenceSession(model_path, sess_options=options, providers=providers)
+            named, content = native_model_source(model_path)
+            self.session = ort.InferenceSession(named or content, sess_options=options, providers=providers)
         except Exception as exc:  # ORT raises its own exception types
             raise RuntimeProblem(f"onnxruntime could not load {model_path}: {exc}") from exc
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
@@ -198,7 +220,8 @@ class TFLiteBackend(Backend):
         interpreter_cls, self.package, self._version = _tflite_interpreter()
         try:
             with native_noise_filtered():   # "Created TensorFlow Lite XNNPACK delegate for CPU."
-                self.interpreter = interpreter_cls(model_path=model_path, num_threads=threads or None)
+                named, content = native_model_source(model_path)
+                self.interpreter = interpreter_cls(model_path=named, model_content=content, num_threads=threads or None)
                 self.interpreter.allocate_tensors()
         except Exception as exc:
             raise RuntimeProblem(f"{self.package} could not load {model_path}: {exc}") from exc
