@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1100,4 +1101,23 @@ def test_a_batch_norm_left_unfolded_in_the_file_does_not_count_as_a_parameter_mi
                       "ss-gl", input_shape=(1, 8, 8), n_train=60)
     c = eb.compress(net, m=m)
     path = eb.save(c, tmp_path / "m.onnx", example=torch.as_tensor(_X[:4]))
+    assert onnx_parameter_count(path) == m * count_weights(c.samples[0], fold_batch_norm=True)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_an_adaptive_pool_exported_as_averaging_products_adds_no_parameter(tmp_path, m):
+    """An adaptive pool whose output size does not divide its input (alexnet's and vgg's at small inputs) is
+    exported as two products with constant averaging matrices (export/onnx_export.AdaptiveAvgPoolAsMatmul):
+    they are no weights of the net, and counting them made params_match false for a correct file."""
+    import edgebayes as eb
+    from edgebayes.compressed.structure import count_weights
+    from edgebayes.export.onnx_export import onnx_parameter_count
+
+    torch.manual_seed(0)
+    net = bayesianize(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d((4, 5)), nn.Flatten(),
+                                    nn.Linear(20 * 4, 3)), "ss-gl", input_shape=(1, 8, 8), n_train=60)
+    c = eb.compress(net, m=m)
+    path = eb.save(c, tmp_path / "m.onnx", example=torch.as_tensor(_X[:4]))
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("MatMul") >= 2   # the pool's two products (6 rows -> 4, 6 columns -> 5)
     assert onnx_parameter_count(path) == m * count_weights(c.samples[0], fold_batch_norm=True)

@@ -26,6 +26,9 @@ def _averaging(out, size):
     return a
 
 
+AVERAGING_CONSTANTS = ("averaging_rows", "averaging_cols")   # AdaptiveAvgPoolAsMatmul's matrices: no weights
+
+
 class AdaptiveAvgPoolAsMatmul(torch.nn.Module):
     """nn.AdaptiveAvgPool2d at a fixed input size as two matrix products: the same averages. torch.onnx
     exports an adaptive pool only when the output size divides the input size; alexnet's and vgg's 7x7 pool
@@ -33,11 +36,12 @@ class AdaptiveAvgPoolAsMatmul(torch.nn.Module):
 
     def __init__(self, in_hw, out_hw):
         super().__init__()
-        self.register_buffer("rows", _averaging(out_hw[0], in_hw[0]))
-        self.register_buffer("cols", _averaging(out_hw[1], in_hw[1]).T.contiguous())
+        # named AVERAGING_CONSTANTS: the file's initializers keep the names, and onnx_parameter_count skips them
+        self.register_buffer("averaging_rows", _averaging(out_hw[0], in_hw[0]))
+        self.register_buffer("averaging_cols", _averaging(out_hw[1], in_hw[1]).T.contiguous())
 
     def forward(self, x):
-        return torch.matmul(torch.matmul(self.rows, x), self.cols)
+        return torch.matmul(torch.matmul(self.averaging_rows, x), self.averaging_cols)
 
 
 def exportable(module: torch.nn.Module, example: torch.Tensor) -> torch.nn.Module:
@@ -95,10 +99,12 @@ def onnx_parameter_count(path) -> int:
     does not match the pruned model" of a correct file.
 
     The exporter stores equal constants once and hands them to several layers through Identity nodes
-    (e.g. the folded batch-norm biases of freshly initialised layers); each use is a parameter of the net.
+    (e.g. the folded batch-norm biases of freshly initialised layers); each use is a parameter of the net. The
+    averaging matrices of an adaptive pool exported as products (AdaptiveAvgPoolAsMatmul) are not.
     """
     graph = onnx.load(str(path)).graph
-    sizes = {t.name: int(np.prod(t.dims)) for t in graph.initializer}
+    sizes = {t.name: int(np.prod(t.dims)) for t in graph.initializer
+             if t.name.rpartition(".")[2] not in AVERAGING_CONSTANTS}
     source = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity" and n.input[0] in sizes}
     return int(sum(sizes.get(source.get(name, name), 0) for n in graph.node if n.op_type in AFFINE_OPS
                    for name in n.input[1:]))
