@@ -2,6 +2,7 @@
 
 import gzip
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -308,6 +309,14 @@ OWN_DATA_ERRORS = {
     "test class unseen": ("image-folder", lambda t: _images(t / "x" / "train", classes=("a", "b"), n=3) and
                           _images(t / "x" / "test", classes=("z",), n=1) and t / "x",
                           r"test/z is not a class of train/"),
+    # the splits carved at random (not stratified) are checked again: a rare class can land wholly outside training
+    "carved: one class left in training": ("npz", _bad_npz(x=np.arange(40.0).reshape(20, 2),
+                                                           y=np.r_[np.zeros(16, int), np.ones(4, int)]),
+                                           r"after the split \(data\.test_fraction 0\.5, .*\) the (training split holds "
+                                           r"a single class|(validation|test) split holds class\(es\) '1' with no "
+                                           r"example left in the training split)"),
+    "uint8 train, float test": ("npz", _bad_npz(x_train=np.zeros((10, 4), np.uint8), y_train=Y, x_test=X, y_test=Y),
+                                r"x_train hold uint8 \(pixels, scaled to \[0, 1\]\) but x_test do not"),
     "unreadable image": ("image-folder", lambda t: (_images(t / "x", classes=("a", "b"), n=3) / "a" / "9.png")
                          .write_bytes(b"garbage") and t / "x", r"9\.png: not a readable image"),
 }
@@ -318,8 +327,10 @@ def test_own_data_errors_name_the_file_and_the_problem(case, tmp_path):
     dataset, make, message = OWN_DATA_ERRORS[case]
     (tmp_path / "data").mkdir()
     path = make(tmp_path / "data")
+    # 4 examples of class 1 in 20, 3 of the 20 left for training: seed 1 carves every one of them out
+    fractions, seed = ({"test_fraction": 0.5, "val_fraction": 0.4}, 1) if case.startswith("carved") else ({}, 0)
     with pytest.raises(DataError, match=message) as error:
-        load_data(_own(dataset, path), seed=0)
+        load_data(_own(dataset, path, **fractions), seed=seed)
     assert "data.path" in str(error.value)
 
 
@@ -345,6 +356,20 @@ def test_loader_function_errors(tmp_path, monkeypatch):
         load_data(DataConfig(dataset="userdata:gone"), 0)
     with pytest.raises(DataError, match=r"userdata:no_argument: the loader failed \(TypeError.*called as no_argument\(cfg\)"):
         load_data(DataConfig(dataset="userdata:no_argument"), 0)
+
+
+def test_test_inputs_that_are_copies_of_training_inputs_are_named(tmp_path):
+    """A test set holding copies of training examples reports figures of the training data: warned, counted."""
+    rng = np.random.default_rng(0)
+    x, y = rng.random((50, 4), dtype=np.float32), np.arange(50) % 2
+    x_test = np.concatenate([x[:7], rng.random((13, 4), dtype=np.float32)])
+    path = _npz(tmp_path / "d.npz", x_train=x, y_train=y, x_test=x_test, y_test=np.arange(20) % 2)
+    with pytest.warns(UserWarning, match=r"d\.npz: 7 of the 20 inputs of x_test are also in x_train"):
+        load_data(_own("npz", path), seed=0)
+    path = _npz(tmp_path / "e.npz", x_train=x, y_train=y, x_test=x_test[7:] + 1e-7, y_test=np.arange(13) % 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_data(_own("npz", path), seed=0)
 
 
 def test_too_few_inputs_for_the_splits(tmp_path):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from _nets import ConvBnFc
 from edgebayes.cli import main
 from edgebayes.config import ModelConfig, PriorConfig
 from edgebayes.train.arch import ArchError, register_arch, resolve_arch
@@ -793,6 +794,47 @@ def test_save_run_and_calibrate_refuse_empty_or_misshapen_inputs_by_name(tmp_pat
         eb.run(tmp_path / "other.onnx", x[:3])
     with pytest.raises(ValueError, match=r"save: path: the folder .*missing does not exist"):
         eb.save(c, tmp_path / "missing" / "m.onnx", example=x[:2])
+    # a NaN example was blamed on the converter ("computes another function"); labels were taken as they came
+    with pytest.raises(ValueError, match=r"save: example: 1 input\(s\) hold NaN"):
+        eb.save(c, tmp_path / "n.onnx", example=bad)
+    for labels, message in ((y + 0.5, r"calibrate: y holds non-integer numbers"),
+                            (np.eye(3)[y], r"calibrate: y has shape \(20, 3\); .*one-hot labels")):
+        with pytest.raises(ValueError, match=message):
+            c.calibrate(x, labels)
+    probs = eb.run(path, torch.tensor(x, requires_grad=True))   # as fit and save take it
+    assert eb.metrics(probs, (y == 1)[:, None]) == eb.metrics(probs, (y == 1).astype(int))   # bool, (N, 1)
+    with pytest.raises(ValueError, match=r"metrics: y holds strings"):
+        eb.metrics(probs, y.astype(str))
+
+
+def test_the_python_api_scales_uint8_inputs_as_the_pipeline_does(tmp_path):
+    """The pipeline's data sources scale uint8 (pixels) to [0, 1]; eb.fit, eb.save and eb.run took them raw, so a
+    net trained on uint8 arrays by the CLI and run on them with eb.run got inputs 255 times too large."""
+    import edgebayes as eb
+
+    torch.manual_seed(0)
+    pixels = np.random.default_rng(1).integers(0, 256, (40, 1, 8, 8)).astype(np.uint8)
+    net = bayesianize(ConvBnFc(4, 8, 3), "ss-gl", input_shape=(1, 8, 8), n_train=40)
+    c = eb.compress(net, m=2)
+    path = eb.save(c, tmp_path / "m.onnx", example=pixels[:2])
+    assert np.array_equal(eb.run(path, pixels), eb.run(path, pixels.astype(np.float32) / 255))
+    assert np.array_equal(eb.run(path, torch.from_numpy(pixels)), eb.run(path, pixels))
+    with torch.no_grad():
+        assert np.allclose(eb.run(path, pixels), c.mc_model()(torch.from_numpy(pixels).float() / 255).numpy(), atol=1e-5)
+
+
+def test_fit_checks_the_validation_split_it_carves_itself():
+    """eb.fit carves 10% of x for validation at random: a class can be left out of training altogether."""
+    import edgebayes as eb
+
+    net = bayesianize(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), "ss-gl", input_shape=(4,),
+                      n_train=20)
+    x, y = np.random.default_rng(0).random((20, 4), dtype=np.float32), np.r_[np.zeros(18, int), np.ones(2, int)]
+    seed = next(s for s in range(10_000) if set(torch.randperm(20, generator=torch.Generator().manual_seed(s))[:2]
+                                                .tolist()) == {18, 19})   # the seed whose 10% are both of class 1
+    with pytest.raises(ValueError, match=r"fit: after the split \(10% of x carved out for validation with seed "
+                                         rf"{seed}\) the training split holds a single class"):
+        eb.fit(net, x, y, epochs=1, seed=seed)
 
 
 def test_bayesianize_refuses_a_network_whose_output_is_not_floating_point():

@@ -271,6 +271,20 @@ def test_latency_prediction_error_of_the_chosen_point(tmp_path):
     assert rep["summary"]["pareto"] == ["inclusion threshold 0.3, M=1", "inclusion threshold 0.5, M=4"]
 
 
+def test_an_accuracy_no_better_than_the_majority_class_is_warned(tmp_path):
+    """On an imbalanced test split (79:1) always answering the frequent class scores 0.9875: an accuracy of 0.97
+    reads as good and is worse than that."""
+    inputs = make_inputs()
+    inputs["export"]["test_class_counts"] = [356, 4] + [0] * 8
+    rep = report_mod.write_report(inputs, tmp_path / "a")
+    said = [w for w in rep["summary"]["warnings"] if "most frequent class" in w]
+    assert said == ["The accuracy (0.9694) is no better than always answering the test split's most frequent class "
+                    "(356 of its 360 examples, 0.9889); on so imbalanced a split the NLL and ECE say more than the "
+                    "accuracy."]
+    inputs["export"]["test_class_counts"] = [36] * 10
+    rep = report_mod.write_report(inputs, tmp_path / "b")
+    assert not any("most frequent class" in w for w in rep["summary"]["warnings"])
+
 def test_a_family_without_a_knob_is_reported_as_one_network(tmp_path):
     """dnn and bnn have no inclusion variables: their one network is not 'inclusion threshold 0.5', and select
     sweeps one point whatever select.knob_values (written for ss-gl) says."""

@@ -27,7 +27,7 @@ import torch
 from edgebayes.config import (MAX_MC_SAMPLES, OPSETS, ConfigError, ExportConfig, PipelineConfig, TrainConfig,
                               check_train, validate)
 from edgebayes.compressed.samples import Compressed, compress as _compress
-from edgebayes.data import as_inputs
+from edgebayes.data import as_inputs, check_carved, class_indices
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
 
@@ -81,6 +81,8 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     else:
         vx, vy = sets["val"]
     splits = Splits(x, y, vx, vy, vx, vy, classes)
+    if val is None:
+        check_carved(splits, "fit", f"10% of x carved out for validation with seed {seed}")
     cfg = PipelineConfig(seed=seed, train=t)
     path = Path(checkpoint) if checkpoint else None
     if path is not None and path.is_dir():
@@ -157,6 +159,7 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
     example = as_inputs(example)   # one that requires grad, or on a GPU, as eb.fit takes them
     if example.dim() == 0 or len(example) == 0:
         raise ValueError(f"save: example: expected a batch of at least one input, got shape {tuple(example.shape)}")
+    _refuse_non_finite(example, "save: example")   # else blamed on the converter by the fidelity check
     shape = compressed.input_shape
     if shape is not None and (example.dim() != len(shape) + 1 or tuple(example.shape[1:]) != tuple(shape)):
         raise ValueError(f"save: example: expected a batch of inputs of shape (N, {', '.join(map(str, shape))}), "
@@ -202,16 +205,20 @@ def run(path, x, fmt=None):
     from edgebayes.export.formats import artifact_predict
 
     fmt = fmt or ("tflite-fp32" if str(path).endswith(".tflite") else "onnx")
-    x = np.asarray(x, dtype=np.float32)
+    x = as_inputs(x).numpy()   # uint8 scaled as fit took it; a tensor that requires grad too
     if x.ndim == 0 or len(x) == 0:
         raise ValueError(f"run: x: expected a batch of at least one input, got shape {x.shape}")
-    if not np.isfinite(x).all():   # the graph would return NaN probabilities, silently
-        bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(1))
-        raise ValueError(f"run: x: {len(bad)} input(s) hold NaN or infinite values (rows {bad[:5].tolist()}"
-                         f"{', ...' if len(bad) > 5 else ''})")
+    _refuse_non_finite(x, "run: x")   # the graph would return NaN probabilities, silently
     if not Path(path).is_file():
         raise ValueError(f"run: path: no such file {path}")
     return artifact_predict(Path(path), fmt, x)
+
+
+def _refuse_non_finite(x, where):
+    bad = np.flatnonzero(~np.isfinite(np.asarray(x).reshape(len(x), -1)).all(1))
+    if len(bad):
+        raise ValueError(f"{where}: {len(bad)} input(s) hold NaN or infinite values (rows {bad[:5].tolist()}"
+                         f"{', ...' if len(bad) > 5 else ''})")
 
 
 def metrics(probs, y) -> dict:
@@ -220,4 +227,4 @@ def metrics(probs, y) -> dict:
     from edgebayes.train.metrics import classification_metrics
 
     check_probabilities(probs)
-    return classification_metrics(np.asarray(probs), np.asarray(y))
+    return classification_metrics(np.asarray(probs), class_indices(y, "y", "metrics").numpy())

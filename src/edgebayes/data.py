@@ -26,6 +26,7 @@ import csv
 import gzip
 import os
 import struct
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,9 @@ from edgebayes.plugins import IMPORT_PATH, load_callable
 from edgebayes.provenance import stat_fingerprint
 
 
-class DataError(InputError):
-    """The data set cannot be loaded; the message says which files and how to fix it."""
+class DataError(InputError, ValueError):
+    """The data set cannot be loaded; the message says which files and how to fix it. Also a ValueError: the
+    Python API's functions refuse bad arguments with ValueErrors, and its data checks are these."""
 
 
 @dataclass
@@ -245,6 +247,11 @@ def _sets_from_mapping(arrays: dict, where, signals=False) -> dict:
                 sets[s] = (_inputs(arrays[xk], xk, where, signals), arrays[yk])
         if "train" not in sets:
             raise DataError(f"{where}: x_train and y_train are required with x_val / x_test ({holds})")
+        pixels = {k for k in ("x_train", "x_val", "x_test") if k in arrays and np.asarray(arrays[k]).dtype == np.uint8}
+        if pixels and len(pixels) != len(sets):   # uint8 is scaled to [0, 1], other types are kept as they are
+            raise DataError(f"{where}: {', '.join(sorted(pixels))} hold uint8 (pixels, scaled to [0, 1]) but "
+                            f"{', '.join(sorted({f'x_{s}' for s in sets} - pixels))} do not (kept as they are); "
+                            f"give every set the same dtype")
         return sets
     if "x" in arrays and "y" in arrays:
         return {"train": (_inputs(arrays["x"], "x", where, signals), arrays["y"])}
@@ -610,8 +617,20 @@ def _lookup(sorted_values, a, order=None):
 
 def as_inputs(a):
     """A user's inputs as a float32 CPU tensor: an array, a list, or a tensor on any device (detached: one that
-    requires grad too). eb.fit's x, eb.save's example, bayesianize's calibration_x."""
-    return torch.as_tensor(a.detach().cpu() if isinstance(a, torch.Tensor) else np.asarray(a), dtype=torch.float32)
+    requires grad too). eb.fit's x, eb.save's example, eb.run's x, bayesianize's calibration_x. uint8 (pixels) is
+    scaled to [0, 1], as every data source of the pipeline scales it (`_inputs`): a net fitted on uint8 arrays
+    through one and run on them through the other sees the same numbers."""
+    x = torch.as_tensor(a.detach().cpu() if isinstance(a, torch.Tensor) else np.asarray(a))
+    return x.to(torch.float32) / 255.0 if x.dtype == torch.uint8 else x.to(torch.float32)
+
+
+def class_indices(y, name, where) -> torch.Tensor:
+    """Labels a user hands to eb.metrics or Compressed.calibrate as int64 class indices: integers, integral
+    floats or booleans, one per input ((N,) or (N, 1)); one-hot, fractional and string labels refused by name."""
+    a = _label_array(y, name, where)
+    if a.dtype.kind not in "iu":
+        raise DataError(f"{where}: {name} holds strings; expected class indices 0..C-1 (the net's outputs)")
+    return torch.from_numpy(a)
 
 
 def checked_sets(sets: dict, classes, where):
@@ -633,7 +652,23 @@ def checked_sets(sets: dict, classes, where):
             raise DataError(f"{where}: x_{s} has {bad} values that are NaN or infinite")
         labels[s] = y
     codes, classes = _encode_labels(labels, classes, where)
+    if len(sets) > 1:
+        train_rows = _row_hashes(sets["train"][0])
+        for s in sets.keys() - {"train"}:
+            shared = int(np.isin(_row_hashes(sets[s][0]), train_rows).sum())
+            if shared:   # its figures would be of examples the net was trained on
+                warnings.warn(f"{where}: {shared} of the {len(sets[s][0])} inputs of x_{s} are also in x_train "
+                              f"(exact copies): the {s} figures are partly of training examples", stacklevel=2)
     return {s: (x, codes[s]) for s, (x, _) in sets.items()}, classes
+
+
+def _row_hashes(x, block=4096):
+    """A 64-bit hash of each input's exact float32 bits (a fixed random multiply-add over its words): equal
+    inputs, equal hashes; unequal ones collide with probability about 2^-64 per pair."""
+    words = np.ascontiguousarray(x.reshape(len(x), -1).numpy(), dtype=np.float32).view(np.uint32)
+    mix = np.random.default_rng(0).integers(1, 2**63, words.shape[1], dtype=np.uint64) | np.uint64(1)
+    return np.concatenate([(words[i:i + block].astype(np.uint64) * mix).sum(1, dtype=np.uint64)
+                           for i in range(0, len(words), block)] or [np.zeros(0, np.uint64)])
 
 
 def _source(cfg) -> str:
@@ -673,6 +708,21 @@ def _split(n, fraction, generator):
     return perm[k:], perm[:k]
 
 
+def check_carved(splits, where, how):
+    """The label checks of checked_sets, again after the splits are carved (randomly, not stratified): a rare class
+    can land wholly in the test or validation split, leaving training without it (or with one class)."""
+    seen = torch.unique(splits.train_y)
+    if len(seen) < 2:
+        raise DataError(f"{where}: after the split ({how}) the training split holds a single class "
+                        f"({splits.classes[int(seen[0])]}); give more examples of the other classes")
+    for name, ys in (("validation", splits.val_y), ("test", splits.test_y)):
+        unseen = np.setdiff1d(torch.unique(ys).numpy(), seen.numpy())
+        if len(unseen):
+            raise DataError(f"{where}: after the split ({how}) the {name} split holds class(es) "
+                            f"{', '.join(repr(splits.classes[i]) for i in unseen[:5])} with no example left in the "
+                            f"training split; give more examples of them, or provide the {name} set yourself")
+
+
 def load_data(cfg, seed: int) -> Splits:
     """Load the configured data set with seeded splits: the source's own test / val sets where it has
     them, else carved out of its training set (test first, then validation)."""
@@ -697,6 +747,8 @@ def load_data(cfg, seed: int) -> Splits:
                             f"training set, data.test_fraction {cfg.test_fraction}, data.val_fraction "
                             f"{cfg.val_fraction}); give more data or change the fractions")
     splits = Splits(x[train], y[train], val_x, val_y, test_x, test_y, classes)
+    check_carved(splits, _source(cfg), f"data.test_fraction {cfg.test_fraction}, data.val_fraction "
+                 f"{cfg.val_fraction}, data.train_subset {cfg.train_subset}")
     if cfg.ood:
         splits.ood_x = _ood_set(cfg, splits, g)
     return splits

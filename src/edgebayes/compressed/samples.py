@@ -77,7 +77,9 @@ class Compressed:
 
     def calibrate(self, x, y) -> float:
         """Set `temperature` to the one fitted on (x, y), validation data (`fit_temperature`); returns it."""
-        x, y = torch.as_tensor(x, dtype=torch.float32).cpu(), torch.as_tensor(y).cpu()
+        from edgebayes.data import as_inputs, class_indices   # here: data imports nothing of compressed/, but
+        # compressed/ is the exported core and stays free of the data loaders at import
+        x, y = as_inputs(x), class_indices(y, "y", "calibrate")
         if len(x) == 0 or len(x) != len(y):
             raise ValueError(f"calibrate: expected validation inputs and one label each, got {len(x)} inputs and "
                              f"{len(y)} labels")

@@ -351,6 +351,13 @@ def summarize(d: dict) -> dict:
                  last_epoch.get("accuracy_lost")):          # the training wrecked the network it was given
         if isinstance(said, str) and said:
             warnings.append(said[0].upper() + said[1:] + ".")
+    counts = export.get("test_class_counts")
+    accuracy = num(metrics["accuracy"]["device"])
+    if isinstance(counts, list) and len(counts) > 1 and sum(counts) > 0 and accuracy is not None \
+            and accuracy <= max(counts) / sum(counts):   # an imbalanced test set: accuracy alone misleads
+        warnings.append(f"The accuracy ({fmt(accuracy)}) is no better than always answering the test split's most "
+                        f"frequent class ({max(counts)} of its {sum(counts)} examples, {fmt(max(counts) / sum(counts))}); "
+                        f"on so imbalanced a split the NLL and ECE say more than the accuracy.")
     if params_match is False:
         warnings.append(f"ONNX parameter count {onnx_params} != kept weights {kept_total}: "
                         "the exported graph does not match the pruned model.")

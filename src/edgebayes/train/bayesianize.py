@@ -405,7 +405,7 @@ def _unwrapped(state, own):
     return state
 
 
-def check_runs(module, input_shape, name=None):
+def check_runs(module, input_shape, name=None, where="model.arch"):
     """That `module` runs on a batch of two inputs of `input_shape` (zeros) in evaluation and in training mode
     and returns a tensor: else one ArchError naming it (`name`, or its class) and the shape. The module's mode
     and torch's seeded stream are left as they were (dropout, and a Bayesian net's noise in both modes)."""
@@ -415,10 +415,10 @@ def check_runs(module, input_shape, name=None):
             module.eval()(torch.zeros((2,) + tuple(input_shape)))
             training = copy.deepcopy(module).train()(torch.zeros((2,) + tuple(input_shape)))
     except Exception as e:
-        raise ArchError(f"model.arch: {name} does not run on inputs of the data's shape "
+        raise ArchError(f"{where}: {name} does not run on inputs of the data's shape "
                         f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     if not isinstance(training, torch.Tensor):   # torchvision's googlenet / inception_v3 with auxiliary heads
-        raise ArchError(f"model.arch: {name} returns {type(training).__name__} in training mode, "
+        raise ArchError(f"{where}: {name} returns {type(training).__name__} in training mode, "
                         f"not a tensor of class scores; build it without auxiliary outputs (torchvision: "
                         f"aux_logits=False)")
     module.train(was_training)
@@ -426,7 +426,7 @@ def check_runs(module, input_shape, name=None):
 
 def output_classes(module, input_shape, where="bayesianize"):
     """The number of classes `module` predicts (its output's second dimension), checking that it runs."""
-    check_runs(module, input_shape)
+    check_runs(module, input_shape, where=where)
     with torch.no_grad():
         out = module.eval()(torch.zeros((1,) + tuple(input_shape)))
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
