@@ -650,3 +650,58 @@ def test_fp32_agreement_without_float64_keeps_the_fp32_rule():
     assert fp32_agreement(ref + 5e-6, ref, Fp32Only(), x, 1e-5)["passed"]
     facts = fp32_agreement(ref + 5e-5, ref, Fp32Only(), x, 1e-5)
     assert not facts["passed"] and "max_abs_diff_float64" not in facts
+
+
+class _DenseCatPool(nn.Module):
+    """A DenseNet-like block: a concatenation, then an adaptive pool to 2x2 (the exporter lost the packed
+    value's height and width behind the concatenation's reshape: 'input size not accessible')."""
+
+    def __init__(self, functional):
+        super().__init__()
+        self.functional = functional
+        self.a, self.b = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(2), nn.Linear(8 * 4, 3)
+
+    def forward(self, x):
+        a = F.relu(self.a(x))
+        x = torch.cat([a, F.relu(self.b(a))], 1)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 2) if self.functional else self.pool(x), 1))
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+def test_an_adaptive_pool_after_a_concatenation_exports_packed(functional, tmp_path):
+    from edgebayes.export.formats import export_artifact
+
+    torch.manual_seed(0)
+    samples, x = [_DenseCatPool(functional).eval() for _ in range(3)], torch.rand(5, 1, 8, 8)
+    details = {}
+    export_artifact(MCAverage(samples).eval(), "onnx", tmp_path / "m.onnx", x, details=details)
+    assert details["layout"] == "packed" and "packed_refused" not in details
+    with torch.no_grad():
+        assert np.abs(onnx_predict(tmp_path / "m.onnx", x.numpy()) - MCAverage(samples).eval()(x).numpy()).max() < 1e-5
+
+
+def test_a_converter_failure_on_the_packed_graph_exports_unrolled_and_says_why(tmp_path, monkeypatch):
+    """Whatever torch's converter cannot take in the packed graph, the unrolled one is tried (as for the packed
+    layout's own refusals); a network neither converts is one ExportError of a few lines, not the IR dump."""
+    import edgebayes.export.formats as formats
+
+    samples, x = samples_and_inputs("mlp", 2)
+    real = formats.export_onnx
+
+    def fails_on_packed(module, *args, **kwargs):
+        if not isinstance(module, MCAverage):
+            raise RuntimeError("a converter's failure\n" + "graph(%x : Float(...)) dump\n" * 500)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(formats, "export_onnx", fails_on_packed)
+    details = {}
+    formats.export_artifact(MCAverage(samples).eval(), "onnx", tmp_path / "m.onnx", x, details=details)
+    assert details["layout"] == "unrolled"
+    assert details["packed_refused"].startswith("the converter failed on the packed graph (RuntimeError: a converter's "
+                                                "failure). Exported unrolled instead")
+    monkeypatch.setattr(formats, "export_onnx", lambda *a, **k: fails_on_packed(None))
+    with pytest.raises(formats.ExportError) as error:
+        formats.export_artifact(MCAverage(samples).eval(), "onnx", tmp_path / "n.onnx", x)
+    assert str(error.value).count("\n") == 0 and len(str(error.value)) < 400
+    assert not (tmp_path / "n.onnx").exists()

@@ -136,6 +136,30 @@ def paper_flops(module: nn.Module, input_shape, effective=False, terms=None) -> 
     return _layer_costs(module, input_shape, effective, terms)[0]
 
 
+def _folded_batch_norms(module: nn.Module):
+    """The BatchNorm2d modules that directly follow a bias-free Conv2d, its only reader: the exporter folds each
+    into the convolution as a bias. Read from the torch.fx graph (a forward that calls them one after the other,
+    not only an nn.Sequential's neighbours); where fx cannot trace the module, from nn.Sequential neighbours."""
+    try:
+        graph = torch.fx.symbolic_trace(module).graph
+    except Exception:
+        graph = None
+    if graph is None:
+        for seq in module.modules():
+            if isinstance(seq, nn.Sequential):
+                children = list(seq.children())
+                yield from (b for a, b in zip(children, children[1:])
+                            if isinstance(a, nn.Conv2d) and a.bias is None and isinstance(b, nn.BatchNorm2d))
+        return
+    mods = dict(module.named_modules())
+    for n in graph.nodes:
+        src = n.args[0] if n.op == "call_module" and n.args else None
+        if (isinstance(mods.get(n.target), nn.BatchNorm2d) and isinstance(src, torch.fx.Node)
+                and src.op == "call_module" and isinstance(mods[src.target], nn.Conv2d)
+                and mods[src.target].bias is None and len(src.users) == 1):
+            yield mods[n.target]
+
+
 def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) -> int:
     """Weights and biases of the Linear and convolution layers of a plain module (COSTED).
 
@@ -144,11 +168,7 @@ def count_weights(module: nn.Module, nonzero_only=False, fold_batch_norm=False) 
     """
     total = 0
     if fold_batch_norm:
-        for seq in module.modules():
-            if isinstance(seq, nn.Sequential):
-                children = list(seq.children())
-                total += sum(b.num_features for a, b in zip(children, children[1:])
-                             if isinstance(a, nn.Conv2d) and a.bias is None and isinstance(b, nn.BatchNorm2d))
+        total += sum(bn.num_features for bn in _folded_batch_norms(module))
     for m in module.modules():
         if isinstance(m, COSTED):
             own = (m.weight, m.bias)

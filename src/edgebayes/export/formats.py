@@ -230,12 +230,49 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
             "layout": "unrolled" if refused else layout}
     if refused:
         info["packed_refused"] = f"{refused[0]} Exported unrolled instead: {UNROLLED_COST}"
+    try:
+        _convert(f, module, path, example_x, calib_x, opset, info)
+    except _ConverterFailed as e:   # torch's converters fail deep inside, with their whole IR in the message
+        if module is mc_model:   # unrolled already: nothing simpler to try
+            raise ExportError(f"{fmt}: the converter failed on the network ({e})") from e.__cause__
+        info.update(layout="unrolled", packed_refused=f"the converter failed on the packed graph ({e}). "
+                                                      f"Exported unrolled instead: {UNROLLED_COST}")
+        try:
+            _convert(f, mc_model.eval(), path, example_x, calib_x, opset, info)
+        except _ConverterFailed as e2:
+            raise ExportError(f"{fmt}: the converter failed on the network, packed ({e}) and unrolled "
+                              f"({e2})") from e2.__cause__
+    if f.suffix == ".onnx" and "bytes_breakdown" not in info:
+        info["bytes_breakdown"] = breakdown(path, path if f.precision == "fp32" else None)
+    if details is not None:
+        details.update(info)
+    return path
+
+
+class _ConverterFailed(Exception):
+    """torch's ONNX or LiteRT converter failed (its exception is the cause); the message is its first line."""
+
+
+def _converted(convert, *args):
+    """convert(*args), a converter's failure raised as _ConverterFailed: 'Type: first line' of a message that
+    may run to pages (the converter's IR dump). Our own refusals (ExportError) pass as they are."""
+    try:
+        return convert(*args)
+    except ExportError:
+        raise
+    except Exception as e:
+        first = next((line for line in str(e).splitlines() if line.strip()), "")[:300]
+        raise _ConverterFailed(f"{type(e).__name__}: {first}") from e
+
+
+def _convert(f, module, path, example_x, calib_x, opset, info):
+    """Write `module` (packed or unrolled) in format `f`; conversion facts into `info`."""
     with torch.no_grad():
         if f.suffix == ".onnx":
             if f.precision == "int8" or f.name in ("onnx-codebook", "onnx-fp16w"):
                 with tempfile.TemporaryDirectory() as tmp:
                     fp32 = Path(tmp) / "fp32.onnx"
-                    export_onnx(module, example_x[:1], fp32, opset)
+                    _converted(export_onnx, module, example_x[:1], fp32, opset)
                     if f.name == "onnx-codebook":
                         info.update(lowbit_onnx(fp32, path))
                     elif f.name == "onnx-fp16w":
@@ -245,14 +282,9 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
                         info.update(quantize_onnx_int8(fp32, path, calib_x))
                     info["bytes_breakdown"] = breakdown(path, fp32)
             else:  # fp32 ONNX; for tensorrt-fp16 the engine is built from it in fp16 on the target
-                export_onnx(module, example_x[:1], path, opset)
+                _converted(export_onnx, module, example_x[:1], path, opset)
         else:
-            info.update(export_tflite(module, example_x, path, f.precision, calib_x))
-    if f.suffix == ".onnx" and "bytes_breakdown" not in info:
-        info["bytes_breakdown"] = breakdown(path, path if f.precision == "fp32" else None)
-    if details is not None:
-        details.update(info)
-    return path
+            info.update(_converted(export_tflite, module, example_x, path, f.precision, calib_x))
 
 
 def artifact_predict(path, fmt: str, x: np.ndarray, threads: int = 0) -> np.ndarray:

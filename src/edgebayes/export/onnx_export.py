@@ -106,8 +106,20 @@ def onnx_parameter_count(path) -> int:
     sizes = {t.name: int(np.prod(t.dims)) for t in graph.initializer
              if t.name.rpartition(".")[2] not in AVERAGING_CONSTANTS}
     source = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity" and n.input[0] in sizes}
-    return int(sum(sizes.get(source.get(name, name), 0) for n in graph.node if n.op_type in AFFINE_OPS
-                   for name in n.input[1:]))
+    used = [name for n in graph.node if n.op_type in AFFINE_OPS for name in n.input[1:]]
+    # A Linear on (B, T, F) exports as MatMul + Add: its bias is what the Add adds to the MatMul's output, one
+    # vector of the output width per weight matrix ([N], or [M, 1, N] for M packed samples' [M, K, N]), not
+    # another constant added there (a positional embedding)
+    dims = {t.name: tuple(t.dims) for t in graph.initializer if t.name in sizes}
+    weight = {n.output[0]: dims[source.get(n.input[1], n.input[1])] for n in graph.node
+              if n.op_type == "MatMul" and source.get(n.input[1], n.input[1]) in dims}
+
+    def is_bias(shape, w):
+        return bool(shape) and shape[-1] == w[-1] and int(np.prod(shape)) == int(np.prod(w[:-2])) * w[-1]
+
+    used += [name for n in graph.node if n.op_type == "Add" for product in n.input if product in weight
+             for name in n.input if is_bias(dims.get(source.get(name, name)), weight[product])]
+    return int(sum(sizes.get(source.get(name, name), 0) for name in used))
 
 
 def onnx_session(path, threads: int = 0):

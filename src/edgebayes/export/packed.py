@@ -264,6 +264,18 @@ class _Packer:
         self.root.register_buffer(name, tensor.detach().clone().contiguous())
         return self.graph.get_attr(name)
 
+    def adaptive_avg_pool(self, arg, x, output_size):
+        """adaptive_avg_pool2d at the graph's static size as the avg_pool2d it is where the output size divides the
+        input size, else None. The TorchScript ONNX exporter loses H and W of a packed value behind a
+        reshape(-1, ...) under the dynamic batch (a per-sample concatenation's), and its adaptive_avg_pool2d to more
+        than 1x1 needs them: 'input size not accessible'."""
+        h, w = self.shape(arg)[-2:]
+        oh, ow = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+        oh, ow = oh or h, ow or w
+        if h % oh or w % ow:
+            return None
+        return self.call(F.avg_pool2d, x[0], (h // oh, w // ow)), x[1]
+
     def call(self, fn, *args, **kwargs):
         return self.graph.call_function(fn, tuple(args), kwargs)
 
@@ -668,6 +680,10 @@ class _Packer:
                 return self.batch_norm(node, x)
             if isinstance(mod, nn.Flatten):
                 return self.flatten(node, x, mod.start_dim, mod.end_dim)
+            if isinstance(mod, nn.AdaptiveAvgPool2d) and len(self.shape(arg)) == 4:
+                lowered = self.adaptive_avg_pool(arg, x, mod.output_size)
+                if lowered is not None:
+                    return lowered
             if isinstance(mod, ELEMENTWISE_MODULES + CHANNELWISE_MODULES):
                 if isinstance(mod, CHANNELWISE_MODULES) and len(self.shape(arg)) != 4:
                     self.unsupported(node, "pooling over features", per_example=True)
@@ -682,6 +698,10 @@ class _Packer:
             self.unsupported(node, f"module {type(mod).__name__}" + ("" if same else " whose weights differ between "
                              "the posterior samples"), per_example=same)
         if node.op == "call_function":
+            if node.target is F.adaptive_avg_pool2d and len(self.shape(arg)) == 4:
+                lowered = self.adaptive_avg_pool(arg, x, _arg(node, 1, "output_size"))
+                if lowered is not None:
+                    return lowered
             if node.target in ELEMENTWISE_FUNCTIONS or \
                     (node.target in CHANNELWISE_FUNCTIONS and len(self.shape(arg)) == 4):
                 kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
