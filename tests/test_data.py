@@ -317,6 +317,9 @@ OWN_DATA_ERRORS = {
                                            r"example left in the training split)"),
     "uint8 train, float test": ("npz", _bad_npz(x_train=np.zeros((10, 4), np.uint8), y_train=Y, x_test=X, y_test=Y),
                                 r"x_train hold uint8 \(pixels, scaled to \[0, 1\]\) but x_test do not"),
+    "capitalised split folders": ("image-folder", lambda t: _images(t / "x" / "Train", classes=("a", "b"), n=2) and
+                                  _images(t / "x" / "Test", classes=("a", "b"), n=1) and t / "x",
+                                  r"x/Test looks like a split, not a class \(Test, Train\); .*lower case"),
     "unreadable image": ("image-folder", lambda t: (_images(t / "x", classes=("a", "b"), n=3) / "a" / "9.png")
                          .write_bytes(b"garbage") and t / "x", r"9\.png: not a readable image"),
 }
@@ -370,6 +373,20 @@ def test_test_inputs_that_are_copies_of_training_inputs_are_named(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_data(_own("npz", path), seed=0)
+
+
+def test_image_folder_channels_and_unicode_forms_of_class_names(tmp_path):
+    """data.channels: 3 reads grayscale images as RGB (a torchvision network trained with ImageFolder has 3 input
+    channels); a class folder spelt decomposed in test/ (macOS: 'u' + combining diaeresis) is train/'s class."""
+    import unicodedata
+
+    _images(tmp_path / "x" / "train", classes=(unicodedata.normalize("NFC", "drei-ü"), "eins"), n=4)
+    _images(tmp_path / "x" / "test", classes=(unicodedata.normalize("NFD", "drei-ü"), "eins"), n=2)
+    gray = load_data(_own("image-folder", tmp_path / "x"), seed=0)
+    rgb = load_data(_own("image-folder", tmp_path / "x", channels=3), seed=0)
+    assert gray.classes == rgb.classes == [unicodedata.normalize("NFC", "drei-ü"), "eins"]
+    assert tuple(gray.train_x.shape[1:]) == (1, 8, 8) and tuple(rgb.train_x.shape[1:]) == (3, 8, 8)
+    assert torch.equal(rgb.test_x, gray.test_x.expand(-1, 3, -1, -1)) and torch.equal(rgb.test_y, gray.test_y)
 
 
 def test_too_few_inputs_for_the_splits(tmp_path):

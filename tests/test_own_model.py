@@ -569,7 +569,7 @@ def test_a_pretrained_file_that_is_not_a_state_dict_is_bad_input(user_package, t
     assert "w.pt: not a file torch.save wrote" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod.", "model."])
 def test_pretrained_weights_saved_from_a_training_wrapper_load_into_the_plain_module(prefix):
     """A state dict saved from DistributedDataParallel(model) or torch.compile(model) prefixes every key;
     none matched the model's, and model.pretrained was refused."""
@@ -585,6 +585,33 @@ def test_pretrained_weights_saved_from_a_training_wrapper_load_into_the_plain_mo
     assert fresh.skipped_pretrained == []
     with pytest.raises(InputError, match="none of its 2 tensors matches the model"):
         apply_state_dict(fresh, {"encoder.weight": torch.zeros(3, 4), "encoder.bias": torch.zeros(3)}, "w.pt")
+
+
+@pytest.mark.parametrize("key", ["model", "state_dict", "model_state_dict"])
+def test_a_checkpoint_holding_the_state_dict_beside_other_entries_loads(key, tmp_path):
+    """{"state_dict": ..., "epoch": ...} (Lightning, most hand-written loops) was refused as 'expected a state
+    dict of tensors'; what it holds is named where no state dict is found."""
+    from edgebayes.errors import InputError
+    from edgebayes.train.bayesianize import read_state_dict
+
+    net = nn.Linear(4, 3)
+    torch.save({key: net.state_dict(), "epoch": 7, "optimizer": {"lr": 0.1}}, tmp_path / "c.pt")
+    assert set(read_state_dict(tmp_path / "c.pt")) == {"weight", "bias"}
+    torch.save({"weights": net.state_dict(), "epoch": 7}, tmp_path / "d.pt")
+    with pytest.raises(InputError, match=r"d\.pt: expected a state dict of tensors \(it holds 'weights', 'epoch'\)"):
+        read_state_dict(tmp_path / "d.pt")
+
+
+def test_batch_norm_statistics_the_file_leaves_out_are_warned():
+    """A state dict without the running statistics (parameters only) loaded silently: the net as given then
+    normalised with mean 0 and variance 1 (validation 0.26 against 0.96 in the probe)."""
+    from edgebayes.train.bayesianize import _warn_skipped, apply_state_dict
+
+    trained, fresh = (nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4)) for _ in range(2))
+    state = {k: v for k, v in trained.state_dict().items() if "running" not in k}
+    apply_state_dict(fresh, state, "w.pt")
+    with pytest.warns(UserWarning, match=r"w\.pt: 2 of 2 running statistics keep their fresh values .*1\.running_"):
+        _warn_skipped(fresh, "w.pt")
 
 
 class _AuxHeads(nn.Module):

@@ -139,6 +139,9 @@ class DataConfig(Section):
         "npz, image-folder, csv: the file or folder (relative: working directory)"))
     image_size: Optional[Items[int]] = Field(None, description=(
         "image-folder: [H, W] to resize every image to; null: one size"))
+    channels: Optional[Literal[1, 3]] = Field(None, description=(
+        "image-folder: 3 reads grayscale images as RGB (torchvision's ImageFolder does), 1 reads every image as "
+        "grayscale; null: 1 when every image is grayscale, else 3"))
     label_column: Optional[int | str] = Field(None, description=(
         "csv: a header name or 0-based index; null: label/target/class, else last"))
     val_fraction: Fraction = Field(0.2, description=(
@@ -736,8 +739,9 @@ def _check_data(d: DataConfig, p):
     _check(d.dataset not in BUILTIN_DATASETS or d.path is None, f"{p}: data.path",
            f"read for data.dataset {', '.join(DATA_FORMATS)} or a loader of your own; {d.dataset} does not use "
            f"it (its files come from data.root)")
-    _check(d.image_size is None or d.dataset == "image-folder", f"{p}: data.image_size",
-           "only read for data.dataset image-folder")
+    for key in ("image_size", "channels"):
+        _check(getattr(d, key) is None or d.dataset == "image-folder", f"{p}: data.{key}",
+               "only read for data.dataset image-folder")
     _check(d.image_size is None or (len(d.image_size) == 2 and min(d.image_size) > 0), f"{p}: data.image_size",
            f"expected [height, width], two positive integers, got {_show(d.image_size)}")
     _check(d.label_column is None or d.dataset == "csv", f"{p}: data.label_column", "only read for data.dataset csv")

@@ -26,6 +26,7 @@ import csv
 import gzip
 import os
 import struct
+import unicodedata
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CI
 FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                    "Ankle boot"]
 SET_NAMES = ("train", "val", "test")
+SPLIT_LIKE = {"train", "training", "val", "valid", "validation", "test", "testing"}
 # What PIL reads and torchvision's ImageFolder accepts; other files in the folders (notes, .DS_Store) are skipped.
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 # A CSV column with one of these names (any case) is the label column unless data.label_column says otherwise.
@@ -329,9 +331,10 @@ def _pixels(image, channels, size) -> np.ndarray:
 
 
 def _class_files(folder: Path) -> dict:
-    """{class name: image files} of folder/<class>/ (files found at any depth below <class>/)."""
+    """{class name: image files} of folder/<class>/ (files found at any depth below <class>/). Names in Unicode's
+    composed form (NFC): macOS writes 'ü' decomposed, and train/ and test/ copied apart spell one class two ways."""
     classes = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-    return {d.name: sorted(f for f in d.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()
+    return {unicodedata.normalize("NFC", d.name): sorted(f for f in d.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()
                            and not f.name.startswith("."))
             for d in classes}
 
@@ -343,7 +346,8 @@ def _image_folder(cfg):
     path/val/<class>/ the others where present (a missing one is carved out of train; other folders beside
     them are ignored). Without, the folder is one set, path/<class>/, split like digits. Classes are the
     training folder's sub-folders, sorted. Channels follow the data: 1 when every image is grayscale, else 3
-    (alpha dropped). Images must share one size, unless data.image_size = [H, W] resizes them (bilinear).
+    (alpha dropped); data.channels sets them (3: grayscale read as RGB, as torchvision's ImageFolder does, for a
+    network trained that way). Images must share one size, unless data.image_size = [H, W] resizes them (bilinear).
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -353,6 +357,11 @@ def _image_folder(cfg):
     folders = {"train": root}
     if (root / "train").is_dir():
         folders = {s: root / s for s in SET_NAMES if (root / s).is_dir()}
+    else:   # Train/ Test/, training/ testing/: split folders that would otherwise be read as two classes
+        split_like = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.lower() in SPLIT_LIKE)
+        if split_like:
+            raise DataError(f"{where}: {root / split_like[0]} looks like a split, not a class "
+                            f"({', '.join(split_like)}); {layout} (lower case: train, val, test)")
     found = {s: _class_files(f) for s, f in folders.items()}
     for s in ("val", "test"):
         if s in found and not any(found[s].values()):
@@ -387,7 +396,7 @@ def _image_folder(cfg):
                     modes[f], sizes[f] = _is_gray(image), image.size
             except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
                 raise DataError(f"{where}: {f}: not a readable image ({e})") from None
-    channels = 1 if all(modes.values()) else 3
+    channels = cfg.channels or (1 if all(modes.values()) else 3)
     if cfg.image_size:
         size = (cfg.image_size[1], cfg.image_size[0])
     else:

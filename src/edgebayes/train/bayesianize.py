@@ -355,9 +355,13 @@ def read_state_dict(path):
                              f"torch.save(model.state_dict(), path))") from None
         raise InputError(f"model.pretrained {path}: cannot load a state dict ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    state = state.get("model", state) if isinstance(state, dict) else state
+    if isinstance(state, dict):   # a checkpoint that holds the state dict beside other entries (the pipeline's
+        # "model", Lightning's "state_dict", a hand-written "model_state_dict")
+        state = next((state[k] for k in STATE_DICT_KEYS if isinstance(state.get(k), dict)), state)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise InputError(f"model.pretrained {path}: expected a state dict of tensors")
+        held = f" (it holds {', '.join(map(repr, list(state)[:8]))})" if isinstance(state, dict) else ""
+        raise InputError(f"model.pretrained {path}: expected a state dict of tensors{held}; save one with "
+                         f"torch.save(model.state_dict(), path)")
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:   # a diverged training's weights: every output NaN, which surgery's output check reports as a change
         raise InputError(f"model.pretrained {path}: {len(bad)} tensor(s) hold NaN or infinite values "
@@ -388,20 +392,31 @@ def _warn_skipped(module, path):
         warnings.warn(f"model.pretrained {path}: {len(skipped)} of {len(params)} parameters keep their fresh "
                       f"initialisation (no tensor of that name and shape there): {', '.join(skipped[:4])}"
                       f"{', ...' if len(skipped) > 4 else ''}", stacklevel=2)
+    stats = {n for n, b in module.named_buffers() if b.is_floating_point()}   # batch-norm running statistics
+    missing = [k for k in module.skipped_pretrained if k in stats]
+    if missing:
+        warnings.warn(f"model.pretrained {path}: {len(missing)} of {len(stats)} running statistics keep their fresh "
+                      f"values (mean 0, variance 1): {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}; "
+                      f"save the whole torch.save(model.state_dict(), path), buffers included", stacklevel=2)
 
 
+STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")   # where checkpoints keep the state dict
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")   # nn.DataParallel / DistributedDataParallel, torch.compile
 
 
 def _unwrapped(state, own):
     """`state` without the prefix a training wrapper put on every key (a state dict saved from
-    DistributedDataParallel(model) or torch.compile(model) names model's tensors module.* / _orig_mod.*),
-    where the module's own keys do not carry it."""
+    DistributedDataParallel(model) or torch.compile(model) names model's tensors module.* / _orig_mod.*; a
+    Lightning module's, model.* after its attribute), where the module's own keys do not carry it."""
     while state and not any(k in own for k in state):
-        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)
+        first = {k.split(".", 1)[0] + "." for k in state}
+        prefix = first.pop() if len(first) == 1 and all("." in k for k in state) else None
         if prefix is None:
             break
-        state = {k[len(prefix):]: v for k, v in state.items()}
+        stripped = {k[len(prefix):]: v for k, v in state.items()}
+        if prefix not in WRAPPER_PREFIXES and not any(k in own for k in stripped):
+            break   # an attribute's name only where that makes the keys the module's
+        state = stripped
     return state
 
 
