@@ -276,7 +276,9 @@ def test_an_accuracy_no_better_than_the_majority_class_is_warned(tmp_path):
     reads as good and is worse than that."""
     inputs = make_inputs()
     inputs["export"]["test_class_counts"] = [356, 4] + [0] * 8
+    inputs["export"]["classes"] = ["ok <part>", "defect"] + [f"c{i}" for i in range(8)]
     rep = report_mod.write_report(inputs, tmp_path / "a")
+    assert "ok &lt;part&gt; (356), defect (4), c0 (0)" in (tmp_path / "a" / "report.html").read_text()
     said = [w for w in rep["summary"]["warnings"] if "most frequent class" in w]
     assert said == ["The accuracy (0.9694) is no better than always answering the test split's most frequent class "
                     "(356 of its 360 examples, 0.9889); on so imbalanced a split the NLL and ECE say more than the "
@@ -423,6 +425,9 @@ def test_a_board_without_a_latency_table_gets_the_spec_sheet_estimate_with_its_b
     latency = next(line for line in lines if line.startswith("  latency "))
     assert "p90 300 us" in latency and "estimated from the spec sheet, band" in latency
     assert f"budget        latency 300 us <= 5 ms: {verdict}" in "\n".join(lines)
+    inputs["device"]["budgets"]["latency_ms"] = 0.25   # a prediction over the budget says so, whatever the verdict
+    lines = report_mod.summary_text(report_mod.terminal_summary(report_mod.write_report(inputs, tmp_path / "o")), 4)
+    assert re.search(r"budget        latency 300 us > 250 us: (likely fail|unknown)", "\n".join(lines))
     assert report_mod.terminal_summary(rep)["finish"] == inputs["predicted"]["finish"]   # --json has the steps
     assert "  to finish     1. scp -r bundle pi:edgebayes/" in lines and lines[-1].startswith("                3. ")
     page = (tmp_path / "report.html").read_text()

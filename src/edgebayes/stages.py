@@ -590,7 +590,8 @@ def run_export(ctx):
         "fidelity_max_abs_prob_diff": primary["fidelity"]["max_abs_prob_diff"],
         "fidelity_tolerance": e.fidelity_tolerance,
         "model_bytes": manifest["files"][manifest["model_file"]]["bytes"], "reference": manifest["reference"],
-        # the bundle's evaluation labels per class: the report's majority-class baseline
+        # the bundle's classes and evaluation labels per class: the report names them, and its majority baseline
+        "classes": list(splits.classes),
         "test_class_counts": np.bincount(np.asarray(y), minlength=len(splits.classes)).tolist(),
         "artifacts": {name: {k: v for k, v in art.items() if k != "model_file"}
                       for name, art in manifest["artifacts"].items()},

@@ -405,10 +405,16 @@ def summarize(d: dict) -> dict:
     ood_train = dict_or_empty(train.get("ood"))
     ood = dict_or_empty(outputs.get("ood"))
 
+    names = export.get("classes") if isinstance(export.get("classes"), list) else []
+    counts = counts if isinstance(counts, list) and len(counts) == len(names) else [None] * len(names)
+    classes_text = ", ".join(f"{n} ({c})" if c is not None else str(n) for n, c in list(zip(names, counts))[:20]) \
+        + (f", ... ({len(names)} classes)" if len(names) > 20 else "")
+
     return {
         "run_name": d.get("run_name"),
         "device": device.get("name"),
         "mode": mode,
+        "classes_text": classes_text or None,   # the shipped classes, with their test examples
         "runtime": device.get("runtime"),
         "knob": choice.get("knob"),
         "knob_value": choice.get("knob_value"),
@@ -579,7 +585,10 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
         if b.get("limit") is None:   # "latency 38.5 us not set: not set" read as a second verdict
             lines.append(f"  budget        {label} {value}: no budget set")
             continue
-        limit = f"<= {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
+        # the sign the numbers have ("1.52 ms <= 1 ms: unknown" read as a comparison that holds)
+        value_number, limit_number = num(b.get("value")), num(b["limit"])
+        sign = ">" if value_number is not None and limit_number is not None and value_number > limit_number else "<="
+        limit = f"{sign} {ms(b['limit']) if unit == 'ms' else fmt(b['limit'], unit)}"
         lines.append(f"  budget        {label} {value} {limit}: {b.get('verdict')}"
                      + (f" ({b.get('basis')})" if b.get("basis") not in (None, "measured", "file") else ""))
     if t.get("no_fit"):
