@@ -375,6 +375,20 @@ def test_test_inputs_that_are_copies_of_training_inputs_are_named(tmp_path):
         load_data(_own("npz", path), seed=0)
 
 
+def test_what_the_split_checks_leave_alone(tmp_path, monkeypatch):
+    """A quick run's train_subset (its classes are the user's choice), a class that is called Train (its images
+    directly inside), and a loader's tensors that require grad, all as before the checks of carved splits,
+    split-like folders and mixed dtypes."""
+    assert len(load_data(DataConfig(dataset="digits", train_subset=5), seed=0).train_x) == 5
+    _images(tmp_path / "vehicles", classes=("Bus", "Car", "Train"), n=3)
+    assert load_data(_own("image-folder", tmp_path / "vehicles"), seed=0).classes == ["Bus", "Car", "Train"]
+    _write_module(tmp_path, monkeypatch, "import torch\n"
+                                         "def load(cfg):\n"
+                                         "    x = torch.rand(40, 3, requires_grad=True)\n"
+                                         "    return x, torch.arange(40) % 2, x[:10], torch.arange(10) % 2\n")
+    assert tuple(load_data(DataConfig(dataset="userdata:load"), 0).train_x.shape[1:]) == (3,)
+
+
 def test_image_folder_channels_and_unicode_forms_of_class_names(tmp_path):
     """data.channels: 3 reads grayscale images as RGB (a torchvision network trained with ImageFolder has 3 input
     channels); a class folder spelt decomposed in test/ (macOS: 'u' + combining diaeresis) is train/'s class."""

@@ -705,3 +705,11 @@ def test_a_converter_failure_on_the_packed_graph_exports_unrolled_and_says_why(t
         formats.export_artifact(MCAverage(samples).eval(), "onnx", tmp_path / "n.onnx", x)
     assert str(error.value).count("\n") == 0 and len(str(error.value)) < 400
     assert not (tmp_path / "n.onnx").exists()
+    # a converter that is not installed is not the network's failure: select says 'cannot export here' on it
+
+    def not_installed(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'litert_torch'")
+
+    monkeypatch.setattr(formats, "export_onnx", not_installed)
+    with pytest.raises(ModuleNotFoundError):
+        formats.export_artifact(MCAverage(samples).eval(), "onnx", tmp_path / "n.onnx", x)

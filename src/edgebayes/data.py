@@ -225,6 +225,10 @@ def _inputs(a, name, where, signals=False) -> torch.Tensor:
     return x
 
 
+def _is_uint8(a):
+    return a.dtype == torch.uint8 if isinstance(a, torch.Tensor) else np.asarray(a).dtype == np.uint8
+
+
 def _sets_from_mapping(arrays: dict, where, signals=False) -> dict:
     """{x_train, y_train[, x_val, y_val][, x_test, y_test]} or {x, y} -> {set name: (x, y)}.
 
@@ -249,7 +253,7 @@ def _sets_from_mapping(arrays: dict, where, signals=False) -> dict:
                 sets[s] = (_inputs(arrays[xk], xk, where, signals), arrays[yk])
         if "train" not in sets:
             raise DataError(f"{where}: x_train and y_train are required with x_val / x_test ({holds})")
-        pixels = {k for k in ("x_train", "x_val", "x_test") if k in arrays and np.asarray(arrays[k]).dtype == np.uint8}
+        pixels = {k for k in ("x_train", "x_val", "x_test") if k in arrays and _is_uint8(arrays[k])}
         if pixels and len(pixels) != len(sets):   # uint8 is scaled to [0, 1], other types are kept as they are
             raise DataError(f"{where}: {', '.join(sorted(pixels))} hold uint8 (pixels, scaled to [0, 1]) but "
                             f"{', '.join(sorted({f'x_{s}' for s in sets} - pixels))} do not (kept as they are); "
@@ -358,7 +362,8 @@ def _image_folder(cfg):
     if (root / "train").is_dir():
         folders = {s: root / s for s in SET_NAMES if (root / s).is_dir()}
     else:   # Train/ Test/, training/ testing/: split folders that would otherwise be read as two classes
-        split_like = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.lower() in SPLIT_LIKE)
+        split_like = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.lower() in SPLIT_LIKE
+                            and any(c.is_dir() for c in d.iterdir()))   # class folders in it, not images
         if split_like:
             raise DataError(f"{where}: {root / split_like[0]} looks like a split, not a class "
                             f"({', '.join(split_like)}); {layout} (lower case: train, val, test)")
@@ -671,11 +676,12 @@ def checked_sets(sets: dict, classes, where):
     return {s: (x, codes[s]) for s, (x, _) in sets.items()}, classes
 
 
-def _row_hashes(x, block=4096):
+def _row_hashes(x, block_words=1 << 22):
     """A 64-bit hash of each input's exact float32 bits (a fixed random multiply-add over its words): equal
     inputs, equal hashes; unequal ones collide with probability about 2^-64 per pair."""
     words = np.ascontiguousarray(x.reshape(len(x), -1).numpy(), dtype=np.float32).view(np.uint32)
     mix = np.random.default_rng(0).integers(1, 2**63, words.shape[1], dtype=np.uint64) | np.uint64(1)
+    block = max(1, block_words // max(1, words.shape[1]))   # ~64 MiB of uint64 temporaries, whatever the row size
     return np.concatenate([(words[i:i + block].astype(np.uint64) * mix).sum(1, dtype=np.uint64)
                            for i in range(0, len(words), block)] or [np.zeros(0, np.uint64)])
 
@@ -749,15 +755,16 @@ def load_data(cfg, seed: int) -> Splits:
     else:
         train, val = _split(len(x), cfg.val_fraction, g)
         val_x, val_y = x[val], y[val]
+    carved = train
     train = train[: cfg.train_subset]  # a quick run's subset (None: all); validation and test stay whole
     for name, part in (("training", train), ("validation", val_x), ("test", test_x)):
         if len(part) == 0:
             raise DataError(f"{_source(cfg)}: the {name} split is empty ({len(sets['train'][0])} inputs in the "
                             f"training set, data.test_fraction {cfg.test_fraction}, data.val_fraction "
                             f"{cfg.val_fraction}); give more data or change the fractions")
+    check_carved(Splits(x[carved], y[carved], val_x, val_y, test_x, test_y, classes), _source(cfg),
+                 f"data.test_fraction {cfg.test_fraction}, data.val_fraction {cfg.val_fraction}")
     splits = Splits(x[train], y[train], val_x, val_y, test_x, test_y, classes)
-    check_carved(splits, _source(cfg), f"data.test_fraction {cfg.test_fraction}, data.val_fraction "
-                 f"{cfg.val_fraction}, data.train_subset {cfg.train_subset}")
     if cfg.ood:
         splits.ood_x = _ood_set(cfg, splits, g)
     return splits

@@ -258,7 +258,7 @@ def _converted(convert, *args):
     may run to pages (the converter's IR dump). Our own refusals (ExportError) pass as they are."""
     try:
         return convert(*args)
-    except ExportError:
+    except (ExportError, ImportError):   # ours, or a converter not installed: not the network's fault
         raise
     except Exception as e:
         first = next((line for line in str(e).splitlines() if line.strip()), "")[:300]

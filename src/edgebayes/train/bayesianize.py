@@ -392,7 +392,7 @@ def _warn_skipped(module, path):
         warnings.warn(f"model.pretrained {path}: {len(skipped)} of {len(params)} parameters keep their fresh "
                       f"initialisation (no tensor of that name and shape there): {', '.join(skipped[:4])}"
                       f"{', ...' if len(skipped) > 4 else ''}", stacklevel=2)
-    stats = {n for n, b in module.named_buffers() if b.is_floating_point()}   # batch-norm running statistics
+    stats = {n for n, _ in module.named_buffers() if n.rpartition(".")[2] in ("running_mean", "running_var")}
     missing = [k for k in module.skipped_pretrained if k in stats]
     if missing:
         warnings.warn(f"model.pretrained {path}: {len(missing)} of {len(stats)} running statistics keep their fresh "
