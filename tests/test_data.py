@@ -389,6 +389,16 @@ def test_what_the_split_checks_leave_alone(tmp_path, monkeypatch):
     assert tuple(load_data(DataConfig(dataset="userdata:load"), 0).train_x.shape[1:]) == (3,)
 
 
+def test_class_names_in_messages_cannot_act_on_the_terminal(tmp_path):
+    """A file's class names went raw into the message: a newline, an ANSI escape or a right-to-left override acted
+    on the terminal. Unprintable names are shown as their repr."""
+    hostile = "ok\n\x1b[31mRED\u202e"
+    path = _npz(tmp_path / "h.npz", x=X, y=np.zeros(10, int), classes=np.array([hostile, "b"]))
+    with pytest.raises(DataError) as error:
+        load_data(_own("npz", path), seed=0)
+    assert repr(hostile) in str(error.value) and "\x1b" not in str(error.value) and "\n" not in str(error.value)
+
+
 def test_image_folder_channels_and_unicode_forms_of_class_names(tmp_path):
     """data.channels: 3 reads grayscale images as RGB (a torchvision network trained with ImageFolder has 3 input
     channels); a class folder spelt decomposed in test/ (macOS: 'u' + combining diaeresis) is train/'s class."""

@@ -581,3 +581,25 @@ def test_a_tag_that_is_not_key_value_is_a_bad_command_line(bundle, tmp_path, cap
         cli.main(["--bundle", str(bundle_dir), "--out", str(tmp_path / "r.json"), "--tag", "device", *FAST])
     assert exit_.value.code == 2 and "--tag expects KEY=VALUE, got 'device'" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_pixels_travel_in_eval_npz_as_uint8_and_come_back_bit_for_bit(pristine_bundle, tmp_path):
+    """eval.npz went to the device as float32: 4x the bytes of the pixels the loaders scaled from uint8 (148 MB
+    for a 30,000-image set). Such inputs are stored as uint8 with their scale and read back exactly; other
+    inputs stay float32."""
+    from edgebayes.export.bundle import write_bundle
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (30, 4)).astype(np.uint8)
+    for x, stored in ((pixels.astype(np.float32) / np.float32(255), np.uint8), (rng.random((30, 4), np.float32),
+                                                                             np.float32)):
+        folder = tmp_path / stored.__name__
+        folder.mkdir()
+        model = pristine_bundle[0] / "model.onnx"
+        probs = np.full((30, 3), 1 / 3, np.float32)
+        manifest = write_bundle(folder / "bundle", model, x, np.arange(30) % 3, probs, classes=["a", "b", "c"],
+                                mc_samples=1, knob_name="none", knob_value=0.5, reference_metrics={}, provenance={})
+        with np.load(folder / "bundle" / "eval.npz") as data:
+            assert data["x"].dtype == stored
+        back, _, _ = ondevice_bundle.load_eval_set(folder / "bundle", manifest)
+        assert back.dtype == np.float32 and np.array_equal(back, x)

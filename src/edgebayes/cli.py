@@ -362,8 +362,8 @@ def _report_extras(ctx, args):
         profile = load_device_profile(name)
         path = ctx.run_dir / "report" / profile.name / "report.json"
         if not path.is_file():
-            raise StageError(f"{path} is missing: run `edgebayes pipeline --config {ctx.config_path} --device {name}"
-                             f"{'' if str(ctx.runs_dir) == 'runs' else f' --runs-dir {ctx.runs_dir}'}` first")
+            raise StageError(f"{path} is missing: run `{dataclasses.replace(ctx, device_arg=name).command('pipeline')}` "
+                             f"first")
         report = json.loads(path.read_text())
         report["stale"] = _report_staleness(dataclasses.replace(ctx, profile=profile), path)
         reports.append((report, path.with_name("report.html")))

@@ -572,6 +572,13 @@ def _label_array(y, name, where) -> np.ndarray:
     raise DataError(f"{where}: {name} holds {a.dtype} values; expected class labels (integers or strings)")
 
 
+def _shown(name) -> str:
+    """A class name for a message: as it is when printable, else its repr (a newline, an ANSI escape or a
+    right-to-left override from a file's class names would otherwise act on the terminal)."""
+    name = str(name)
+    return name if name.isprintable() else repr(name)
+
+
 def _encode_labels(labels: dict, classes, where):
     """{set: labels} -> ({set: int64 class indices}, class names).
 
@@ -606,10 +613,11 @@ def _encode_labels(labels: dict, classes, where):
         if len(bad):
             shown = ", ".join(repr(v) for v in list(dict.fromkeys(a[bad].tolist()))[:5])
             raise DataError(f"{where}: y_{s} has labels that are not classes: {shown} "
-                            f"(classes: {', '.join(map(str, classes))})")
+                            f"(classes: {', '.join(_shown(c) for c in list(classes)[:20])}"
+                            f"{f', ... {len(classes)} in all' if len(classes) > 20 else ''})")
     seen = np.unique(codes["train"])
     if len(seen) < 2:
-        raise DataError(f"{where}: y_train holds a single class ({classes[seen[0]]}); a classifier needs two or more")
+        raise DataError(f"{where}: y_train holds a single class ({_shown(classes[seen[0]])}); a classifier needs two or more")
     for s in ("val", "test"):
         if s in codes:
             unseen = np.setdiff1d(np.unique(codes[s]), seen)
@@ -661,7 +669,8 @@ def checked_sets(sets: dict, classes, where):
             raise DataError(f"{where}: x_{s} is empty")
         if tuple(x.shape[1:]) != shape:
             raise DataError(f"{where}: x_{s} inputs have shape {tuple(x.shape[1:])} but x_train inputs {shape}")
-        bad = int((~torch.isfinite(x)).sum())
+        # in blocks: torch.isfinite of a float tensor allocates |x| (a float copy) and two bool masks of the whole set
+        bad = sum(int((~torch.isfinite(x[i:i + 4096])).sum()) for i in range(0, len(x), 4096))
         if bad:
             raise DataError(f"{where}: x_{s} has {bad} values that are NaN or infinite")
         labels[s] = y
@@ -729,7 +738,7 @@ def check_carved(splits, where, how):
     seen = torch.unique(splits.train_y)
     if len(seen) < 2:
         raise DataError(f"{where}: after the split ({how}) the training split holds a single class "
-                        f"({splits.classes[int(seen[0])]}); give more examples of the other classes")
+                        f"({_shown(splits.classes[int(seen[0])])}); give more examples of the other classes")
     for name, ys in (("validation", splits.val_y), ("test", splits.test_y)):
         unseen = np.setdiff1d(torch.unique(ys).numpy(), seen.numpy())
         if len(unseen):
@@ -743,28 +752,33 @@ def load_data(cfg, seed: int) -> Splits:
     them, else carved out of its training set (test first, then validation)."""
     g = torch.Generator().manual_seed(seed)
     sets, classes = _load_sets(cfg)
-    x, y = sets["train"]
+    x, y = sets.pop("train")
+    n_given = len(x)
+    # Indices into the given training set, composed, so that each split is one copy of its rows (x[rest][train]
+    # would be two, with the whole set alive beside them).
     if "test" in sets:
-        test_x, test_y = sets["test"]
+        rest = torch.arange(len(x))
+        test_x, test_y = sets.pop("test")
     else:
         rest, test = _split(len(x), cfg.test_fraction, g)
         test_x, test_y = x[test], y[test]
-        x, y = x[rest], y[rest]
     if "val" in sets:
-        train, (val_x, val_y) = torch.arange(len(x)), sets["val"]
+        train, (val_x, val_y) = rest, sets.pop("val")
     else:
-        train, val = _split(len(x), cfg.val_fraction, g)
-        val_x, val_y = x[val], y[val]
+        train, val = _split(len(rest), cfg.val_fraction, g)
+        val_x, val_y = x[rest[val]], y[rest[val]]
+        train = rest[train]
     carved = train
     train = train[: cfg.train_subset]  # a quick run's subset (None: all); validation and test stay whole
     for name, part in (("training", train), ("validation", val_x), ("test", test_x)):
         if len(part) == 0:
-            raise DataError(f"{_source(cfg)}: the {name} split is empty ({len(sets['train'][0])} inputs in the "
+            raise DataError(f"{_source(cfg)}: the {name} split is empty ({n_given} inputs in the "
                             f"training set, data.test_fraction {cfg.test_fraction}, data.val_fraction "
                             f"{cfg.val_fraction}); give more data or change the fractions")
     check_carved(Splits(x[carved], y[carved], val_x, val_y, test_x, test_y, classes), _source(cfg),
                  f"data.test_fraction {cfg.test_fraction}, data.val_fraction {cfg.val_fraction}")
     splits = Splits(x[train], y[train], val_x, val_y, test_x, test_y, classes)
+    del x, y, sets   # the whole given set: each split holds its own copy of its rows
     if cfg.ood:
         splits.ood_x = _ood_set(cfg, splits, g)
     return splits

@@ -407,6 +407,8 @@ def run_train(ctx):
         raise StageError(f"train: {checkpoint} holds {epochs} epochs, train.epochs is {cfg.train.epochs}; "
                          f"run `edgebayes train --force`")
     knob_value, m = model.default_knob, cfg.train.mc_samples_eval
+    ctx.log(f"train: scoring the trained network on {len(splits.test_x)} test inputs x {m} posterior samples"
+            + (f" (and {len(splits.ood_x)} OOD inputs)" if splits.ood_x is not None else ""))
     # Paper 000's accuracy: z ~ q(z) in each of the m samples (export deploys the thresholded net instead).
     posterior_mean = (posterior_mean_metrics(model, splits.test_x, splits.test_y, m, cfg.seed)
                       if _has_inclusion(model) else None)
@@ -453,7 +455,8 @@ def run_train(ctx):
     if family.summary is not None:  # the family's own figures (SQS: against full precision, file bytes)
         metrics[family.name] = family.summary(model, splits, out, knob_value, test, ctx.log)
     if splits.ood_x is not None:
-        ood_probs = compressed.mc_model()(splits.ood_x).detach().numpy()
+        from edgebayes.compressed.samples import predict
+        ood_probs = predict(compressed.mc_model(), splits.ood_x).numpy()
         metrics["ood"] = {"set": cfg.data.ood, **ood_scores(probs, ood_probs)}
     write_json(out / "metrics.json", metrics)
     ctx.log(f"train: test accuracy {test['accuracy']:.4f}, NLL {test['nll']:.4f}, ECE {test['ece']:.4f}; "

@@ -163,6 +163,8 @@ def load_eval_set(bundle_dir, manifest):
             if missing:
                 fail(f"missing array(s): {', '.join(missing)}")
             x, y, ref = (data[key] for key in EVAL_ARRAYS)
+            if "x_scale" in data.files:   # pixels stored as uint8 (export/bundle.py _eval_inputs)
+                x = x.astype(np.float32) / np.float32(data["x_scale"])
     except BundleError:
         raise
     except ValueError as exc:  # includes "Object arrays cannot be loaded when allow_pickle=False"
