@@ -737,3 +737,17 @@ def test_fit_without_a_batch_size_picks_it_for_the_target_and_says_so_when_the_d
     said = [str(line) for line in lines if "WARNING train.flops_target" in str(line)]
     assert len(said) == 1 and "set train.epochs to" in said[0]
     assert not any("leave the cut network at least" in str(line) for line in lines)   # not claimed when untrue
+
+
+def test_a_schedule_that_leaves_no_step_after_its_last_cut_is_refused():
+    """flops_schedule_fraction 1 put the last cut on the last step: the search for the epochs that leave the cut
+    network steps to recover never ended (the run hung before its first line)."""
+    from edgebayes.config import TrainConfig, check_train
+    from edgebayes.train.flops_target import fine_tuning_batch_size
+
+    with pytest.raises(ConfigError, match=r"flops_schedule_fraction: expected a share below 1 with a FLOPs target"):
+        check_train(TrainConfig(flops_target=0.3, flops_schedule_fraction=1.0), "ss-gl", "fit", prefix="")
+    check_train(TrainConfig(flops_target=0.3, flops_schedule_fraction=1.0), "bn3", "fit", prefix="")   # served whole
+    batch, warning = fine_tuning_batch_size(TrainConfig(flops_target=0.3, flops_schedule_fraction=1 - 1e-9,
+                                                        batch_size=64, epochs=1), 200)
+    assert batch == 64 and "set train.flops_schedule_fraction well below" in warning

@@ -528,3 +528,18 @@ def test_a_shared_draw_cuts_every_layer_at_one_width_and_keeps_each_layers_law()
     assert torch.allclose(share, expected, atol=0.04), (share, expected)
     apart, _ = widths(False)
     assert (apart != apart[:, :1]).any(1).float().mean() > 0.5
+
+
+def test_compress_refuses_a_width_the_training_never_served():
+    """Fit to a FLOPs target, a nested net trains from the target's width up; eb.compress(net, knob=8) shipped a
+    narrower width without a word (accuracy 0.64 against 0.99 in the probe; knob=1.0, read as 'full', was width 1)."""
+    import edgebayes as eb
+    from torch import nn
+
+    net = eb.bayesianize(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)), "bn3", input_shape=(8,),
+                         n_train=50)
+    net.serve_from(net.groups // 2)
+    with pytest.raises(ValueError, match=rf"compress: knob: width 1 was never trained .* give a width in "
+                                         rf"{net.groups // 2}\.\.{net.groups}"):
+        eb.compress(net, knob=1.0)
+    assert len(eb.compress(net, knob=net.groups // 2).samples) == 1

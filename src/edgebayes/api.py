@@ -43,6 +43,10 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     arguments and a later until_epoch goes on, the same run as an uninterrupted one (trainer.train).
     Raises trainer.TrainingDiverged when an epoch's loss is not finite (the learning rate or the KL's weight is
     too large for the data): `net` is then back at its weights before that epoch, the checkpoint's (if any).
+    With `flops_target`, a spike-and-slab net's schedule starts from every unit at each call: a second fit of a
+    net fitted to a target switches its removed units back on (at their weights before the first) and cuts again,
+    and train.max_accuracy_drop's floor is that network's. A missed floor does not raise: the last epoch's
+    "flops_target_verdict" says what the target cost.
     """
     from edgebayes.data import DataError, Splits, checked_sets
     from edgebayes.train.trainer import ELBO, train as run_train
@@ -133,6 +137,10 @@ def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
         net.operating_points([knob])   # the family's range: an inclusion threshold in (0, 1), a width in 1..D
     except ValueError as e:
         raise ValueError(f"compress: knob: {e}") from None
+    if getattr(net, "untrained_widths", lambda _: [])([knob]):   # as select leaves them out (a nested net)
+        raise ValueError(f"compress: knob: width {knob:g} was never trained (the narrowest width the training served "
+                         f"is {net.fixed_groups + 1} of {net.groups} groups: train.flops_target's, or "
+                         f"nested.fixed_groups + 1); give a width in {net.fixed_groups + 1}..{net.groups}")
     return _compress(net.cpu().eval(), knob, int(m), seed, int(channel_multiple))
 
 

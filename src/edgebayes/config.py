@@ -821,6 +821,9 @@ def check_train(t: "TrainConfig", family: str, p: str, prefix: str = "train."):
     _check(t.flops_target != "device" or t.processes == 1, f"{p}: {prefix}flops_target",
            "device is found by one process before the first epoch; with train.processes > 1 give the share "
            "(`edgebayes train` with one process prints it first)")
+    _check(t.flops_target is None or family not in SPIKE_SLAB_FAMILIES or t.flops_schedule_fraction < 1,
+           f"{p}: {prefix}flops_schedule_fraction", "expected a share below 1 with a FLOPs target: at 1 the "
+           "schedule's last cut is the last step, and no step trains the cut network")
     _check(t.max_accuracy_drop is None or t.flops_target is not None, f"{p}: {prefix}max_accuracy_drop",
            f"is the accuracy floor of a FLOPs target: set {prefix}flops_target too, or leave it out (null)")
     _check(t.max_accuracy_drop is None or family in SPIKE_SLAB_FAMILIES, f"{p}: {prefix}max_accuracy_drop",

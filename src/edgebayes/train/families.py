@@ -28,7 +28,7 @@ from edgebayes.errors import ArchError
 from edgebayes.train import sqs
 from edgebayes.train.arch import resolve_arch
 from edgebayes.train.bayesianize import module_builder, output_classes
-from edgebayes.train.models import BayesianNet, NestedNet
+from edgebayes.train.models import NO_KNOB, UNPRUNED_FAMILIES, BayesianNet, NestedNet
 from edgebayes.train.trainer import ELBO, train
 
 
@@ -121,7 +121,8 @@ def _registry():
                         ("ss-ig", "paper 000"), ("ss-gl", "paper 000"), ("ss-ghs", "paper 000")):
         wrap = _wrap_bayesian(name)
         build = _from_arch(wrap)
-        families.append(Family(name, paper, BayesianNet.knob, build, _fit_elbo(build), wrap=wrap))
+        knob = NO_KNOB if name in UNPRUNED_FAMILIES else BayesianNet.knob
+        families.append(Family(name, paper, knob, build, _fit_elbo(build), wrap=wrap))
     for name, paper in (("bn3", "paper 002"), ("fn3", "paper 002's baseline (Cui et al. 2020)")):
         wrap = _wrap_nested(name)
         build = _from_arch(wrap)

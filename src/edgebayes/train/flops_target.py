@@ -177,12 +177,14 @@ def fine_tuning_batch_size(train_cfg, n, processes=1, nested=False):
     if target is None or repair(chosen) >= REPAIR_STEPS:
         return chosen, None
     per_epoch = math.ceil(n / chosen)
-    more = next(e for e in itertools.count(epochs) if steps_at_final_structure(e * per_epoch, fraction, nested)
-                >= REPAIR_STEPS)
+    # bounded: a fraction just below 1 leaves a step at the final structure in a great many epochs only
+    more = next((e for e in range(epochs, 1000 * epochs + 1)
+                 if steps_at_final_structure(e * per_epoch, fraction, nested) >= REPAIR_STEPS), None)
     smaller = next((b for b in (2 ** k for k in range(int(math.log2(chosen)), -1, -1))
                     if SMALLEST_BATCH <= b < chosen and repair(b) >= REPAIR_STEPS), None)
     fix = (f"set train.batch_size to {smaller} or train.epochs to {more}" if smaller is not None and
-           train_cfg.batch_size is not None else f"set train.epochs to {more}")
+           train_cfg.batch_size is not None and more is not None else f"set train.epochs to {more}"
+           if more is not None else f"set train.flops_schedule_fraction well below {fraction:g}")
     return chosen, (f"train.flops_target: {n:,} training examples at batch size {chosen} are {per_epoch} step(s) an "
                     f"epoch, {epochs * per_epoch} in {epochs} epoch(s), and {repair(chosen)} of them at the final "
                     f"structure, where a cut network needs about {REPAIR_STEPS} to recover its accuracy "
@@ -531,8 +533,9 @@ class FlopsTargetSchedule:
     def __init__(self, model, train_cfg, total_steps, log=print, evaluate=None, points=()):
         layers = prunable_layers(model)
         if not layers:
-            raise ConfigError("train.flops_target: the network has no prunable spike-and-slab layer (model.family "
-                              "ss-ig, ss-gl or ss-ghs switches units off; other families: leave it out)")
+            raise ConfigError("train.flops_target: the network has no prunable spike-and-slab layer: every layer "
+                              "that became the family's produces the outputs (or feeds them alone), and the others "
+                              "stay plain, so no unit can be switched off; leave the target out")
         self.target, self.log = float(train_cfg.flops_target), log
         self.fraction, self.total_steps = float(train_cfg.flops_schedule_fraction), total_steps
         self.on_logit = math.log(SURE / (1 - SURE))
