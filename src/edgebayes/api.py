@@ -27,7 +27,7 @@ import torch
 from edgebayes.config import (MAX_MC_SAMPLES, OPSETS, ConfigError, ExportConfig, PipelineConfig, TrainConfig,
                               check_train, validate)
 from edgebayes.compressed.samples import Compressed, compress as _compress
-from edgebayes.data import as_inputs, check_carved, class_indices
+from edgebayes.data import as_inputs, check_classes_seen, class_indices
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
 
@@ -84,9 +84,10 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
         (vx, vy), x, y = (x[perm[:k]], y[perm[:k]]), x[perm[k:]], y[perm[k:]]
     else:
         vx, vy = sets["val"]
-    splits = Splits(x, y, vx, vy, vx, vy, classes)
     if val is None:
-        check_carved(splits, "fit", f"10% of x carved out for validation with seed {seed}")
+        check_classes_seen(y, {"validation": vy}, classes, "fit",
+                           carved=f"10% of x carved out for validation with seed {seed}")
+    splits = Splits(x, y, vx, vy, vx, vy, classes)
     cfg = PipelineConfig(seed=seed, train=t)
     path = Path(checkpoint) if checkpoint else None
     if path is not None and path.is_dir():

@@ -615,16 +615,26 @@ def _encode_labels(labels: dict, classes, where):
             raise DataError(f"{where}: y_{s} has labels that are not classes: {shown} "
                             f"(classes: {', '.join(_shown(c) for c in list(classes)[:20])}"
                             f"{f', ... {len(classes)} in all' if len(classes) > 20 else ''})")
-    seen = np.unique(codes["train"])
-    if len(seen) < 2:
-        raise DataError(f"{where}: y_train holds a single class ({_shown(classes[seen[0]])}); a classifier needs two or more")
-    for s in ("val", "test"):
-        if s in codes:
-            unseen = np.setdiff1d(np.unique(codes[s]), seen)
-            if len(unseen):
-                raise DataError(f"{where}: labels in y_{s} not seen in training: "
-                                f"{', '.join(repr(classes[i]) for i in unseen[:5])}")
+    check_classes_seen(codes["train"], {s: codes[s] for s in ("val", "test") if s in codes}, classes, where)
     return {s: torch.from_numpy(c) for s, c in codes.items()}, [str(c) for c in classes]
+
+
+def check_classes_seen(train_y, others, classes, where, carved=None):
+    """The label rule of every split: training holds two classes or more, and each class of another split
+    ({split name: class indices}) is one training has. `carved`: how the splits were carved from one set, where
+    they were (at random, not stratified: a rare class can land wholly outside training); the message says so."""
+    seen = np.unique(np.asarray(train_y))
+    if len(seen) < 2:
+        holds, fix = ((f"after the split ({carved}) the training split", "give more examples of the other classes")
+                      if carved else ("y_train", "a classifier needs two or more"))
+        raise DataError(f"{where}: {holds} holds a single class ({_shown(classes[seen[0]])}); {fix}")
+    for name, ys in others.items():
+        unseen = np.setdiff1d(np.unique(np.asarray(ys)), seen)
+        if len(unseen):
+            shown = ", ".join(repr(classes[i]) for i in unseen[:5])
+            raise DataError(f"{where}: after the split ({carved}) the {name} split holds class(es) {shown} with no "
+                            f"example left in the training split; give more examples of them, or provide the {name} "
+                            f"set yourself" if carved else f"{where}: labels in y_{name} not seen in training: {shown}")
 
 
 def _lookup(sorted_values, a, order=None):
@@ -732,21 +742,6 @@ def _split(n, fraction, generator):
     return perm[k:], perm[:k]
 
 
-def check_carved(splits, where, how):
-    """The label checks of checked_sets, again after the splits are carved (randomly, not stratified): a rare class
-    can land wholly in the test or validation split, leaving training without it (or with one class)."""
-    seen = torch.unique(splits.train_y)
-    if len(seen) < 2:
-        raise DataError(f"{where}: after the split ({how}) the training split holds a single class "
-                        f"({_shown(splits.classes[int(seen[0])])}); give more examples of the other classes")
-    for name, ys in (("validation", splits.val_y), ("test", splits.test_y)):
-        unseen = np.setdiff1d(torch.unique(ys).numpy(), seen.numpy())
-        if len(unseen):
-            raise DataError(f"{where}: after the split ({how}) the {name} split holds class(es) "
-                            f"{', '.join(repr(splits.classes[i]) for i in unseen[:5])} with no example left in the "
-                            f"training split; give more examples of them, or provide the {name} set yourself")
-
-
 def load_data(cfg, seed: int) -> Splits:
     """Load the configured data set with seeded splits: the source's own test / val sets where it has
     them, else carved out of its training set (test first, then validation)."""
@@ -775,8 +770,8 @@ def load_data(cfg, seed: int) -> Splits:
             raise DataError(f"{_source(cfg)}: the {name} split is empty ({n_given} inputs in the "
                             f"training set, data.test_fraction {cfg.test_fraction}, data.val_fraction "
                             f"{cfg.val_fraction}); give more data or change the fractions")
-    check_carved(Splits(x[carved], y[carved], val_x, val_y, test_x, test_y, classes), _source(cfg),
-                 f"data.test_fraction {cfg.test_fraction}, data.val_fraction {cfg.val_fraction}")
+    check_classes_seen(y[carved], {"validation": val_y, "test": test_y}, classes, _source(cfg),
+                       carved=f"data.test_fraction {cfg.test_fraction}, data.val_fraction {cfg.val_fraction}")
     splits = Splits(x[train], y[train], val_x, val_y, test_x, test_y, classes)
     del x, y, sets   # the whole given set: each split holds its own copy of its rows
     if cfg.ood:

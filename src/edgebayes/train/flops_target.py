@@ -182,9 +182,12 @@ def fine_tuning_batch_size(train_cfg, n, processes=1, nested=False):
                  if steps_at_final_structure(e * per_epoch, fraction, nested) >= REPAIR_STEPS), None)
     smaller = next((b for b in (2 ** k for k in range(int(math.log2(chosen)), -1, -1))
                     if SMALLEST_BATCH <= b < chosen and repair(b) >= REPAIR_STEPS), None)
-    fix = (f"set train.batch_size to {smaller} or train.epochs to {more}" if smaller is not None and
-           train_cfg.batch_size is not None and more is not None else f"set train.epochs to {more}"
-           if more is not None else f"set train.flops_schedule_fraction well below {fraction:g}")
+    if more is None:
+        fix = f"set train.flops_schedule_fraction well below {fraction:g}"
+    elif smaller is not None and train_cfg.batch_size is not None:
+        fix = f"set train.batch_size to {smaller} or train.epochs to {more}"
+    else:
+        fix = f"set train.epochs to {more}"
     return chosen, (f"train.flops_target: {n:,} training examples at batch size {chosen} are {per_epoch} step(s) an "
                     f"epoch, {epochs * per_epoch} in {epochs} epoch(s), and {repair(chosen)} of them at the final "
                     f"structure, where a cut network needs about {REPAIR_STEPS} to recover its accuracy "
