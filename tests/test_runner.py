@@ -603,3 +603,10 @@ def test_pixels_travel_in_eval_npz_as_uint8_and_come_back_bit_for_bit(pristine_b
             assert data["x"].dtype == stored
         back, _, _ = ondevice_bundle.load_eval_set(folder / "bundle", manifest)
         assert back.dtype == np.float32 and np.array_equal(back, x)
+    # a hostile file's scale (an array, zero, NaN) is refused by name, not a traceback or infinite inputs
+    with np.load(tmp_path / "uint8" / "bundle" / "eval.npz") as data:
+        arrays = dict(data)
+    for scale in (np.zeros(3, np.float32), np.float32(0), np.float32("nan"), np.int64(255)):
+        np.savez(tmp_path / "uint8" / "bundle" / "eval.npz", **{**arrays, "x_scale": scale})
+        with pytest.raises(ondevice_bundle.BundleError, match=r"'x_scale' must be one positive number"):
+            ondevice_bundle.load_eval_set(tmp_path / "uint8" / "bundle", manifest)

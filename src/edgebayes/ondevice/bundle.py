@@ -164,7 +164,10 @@ def load_eval_set(bundle_dir, manifest):
                 fail(f"missing array(s): {', '.join(missing)}")
             x, y, ref = (data[key] for key in EVAL_ARRAYS)
             if "x_scale" in data.files:   # pixels stored as uint8 (export/bundle.py _eval_inputs)
-                x = x.astype(np.float32) / np.float32(data["x_scale"])
+                scale = data["x_scale"]
+                if scale.shape != () or not np.issubdtype(scale.dtype, np.floating) or not scale > 0:
+                    fail(f"'x_scale' must be one positive number, got dtype {scale.dtype} shape {scale.shape}")
+                x = x.astype(np.float32) / np.float32(scale)
     except BundleError:
         raise
     except ValueError as exc:  # includes "Object arrays cannot be loaded when allow_pickle=False"
