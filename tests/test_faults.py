@@ -910,6 +910,25 @@ def test_a_difference_the_validation_split_can_tell_is_not_a_tie():
     assert choice["candidate"]["id"] == "sharp-m4"
 
 
+def test_a_paired_difference_on_a_small_split_is_not_tied_away_by_the_unpaired_noise():
+    """300 validation images, the cheaper candidate wrong on 6 more of them (2 points, the paired interval
+    excludes 0) but within the best's own unpaired 95% half-width (about 3 points): worse, not tied. The
+    rule that also asked for more than that half-width shipped M = 2 where the budget allowed a better M = 4."""
+    from edgebayes.config import Budgets
+    from edgebayes.deploy.selection import choose
+
+    probs, y = _val_probs(n=300, accuracy=0.92, seed=3)
+    worse = probs.copy()
+    rng = np.random.default_rng(4)
+    flip = rng.choice(np.flatnonzero(worse.argmax(1) == y), 6, replace=False)
+    worse[flip] = np.roll(worse[flip], 1, axis=1)
+    acc = (probs.argmax(1) == y).mean()
+    assert 6 / 300 < 1.96 * np.sqrt(acc * (1 - acc) / 300)     # within the unpaired noise of the best's figure
+    scored = [_scored("m4", probs, y, 4, 0.2, 1.0), _scored("m2", worse, y, 2, 0.1, 1.0)]
+    choice = choose([c for c, _ in scored], "accuracy", Budgets(), evidence={c["id"]: e for c, e in scored})
+    assert choice["candidate"]["id"] == "m4" and choice["tied"] == ["m4"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Issue 36, item 6: a stage owns only the files it writes
 # ---------------------------------------------------------------------------------------------
