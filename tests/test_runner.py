@@ -304,6 +304,36 @@ def test_a_damaged_or_non_finite_eval_file_is_refused(bundle, tmp_path, capsys):
     assert "'reference_probs' holds NaN" in _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
 
 
+def test_non_finite_outputs_on_the_ood_inputs_are_a_runtime_problem(bundle, tmp_path, capsys):
+    """OOD inputs the model overflows on (finite inputs, NaN outputs): the NaN entropies ranked as the most
+    uncertain and the report showed an AUROC of 1.0 (probe); now the runtime's error, no results file."""
+    import torch
+
+    class NaNAtZero(torch.nn.Module):   # the bundle's probabilities times x0 / x0: NaN where x0 = 0
+        def forward(self, x):
+            return torch.softmax(x[:, :3], -1) * (x[:, :1] / x[:, :1])
+
+    bundle_dir, _, y = bundle
+    x = np.load(bundle_dir / "eval.npz")["x"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(NaNAtZero(), torch.from_numpy(x[:2]), str(bundle_dir / "model.onnx"),
+                          input_names=["input"], output_names=["probs"],
+                          dynamic_axes={"input": {0: "batch"}, "probs": {0: "batch"}}, dynamo=False)
+    probs = torch.softmax(torch.from_numpy(x[:, :3]), -1).numpy()
+    ood = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32)
+    ood[:, 0] = 0.0
+    np.savez(bundle_dir / "eval.npz", x=x, y=y, reference_probs=probs, ood_x=ood)
+    manifest = _manifest(bundle_dir)
+    for name in ("model.onnx", "eval.npz"):
+        manifest["files"][name] = {"sha256": _sha256(bundle_dir / name), "bytes": (bundle_dir / name).stat().st_size}
+    _write_manifest(bundle_dir, manifest)
+    out = tmp_path / "r.json"
+    rc = cli.main(["--bundle", str(bundle_dir), "--out", str(out), *FAST])
+    assert rc == 3 and not out.exists()
+    assert "NaN or infinite values for 6 of 6 OOD inputs" in capsys.readouterr().err
+
+
 def test_unknown_runtime_fails_clearly(bundle, tmp_path, capsys):
     bundle_dir, _, _ = bundle
     out = tmp_path / "r.json"
@@ -387,6 +417,10 @@ def test_metrics_reject_bad_input():
         metrics.classification_metrics(np.full((5, 3), np.nan), y)
     fp16 = np.full((5, 3), 1 / 3, dtype=np.float16).astype(np.float64)   # rows 1e-4 off 1: probabilities still
     assert eb.metrics(fp16, y)["accuracy"] == 0.4
+    # A NaN entropy sorted as the most uncertain: every OOD output NaN scored an AUROC of 1.0 (probe)
+    probs_in = np.full((4, 3), 1 / 3)
+    with pytest.raises(ValueError, match="probs_out holds NaN"):
+        metrics.ood_detection(probs_in, np.full((4, 3), np.nan))
 
 
 # --------------------------------------------------------------------------

@@ -318,14 +318,18 @@ def main(argv=None):
                   f"{list(probs.shape)} does not match reference_probs {list(reference_probs.shape)}",
                   file=sys.stderr)
             return EXIT_BUNDLE
-        bad = int((~np.isfinite(probs)).any(axis=1).sum())
-        if bad:   # a model that runs but computes nothing usable here: every metric would be NaN, exit 0
-            print(f"runner: bundle {args.bundle}: {artifact['model_file']}: the model's output holds NaN or "
-                  f"infinite values for {bad} of {len(probs)} eval inputs on this runtime", file=sys.stderr)
-            return EXIT_RUNTIME
+        ood_probs = None if ood_x is None else predict_all(backend, ood_x)
+        # A model that runs but computes nothing usable here: every metric would be NaN, exit 0; on the OOD
+        # inputs a NaN entropy sorts as the most uncertain, and the AUROC would reward the broken output.
+        for what, p in (("eval", probs), ("OOD", ood_probs)):
+            bad = 0 if p is None else int((~np.isfinite(p)).any(axis=1).sum())
+            if bad:
+                print(f"runner: bundle {args.bundle}: {artifact['model_file']}: the model's output holds NaN or "
+                      f"infinite values for {bad} of {len(p)} {what} inputs on this runtime", file=sys.stderr)
+                return EXIT_RUNTIME
         metrics = classification_metrics(probs, y)
         max_diff = float(np.max(np.abs(probs - reference_probs.astype(np.float64))))
-        ood = None if ood_x is None else ood_detection(probs, predict_all(backend, ood_x))
+        ood = None if ood_probs is None else ood_detection(probs, ood_probs)
         say(f"accuracy {metrics['accuracy']:.4f}  nll {metrics['nll']:.4f}  ece {metrics['ece']:.4f}  "
             f"max |p - p_ref| {max_diff:.2e}" + (f"  OOD AUROC {ood['auroc']:.4f}" if ood else ""))
     except RuntimeProblem as exc:

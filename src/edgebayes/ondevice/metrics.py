@@ -174,6 +174,10 @@ def average_precision(scores, labels):
 def ood_detection(probs_in, probs_out):
     """OOD detection by predictive entropy, the OOD inputs as positives: AUROC and AUPR (as in training's
     metrics.json, here on the device's own outputs)."""
+    for name, p in (("probs_in", probs_in), ("probs_out", probs_out)):
+        if not np.isfinite(np.asarray(p, dtype=np.float64)).all():
+            raise ValueError(f"ood_detection: {name} holds NaN or infinite values (a NaN entropy would rank as "
+                             f"the most uncertain and inflate the AUROC)")
     scores = np.concatenate([predictive_entropy(probs_in), predictive_entropy(probs_out)])
     labels = np.concatenate([np.zeros(len(probs_in)), np.ones(len(probs_out))])
     return {"auroc": auroc(scores, labels), "aupr": average_precision(scores, labels), "score": "predictive entropy",
