@@ -50,6 +50,12 @@ def test_pipeline_meets_the_foundation_targets(run):
     # (select.temperature_scaling, on by default), baked into the graph the runner ran.
     chosen = json.loads((run / "select/local/choice.json").read_text())["candidate"]
     assert export["temperature"] == chosen["temperature"] != 1.0
+    # ... and the same samples without it, beside the shipped figures (the README quotes both ECEs)
+    before = export["before_temperature"]
+    assert before["n"] == results["metrics"]["n"] and before["accuracy"] == pytest.approx(
+        results["metrics"]["accuracy"], abs=0.02)
+    assert before["ece"] != results["metrics"]["ece"]
+    assert f"{s['before_temperature']['ece']:.4g} at T = 1" in (run / "report/local/report.html").read_text()
     # The Training section's test metrics are training's own evaluation (its default knob, T = 1), and say so;
     # the shipped widths stand beside the trained architecture.
     html = (run / "report/local/report.html").read_text()

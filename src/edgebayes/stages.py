@@ -30,7 +30,7 @@ import re
 import shutil
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -512,7 +512,7 @@ def run_export(ctx):
     from edgebayes.export.formats import FORMATS, artifact_predict, check_fidelity, export_artifact, fidelity
     from edgebayes.export.onnx_export import onnx_parameter_count
     from edgebayes.train.families import family_of
-    from edgebayes.train.metrics import classification_metrics
+    from edgebayes.train.metrics import classification_metrics, ood_scores
 
     choice = read_json(ctx.require("select", "choice.json") / "choice.json")
     model, splits = load_trained_model(ctx), splits_for(ctx)
@@ -528,6 +528,13 @@ def run_export(ctx):
     mc_model = compressed.mc_model()
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
+    before_temperature = None
+    if compressed.temperature != 1.0:   # the same M samples at T = 1: what the fitted T changed (report)
+        untempered = replace(compressed, temperature=1.0).mc_model()
+        probs_t1 = predict(untempered, x).numpy()
+        before_temperature = classification_metrics(probs_t1, y)
+        if splits.ood_x is not None:
+            before_temperature["ood"] = ood_scores(probs_t1, predict(untempered, splits.ood_x).numpy())
     calib_x = splits.train_x[: e.calibration_size]  # the first rows of the (seeded) training split
     # The chosen format is the primary artifact (the one deploy must run); export.formats adds others
     # beside it, for the report's fidelity and latency comparison.
@@ -581,6 +588,7 @@ def run_export(ctx):
     summary = {
         "format": formats[0], "precision": primary["precision"], "layout": primary["layout"],
         "mc_samples": m, "knob": model.knob, "knob_value": knob_value, "temperature": compressed.temperature,
+        "before_temperature": before_temperature,   # the shipped samples' test figures at T = 1 (PyTorch)
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
                                      "physical_flops_ratio")},

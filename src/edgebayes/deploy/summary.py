@@ -420,6 +420,7 @@ def summarize(d: dict) -> dict:
         "knob_value": choice.get("knob_value"),
         "mc_samples": choice.get("mc_samples"),
         "temperature": export.get("temperature"),   # of the shipped graph (select.temperature_scaling)
+        "before_temperature": export.get("before_temperature"),   # the same samples at T = 1 (test, PyTorch)
         "precision": choice.get("precision"),
         "format": choice.get("format"),
         "objective": d.get("objective"),
@@ -528,6 +529,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "settings": get(report, "config", "settings") or [],
         "chosen": {k: s.get(k) for k in ("knob", "knob_value", "mc_samples", "temperature", "format", "precision")},
         "accuracy": get(s, "metrics", "accuracy", "device"), "ece": get(s, "metrics", "ece", "device"),
+        "ece_at_t1": get(s, "before_temperature", "ece"),   # the same samples without the fitted temperature
         "metrics_measured_on": s.get("metrics_measured_on"),
         "ood_auroc": get(s, "ood", "auroc"), "ood_aupr": get(s, "ood", "aupr"),
         "latency_ms": lat, "latency_basis": basis,
@@ -573,7 +575,9 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              f"  chosen point  {point_label(c.get('knob'), c.get('knob_value'))}, M={c.get('mc_samples')}, "
              + (f"T={fmt(c['temperature'])}, " if c.get("temperature") not in (None, 1.0) else "")
              + f"{c.get('format')} ({c.get('precision')})",
-             f"  accuracy      {fmt(t.get('accuracy'))}, ECE {fmt(t.get('ece'))}, OOD AUROC {fmt(t.get('ood_auroc'))}"
+             f"  accuracy      {fmt(t.get('accuracy'))}, ECE {fmt(t.get('ece'))}"
+             + (f" ({fmt(t['ece_at_t1'])} at T=1)" if t.get("ece_at_t1") is not None else "")
+             + f", OOD AUROC {fmt(t.get('ood_auroc'))}"
              + (" (the bundle on this machine)" if predicted else " (on the device)"),
              f"  latency       {lat_txt} ({t.get('latency_basis')})"
              + (f"; best round p90 {ms(best.get('p90'))}" if best.get("p90") is not None else ""),
