@@ -287,6 +287,19 @@ def test_an_accuracy_no_better_than_the_majority_class_is_warned(tmp_path):
     rep = report_mod.write_report(inputs, tmp_path / "b")
     assert not any("most frequent class" in w for w in rep["summary"]["warnings"])
 
+def test_identical_posterior_samples_in_the_shipped_graph_are_warned(tmp_path):
+    """SQS at the paper's tau: its level probabilities are one-hot, every draw the same network; an M = 4 graph
+    then costs 4x one sample and averages nothing (probe)."""
+    inputs = make_inputs()
+    m = inputs["choice"]["mc_samples"]
+    inputs["export"]["distinct_samples"] = 1
+    said = [w for w in report_mod.write_report(inputs, tmp_path / "a")["summary"]["warnings"] if "differ" in w]
+    assert said == [f"Only 1 of the M = {m} posterior samples in the shipped graph differ: the MC average repeats "
+                    f"the same network, at {m}x the cost of M = 1, and its uncertainty is that of 1 network(s)."]
+    inputs["export"]["distinct_samples"] = m
+    assert not any("differ" in w for w in report_mod.write_report(inputs, tmp_path / "b")["summary"]["warnings"])
+
+
 def test_a_family_without_a_knob_is_reported_as_one_network(tmp_path):
     """dnn and bnn have no inclusion variables: their one network is not 'inclusion threshold 0.5', and select
     sweeps one point whatever select.knob_values (written for ss-gl) says."""

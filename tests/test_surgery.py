@@ -348,6 +348,7 @@ def test_compress_samples_are_pruned_plain_modules_and_prefix_stable(family):
     c3 = compress(model, 0.5, 3, seed=4)
     c5 = compress(model, 0.5, 5, seed=4)
     assert len(c3.samples) == 3 and len(c5.samples) == 5
+    assert c5.distinct_samples == (1 if family == "dnn" else 5)   # a plain net's M draws are one network
     kept_counts = [int(m.sum()) for m in c5.kept.values()]
     expect = ([h - h // 2 for h in HIDDEN] if family != "dnn" else HIDDEN) + [CLASSES]
     assert kept_counts == expect

@@ -588,6 +588,7 @@ def run_export(ctx):
     summary = {
         "format": formats[0], "precision": primary["precision"], "layout": primary["layout"],
         "mc_samples": m, "knob": model.knob, "knob_value": knob_value, "temperature": compressed.temperature,
+        "distinct_samples": compressed.distinct_samples,   # < m: the graph repeats one network
         "before_temperature": before_temperature,   # the shipped samples' test figures at T = 1 (PyTorch)
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",

@@ -67,6 +67,20 @@ class Compressed:
     input_shape: tuple = None  # of one example, the network's (what an export's example must have)
 
     @property
+    def distinct_samples(self) -> int:
+        """How many of the M samples differ in any weight: an MC average of identical samples is one network
+        (SQS at tau = 5e-4: phi is one-hot for nearly every weight, so every draw picks the same levels)."""
+        def same(a, b):
+            return len(a) == len(b) and all(s.shape == t.shape and torch.equal(s, t) for s, t in zip(a, b))
+
+        seen = []
+        for sample in self.samples:
+            state = [t.detach().cpu() for t in sample.state_dict().values()]
+            if not any(same(state, other) for other in seen):
+                seen.append(state)
+        return len(seen)
+
+    @property
     def not_pruned(self):
         """Why surgery left the whole network masked (it could not trace it), or None."""
         reasons = {why for row in (self.surgery or {}).values() for why in row["kept"]}

@@ -358,6 +358,11 @@ def summarize(d: dict) -> dict:
         warnings.append(f"The accuracy ({fmt(accuracy)}) is no better than always answering the test split's most "
                         f"frequent class ({max(counts)} of its {sum(counts)} examples, {fmt(max(counts) / sum(counts))}); "
                         f"on so imbalanced a split the NLL and ECE say more than the accuracy.")
+    distinct, m_shipped = export.get("distinct_samples"), choice.get("mc_samples")
+    if isinstance(distinct, int) and isinstance(m_shipped, int) and distinct < m_shipped:
+        warnings.append(f"Only {distinct} of the M = {m_shipped} posterior samples in the shipped graph differ: the "
+                        f"MC average repeats the same network, at {m_shipped}x the cost of M = {distinct}, and its "
+                        f"uncertainty is that of {distinct} network(s).")
     if params_match is False:
         warnings.append(f"ONNX parameter count {onnx_params} != kept weights {kept_total}: "
                         "the exported graph does not match the pruned model.")
