@@ -52,7 +52,8 @@ _SAID = set()   # the no-Bayesian-twin warnings said in this process (bayesianiz
 def _structure(module):
     """(conv name -> batch-norm name that only it feeds, output layer names, names of the Linear and convolution
     layers in call order, names of every module fx called: torch.nn's own, such as nn.TransformerEncoderLayer,
-    are called whole, their layers inside)."""
+    are called whole, their layers inside; names of the modules whose parameters the forward reads itself,
+    `fc.weight` in a tied decoder)."""
     try:
         graph = fx.symbolic_trace(module).graph
     except Exception as e:
@@ -90,7 +91,8 @@ def _structure(module):
                 outputs.add(arg.target)
             else:
                 stack.append(arg)
-    return pairs, outputs, order, set(count)
+    read = {n.target.rpartition(".")[0] for n in graph.nodes if n.op == "get_attr"}
+    return pairs, outputs, order, set(count), read
 
 
 def _is_softmax(node, mods):
@@ -186,13 +188,16 @@ def _replace(module, name, new):
 
 def convert(module: nn.Module, factory) -> nn.Module:
     """A copy of `module` with every Conv2d / Linear (+ its batch norm) built by `factory` (module docstring)."""
-    pairs, outputs, order, called = _structure(module)
+    pairs, outputs, order, called, read = _structure(module)
     net = copy.deepcopy(module)
     plain_layers = {}   # name -> why it has no Bayesian twin
     for name in order:
         affine = net.get_submodule(name)
         if type(affine) not in AFFINE:   # a Conv1d / Conv3d, a subclass (a quantization stub, a custom conv)
             plain_layers[name] = type(affine).__name__
+            continue
+        if name in read:   # the forward also reads layer.weight itself, which the family's layer does not have
+            plain_layers[name] = "called as a module and its weights also read directly (tied weights)"
             continue
         norm = net.get_submodule(pairs[name]) if name in pairs else None
         prunable = name not in outputs
