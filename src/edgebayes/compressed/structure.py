@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from edgebayes.compressed.surgery import probe_inputs
+from edgebayes.errors import ArchError
 
 # the layers FLOPs and weights are counted over: every convolution, transposed ones too (a ConvTranspose2d is no
 # Conv2d subclass); recurrent layers (nn.LSTM, nn.GRU, nn.RNN) are counted apart (_recurrent_costs)
@@ -38,6 +39,18 @@ def _recurrent_costs(m, x):
     maps = [p for n, p in m.named_parameters(recurse=False) if n.startswith(("weight_ih", "weight_hh", "weight_hr"))]
     flops = steps * sum(w.numel() + w.shape[0] for w in maps)
     return flops, sum(p.numel() for p in m.parameters(recurse=False))
+
+
+def _on_probe(run, module, probe):
+    """run(), which calls `module` on the random-normal `probe`; a network that cannot take such an input is
+    refused by name (an nn.Embedding's token ids: a bare IndexError from deep in the FLOPs count)."""
+    try:
+        return run()
+    except (IndexError, RuntimeError) as e:
+        raise ArchError(f"{type(module).__name__} fails on a random-normal float input of shape "
+                        f"{tuple(probe.shape[1:])} ({type(e).__name__}: {e}): edgebayes counts FLOPs and checks "
+                        f"surgery on such probes, so a network whose inputs must be integer ids (nn.Embedding) or "
+                        f"lie in a fixed range is not supported") from None
 
 
 def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
@@ -59,7 +72,7 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
     flops = weights = 0
     probe = torch.randn((4,) + tuple(input_shape), generator=torch.Generator().manual_seed(0))
     if effective:
-        ranges = probe_inputs(module.eval(), probe)
+        ranges = _on_probe(lambda: probe_inputs(module.eval(), probe), module, probe)
 
     def hook(m, inputs, output):
         nonlocal flops, weights
@@ -123,7 +136,7 @@ def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
     handles += [m.register_forward_hook(recurrent_hook) for m in module.modules() if isinstance(m, RECURRENT)]
     try:
         with torch.no_grad():
-            module.eval()(probe[:1])
+            _on_probe(lambda: module.eval()(probe[:1]), module, probe)
     finally:
         for h in handles:
             h.remove()
