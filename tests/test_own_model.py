@@ -692,6 +692,61 @@ def test_a_layer_whose_weights_are_read_directly_is_named_as_plain_and_uncounted
     assert "hidden" in net.net.plain_layers and "head" not in net.net.plain_layers
 
 
+class _TiedDecoder(nn.Module):
+    """Calls a Linear and reads its weight again in the forward (a tied decoder)."""
+
+    def __init__(self, num_classes=4):
+        super().__init__()
+        self.encoder, self.head = nn.Linear(16, 32), nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        z = F.relu(self.encoder(x))
+        return self.head(F.relu(F.linear(z, self.encoder.weight.t())))
+
+
+def test_a_layer_called_and_also_read_directly_stays_plain_and_the_net_trains(tmp_path):
+    """The called layer became the family's, which has no `weight`: bayesianize accepted the net and fit died
+    in the user's forward with an AttributeError (probe). It stays plain and whole, and the export matches."""
+    import edgebayes as eb
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 16), torch.arange(64) % 4
+    with pytest.warns(UserWarning, match=r"tied weights\): encoder"):
+        net = eb.bayesianize(_TiedDecoder(), "ss-gl", input_shape=(16,), n_train=64)
+    assert net.net.plain_layers == ["encoder"]
+    eb.fit(net, x, y, epochs=1, log=lambda *_: None)
+    c = eb.compress(net, m=2)
+    eb.save(c, tmp_path / "tied.onnx", example=x[:4])
+    with torch.no_grad():
+        reference = c.mc_model()(x).numpy()
+    assert abs(eb.run(tmp_path / "tied.onnx", x.numpy()) - reference).max() < 1e-4
+
+
+class _TokenIds(nn.Module):
+    """Token ids through an nn.Embedding (edgebayes hands float inputs: the net casts them back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.hidden, self.head = nn.Embedding(50, 16), nn.Linear(16, 32), nn.Linear(32, 2)
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.hidden(self.embed(tokens.long()).mean(1))))
+
+
+def test_a_network_of_token_ids_is_refused_by_name_not_by_an_index_error():
+    """The FLOPs count runs the net on random-normal probes: negative 'token ids' gave a bare IndexError from
+    deep inside it (probe); now one ArchError naming the net and why."""
+    import edgebayes as eb
+    from edgebayes.errors import ArchError
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 50, (64, 20))
+    net = eb.bayesianize(_TokenIds(), "ss-gl", input_shape=(20,), n_train=64)
+    with pytest.raises(ArchError, match=r"_TokenIds fails on a random-normal float input of shape \(20,\) "
+                                        r"\(IndexError.*integer ids \(nn.Embedding\)"):
+        eb.fit(net, x, (x < 10).any(1).long(), epochs=1, flops_target=0.5, log=lambda *_: None)
+
+
 def _small_net():
     from edgebayes.train.families import bayesianize
 
