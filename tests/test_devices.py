@@ -312,6 +312,16 @@ def test_unreachable_measure_device_falls_back_to_its_table(trained_runs, ssh_de
     cost = choice["candidate"]["cost"]
     assert cost["latency_source"].startswith("predicted (table fit")
     assert cost["latency_ms"] == pytest.approx(0.012 * cost["operators"], rel=1e-6)   # the table is exactly linear
+    # The table is an input of select: re-profiled (here 1000x slower), the prediction and the verdict follow
+    # it (a cached select kept deciding by the old table: pass at 17x over the budget, probe)
+    for row in rows:
+        row["latency_ms"] = {k: 1000 * v for k, v in row["latency_ms"].items()}
+    table.write_text(json.dumps({"batch_size": 1, "rows": rows}))
+    code, out, err = cli(capsys, "select", "--config", CONFIG, "--device", device, "--runs-dir", trained_runs)
+    assert "up to date" not in out
+    choice = json.loads((trained_runs / "digits-ssgl/select/down/choice.json").read_text())
+    assert choice["candidate"]["cost"]["latency_ms"] == pytest.approx(12 * choice["candidate"]["cost"]["operators"],
+                                                                      rel=1e-6)
 
 
 def test_two_profiles_with_different_budgets_choose_different_points(trained_runs, capsys):

@@ -162,19 +162,28 @@ class Context:
                 if sources := source_files(value):   # the user's own net or loader and what it imports, edited since
                     contents.append([key, *(stat_fingerprint(f) for f in sources)])
             if c.train.flops_target == "device":   # the target comes from the device's budgets (run_train)
-                from edgebayes.deploy.latency_model import table_path
-
                 contents.append(["device", p.name, as_dict(p.budgets), as_dict(p.latency_model), as_dict(p.runtime),
-                                 *([stat_fingerprint(t)] if (t := table_path(p, self.runs_dir)).is_file() else [])])
+                                 *self._latency_table()])
             return fingerprint("train", stage_code("train"), c.seed, c.data, c.model, c.prior, c.train, *own,
                                *contents)
-        if stage == "select":
-            return fingerprint("select", stage_code("select"), self.fingerprint("train"), c.select, c.export, p)
+        if stage == "select":   # its predictions (the verdict on a device out of reach) come from the table
+            return fingerprint("select", stage_code("select"), self.fingerprint("train"), c.select, c.export, p,
+                               *self._latency_table())
         if stage == "export":
             return fingerprint("export", stage_code("export"), self.fingerprint("select"), c.export)
         if stage == "deploy":
             return fingerprint("deploy", stage_code("deploy"), self.fingerprint("export"), c.benchmark, p)
         return fingerprint("report", stage_code("report"), self.fingerprint("deploy"))
+
+    def _latency_table(self):
+        """[what the device's latency table holds now] where one is read (deploy/latency_model.table_path: outside
+        the run folder, re-written by `edgebayes devices profile`), else []."""
+        from edgebayes.deploy.latency_model import table_path
+
+        if self.profile.latency_model.kind == "flops":
+            return []
+        table = table_path(self.profile, self.runs_dir)
+        return [stat_fingerprint(table)] if table.is_file() else []
 
     def _marker(self, stage):
         """The stage's marker, or None when it is absent or unreadable (an interrupted write cannot leave
