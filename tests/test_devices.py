@@ -324,6 +324,33 @@ def test_unreachable_measure_device_falls_back_to_its_table(trained_runs, ssh_de
                                                                       rel=1e-6)
 
 
+def test_a_table_timed_with_another_runtime_or_thread_count_is_not_used(tmp_path):
+    """A table records what its rows were timed with; a profile of 4 threads predicted from a 1-thread table
+    without a word (probe). kind table: refused naming both; kind measure: as if there were none."""
+    from edgebayes.config import load_device_profile
+    from edgebayes.deploy.latency_model import LatencyModelError, predictor_for
+
+    table = tmp_path / "table.json"
+    rows = [{"id": f"r{g}", "precision": "fp32", "operators": g, "flops": 1000 * g, "params": 1000 * g,
+             "latency_ms": {"p50": 0.01 * g, "p90": 0.012 * g, "p99": 0.02 * g, "mean": 0.011 * g}}
+            for g in (3, 6, 12, 24)]
+    table.write_text(json.dumps({"batch_size": 1, "rows": rows, "runtime": {"name": "onnxruntime"},
+                                 "protocol": {"threads": 1}}))
+    for kind in ("table", "measure"):
+        for runtime, said in (({"threads": 1}, None), ({"threads": 4}, "at 1 runtime threads"),
+                              ({"name": "tflite", "threads": 1}, "with onnxruntime")):
+            path = write_profile(tmp_path / f"board-{kind}.yaml", base="local", runtime=runtime,
+                                 latency_model={"kind": kind, "table": str(table)})
+            profile = load_device_profile(str(path))
+            if said is None:
+                assert predictor_for(profile, tmp_path).path == table
+            elif kind == "table":
+                with pytest.raises(LatencyModelError, match=f"{said}.*devices profile board-table"):
+                    predictor_for(profile, tmp_path)
+            else:
+                assert predictor_for(profile, tmp_path) is None
+
+
 def test_two_profiles_with_different_budgets_choose_different_points(trained_runs, capsys):
     """`local` (model budget 5 MB, measured) and the x86 edge box (0.05 MB, FLOPs model) on digits."""
     chosen = {}

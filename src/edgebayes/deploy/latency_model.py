@@ -97,6 +97,9 @@ class TablePredictor:
 
         self.path, self.batch_size, self.rows = Path(path), table["batch_size"], table["rows"]
         self.memory = table.get("memory")   # the runtime's memory on the device (runner.time_models)
+        # what the rows were timed with: a table of another runtime or thread count predicts nothing here
+        self.runtime_name = (table.get("runtime") or {}).get("name")
+        self.threads = (table.get("protocol") or {}).get("threads")
         self.coefs, self.fit_error, self.outliers = {}, {}, {}
         for precision in sorted({r["precision"] for r in table["rows"]}):
             rows = [r for r in table["rows"] if r["precision"] == precision]
@@ -207,11 +210,28 @@ def predictor_for(profile, runs_dir):
         return SpecSheetPredictor(lm)
     path = table_path(profile, runs_dir)
     if path.is_file():
-        return TablePredictor.load(path)
+        predictor = TablePredictor.load(path)
+        if (why := _other_setup(predictor, profile)) is None:
+            return predictor
+        if lm.kind == "table":
+            raise LatencyModelError(f"device {profile.name}: {path} was measured {why}; re-run "
+                                    f"`edgebayes devices profile {profile.name}`")
+        # measure: as if there were no table (a reachable device is profiled again, overwriting it)
+        return SpecSheetPredictor(lm) if lm.flops_per_second else None
     if lm.kind == "table":
         raise LatencyModelError(f"device {profile.name}: latency_model.kind is table but {path} does not exist; "
                                 f"run `edgebayes devices profile {profile.name}`")
     return SpecSheetPredictor(lm) if lm.flops_per_second else None
+
+
+def _other_setup(predictor, profile):
+    """None when the table's rows were timed with the profile's runtime and threads; else how they were."""
+    r = profile.runtime
+    if predictor.runtime_name is not None and predictor.runtime_name != r.name:
+        return f"with {predictor.runtime_name}, the profile's runtime is {r.name}"
+    if predictor.threads is not None and predictor.threads != r.threads:
+        return f"at {predictor.threads} runtime threads, the profile has runtime.threads {r.threads}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
