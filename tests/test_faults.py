@@ -1108,6 +1108,7 @@ def test_no_operating_point_fitting_is_exit_3_with_a_report_of_every_candidate(b
     assert code == 3, err
     assert "select: no operating point fits the device budgets; closest candidates:" in out
     assert "no fit        no operating point fits the budgets" in out and "verdict       fail (predicted), exit code 3" in out
+    assert re.search(r"no fit .*not deployed \(latency p90 [0-9.]+ ms > budget 1e-06 ms\)", out)   # says which
     report = json.loads((runs / "faults/report/tight/report.json").read_text())
     s = report["summary"]
     assert s["no_fit"] and s["overall_verdict"] == "fail"

@@ -452,6 +452,9 @@ def summarize(d: dict) -> dict:
         "budgets": budget_rows,
         "overall_verdict": overall,
         "no_fit": no_fit,
+        # what keeps the closest candidate out: a budget, or select.max_ece / budgets.mc_samples, which no
+        # budget row shows (every row can pass while nothing fits)
+        "no_fit_violations": (list(chosen.get("violations") or []) if no_fit and chosen is not None else []),
         "memory": memory_block,
         "ood": {"auroc": num(ood.get("auroc")), "aupr": num(ood.get("aupr")), "score": ood.get("score"),
                 "n_out": ood.get("n_out"), "train_auroc": num(ood_train.get("auroc")),
@@ -548,6 +551,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "budgets": {k: {"limit": r.get("limit"), "value": r.get("measured"), "basis": r.get("basis"),
                         "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
         "verdict": s.get("overall_verdict"), "no_fit": bool(s.get("no_fit")),
+        "no_fit_violations": s.get("no_fit_violations") or [],
         "finish": s.get("finish"),   # a report of predictions: the steps that finish it on the device
         "report": None if report_path is None else str(report_path),
     }
@@ -601,7 +605,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
         lines.append(f"  budget        {label} {value} {limit}: {b.get('verdict')}"
                      + (f" ({b.get('basis')})" if b.get("basis") not in (None, "measured", "file") else ""))
     if t.get("no_fit"):
-        lines.append("  no fit        no operating point fits the budgets: the closest candidate, not deployed")
+        lines.append("  no fit        no operating point fits the budgets: the closest candidate, not deployed"
+                     + (f" ({'; '.join(t['no_fit_violations'])})" if t.get("no_fit_violations") else ""))
     lines.append(f"  verdict       {t.get('verdict')}" + (" (predicted)" if predicted else "")
                  + (f", exit code {exit_code}" if exit_code is not None else ""))
     lines.append(f"  report        {t.get('report')}")
