@@ -929,6 +929,21 @@ def test_a_paired_difference_on_a_small_split_is_not_tied_away_by_the_unpaired_n
     assert choice["candidate"]["id"] == "m4" and choice["tied"] == ["m4"]
 
 
+def test_a_failed_rerun_leaves_no_report_of_the_earlier_run(base, runs, tmp_path, capsys):
+    """The profile changed (another budget) and the runner now fails: exit 1, and the earlier run's report,
+    which said pass for the old profile, is withdrawn, not left describing what the stages no longer hold (probe).
+    The device's python runs everything but the bundle, which crashes it."""
+    report = runs / "faults/report/flops"
+    assert json.loads((report / "report.json").read_text())["summary"]["overall_verdict"] == "pass"
+    broken = tmp_path / "python"
+    broken.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = --bundle ] && exit 139; done\nexec {sys.executable} \"$@\"\n")
+    broken.chmod(0o755)
+    device = write_device(tmp_path / "flops.yaml", budgets={"model_mb": 4.0}, connection={"python": str(broken)})
+    code, _, err = cli(capsys, "pipeline", "--config", base.config, "--device", device, "--runs-dir", runs)
+    assert code == 1, err
+    assert not (report / "report.json").exists() and not (report / "report.html").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Issue 36, item 6: a stage owns only the files it writes
 # ---------------------------------------------------------------------------------------------

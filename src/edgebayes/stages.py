@@ -236,6 +236,14 @@ class Context:
         self.found_before = {rel: _stat(path) for rel, path in _candidate_files(folder)}
         self.recorded_before = set(done["outputs"]) if done else set()
 
+    def withdraw_report(self):
+        """A stage before the report runs again for this device: the report of the earlier run (another
+        budget, profile or bundle) no longer describes what the stages hold, and a run that now fails (exit 1)
+        must not leave report.html saying `pass`. Its page, JSON and marker go; the next report writes them."""
+        folder = self.stage_dir("report")
+        for name in (MARKER, "report.json", "report.html"):
+            (folder / name).unlink(missing_ok=True)
+
     def mark_done(self, stage):
         """Written last: the fingerprint, the code version, the hash of every output and every input read."""
         write_json(self.stage_dir(stage) / MARKER, {
@@ -839,6 +847,8 @@ def run_stage(ctx, stage, single=False):
     if stage in ("train", "select", "export"):   # deploy's runner keeps the device profile's runtime.threads
         ctx.log(f"{stage}: {set_threads(ctx.cfg.train.threads)} torch threads (train.threads)")
     if is_main_process():
+        if stage in ("select", "export", "deploy"):
+            ctx.withdraw_report()
         ctx.begin(stage)
     try:
         RUNNERS[stage](ctx)
