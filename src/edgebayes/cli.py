@@ -123,8 +123,13 @@ def build_parser():
         summary, description, examples = _STAGE_HELP[name]
         # stages other than pipeline and report end before the verdict: 0, 1, 2 or 130
         verdict = name in ("pipeline", "report")
-        p = _sub(sub, name, summary, description, examples, tuple(EXIT_CODES) if verdict else (0, 1, 2, 130, 143),
-                 None if verdict else {0: f"the {name} stage is done (or was up to date)"})
+        codes, meanings = tuple(EXIT_CODES), None
+        if not verdict:
+            codes, meanings = (0, 1, 2, 130, 143), {0: f"the {name} stage is done (or was up to date)"}
+        if name == "select":   # it ends with 3 when no operating point fits (_finish)
+            codes = (0, 1, 2, EXIT_BUDGET, 130, 143)
+            meanings[EXIT_BUDGET] = "no operating point fits the device's budgets (its log lists the closest candidates)"
+        p = _sub(sub, name, summary, description, examples, codes, meanings)
         p.add_argument("--config", default="pipeline.yaml", help="pipeline config (default: pipeline.yaml)")
         p.add_argument("--device", default="local", help="device profile name (`edgebayes devices list`), or a YAML path")
         p.add_argument("--runs-dir", default="runs", help="where artifacts go (default: runs)")
