@@ -300,6 +300,20 @@ def test_identical_posterior_samples_in_the_shipped_graph_are_warned(tmp_path):
     assert not any("differ" in w for w in report_mod.write_report(inputs, tmp_path / "b")["summary"]["warnings"])
 
 
+def test_candidates_name_their_format_and_the_fidelity_line_the_rule_the_artifact_passed(tmp_path):
+    """An fp16 and an fp32 candidate of one point differed only in MB; an fp16 point's fidelity read
+    '6.57e-04 (tolerance 1.00e-04)', a failure to the eye, for a point that passed its own rule (probe)."""
+    inputs = make_inputs()
+    inputs["candidates"][0]["format"], inputs["candidates"][0]["precision"] = "onnx-fp16w", "fp16"
+    rule = "accuracy >= 0.9500 (PyTorch MC accuracy - 0.01)"
+    inputs["choice"]["format"] = "onnx"
+    inputs["export"]["artifacts"] = {"onnx": {"fidelity": {"check": {"rule": rule, "passed": True}}}}
+    report_mod.write_report(inputs, tmp_path)
+    html_text = (tmp_path / "report.html").read_text()
+    assert "format (precision)" in html_text and "onnx-fp16w (fp16)" in html_text
+    assert "(passed by accuracy &gt;= 0.9500 (PyTorch MC accuracy - 0.01))" in html_text
+
+
 def test_a_family_without_a_knob_is_reported_as_one_network(tmp_path):
     """dnn and bnn have no inclusion variables: their one network is not 'inclusion threshold 0.5', and select
     sweeps one point whatever select.knob_values (written for ss-gl) says."""
