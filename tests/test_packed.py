@@ -460,6 +460,14 @@ def test_a_network_the_packed_layout_refuses_is_exported_unrolled_and_says_why(t
         assert np.abs(artifact_predict(path, "onnx", x.numpy()) - mc(x).numpy()).max() <= 1e-5
     with pytest.raises(PackingError, match="PReLU"):
         mc_graph(mc, "packed", x)   # without a fallback the refusal stands
+    # eb.save says so too (it wrote the unrolled file without a word, probe)
+    import edgebayes as eb
+    from edgebayes.compressed.samples import Compressed
+
+    samples = list(mc.samples)
+    compressed = Compressed(knob=0.5, samples=samples, dense_sample=samples[0], kept={})
+    with pytest.warns(UserWarning, match=r"save: m2.onnx: .*PReLU.*Exported unrolled instead"):
+        eb.save(compressed, tmp_path / "m2.onnx", example=x)
 
 
 class _RealCode(nn.Module):

@@ -19,6 +19,7 @@ import hashlib
 import numbers
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -181,7 +182,10 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
         staged = Path(tmp) / path.name
         mc_model = compressed.mc_model()
-        export_artifact(mc_model, fmt, staged, example, calib_x, opset, layout=layout)
+        facts = {}
+        export_artifact(mc_model, fmt, staged, example, calib_x, opset, layout=layout, details=facts)
+        if "packed_refused" in facts:   # the file is right, but M times the operators of one sample
+            warnings.warn(f"save: {path.name}: {facts['packed_refused']}", stacklevel=2)
         if f.precision == "fp32" and f.runtime in ("onnxruntime", "tflite"):   # what the runtime runs here
             _check_fp32_artifact(mc_model, staged, fmt, example)
         os.replace(staged, path)
