@@ -225,7 +225,8 @@ def export_artifact(mc_model, fmt: str, path, example_x, calib_x=None, opset: in
                           f"normalises by each batch, which an exported graph's BatchNormalization cannot; build "
                           f"the network's batch norms with track_running_stats=True")
     refused = []   # the packed layout refused this network: it is exported unrolled, and says why
-    module = mc_graph(mc_model, layout, example_x[:16], fallback=refused.append)
+    module = mc_graph(mc_model, layout, example_x[:16], fallback=refused.append,
+                      fold_batch_norms=f.name != "onnx-codebook")   # codebook convs keep their K levels
     info = {"format": f.name, "precision": f.precision, "runtime": f.runtime,
             "layout": "unrolled" if refused else layout}
     if refused:
@@ -272,7 +273,8 @@ def _convert(f, module, path, example_x, calib_x, opset, info):
             if f.precision == "int8" or f.name in ("onnx-codebook", "onnx-fp16w"):
                 with tempfile.TemporaryDirectory() as tmp:
                     fp32 = Path(tmp) / "fp32.onnx"
-                    _converted(export_onnx, module, example_x[:1], fp32, opset)
+                    # onnx-codebook: batch norms left unfolded, else a conv's K levels become K x C_out values
+                    _converted(export_onnx, module, example_x[:1], fp32, opset, f.name != "onnx-codebook")
                     if f.name == "onnx-codebook":
                         info.update(lowbit_onnx(fp32, path))
                     elif f.name == "onnx-fp16w":

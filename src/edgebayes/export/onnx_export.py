@@ -70,8 +70,12 @@ def exportable(module: torch.nn.Module, example: torch.Tensor) -> torch.nn.Modul
     return module
 
 
-def export_onnx(module: torch.nn.Module, example: torch.Tensor, path, opset: int = 17):
-    """Write `module` to `path` with input 'input', output 'probs' and a dynamic batch dimension."""
+def export_onnx(module: torch.nn.Module, example: torch.Tensor, path, opset: int = 17, fold_batch_norm: bool = True):
+    """Write `module` to `path` with input 'input', output 'probs' and a dynamic batch dimension.
+
+    fold_batch_norm=False keeps each batch norm as a BatchNormalization node instead of folding it into the
+    convolution before it (torch's eval-mode peephole): a codebook-quantized convolution keeps its K levels
+    (onnx-codebook), and onnxruntime folds the pair itself when it loads the file."""
     module = exportable(module.eval(), example)
     fastpath = torch.backends.mha.get_fastpath_enabled()
     # nn.MultiheadAttention's eval fast path is one fused operator ONNX has no conversion for (vit_b_16):
@@ -80,9 +84,13 @@ def export_onnx(module: torch.nn.Module, example: torch.Tensor, path, opset: int
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
+            # PRESERVE on a module in eval mode exports eval-mode batch norms; constant folding is safe then
+            warnings.filterwarnings("ignore", message="It is recommended that constant folding be turned off")
             torch.onnx.export(module.eval(), (example,), str(path), input_names=["input"], output_names=["probs"],
                               dynamic_axes={"input": {0: "batch"}, "probs": {0: "batch"}},
-                              opset_version=opset, dynamo=False)
+                              opset_version=opset, dynamo=False,
+                              training=torch.onnx.TrainingMode.EVAL if fold_batch_norm
+                              else torch.onnx.TrainingMode.PRESERVE)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
     onnx.checker.check_model(str(path))

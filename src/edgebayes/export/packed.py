@@ -183,8 +183,9 @@ def _why_not_foldable(node, modules, calls):
     return None
 
 
-def _fold_batch_norms(traced: fx.GraphModule):
+def _fold_batch_norms(traced: fx.GraphModule, enabled: bool = True):
     """Folds each batch norm into the Conv2d / Linear before it where that is exact (`_why_not_foldable`).
+    enabled=False folds none (onnx-codebook: a folded convolution's K levels become K x C_out values).
 
     torch.fx's `fuse` folds all or, with any module called twice, wrongly; this decides per batch norm.
     Returns (traced, names of the folded batch-norm nodes, [{"node", "reason"}] of the others).
@@ -195,7 +196,7 @@ def _fold_batch_norms(traced: fx.GraphModule):
     for node in list(traced.graph.nodes):
         if node.op != "call_module" or not isinstance(modules[node.target], nn.modules.batchnorm._BatchNorm):
             continue
-        reason = _why_not_foldable(node, modules, calls)
+        reason = _why_not_foldable(node, modules, calls) if enabled else "kept apart: codebook weights"
         if reason is not None:
             unfolded.append({"node": node.name, "reason": reason})
             continue
@@ -798,7 +799,8 @@ def _check_same_architecture(traced):
 
 
 @torch.no_grad()
-def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5, temperature: float = 1.0) -> PackedMC:
+def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5, temperature: float = 1.0,
+                 fold_batch_norms: bool = True) -> PackedMC:
     """The packed MC-averaged network of `samples` (plain modules of one architecture, logits out), each
     sample's logits divided by `temperature` before its softmax (MCAverage).
 
@@ -811,7 +813,7 @@ def pack_samples(samples, example: torch.Tensor, atol: float = 1e-5, temperature
     samples = list(samples)
     if not samples:
         raise PackingError("no posterior samples to pack")
-    folds = [_fold_batch_norms(_trace(s)) for s in samples]
+    folds = [_fold_batch_norms(_trace(s), fold_batch_norms) for s in samples]
     traced = [t for t, _, _ in folds]
     _check_same_architecture(traced)
     packed = _Packer(traced, example).build(folds[0][1], folds[0][2], temperature)
@@ -832,7 +834,7 @@ UNROLLED_COST = ("the unrolled layout runs each layer M times: at M = 8 the pack
                  "latency in onnxruntime on the nets measured (benchmarks/results/export_packed_latency.md)")
 
 
-def mc_graph(mc_model, layout: str, example: torch.Tensor, fallback=None) -> nn.Module:
+def mc_graph(mc_model, layout: str, example: torch.Tensor, fallback=None, fold_batch_norms: bool = True) -> nn.Module:
     """The MC-averaged module to export in `layout` ('packed' or 'unrolled') from an MCAverage.
 
     fallback: called with the reason when the packed layout refuses the network (a PackingError), which is
@@ -845,7 +847,8 @@ def mc_graph(mc_model, layout: str, example: torch.Tensor, fallback=None) -> nn.
             # convolutions and reshapes, slower in onnxruntime (benchmarks/results/export_packed_latency.md, M = 1).
             return mc_model.eval()
         try:
-            return pack_samples(mc_model.samples, example, temperature=mc_model.temperature)
+            return pack_samples(mc_model.samples, example, temperature=mc_model.temperature,
+                                fold_batch_norms=fold_batch_norms)
         except PackingError as e:
             if fallback is None:
                 raise
