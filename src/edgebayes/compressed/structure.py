@@ -47,10 +47,14 @@ def _on_probe(run, module, probe):
     try:
         return run()
     except (IndexError, RuntimeError) as e:
+        # only a net that takes ids is refused here: any other failure (a bug of the net's or of the FLOPs
+        # count's own hooks) keeps its own error and traceback, not a message blaming the probe
+        if not any(isinstance(m, nn.Embedding) for m in module.modules()):
+            raise
         raise ArchError(f"{type(module).__name__} fails on a random-normal float input of shape "
                         f"{tuple(probe.shape[1:])} ({type(e).__name__}: {e}): edgebayes counts FLOPs and checks "
                         f"surgery on such probes, so a network whose inputs must be integer ids (nn.Embedding) or "
-                        f"lie in a fixed range is not supported") from None
+                        f"lie in a fixed range is not supported") from e
 
 
 def _layer_costs(module: nn.Module, input_shape, effective: bool, terms=None):
