@@ -216,3 +216,17 @@ def test_codebook_onnx_of_a_network_with_batch_norms_stores_every_layer_as_k_lev
     assert path.stat().st_size < 0.25 * export_artifact(mc, "onnx", tmp_path / "fp32.onnx", x[:16]).stat().st_size
     with torch.no_grad():
         assert np.abs(artifact_predict(path, "onnx-codebook", x.numpy()) - mc(x).numpy()).max() < 1e-5
+
+
+def test_codebook_onnx_of_a_layer_with_every_weight_pruned_runs_and_computes_zeros(tmp_path):
+    """At a non-zero rate of 1e-5 whole layers are pruned: their codebook was empty and onnxruntime's Gather
+    failed on the file ('indices element out of data bounds', probe); the layer is a constant zero tensor."""
+    torch.set_num_threads(1)
+    net = sqs_net()
+    mc = compress(net, 1e-5, 2, seed=0).mc_model()
+    x = torch.randn(32, INPUTS)
+    details = {}
+    path = export_artifact(mc, "onnx-codebook", tmp_path / "cb.onnx", x[:16], details=details)
+    assert any(t["encoding"] == "zeros" for t in details["tensors"].values())
+    with torch.no_grad():
+        assert np.abs(artifact_predict(path, "onnx-codebook", x.numpy()) - mc(x).numpy()).max() < 1e-5

@@ -146,6 +146,8 @@ def _encodings(w: np.ndarray):
     zeros, n = int((~nonzero).sum()), flat.size
     bits = pack_bits(index_bits(len(levels)))
     out = []
+    if zeros == n:   # every weight pruned: no codebook to gather from, the weight is a constant zero tensor
+        return [(0, "zeros", {"levels": np.zeros(0, np.float32)})]
     if zeros == 0:
         return [(math.ceil(n * bits / 8), "dense", {"levels": levels, "idx": idx, "bits": bits})]
     dense = np.zeros(n, np.int64)
@@ -169,6 +171,9 @@ def _decode(b: _Builder, w: np.ndarray, kind=None) -> tuple:
     (output name, encoding name)."""
     _, kind, p = min((e for e in _encodings(w) if kind in (None, e[1])), key=lambda e: e[0])
     n = w.size
+    if kind == "zeros":
+        return b.node("ConstantOfShape", [b.init("const", np.array(w.shape, np.int64))],
+                      value=numpy_helper.from_array(np.zeros(1, np.float32))), kind
     levels = b.init("levels", np.asarray(p["levels"], np.float32))
     shape = b.init("const", np.array(w.shape, np.int64))
     if kind in ("dense", "zero-level", "zero-list"):
