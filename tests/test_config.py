@@ -80,6 +80,11 @@ BAD_CONFIGS = {
     "nested: annealing upwards": (_set("nested.temperature_min", 2.0),
                                   r"nested\.temperature_min: expected a positive number no larger than"),
     "nested: width multiplier": (_set("model.width_multiplier", 0), r"model\.width_multiplier: expected a positive"),
+    # 128 levels in each of 4 windows: up to 512 per layer, past the 8-bit indices of model.sqs (it failed after
+    # the whole fine-tuning, probe)
+    "sqs: more levels than a layer holds": (
+        lambda d: [_set("model.family", "sqs")(d), _set("train.flops_target", None)(d), _set("sqs.components", 128)(d)],
+        r"sqs\.components: 128 levels x 4 windows \(outlier\) can give 512 levels per layer, more than the 256"),
 }
 
 

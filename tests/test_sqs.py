@@ -67,6 +67,14 @@ def test_kmeans_init_gives_each_component_its_clusters_mean_spread_and_share():
     assert list(mu) == sorted(mu) and pi.sum() == pytest.approx(1)
 
 
+@pytest.mark.parametrize("values", [np.repeat([-0.1, 0.0, 0.1], 50), np.full(40, 0.3), np.zeros(30)])
+def test_kmeans_of_weights_exactly_at_a_few_values_gives_every_component_a_spread(values):
+    """An already-quantized (ternary), constant or zero layer: a cluster of identical values has spread 0, and
+    log(0) made the first step's loss NaN, blamed on the learning rate (probe)."""
+    _, sigma, _, _ = kmeans_gmm(values, 4, seed=0)
+    assert np.isfinite(np.log(sigma)).all() and (sigma > 0).all()
+
+
 def test_layer_mixtures_are_initialised_per_window():
     net = small_net(windowing="outlier")
     p = net.posterior("net.hidden1")

@@ -254,13 +254,17 @@ class TrainConfig(Section):
             "closest point of the schedule that did not (train/flops_target.py); null: no floor"))
 
 
+# codebooks per layer of each windowing of the SQS weights (train/sqs.py, appendix C): K levels each
+SQS_WINDOWS = {"outlier": 4, "equal": 4, "single": 1}
+
+
 class SQSConfig(Section):
     """Family sqs (paper 001, train/sqs.py): fine-tuning epochs, batch size and kl_weight come from `train`,
     sigma0^2 from `prior`."""
     components: Annotated[int, Check(lambda k: 2 <= k <= 256 and k & (k - 1) == 0,
                                      "expected a power of two in 2..256", enum=[2 ** b for b in range(1, 9)])] = Field(
         4, description="K per layer and window: 4 = 2 bits, 16 = 4 bits")
-    windows: Literal["outlier", "equal", "single"] = Field("outlier", description=(
+    windows: Literal[tuple(SQS_WINDOWS)] = Field("outlier", description=(
         "how each layer's weights are split into windows with their own codebook: outlier (the tails apart), equal, "
         "or single"))
     iqr_factor: Positive = Field(5.0, description="outlier windows: tails beyond q1 - 5 IQR and q3 + 5 IQR")
@@ -858,6 +862,12 @@ def _check_family(cfg: PipelineConfig, p):
            "SQS fine-tuning runs in one process (the distributed trainer serves the ELBO families); set 1")
     if s.checkpoint is not None:
         _check(Path(s.checkpoint).is_file(), f"{p}: sqs.checkpoint", f"file not found: {s.checkpoint}")
+    if family == "sqs":   # model.sqs and onnx-codebook hold at most 256 levels per layer (8-bit indices)
+        windows = SQS_WINDOWS[s.windows]
+        _check(s.components * windows <= 256, f"{p}: sqs.components",
+               f"{s.components} levels x {windows} windows ({s.windows}) can give {s.components * windows} levels per "
+               f"layer, more than the 256 (8-bit indices) a compressed layer holds; set sqs.windows: single or "
+               f"sqs.components <= {256 // windows}")
     _check(0 <= n.fixed_groups < n.groups, f"{p}: nested.fixed_groups",
            f"expected an integer in 0..groups - 1 = {n.groups - 1}, got {n.fixed_groups}")
     _check(0 < n.temperature_min <= n.temperature, f"{p}: nested.temperature_min",

@@ -66,7 +66,7 @@ from torch.func import functional_call
 
 from edgebayes.compressed import codebook
 from edgebayes.compressed.samples import sample_generator
-from edgebayes.config import fingerprint
+from edgebayes.config import SQS_WINDOWS as WINDOWS, fingerprint
 from edgebayes.errors import InputError
 from edgebayes.provenance import code_version, read_json, write_json
 from edgebayes.train.accel import autocast, fused_optimizer, in_layout
@@ -75,7 +75,6 @@ from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 from edgebayes.train.models import build_model
 from edgebayes.train.trainer import ELBO, evaluate, train
 
-WINDOWS = {"outlier": 4, "equal": 4, "single": 1}
 WRAPPED = (nn.Linear, nn.Conv2d)
 
 
@@ -127,8 +126,14 @@ def kmeans_gmm(values: np.ndarray, components: int, seed: int = 0):
         sigma[c] = group.std(ddof=1) if group.size > 1 else np.nan
         pi[c] = group.size / values.size
     filled = sigma[:k]
-    smallest = np.nanmin(filled) if np.isfinite(filled).any() else max(1e-3 * np.abs(values).max(), 1e-8)
-    sigma[:k] = np.where(np.isfinite(filled) & (filled > 0), filled, smallest)
+    # A cluster of identical values (weights exactly at a few levels: an already-quantized checkpoint, a constant or
+    # zero-initialised layer) has spread 0 (or float rounding, 1e-17), and log(0) = -inf made every step's loss
+    # NaN: it gets the smallest real spread of the window, or, where none has one, 5% of the values' spread (a
+    # weight that moves off its level must keep some density under a component).
+    scale = np.abs(values).max()
+    usable = np.isfinite(filled) & (filled > 1e-6 * scale)
+    fallback = filled[usable].min() if usable.any() else max(0.05 * values.std(), 1e-3 * scale, 1e-8)
+    sigma[:k] = np.where(usable, filled, fallback)
     mu[k:] = mu[0]  # unused components (pi = 0) sit on a real level, never selected
     return mu, sigma, pi, labels
 
