@@ -351,6 +351,19 @@ def test_a_table_timed_with_another_runtime_or_thread_count_is_not_used(tmp_path
                 assert predictor_for(profile, tmp_path) is None
 
 
+def test_a_reachable_device_whose_table_was_timed_at_other_threads_is_profiled_again(trained_runs, tmp_path, capsys):
+    """local's table was timed at 1 thread; a profile of 2 threads (with a spec sheet to fall back on) kept the
+    1-thread table unused and predicted from the spec sheet without a word (review): it is profiled again."""
+    table = trained_runs / "devices/local/latency_table.json"
+    assert json.loads(table.read_text())["protocol"]["threads"] == 1
+    device = write_profile(tmp_path / "local.yaml", base="local", runtime={"threads": 2},
+                           latency_model={"kind": "measure", "flops_per_second": 1e9})
+    code, out, err = cli(capsys, "select", "--config", CONFIG, "--device", device, "--runs-dir", trained_runs)
+    assert code == 0, err
+    assert "was measured at 1 runtime threads, the profile has runtime.threads 2: profiling it first" in out
+    assert json.loads(table.read_text())["protocol"]["threads"] == 2
+
+
 def test_two_profiles_with_different_budgets_choose_different_points(trained_runs, capsys):
     """`local` (model budget 5 MB, measured) and the x86 edge box (0.05 MB, FLOPs model) on digits."""
     chosen = {}

@@ -224,6 +224,15 @@ def predictor_for(profile, runs_dir):
     return SpecSheetPredictor(lm) if lm.flops_per_second else None
 
 
+def table_set_aside(profile, runs_dir):
+    """Why the device's latency table is not used (timed with another runtime or thread count), or None."""
+    path = table_path(profile, runs_dir)
+    if profile.latency_model.kind == "flops" or not path.is_file():
+        return None
+    why = _other_setup(TablePredictor.load(path), profile)
+    return None if why is None else f"{path} was measured {why}"
+
+
 def _other_setup(predictor, profile):
     """None when the table's rows were timed with the profile's runtime and threads; else how they were."""
     r = profile.runtime

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from edgebayes.compressed.samples import EmptyLayerError, compress, predict
 from edgebayes.compressed.structure import count_weights, paper_flops
 from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, measure_models,
-                                            predictor_for, profile_device, profiling)
+                                            predictor_for, profile_device, profiling, table_set_aside)
 from edgebayes.deploy.memory import deployed_estimate, memory_estimate
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError, UnreachableWithoutTable
@@ -129,11 +129,13 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
     predictor = predictor_for(profile, runs_dir)
     if profile.latency_model.kind == "measure":
         try:
-            if predictor is None:
+            # a table of another runtime or thread count is profiled again, also where a spec sheet predicts
+            if predictor is None or table_set_aside(profile, runs_dir):
                 with profiling(profile, runs_dir, log=log):
                     predictor = predictor_for(profile, runs_dir)   # profiled by another run while this one waited
-                    if predictor is None:
-                        log(f"select: no latency table for {profile.name} yet: profiling it first "
+                    aside = table_set_aside(profile, runs_dir)
+                    if predictor is None or aside:
+                        log(f"select: {aside or f'no latency table for {profile.name} yet'}: profiling it first "
                             f"(edgebayes devices profile)")
                         try:
                             path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log)
