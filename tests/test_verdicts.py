@@ -155,7 +155,7 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     board = tmp_path / "board"
     shutil.copytree(run / "export/far-board/bundle", board / "bundle")
     done = subprocess.run([sys.executable, "bundle/runner.pyz", "--bundle", "bundle", "--out", "results.json", "--min-runs",
-                           "30", "--min-seconds", "0", "--quiet", "--tag", "device=far-board"],   # as the steps say
+                           "30", "--min-seconds", "0", "--threads", "1", "--quiet", "--tag", "device=far-board"],   # as the steps say
                           cwd=board, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     code, out, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs,
@@ -184,6 +184,18 @@ def test_results_of_another_bundle_are_refused(trained_runs, quick_config, pipel
                        "--results", wrong)
     assert code == EXIT_BAD_INPUT and "results of another bundle" in err
     assert not (trained_runs / "digits-ssgl/deploy/other-board/results.json").exists()
+
+
+def test_results_timed_at_another_thread_count_are_refused():
+    """A runner run with --threads 1 for a profile of runtime.threads 2 imported silently, and the latency budget
+    was judged on 1-thread figures (probe)."""
+    from edgebayes.deploy.results import ResultsError, identity
+
+    expected = {"tags.device": "box", "protocol.threads": 2}
+    identity({"tags": {"device": "box"}, "protocol": {"threads": 2}}, expected, "r.json", "box")
+    with pytest.raises(ResultsError, match=r"r.json: protocol.threads: 1, but this run's profile for box has 2: "
+                                           r"results of another thread count \(runtime.threads\)"):
+        identity({"tags": {"device": "box"}, "protocol": {"threads": 1}}, expected, "r.json", "box")
 
 
 # ---------------------------------------------------------------------------------------------
