@@ -427,6 +427,23 @@ def test_metrics_reject_bad_input():
 # (f)-(g) self-containment
 # --------------------------------------------------------------------------
 
+def test_the_runner_is_written_for_the_python_of_the_oldest_board_profile():
+    """jetson-nano's JetPack 4 has Python 3.6: the runner's modules (runner.pyz) parse as 3.6 and import nothing
+    3.6 lacks (its tables module was a dataclass: 'No module named dataclasses' on the board, probe)."""
+    import ast
+
+    newer = {"dataclasses", "contextvars", "importlib.resources", "importlib.metadata", "zoneinfo", "graphlib",
+             "tomllib"}
+    for module in sorted(Path(cli.__file__).parent.glob("*.py")):
+        source = module.read_text()
+        tree = ast.parse(source, filename=str(module), feature_version=(3, 6))
+        imported = {n.module if isinstance(n, ast.ImportFrom) else a.name
+                    for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                    for a in (n.names if isinstance(n, ast.Import) else [None])}
+        assert not imported & newer, (module.name, imported & newer)
+        assert "from __future__ import annotations" not in source and "text=True" not in source, module.name
+
+
 def test_the_bundles_zipapp_runs_isolated_from_any_folder(pristine_bundle, tmp_path):
     """A bundle as export writes it (write_bundle: runner.pyz inside, hashed in the manifest), copied to a
     folder outside the repository and run there with `python -I bundle/runner.pyz`, as a device runs it;

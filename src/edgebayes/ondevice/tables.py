@@ -5,11 +5,12 @@ it), the host to export, select and check configs (config.py takes its choices a
 defaults from here). Standard library only: config.py imports this before any heavy module.
 """
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Format:
+# A NamedTuple, not a dataclass: this module runs on the device too (runner.pyz), and dataclasses arrived in
+# Python 3.7; JetPack 4 boards (jetson-nano) have 3.6.
+class Format(NamedTuple):
     name: str
     runtime: str      # the runner backend that runs it (RUNTIME_MODULES)
     precision: str    # one of PRECISIONS
@@ -47,7 +48,8 @@ RUNTIMES = tuple(RUNTIME_MODULES)
 RUNTIME_PACKAGES = {
     "onnxruntime": "pip install onnxruntime",
     "tflite": "pip install ai-edge-litert (or tflite-runtime)",
-    "tensorrt": "JetPack's TensorRT Python bindings (python3-libnvinfer)",
+    "tensorrt": "JetPack's TensorRT >= 8.5 Python bindings (python3-libnvinfer, JetPack >= 5.1) and pip install "
+                "cuda-python",
 }
 
 # The channel block of each runtime's fast convolution kernels: surgery keeps a multiple of it in every convolution it

@@ -101,7 +101,8 @@ def cached_engine(trt, onnx_path, options, cache_dir, run=None, which=None):
     if trtexec:
         with atomic_path(engine_path) as tmp:   # a failed or interrupted build leaves no engine behind
             done = (run or subprocess.run)(trtexec_command(onnx_path, tmp, options, trtexec),
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           universal_newlines=True)   # text= is 3.7+
             if done.returncode != 0 or not os.path.getsize(tmp):
                 tail = (done.stdout or "").strip().splitlines()[-3:]
                 raise RuntimeProblem(f"trtexec failed to build an engine from {onnx_path} "
@@ -184,7 +185,11 @@ class TensorRTBackend(Backend):
         options = trt_build_options(precision, workspace_mb, "input", example_shape, max_batch, opt_batch)
         cache_dir = engine_cache or os.path.join(os.path.dirname(os.path.abspath(model_path)), "..", "trt-engines")
         t0 = time.perf_counter()
-        self.engine_path, self.built = cached_engine(trt, model_path, options, cache_dir)
+        try:
+            self.engine_path, self.built = cached_engine(trt, model_path, options, cache_dir)
+        except OSError as exc:   # e.g. a read-only folder above the bundle: one line and exit 3, not a traceback
+            raise RuntimeProblem(f"TensorRT engine cache {cache_dir}: {exc.strerror or exc}; give a writable "
+                                 f"folder with --engine-cache DIR") from exc
         # Building an engine takes seconds to minutes on a board and happens once per (ONNX, options,
         # TensorRT version): recorded apart from the session's cold start; None when it came from the cache.
         self.engine_build_ms = 1000.0 * (time.perf_counter() - t0) if self.built else None
@@ -194,6 +199,9 @@ class TensorRTBackend(Backend):
             self.engine = runtime.deserialize_cuda_engine(fh.read())
         if self.engine is None:
             raise RuntimeProblem(f"TensorRT could not load the engine {self.engine_path}; delete it to rebuild")
+        if not hasattr(self.engine, "num_io_tensors"):   # the name-based I/O API below arrived in TensorRT 8.5
+            raise RuntimeProblem(f"TensorRT {trt.__version__} is too old for this runner: it needs TensorRT >= 8.5 "
+                                 f"(JetPack >= 5.1; JetPack 4 on a Jetson Nano has 8.2)")
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         outputs = [n for n in names if n not in inputs]
