@@ -87,6 +87,35 @@ def test_hints_repeat_the_command_the_user_ran(monkeypatch):
     assert ctx.command("report").startswith(".venv/bin/edgebayes report --config")
 
 
+
+def test_the_finishing_steps_find_the_profile_and_reach_the_board_as_deploy_does(tmp_path, monkeypatch):
+    """A profile found through --devices-dir was 'unknown device' in the printed import command, and the ssh /
+    scp steps dropped the profile's key, jump host and options; a board with tflite-runtime only failed the
+    check of ai-edge-litert (probe)."""
+    import yaml
+
+    from edgebayes import config
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.stages import Context, finish_steps
+
+    profile = yaml.safe_load((ROOT / "devices/raspberry-pi-5.yaml").read_text())
+    profile["name"] = "my-pi"
+    profile["connection"].update(port=2200, identity_file="/keys/pi", proxy_jump="gate@jump",
+                                 options=["StrictHostKeyChecking=no"])
+    profile["runtime"]["name"] = "tflite"
+    (tmp_path / "my-pi.yaml").write_text(yaml.safe_dump(profile))
+    monkeypatch.setattr(config, "USER_DEVICES_DIR", str(tmp_path))
+    ctx = Context(load_pipeline_config(ROOT / "pipeline.yaml"), load_device_profile("my-pi"), device_arg="my-pi")
+    steps = finish_steps(ctx)
+    assert f"--device my-pi --devices-dir {tmp_path}" in steps[-1]
+    ssh = [s for s in steps if s.startswith("ssh ")]
+    scp = [s for s in steps if s.startswith("scp ")]
+    assert ssh and scp and all("-i /keys/pi -J gate@jump -o StrictHostKeyChecking=no" in s for s in ssh + scp)
+    assert all("-p 2200" in s for s in ssh) and all("-P 2200" in s for s in scp)
+    assert not any("BatchMode" in s for s in ssh + scp)   # a person types these
+    assert "import numpy, tflite_runtime.interpreter" in steps[0]
+
+
 def test_a_logged_loop_says_its_pace_and_eta(capsys):
     """Off a terminal each epoch is one line, with the time per step and the time left (issue 35)."""
     from edgebayes.progress import LineProgress

@@ -237,7 +237,8 @@ def test_empty_or_garbled_markers_rerun_their_stage(base, runs, capsys):
     (runs / "faults/report/flops/stage.json").write_text("{")
     out = pipeline(capsys, base, runs)
     assert "export: up to date" in out
-    assert "deploy: running (no valid stage.json" in out and "report: running (no valid stage.json" in out
+    # (the report's garbled marker went with the report deploy's re-run withdrew: Context.withdraw_report)
+    assert "deploy: running (no valid stage.json" in out and "report: running (no finished run" in out
     assert_same_run(figures(runs), base.deployed)
 
 
@@ -942,6 +943,10 @@ def test_a_failed_rerun_leaves_no_report_of_the_earlier_run(base, runs, tmp_path
     code, _, err = cli(capsys, "pipeline", "--config", base.config, "--device", device, "--runs-dir", runs)
     assert code == 1, err
     assert not (report / "report.json").exists() and not (report / "report.html").exists()
+    # the comparison page still lists the device, its withdrawn figures marked so
+    code, out, err = cli(capsys, "report", "--config", base.config, "--runs-dir", runs, "--devices", device)
+    assert code == 0, err
+    assert "flops.yaml's report is stale, marked so on the page: withdrawn" in out
 
 
 # ---------------------------------------------------------------------------------------------

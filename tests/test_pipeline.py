@@ -109,6 +109,7 @@ def test_budget_nothing_meets_lists_closest_candidates(run, tmp_path, capsys):
 def test_deploy_refuses_a_corrupted_bundle(run, tmp_path, capsys):
     runs = tmp_path / "runs"
     shutil.copytree(run, runs / run.name)
+    shutil.copytree(run.parent / "devices", runs / "devices")   # the latency table select predicted from
     model = runs / run.name / "export/local/bundle/model.onnx"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -126,6 +127,7 @@ def test_a_single_stage_refuses_to_build_on_an_earlier_stage_of_another_config(r
     its figures (exit 0): a stage run alone now names the earlier stage that is out of date, and writes nothing."""
     runs = tmp_path / "runs"
     shutil.copytree(run, runs / run.name)
+    shutil.copytree(run.parent / "devices", runs / "devices")   # the latency table select predicted from
     report = runs / run.name / "report/local/report.json"
     before = report.read_bytes()
     args = ["--config", str(ROOT / "pipeline.yaml"), "--runs-dir", str(runs)]

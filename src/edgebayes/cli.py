@@ -128,7 +128,6 @@ def build_parser():
             codes, meanings = (0, 1, 2, 130, 143), {0: f"the {name} stage is done (or was up to date)"}
         if name == "select":   # it ends with 3 when no operating point fits (_finish)
             codes = (0, 1, 2, EXIT_BUDGET, 130, 143)
-            meanings[EXIT_BUDGET] = "no operating point fits the device's budgets (its log lists the closest candidates)"
         p = _sub(sub, name, summary, description, examples, codes, meanings)
         p.add_argument("--config", default="pipeline.yaml", help="pipeline config (default: pipeline.yaml)")
         p.add_argument("--device", default="local", help="device profile name (`edgebayes devices list`), or a YAML path")
@@ -366,6 +365,12 @@ def _report_extras(ctx, args):
     for name in args.devices:
         profile = load_device_profile(name)
         path = ctx.run_dir / "report" / profile.name / "report.json"
+        withdrawn = path.with_name("report.withdrawn.json")
+        if not path.is_file() and withdrawn.is_file():   # a stage before the report ran again (Context.withdraw_report)
+            report = json.loads(withdrawn.read_text())
+            report["stale"] = "withdrawn: a later select, export or deploy ran and no report followed it"
+            reports.append((report, path.with_name("report.html")))
+            continue
         if not path.is_file():
             raise StageError(f"{path} is missing: run `{dataclasses.replace(ctx, device_arg=name).command('pipeline')}` "
                              f"first")

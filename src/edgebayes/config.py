@@ -988,14 +988,16 @@ def ssh_destination(c) -> str:
     return f"{c.user}@{c.host}" if c.user else c.host
 
 
-def ssh_options(c, config_file=True) -> list:
-    """The ssh options of a profile's connection, as SSHTransport runs ssh and `judge_ssh_config` reads them."""
-    opts = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={c.connect_timeout_s}",
-            "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+def ssh_options(c, config_file=True, by_hand=False, port_flag="-p") -> list:
+    """The ssh options of a profile's connection, as SSHTransport runs ssh and `judge_ssh_config` reads them;
+    `by_hand`: without the batch-mode and keep-alive ones, for commands a person types (the finishing steps of
+    a report of predictions); `port_flag` "-P" for scp."""
+    opts = [] if by_hand else ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={c.connect_timeout_s}",
+                               "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
     if c.ssh_config and config_file:
         opts += ["-F", expand_repo(c.ssh_config)]
     if c.port:
-        opts += ["-p", str(c.port)]
+        opts += [port_flag, str(c.port)]
     if c.identity_file:
         opts += ["-i", os.path.expanduser(expand_repo(c.identity_file))]
     if c.proxy_jump:

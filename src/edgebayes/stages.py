@@ -241,8 +241,11 @@ class Context:
         budget, profile or bundle) no longer describes what the stages hold, and a run that now fails (exit 1)
         must not leave report.html saying `pass`. Its page, JSON and marker go; the next report writes them."""
         folder = self.stage_dir("report")
-        for name in (MARKER, "report.json", "report.html"):
+        for name in (MARKER, "report.html"):
             (folder / name).unlink(missing_ok=True)
+        # kept apart for `report --devices`, which shows it marked stale (cli._report_extras), not an error
+        if (folder / "report.json").is_file():
+            (folder / "report.json").replace(folder / "report.withdrawn.json")
 
     def mark_done(self, stage):
         """Written last: the fingerprint, the code version, the hash of every output and every input read."""
@@ -298,7 +301,14 @@ class Context:
 
         runs = [] if str(self.runs_dir) == "runs" else ["--runs-dir", str(self.runs_dir)]
         return shlex.join([*shlex.split(self.program), stage, "--config", str(self.config_path), "--device", str(self.device_arg),
-                           *runs, *self.set_args(), *extra])
+                           *self.devices_dir_args(), *runs, *self.set_args(), *extra])
+
+    def devices_dir_args(self):
+        """--devices-dir of this run, for a command that must find the same device profile (a profile found
+        there only would otherwise be 'unknown device' when the printed command is run)."""
+        from edgebayes import config
+
+        return ["--devices-dir", str(config.USER_DEVICES_DIR)] if config.USER_DEVICES_DIR else []
 
     def set_args(self):
         """The --set options of this run, for a command that must run the same config."""
@@ -363,7 +373,7 @@ def run_train(ctx):
         # Several processes: this stage runs again under torchrun (train/distributed.py); process 0 there
         # writes everything this stage writes.
         ctx.log(f"train: {cfg.train.processes} processes (DDP) under torchrun")
-        args = ["train", "--config", str(ctx.config_path), "--device", ctx.device_arg,
+        args = ["train", "--config", str(ctx.config_path), "--device", ctx.device_arg, *ctx.devices_dir_args(),
                 "--runs-dir", str(ctx.runs_dir), *ctx.set_args()] + (["--force"] if ctx.force else [])
         code = distributed.launch(args, cfg.train.processes)
         if code != 0:
@@ -796,6 +806,7 @@ def no_fit(ctx):
 def run_report(ctx):
     from edgebayes.deploy.report import fmt_ms, write_report
 
+    (ctx.stage_dir("report") / "report.withdrawn.json").unlink(missing_ok=True)   # this report replaces it
     if no_fit(ctx):
         return write_predicted_report(ctx, "no operating point fits the device budgets", no_fit=True)
     if not (ctx.stage_dir("deploy") / "results.json").is_file():
@@ -906,7 +917,7 @@ def finish_steps(ctx):
     runner inside) there, run the benchmark, bring results.json back and import it (`--results`)."""
     import shlex
 
-    from edgebayes.config import expand_repo
+    from edgebayes.config import expand_repo, ssh_options
 
     c, bundle = ctx.profile.connection, ctx.stage_dir("export") / "bundle"
     workdir = expand_repo(c.workdir) or f"edgebayes/{ctx.profile.name}"
@@ -916,17 +927,21 @@ def finish_steps(ctx):
     from edgebayes.ondevice.tables import RUNTIME_MODULES, RUNTIME_PACKAGES
 
     runtime = ctx.profile.runtime.name
+    # every module the runner takes for the runtime (a board with tflite-runtime only runs a TFLite bundle too)
+    checks = " or ".join(shlex.join([python, "-c", f"import numpy, {module}"]) for module in RUNTIME_MODULES[runtime])
     needs = (f"the board needs {python} (python 3) with numpy and the {runtime} runtime "
-             f"({RUNTIME_PACKAGES[runtime]}; check: {python} -c 'import numpy, {RUNTIME_MODULES[runtime][0]}')")
+             f"({RUNTIME_PACKAGES[runtime]}; check: {checks})")
     if c.kind != "ssh":
         return [needs, f"copy {bundle} to the device", f"there: {run}",
                 f"copy results.json back, then here: {import_cmd}"]
     dest = f"{c.user}@{c.host}" if c.user else c.host
-    port_ssh, port_scp = (["-p", str(c.port)], ["-P", str(c.port)]) if c.port else ([], [])
-    return [needs, shlex.join(["ssh", *port_ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
-            shlex.join(["scp", *port_scp, "-r", str(bundle), f"{dest}:{workdir}/"]),
-            shlex.join(["ssh", *port_ssh, dest, f"cd {shlex.quote(workdir)} && {run}"]),
-            shlex.join(["scp", *port_scp, f"{dest}:{workdir}/results.json", "results.json"]),
+    # the profile's own ssh settings, as deploy uses them: a board behind a jump host, or reached with its own
+    # key, is not reached by a bare `ssh user@host`
+    ssh, scp = ["ssh", *ssh_options(c, by_hand=True)], ["scp", *ssh_options(c, by_hand=True, port_flag="-P")]
+    return [needs, shlex.join([*ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
+            shlex.join([*scp, "-r", str(bundle), f"{dest}:{workdir}/"]),
+            shlex.join([*ssh, dest, f"cd {shlex.quote(workdir)} && {run}"]),
+            shlex.join([*scp, f"{dest}:{workdir}/results.json", "results.json"]),
             import_cmd]
 
 
@@ -969,6 +984,7 @@ def write_predicted_report(ctx, error, no_fit=False):
     """
     from edgebayes.deploy.report import write_report
 
+    (ctx.stage_dir("report") / "report.withdrawn.json").unlink(missing_ok=True)   # this report replaces it
     if not no_fit:
         ctx.begin("report")   # no marker: the next `pipeline` deploys and reports when the device is back
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
