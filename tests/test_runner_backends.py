@@ -362,3 +362,31 @@ def test_real_tensorrt_engine(multi_bundle, tmp_path):
     x = np.load(multi_bundle / "eval.npz")["x"]
     ref = np.load(multi_bundle / "eval.npz")["reference_probs"]
     assert np.abs(backend.run(x) - ref).max() < 1e-2
+
+
+def test_an_old_tensorrt_is_refused_by_name_before_any_engine_build(tmp_path, monkeypatch):
+    """TensorRT 8.2 (JetPack 4) failed inside the Python build (no set_memory_pool_limit, a traceback) or in
+    trtexec (no --memPoolSize); the version check came only after a cached engine loaded (review)."""
+    trt = FakeTensorRT(np.ones((4, 3), np.float32), FakeMemory())
+    trt.__version__ = "8.2.1.8"
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"graph")
+    monkeypatch.setattr(trt_backend, "cached_engine", lambda *a, **k: pytest.fail("built with TensorRT 8.2"))
+    with pytest.raises(backends.RuntimeProblem, match=r"TensorRT 8.2.1.8 is too old for this runner: it needs TensorRT >= 8.5"):
+        runtimes.make_backend("tensorrt", str(onnx), example_shape=(4,), trt=trt, memory=FakeMemory())
+
+
+def test_an_engine_build_failure_names_the_file_and_blames_the_cache_only_when_it_is_the_cache(tmp_path, monkeypatch):
+    trt = FakeTensorRT(np.ones((4, 3), np.float32), FakeMemory())
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"graph")
+    for failing, hint in ((tmp_path / "cache" / "k.engine", True), (tmp_path / "bin" / "trtexec", False)):
+        def build(*args, failing=failing, **kwargs):
+            raise PermissionError(13, "Permission denied", str(failing))
+
+        monkeypatch.setattr(trt_backend, "cached_engine", build)
+        with pytest.raises(backends.RuntimeProblem) as caught:
+            runtimes.make_backend("tensorrt", str(onnx), example_shape=(4,), engine_cache=str(tmp_path / "cache"),
+                                  trt=trt, memory=FakeMemory())
+        assert f"{failing}: Permission denied" in str(caught.value)
+        assert ("--engine-cache" in str(caught.value)) == hint

@@ -112,6 +112,16 @@ def cached_engine(trt, onnx_path, options, cache_dir, run=None, which=None):
     return engine_path, True
 
 
+def _too_old(version):
+    """Whether a TensorRT version string is before 8.5 (the name-based I/O API and memory pools this backend
+    uses); a string it cannot read is not refused here (the engine's API is checked after loading)."""
+    try:
+        major, minor = (int(part) for part in str(version).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) < (8, 5)
+
+
 class CudaMemory:
     """Device buffers and copies through CUDA's runtime API (cuda-python), the way TensorRT's samples do."""
 
@@ -182,14 +192,19 @@ class TensorRTBackend(Backend):
         self.trt = trt
         if example_shape is None:
             raise RuntimeProblem("the TensorRT backend needs the per-example input shape (from the manifest)")
+        if _too_old(trt.__version__):   # before any build: 8.2's builder lacks set_memory_pool_limit too
+            raise RuntimeProblem(f"TensorRT {trt.__version__} is too old for this runner: it needs TensorRT >= 8.5 "
+                                 f"(JetPack >= 5.1; JetPack 4 on a Jetson Nano has 8.2)")
         options = trt_build_options(precision, workspace_mb, "input", example_shape, max_batch, opt_batch)
         cache_dir = engine_cache or os.path.join(os.path.dirname(os.path.abspath(model_path)), "..", "trt-engines")
         t0 = time.perf_counter()
         try:
             self.engine_path, self.built = cached_engine(trt, model_path, options, cache_dir)
-        except OSError as exc:   # e.g. a read-only folder above the bundle: one line and exit 3, not a traceback
-            raise RuntimeProblem(f"TensorRT engine cache {cache_dir}: {exc.strerror or exc}; give a writable "
-                                 f"folder with --engine-cache DIR") from exc
+        except OSError as exc:   # one line and exit 3, not a traceback
+            where = os.path.abspath(exc.filename) if exc.filename else None
+            in_cache = where is not None and where.startswith(os.path.abspath(cache_dir))
+            hint = "; give a writable folder with --engine-cache DIR" if in_cache else ""
+            raise RuntimeProblem(f"TensorRT engine build: {where or model_path}: {exc.strerror or exc}{hint}") from exc
         # Building an engine takes seconds to minutes on a board and happens once per (ONNX, options,
         # TensorRT version): recorded apart from the session's cold start; None when it came from the cache.
         self.engine_build_ms = 1000.0 * (time.perf_counter() - t0) if self.built else None
@@ -199,7 +214,7 @@ class TensorRTBackend(Backend):
             self.engine = runtime.deserialize_cuda_engine(fh.read())
         if self.engine is None:
             raise RuntimeProblem(f"TensorRT could not load the engine {self.engine_path}; delete it to rebuild")
-        if not hasattr(self.engine, "num_io_tensors"):   # the name-based I/O API below arrived in TensorRT 8.5
+        if not hasattr(self.engine, "num_io_tensors"):   # a version string _too_old could not read
             raise RuntimeProblem(f"TensorRT {trt.__version__} is too old for this runner: it needs TensorRT >= 8.5 "
                                  f"(JetPack >= 5.1; JetPack 4 on a Jetson Nano has 8.2)")
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
