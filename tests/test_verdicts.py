@@ -255,3 +255,13 @@ def test_an_unreachable_device_without_a_latency_table_exits_4_saying_how_to_mak
     assert code == EXIT_PREDICTED, err
     assert "host unreachable" in err and "no latency table to predict from either" in err
     assert not (trained_runs / "digits-ssgl/report/no-table-board/report.json").exists()
+    # a table that is there but of another thread count is named as such, not as missing (review)
+    table = trained_runs / "devices/no-table-board/latency_table.json"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(trained_runs / "devices/local/latency_table.json", table)
+    profile["runtime"] = {**profile.get("runtime", {}), "threads": 3}
+    Path(device).write_text(yaml.safe_dump(profile))
+    code, _, err = cli(capsys, "pipeline", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
+    assert code == EXIT_PREDICTED, err
+    assert f"its latency table is not used ({table} was measured at 1 runtime threads" in err, err
+    shutil.rmtree(table.parent)

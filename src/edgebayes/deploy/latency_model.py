@@ -213,6 +213,10 @@ def predictor_for(profile, runs_dir):
         predictor = TablePredictor.load(path)
         if (why := _other_setup(predictor, profile)) is None:
             return predictor
+        if lm.table:   # a table the profile names: profiling writes the run folder's, never this one
+            raise LatencyModelError(f"device {profile.name}: latency_model.table {path} was measured {why}; give a "
+                                    f"table of this set-up, or remove latency_model.table so that `edgebayes devices "
+                                    f"profile {profile.name}` measures one")
         if lm.kind == "table":
             raise LatencyModelError(f"device {profile.name}: {path} was measured {why}; re-run "
                                     f"`edgebayes devices profile {profile.name}`")

@@ -146,8 +146,10 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
             return {i: timed[i]["latency_ms"][key] for i, _, _ in models}, predictor, timed[None]
         except DeviceUnavailable as e:
             if predictor is None:
-                raise UnreachableWithoutTable(f"{e}; no latency table to predict from either: run `edgebayes devices "
-                                     f"profile {profile.name}` while the device is reachable") from None
+                aside = table_set_aside(profile, runs_dir)
+                table = f"its latency table is not used ({aside})" if aside else "no latency table to predict from"
+                raise UnreachableWithoutTable(f"{e}; {table} either: run `edgebayes devices profile {profile.name}` "
+                                              f"while the device is reachable") from None
             log(f"select: {e}; latency {predictor.describe()}")
     return {i: None for i, _, _ in models}, predictor, None
 
