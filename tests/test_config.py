@@ -85,6 +85,12 @@ BAD_CONFIGS = {
     "sqs: more levels than a layer holds": (
         lambda d: [_set("model.family", "sqs")(d), _set("train.flops_target", None)(d), _set("sqs.components", 128)(d)],
         r"sqs\.components: 128 levels x 4 windows \(outlier\) can give 512 levels per layer, more than the 256"),
+    # onnx-codebook's indices keep one of the 256 values for the zero: 64 x 4 = 256 levels left a layer plain fp32
+    "sqs: more levels than onnx-codebook holds": (
+        lambda d: [_set("model.family", "sqs")(d), _set("train.flops_target", None)(d), _set("sqs.components", 64)(d),
+                   _set("export.formats", ["onnx", "onnx-codebook"])(d)],
+        r"sqs\.components: 64 levels x 4 windows \(outlier\) can give 256 levels per layer, more than the 255 \(8-bit "
+        r"indices\) a compressed layer holds in onnx-codebook"),
 }
 
 

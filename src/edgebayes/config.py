@@ -862,12 +862,15 @@ def _check_family(cfg: PipelineConfig, p):
            "SQS fine-tuning runs in one process (the distributed trainer serves the ELBO families); set 1")
     if s.checkpoint is not None:
         _check(Path(s.checkpoint).is_file(), f"{p}: sqs.checkpoint", f"file not found: {s.checkpoint}")
-    if family == "sqs":   # model.sqs and onnx-codebook hold at most 256 levels per layer (8-bit indices)
+    if family == "sqs":   # 8-bit indices: model.sqs holds 256 levels per layer, onnx-codebook 255 and the zero
         windows = SQS_WINDOWS[s.windows]
-        _check(s.components * windows <= 256, f"{p}: sqs.components",
+        codebook = "onnx-codebook" in cfg.export.formats
+        most = 255 if codebook else 256
+        _check(s.components * windows <= most, f"{p}: sqs.components",
                f"{s.components} levels x {windows} windows ({s.windows}) can give {s.components * windows} levels per "
-               f"layer, more than the 256 (8-bit indices) a compressed layer holds; set sqs.windows: single or "
-               f"sqs.components <= {256 // windows}")
+               f"layer, more than the {most} (8-bit indices) a compressed layer holds"
+               f"{' in onnx-codebook (export.formats)' if codebook else ''}; set sqs.windows: single or "
+               f"sqs.components <= {most // windows}")
     _check(0 <= n.fixed_groups < n.groups, f"{p}: nested.fixed_groups",
            f"expected an integer in 0..groups - 1 = {n.groups - 1}, got {n.fixed_groups}")
     _check(0 < n.temperature_min <= n.temperature, f"{p}: nested.temperature_min",
