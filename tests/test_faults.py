@@ -947,6 +947,34 @@ def test_a_failed_rerun_leaves_no_report_of_the_earlier_run(base, runs, tmp_path
     code, out, err = cli(capsys, "report", "--config", base.config, "--runs-dir", runs, "--devices", device)
     assert code == 0, err
     assert "flops.yaml's report is stale, marked so on the page: withdrawn" in out
+    page = (runs / "faults/report/devices.html").read_text()
+    assert "flops/report.html" not in page   # the withdrawn report's page is gone: no link to it
+
+
+def test_a_failed_training_rerun_withdraws_the_report_too(tmp_path, monkeypatch):
+    """train is a stage before the report as much as select: a changed training that failed left the old
+    report saying pass (review). Its JSON is kept as report.withdrawn.json until a report replaces it."""
+    from edgebayes import stages
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.errors import StageError
+
+    ctx = stages.Context(load_pipeline_config(ROOT / "pipeline.yaml"), load_device_profile("local"),
+                         runs_dir=tmp_path, log=lambda *a: None)
+    report = ctx.stage_dir("report")
+    other = report.parent / "other-board"   # the training is every device's: all their reports go
+    for folder in (report, other):
+        folder.mkdir(parents=True)
+        (folder / "report.json").write_text('{"summary": {"overall_verdict": "pass"}}')
+        (folder / "report.html").write_text("pass")
+
+    def failing(ctx):
+        raise StageError("train: diverged")
+
+    monkeypatch.setitem(stages.RUNNERS, "train", failing)
+    with pytest.raises(StageError, match="diverged"):
+        stages.run_stage(ctx, "train")
+    for folder in (report, other):
+        assert sorted(p.name for p in folder.iterdir()) == ["report.withdrawn.json"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,6 +138,25 @@ def test_a_single_stage_refuses_to_build_on_an_earlier_stage_of_another_config(r
     assert "run `edgebayes select --config" in err
     assert report.read_bytes() == before
     assert main(["report", *args]) == 0   # the config the run was made with: up to date
+    # an interrupted re-train (no marker, another config's checkpoint in its folder): the earlier report was
+    # 'up to date' while `report --devices` called it stale (probe)
+    marker = runs / run.name / "train/stage.json"
+    kept = marker.read_bytes()
+    marker.unlink()
+    capsys.readouterr()
+    assert main(["report", *args]) == 1
+    assert "report: the train stage is out of date for this config and device (it has not finished" in \
+        capsys.readouterr().err
+    marker.write_bytes(kept)
+    # an earlier stage that ran again since select read its output
+    select = runs / run.name / "select/local/stage.json"
+    done = json.loads(select.read_text())
+    rel = sorted(done["inputs"])[0]
+    select.write_text(json.dumps({**done, "inputs": {**done["inputs"], rel: "0" * 64}}))
+    assert main(["report", *args]) == 1
+    assert f"the select stage is out of date for this config and device (its input {rel} changed" in \
+        capsys.readouterr().err
+    assert report.read_bytes() == before
 
 
 def test_runner_reports_its_own_peak_memory(run):

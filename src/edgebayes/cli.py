@@ -368,8 +368,8 @@ def _report_extras(ctx, args):
         withdrawn = path.with_name("report.withdrawn.json")
         if not path.is_file() and withdrawn.is_file():   # a stage before the report ran again (Context.withdraw_report)
             report = json.loads(withdrawn.read_text())
-            report["stale"] = "withdrawn: a later select, export or deploy ran and no report followed it"
-            reports.append((report, path.with_name("report.html")))
+            report["stale"] = "withdrawn: a later train, select, export or deploy ran and no report followed it"
+            reports.append((report, None))   # its page went: nothing to link to
             continue
         if not path.is_file():
             raise StageError(f"{path} is missing: run `{dataclasses.replace(ctx, device_arg=name).command('pipeline')}` "

@@ -236,16 +236,26 @@ class Context:
         self.found_before = {rel: _stat(path) for rel, path in _candidate_files(folder)}
         self.recorded_before = set(done["outputs"]) if done else set()
 
-    def withdraw_report(self):
-        """A stage before the report runs again for this device: the report of the earlier run (another
-        budget, profile or bundle) no longer describes what the stages hold, and a run that now fails (exit 1)
-        must not leave report.html saying `pass`. Its page, JSON and marker go; the next report writes them."""
-        folder = self.stage_dir("report")
-        for name in (MARKER, "report.html"):
-            (folder / name).unlink(missing_ok=True)
-        # kept apart for `report --devices`, which shows it marked stale (cli._report_extras), not an error
-        if (folder / "report.json").is_file():
-            (folder / "report.json").replace(folder / "report.withdrawn.json")
+    def withdraw_report(self, every_device=False):
+        """A stage before the report runs again for this device (`every_device`: train, whose folder every
+        device's stages build on): the report of the earlier run (another budget, profile or bundle) no longer
+        describes what the stages hold, and a run that now fails (exit 1) must not leave report.html saying
+        `pass`. Its page and marker go, its JSON is renamed report.withdrawn.json (deleted when the next report
+        is written: Context.replace_withdrawn)."""
+        mine = self.stage_dir("report")
+        reports = self._inside(self.run_dir / "report")
+        folders = sorted(self._inside(p) for p in reports.iterdir() if p.is_dir()) if every_device and reports.is_dir() \
+            else [mine]
+        for folder in folders:
+            for name in (MARKER, "report.html"):
+                (folder / name).unlink(missing_ok=True)
+            # kept apart for `report --devices`, which shows it marked stale (cli._report_extras), not an error
+            if (folder / "report.json").is_file():
+                (folder / "report.json").replace(folder / "report.withdrawn.json")
+
+    def replace_withdrawn(self):
+        """A report was written: the withdrawn one it replaces goes (after, so a failed report keeps it)."""
+        (self.stage_dir("report") / "report.withdrawn.json").unlink(missing_ok=True)
 
     def mark_done(self, stage):
         """Written last: the fingerprint, the code version, the hash of every output and every input read."""
@@ -806,7 +816,6 @@ def no_fit(ctx):
 def run_report(ctx):
     from edgebayes.deploy.report import fmt_ms, write_report
 
-    (ctx.stage_dir("report") / "report.withdrawn.json").unlink(missing_ok=True)   # this report replaces it
     if no_fit(ctx):
         return write_predicted_report(ctx, "no operating point fits the device budgets", no_fit=True)
     if not (ctx.stage_dir("deploy") / "results.json").is_file():
@@ -819,6 +828,7 @@ def run_report(ctx):
                             read_json(bundle / "manifest.json"), bundle, ctx.profile)
     inputs = _report_inputs(ctx, results)
     report = write_report(inputs, ctx.stage_dir("report"))
+    ctx.replace_withdrawn()
     lat = report["summary"]["latency_prediction"]
     if lat["error"] is not None:
         ctx.log(f"report: chosen point's p{lat['percentile']} latency predicted {fmt_ms(lat['predicted_ms'], True)} "
@@ -840,8 +850,17 @@ def stale_upstream(ctx, stage):
         upstream.remove("deploy")
     for before in upstream:   # altered or missing outputs: require() names the file when the stage reads it
         done = ctx._marker(before)
-        if done is not None and done.get("fingerprint") != ctx.fingerprint(before):
+        if done is None:
+            # an interrupted or failed re-run left no marker: its folder may hold another config's checkpoint.
+            # (deploy aside: an unreachable device's report is predicted, with no deploy marker)
+            if before != "deploy":
+                return before, "it has not finished: never run, interrupted or failed"
+            continue
+        if done.get("fingerprint") != ctx.fingerprint(before):
             return before, "config, device profile or code changed"
+        for rel, digest in (done.get("inputs") or {}).items():   # an earlier stage re-ran since
+            if _digest(ctx.run_dir / rel) != digest:
+                return before, f"its input {rel} changed since it was read"
     return None
 
 
@@ -858,8 +877,8 @@ def run_stage(ctx, stage, single=False):
     if stage in ("train", "select", "export"):   # deploy's runner keeps the device profile's runtime.threads
         ctx.log(f"{stage}: {set_threads(ctx.cfg.train.threads)} torch threads (train.threads)")
     if is_main_process():
-        if stage in ("select", "export", "deploy"):
-            ctx.withdraw_report()
+        if stage in ("train", "select", "export", "deploy"):
+            ctx.withdraw_report(every_device=stage == "train")
         ctx.begin(stage)
     try:
         RUNNERS[stage](ctx)
@@ -984,7 +1003,6 @@ def write_predicted_report(ctx, error, no_fit=False):
     """
     from edgebayes.deploy.report import write_report
 
-    (ctx.stage_dir("report") / "report.withdrawn.json").unlink(missing_ok=True)   # this report replaces it
     if not no_fit:
         ctx.begin("report")   # no marker: the next `pipeline` deploys and reports when the device is back
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
@@ -996,6 +1014,7 @@ def write_predicted_report(ctx, error, no_fit=False):
     inputs["predicted"] = {"reason": str(error), "here": here, "here_failed": why_not, "no_fit": no_fit,
                            "finish": [] if no_fit else finish_steps(ctx)}
     report = write_report(inputs, ctx.stage_dir("report"))
+    ctx.replace_withdrawn()
     ctx.log(f"report: {ctx.stage_dir('report') / 'report.html'} (predicted" + ("; no operating point fits)" if no_fit
             else "; the summary lists the steps that finish it on the device)"))
     return report
