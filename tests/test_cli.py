@@ -126,3 +126,25 @@ def test_a_logged_loop_says_its_pace_and_eta(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("train: epoch 1/3: loss=1.0 (") and "s/epoch, ETA " in lines[0]
     assert "ETA" not in lines[-1] and lines[-1].startswith("train: epoch 3/3: loss=1.0 (")
+
+
+def test_a_second_interrupt_while_the_program_ends_is_ignored():
+    """Two Ctrl-C 10 ms apart: the second landed in the interpreter's exit handlers as a traceback, or killed
+    the process by the signal (-2) instead of 130 (probe). Once main has caught one, the program ignores more;
+    main called with arguments (as here in tests, or from a user's script) leaves the handlers alone."""
+    import subprocess
+    import sys
+
+    code = ("import signal, sys, edgebayes.cli as c\n"
+            "def interrupted(args): raise KeyboardInterrupt\n"
+            "c._run = interrupted\n"
+            "sys.argv = ['edgebayes', 'devices', 'list']\n"
+            "code = c.main()\n"
+            "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN, 'SIGINT still handled'\n"
+            "assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, 'SIGTERM still handled'\n"
+            "import os; os.kill(os.getpid(), signal.SIGINT)\n"
+            "assert c.main(['devices', 'list']) == 130 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+            "sys.exit(code)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("edgebayes: interrupted; run again to resume") == 2

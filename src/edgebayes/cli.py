@@ -505,6 +505,11 @@ def main(argv=None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED) and argv is None:
+        # the program is ending: a second Ctrl-C (a key held, a scheduler's repeat) landed in the interpreter's
+        # exit handlers as a traceback, or killed it by the signal (exit -2) instead of 130
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"edgebayes: {message}", file=sys.stderr)
     return code
 
