@@ -380,7 +380,8 @@ def test_an_engine_build_failure_names_the_file_and_blames_the_cache_only_when_i
     trt = FakeTensorRT(np.ones((4, 3), np.float32), FakeMemory())
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"graph")
-    for failing, hint in ((tmp_path / "cache" / "k.engine", True), (tmp_path / "bin" / "trtexec", False)):
+    for failing, hint in ((tmp_path / "cache" / "k.engine", True), (tmp_path, True),   # the cache or above it
+                          (tmp_path / "cache2" / "k.engine", False), (tmp_path / "bin" / "trtexec", False)):
         def build(*args, failing=failing, **kwargs):
             raise PermissionError(13, "Permission denied", str(failing))
 

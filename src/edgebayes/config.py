@@ -866,11 +866,13 @@ def _check_family(cfg: PipelineConfig, p):
         windows = SQS_WINDOWS[s.windows]
         codebook = "onnx-codebook" in cfg.export.formats
         most = 255 if codebook else 256
+        fits = 1 << ((most // windows).bit_length() - 1)   # components are a power of two
+        ways = [f"sqs.components: {fits}"] + (["sqs.windows: single"] if windows > 1 else []) \
+            + (["onnx-codebook out of export.formats"] if codebook else [])
         _check(s.components * windows <= most, f"{p}: sqs.components",
                f"{s.components} levels x {windows} windows ({s.windows}) can give {s.components * windows} levels per "
                f"layer, more than the {most} (8-bit indices) a compressed layer holds"
-               f"{' in onnx-codebook (export.formats)' if codebook else ''}; set sqs.windows: single or "
-               f"sqs.components <= {most // windows}")
+               f"{' in onnx-codebook (export.formats)' if codebook else ''}; set {' or '.join(ways)}")
     _check(0 <= n.fixed_groups < n.groups, f"{p}: nested.fixed_groups",
            f"expected an integer in 0..groups - 1 = {n.groups - 1}, got {n.fixed_groups}")
     _check(0 < n.temperature_min <= n.temperature, f"{p}: nested.temperature_min",

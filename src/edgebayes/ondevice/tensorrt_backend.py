@@ -115,8 +115,9 @@ def cached_engine(trt, onnx_path, options, cache_dir, run=None, which=None):
 def _too_old(version):
     """Whether a TensorRT version string is before 8.5 (the name-based I/O API and memory pools this backend
     uses); a string it cannot read is not refused here (the engine's API is checked after loading)."""
+    parts = (str(version).split(".") + ["0"])[:2]   # "7" reads as 7.0
     try:
-        major, minor = (int(part) for part in str(version).split(".")[:2])
+        major, minor = (int(part) for part in parts)
     except ValueError:
         return False
     return (major, minor) < (8, 5)
@@ -202,7 +203,8 @@ class TensorRTBackend(Backend):
             self.engine_path, self.built = cached_engine(trt, model_path, options, cache_dir)
         except OSError as exc:   # one line and exit 3, not a traceback
             where = os.path.abspath(exc.filename) if exc.filename else None
-            in_cache = where is not None and where.startswith(os.path.abspath(cache_dir))
+            cache = os.path.abspath(cache_dir)   # the cache, or a folder above it that makedirs could not make
+            in_cache = where is not None and os.path.commonpath([where, cache]) in (where, cache)
             hint = "; give a writable folder with --engine-cache DIR" if in_cache else ""
             raise RuntimeProblem(f"TensorRT engine build: {where or model_path}: {exc.strerror or exc}{hint}") from exc
         # Building an engine takes seconds to minutes on a board and happens once per (ONNX, options,
