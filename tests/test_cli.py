@@ -38,6 +38,10 @@ def test_the_verdict_commands_list_every_exit_code(capsys):
         build_parser().parse_args(["pipeline", "--help"])
     codes = capsys.readouterr().out.split("exit codes:\n")[1].splitlines()
     assert [int(c.split()[0]) for c in codes] == [0, 1, 2, 3, 4, 130, 143]
+    with pytest.raises(SystemExit):   # select alone ends with 3 (nothing fits) or 4 (unreachable, no table)
+        build_parser().parse_args(["select", "--help"])
+    codes = capsys.readouterr().out.split("exit codes:\n")[1].splitlines()
+    assert [int(c.split()[0]) for c in codes] == [0, 1, 2, 3, 4, 130, 143]
 
 
 def test_devices_list_says_runtime_latency_table_and_reachability(capsys, tmp_path):

@@ -126,8 +126,8 @@ def build_parser():
         codes, meanings = tuple(EXIT_CODES), None
         if not verdict:
             codes, meanings = (0, 1, 2, 130, 143), {0: f"the {name} stage is done (or was up to date)"}
-        if name == "select":   # it ends with 3 when no operating point fits (_finish)
-            codes = (0, 1, 2, EXIT_BUDGET, 130, 143)
+        if name == "select":   # 3: no operating point fits (_finish); 4: unreachable, no table to predict from
+            codes = (0, 1, 2, EXIT_BUDGET, EXIT_PREDICTED, 130, 143)
         p = _sub(sub, name, summary, description, examples, codes, meanings)
         p.add_argument("--config", default="pipeline.yaml", help="pipeline config (default: pipeline.yaml)")
         p.add_argument("--device", default="local", help="device profile name (`edgebayes devices list`), or a YAML path")
