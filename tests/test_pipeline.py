@@ -55,7 +55,17 @@ def test_pipeline_meets_the_foundation_targets(run):
     assert before["n"] == results["metrics"]["n"] and before["accuracy"] == pytest.approx(
         results["metrics"]["accuracy"], abs=0.02)
     assert before["ece"] != results["metrics"]["ece"]
-    assert f"{s['before_temperature']['ece']:.4g} at T = 1" in (run / "report/local/report.html").read_text()
+    # ... set against the same samples at T in PyTorch too: the shipped figure also carries the precision's
+    # change (an int8 graph's), so T's own effect is shown like for like (probe)
+    at_t = before["at_fitted_t"]
+    manifest = json.loads((run / "export/local/bundle/manifest.json").read_text())
+    assert at_t["ece"] == pytest.approx(manifest["reference"]["ece"])
+    page = (run / "report/local/report.html").read_text()
+    assert f"PyTorch {before['ece']:.4g} at T = 1, {at_t['ece']:.4g} at T = " in page
+    from edgebayes.deploy.summary import summary_text, terminal_summary
+
+    text = "\n".join(summary_text(terminal_summary(json.loads((run / "report/local/report.json").read_text()))))
+    assert f"(PyTorch {before['ece']:.4g} at T=1, {at_t['ece']:.4g} at T=" in text
     # The Training section's test metrics are training's own evaluation (its default knob, T = 1), and say so;
     # the shipped widths stand beside the trained architecture.
     html = (run / "report/local/report.html").read_text()

@@ -566,12 +566,16 @@ def run_export(ctx):
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
     before_temperature = None
-    if compressed.temperature != 1.0:   # the same M samples at T = 1: what the fitted T changed (report)
+    if compressed.temperature != 1.0:
+        # What the fitted T changed, both sides in PyTorch fp32 (the same M samples at T = 1 and at T): the
+        # shipped artifact's own figures also carry its precision's change (an int8 graph's), not T's alone.
         untempered = replace(compressed, temperature=1.0).mc_model()
         probs_t1 = predict(untempered, x).numpy()
         before_temperature = classification_metrics(probs_t1, y)
+        before_temperature["at_fitted_t"] = classification_metrics(reference_probs, y)
         if splits.ood_x is not None:
             before_temperature["ood"] = ood_scores(probs_t1, predict(untempered, splits.ood_x).numpy())
+            before_temperature["at_fitted_t"]["ood"] = ood_scores(reference_probs, predict(mc_model, splits.ood_x).numpy())
     calib_x = splits.train_x[: e.calibration_size]  # the first rows of the (seeded) training split
     # The chosen format is the primary artifact (the one deploy must run); export.formats adds others
     # beside it, for the report's fidelity and latency comparison.
@@ -626,7 +630,7 @@ def run_export(ctx):
         "format": formats[0], "precision": primary["precision"], "layout": primary["layout"],
         "mc_samples": m, "knob": model.knob, "knob_value": knob_value, "temperature": compressed.temperature,
         "distinct_samples": compressed.distinct_samples,   # < m: the graph repeats one network
-        "before_temperature": before_temperature,   # the shipped samples' test figures at T = 1 (PyTorch)
+        "before_temperature": before_temperature,   # the shipped samples' test figures at T = 1 and at T (PyTorch)
         "sparsity": {"layers": structure["layers"]},
         **{k: structure[k] for k in ("compression_ratio", "flops_ratio", "physical_compression_ratio",
                                      "physical_flops_ratio")},

@@ -537,7 +537,9 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "settings": get(report, "config", "settings") or [],
         "chosen": {k: s.get(k) for k in ("knob", "knob_value", "mc_samples", "temperature", "format", "precision")},
         "accuracy": get(s, "metrics", "accuracy", "device"), "ece": get(s, "metrics", "ece", "device"),
-        "ece_at_t1": get(s, "before_temperature", "ece"),   # the same samples without the fitted temperature
+        # what the fitted temperature changed, in PyTorch fp32 (the same samples at T = 1 and at T)
+        "ece_at_t1": get(s, "before_temperature", "ece"),
+        "ece_at_fitted_t": get(s, "before_temperature", "at_fitted_t", "ece"),
         "metrics_measured_on": s.get("metrics_measured_on"),
         "ood_auroc": get(s, "ood", "auroc"), "ood_aupr": get(s, "ood", "aupr"),
         "latency_ms": lat, "latency_basis": basis,
@@ -585,7 +587,9 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              + (f"T={fmt(c['temperature'])}, " if c.get("temperature") not in (None, 1.0) else "")
              + f"{c.get('format')} ({c.get('precision')})",
              f"  accuracy      {fmt(t.get('accuracy'))}, ECE {fmt(t.get('ece'))}"
-             + (f" ({fmt(t['ece_at_t1'])} at T=1)" if t.get("ece_at_t1") is not None else "")
+             + (f" (PyTorch {fmt(t['ece_at_t1'])} at T=1"
+                + (f", {fmt(t['ece_at_fitted_t'])} at T={fmt(c.get('temperature'))})"
+                   if t.get("ece_at_fitted_t") is not None else ")") if t.get("ece_at_t1") is not None else "")
              + f", OOD AUROC {fmt(t.get('ood_auroc'))}"
              + (" (the bundle on this machine)" if predicted else " (on the device)"),
              f"  latency       {lat_txt} ({t.get('latency_basis')})"
