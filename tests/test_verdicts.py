@@ -167,6 +167,10 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     assert s["latency_ms"]["p90"] == imported["latency_ms"]["p90"]
     report = json.loads((run / "report/far-board/report.json").read_text())
     assert report["summary"]["mode"] == "measured" and report["results"]["runs"] == imported["runs"]
+    # ... and says where they came from: edgebayes did not run them (probe)
+    assert s["imported_from"] == str((board / "results.json").resolve())
+    assert f"Results imported</b> from <code>{(board / 'results.json').resolve()}" in \
+        (run / "report/far-board/report.html").read_text()
     # the pipeline now finds deploy done (imported) and ends with the same verdict
     code, out, err = cli(capsys, "pipeline", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
     assert code == 0 and "deploy: up to date" in out, err
@@ -184,6 +188,38 @@ def test_results_of_another_bundle_are_refused(trained_runs, quick_config, pipel
                        "--results", wrong)
     assert code == EXIT_BAD_INPUT and "results of another bundle" in err
     assert not (trained_runs / "digits-ssgl/deploy/other-board/results.json").exists()
+
+
+def test_a_device_that_computes_something_else_gets_no_report():
+    """A model swapped under the hashed name, or a broken runtime, ran at the accuracy of a guess and read
+    'verdict pass, exit 0' (probe): the shipped artifact's accuracy on the device must reach export's floor."""
+    from edgebayes.config import load_device_profile, load_pipeline_config
+    from edgebayes.errors import StageError
+    from edgebayes.stages import Context, device_fidelity
+
+    ctx = Context(load_pipeline_config(ROOT / "pipeline.yaml"), load_device_profile("local"))
+    drop = ctx.cfg.export.max_accuracy_drop
+    manifest = {"format": "onnx-int8", "reference": {"accuracy": 0.96},
+                "artifacts": {"onnx-int8": {"fidelity": {"accuracy": 0.95}}}}
+
+    def res(accuracy):
+        return {"bundle": {"artifact": "onnx-int8"}, "metrics": {"accuracy": accuracy}, "max_abs_prob_diff": 0.9}
+
+    device_fidelity(ctx, res(0.95 - drop + 1e-9), manifest)   # the int8 artifact's own accuracy sets the floor
+    with pytest.raises(StageError, match=r"device local: onnx-int8 reaches accuracy 0.0530 on the bundle's test set "
+                                         r"there, below 0.9300 .*does not compute what was exported"):
+        device_fidelity(ctx, res(0.053), manifest)
+
+
+def test_results_with_a_key_twice_are_refused(tmp_path):
+    """A second "metrics" after the real one (accuracy 1.0) was imported: json keeps the last (probe)."""
+    from edgebayes.deploy.results import ResultsError, read_results
+
+    path = tmp_path / "results.json"
+    path.write_text('{"schema": 1, "metrics": {"accuracy": 0.9}, "metrics": {"accuracy": 1.0}}')
+    with pytest.raises(ResultsError, match=r"results.json: not a runner's results file: not JSON \(ValueError: key "
+                                           r"'metrics' appears twice in one object\)"):
+        read_results(path)
 
 
 def test_results_timed_at_another_thread_count_are_refused():

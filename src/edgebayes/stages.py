@@ -717,6 +717,7 @@ def run_deploy(ctx):
     """
     from edgebayes.deploy.transport import transport_for
 
+    (ctx.stage_dir("deploy") / "imported.json").unlink(missing_ok=True)   # these results are deploy's own
     if no_fit(ctx):
         raise StageError(f"no operating point fits the budgets of {ctx.profile.name}: nothing to deploy; "
                          f"`{ctx.command('report')}` reports every candidate against them")
@@ -777,6 +778,8 @@ def _deploy_on(ctx, transport, bundle, manifest, out):
             (out / result_file).unlink(missing_ok=True)
             raise StageError(f"device {r.name} returned results that are not this run's: {e}") from None
         results_by_artifact[name] = res
+        if primary:
+            device_fidelity(ctx, res, manifest, name)
         lat, ms = res["latency_ms"], lambda v: fmt_ms(v, ascii_only=True)
         ctx.log(f"deploy: {name} on {r.name} ({transport.where()}): accuracy {res['metrics']['accuracy']:.4f}, "
                 f"ECE {res['metrics']['ece']:.4f}, max |p - p_ref| {res['max_abs_prob_diff']:.2e}; latency p50 "
@@ -806,6 +809,8 @@ def _report_inputs(ctx, results):
         "max_ece": candidates.get("max_ece"),
         "export": export, "results": results, "reliability": (results or {}).get("reliability"),
         "artifact_results": read_json(artifact_results) if results and artifact_results.is_file() else {},
+        "imported": read_json(imported) if results and (imported := ctx.stage_dir("deploy") / "imported.json").is_file()
+        else None,   # results run by hand on the device (report --results), not by deploy
         "provenance": ctx.provenance("report"),
         # the config the run used: the file, the command line's --set over it, and every key's value
         "config": {"file": str(ctx.config_path), "settings": list(ctx.settings), "values": as_dict(ctx.cfg)},
@@ -1024,6 +1029,25 @@ def write_predicted_report(ctx, error, no_fit=False):
     return report
 
 
+def device_fidelity(ctx, res, manifest, artifact=None):
+    """The shipped artifact's accuracy on the device at or above the floor export held it to (the lower of the
+    PyTorch MC accuracy and the artifact's own at export, less export.max_accuracy_drop): a runtime that computes
+    something else (a broken kernel, another model under the hashed name) read 'verdict pass' with the accuracy
+    of a random guess (probe). The floor, not export's fp32 tolerance: another CPU's or runtime version's kernels
+    legitimately move probabilities by more than 1e-4."""
+    artifact = artifact or res["bundle"].get("artifact") or manifest["format"]
+    at_export = (manifest.get("artifacts") or {}).get(artifact, {}).get("fidelity", {}).get("accuracy")
+    reference = manifest["reference"]["accuracy"]
+    drop = ctx.cfg.export.max_accuracy_drop
+    floor = min(reference, reference if at_export is None else at_export) - drop
+    got = res["metrics"]["accuracy"]
+    if got < floor:
+        raise StageError(f"device {ctx.profile.name}: {artifact} reaches accuracy {got:.4f} on the bundle's test set "
+                         f"there, below {floor:.4f} (accuracy at export {reference if at_export is None else at_export:.4f}"
+                         f" - export.max_accuracy_drop {drop}; max |p - p_ref| {res['max_abs_prob_diff']:.2e}): its "
+                         f"runtime does not compute what was exported; no report is written from these results")
+
+
 def import_results(ctx, path):
     """`edgebayes report --results FILE`: the results.json of the runner run by hand on the device become
     this run's deploy results, and the report is written from them as after a deploy. The file is checked
@@ -1040,15 +1064,19 @@ def import_results(ctx, path):
                    "bundle.mc_samples": choice["mc_samples"],
                    "runtime.name": choice["candidate"]["runtime"]},
              path, ctx.profile.name)
+    device_fidelity(ctx, res, manifest)
     ctx.begin("deploy")
     ctx.require("export", "bundle/manifest.json")
     out = ctx.stage_dir("deploy")
     write_json(out / "results.json", res)
+    # edgebayes did not run these: the report says so (its figures are the file's, checked as far as they can be)
+    write_json(out / "imported.json", {"from": str(Path(path).resolve()), "sha256": sha256_file(path)})
     write_json(out / "artifacts.json", {res["bundle"]["artifact"]: {
         k: res.get(k) for k in ("bundle", "runtime", "metrics", "latency_ms", "runs", "max_abs_prob_diff",
                                 "peak_rss_mb", "memory", "cold_start")}})
     ctx.mark_done("deploy")
-    ctx.log(f"deploy: results of {res['bundle']['artifact']} on {res['device'].get('hostname', '?')} "
+    host = str(res["device"].get("hostname", "?"))   # the file's text: no escape sequence reaches the terminal
+    ctx.log(f"deploy: results of {res['bundle']['artifact']} on {host if host.isprintable() else ascii(host)} "
             f"imported from {path}")
     ctx.begin("report")
     run_report(ctx)

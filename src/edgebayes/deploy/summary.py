@@ -436,6 +436,8 @@ def summarize(d: dict) -> dict:
         "choice_reason": choice.get("reason"),
         "metrics": metrics,
         "metrics_measured_on": "this machine" if predicted_in is not None else "device",
+        # results of the runner run by hand on the device (report --results), not by deploy: the file they came from
+        "imported_from": None if predicted_in is not None else get(d, "imported", "from"),
         "n_eval": n_eval,
         "accuracy_ci95": ci,
         "max_abs_prob_diff": outputs.get("max_abs_prob_diff"),
@@ -540,7 +542,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         # what the fitted temperature changed, in PyTorch fp32 (the same samples at T = 1 and at T)
         "ece_at_t1": get(s, "before_temperature", "ece"),
         "ece_at_fitted_t": get(s, "before_temperature", "at_fitted_t", "ece"),
-        "metrics_measured_on": s.get("metrics_measured_on"),
+        "metrics_measured_on": s.get("metrics_measured_on"), "imported_from": s.get("imported_from"),
         "ood_auroc": get(s, "ood", "auroc"), "ood_aupr": get(s, "ood", "aupr"),
         "latency_ms": lat, "latency_basis": basis,
         "latency_ms_best_round": None if predicted else s.get("latency_ms_best_round"),
@@ -581,7 +583,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
     predicted = t.get("mode") == "predicted"
     lat_txt = ", ".join(f"{k} {ms(v)}" for k, v in lat.items() if v is not None) or "n/a"
     best = dict_or_empty(t.get("latency_ms_best_round"))
-    lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')})"
+    imported = f", results imported from {t['imported_from']}" if t.get("imported_from") else ""
+    lines = [f"summary: {t.get('run')} on {t.get('device')} ({t.get('mode')}{imported})"
              + "".join(f" --set {x}" for x in t.get("settings") or []),
              f"  chosen point  {point_label(c.get('knob'), c.get('knob_value'))}, M={c.get('mc_samples')}, "
              + (f"T={fmt(c['temperature'])}, " if c.get("temperature") not in (None, 1.0) else "")
