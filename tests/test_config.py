@@ -117,6 +117,15 @@ def test_missing_config_file(capsys, tmp_path):
     assert _nothing_written(runs)
 
 
+def test_an_integer_past_pythons_digit_limit_is_bad_input(capsys, tmp_path):
+    """5001 digits: PyYAML's int() raised a ValueError traceback, in a file and in --set (probe)."""
+    config = _write(tmp_path / "pipeline.yaml", "name: x\ntrain:\n  epochs: 1" + "0" * 5000 + "\n")
+    rc, err, runs = _run(capsys, tmp_path, config)
+    assert rc == 2 and f"{config}: Exceeds the limit (4300 digits)" in err and err.count("\n") == 1
+    assert main(["pipeline", "--set", "train.epochs=1" + "0" * 5000, "--runs-dir", str(tmp_path / "r")]) == 2
+    assert "--set train.epochs: Exceeds the limit" in capsys.readouterr().err
+
+
 def test_invalid_yaml(capsys, tmp_path):
     """YAML that does not parse exits 2 naming the file, the message on one line."""
     config = _write(tmp_path / "pipeline.yaml", "name: x\ntrain: [1, 2\nseed: 0\n")

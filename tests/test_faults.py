@@ -355,7 +355,8 @@ def test_bad_pipeline_values_exit_2_before_any_work(case, tmp_path, capsys):
 
 
 BAD_DEVICE = {
-    "threads -1": ({"runtime": {"threads": -1}}, r"runtime\.threads: expected a non-negative integer"),
+    "threads -1": ({"runtime": {"threads": -1}}, r"runtime\.threads: expected an integer in 0\.\.1024"),
+    "threads 1e20": ({"runtime": {"threads": 10 ** 20}}, r"runtime\.threads: expected an integer in 0\.\.1024"),
     "batch 1e9": ({"budgets": {"batch_size": 1e9}}, r"budgets\.batch_size: expected an integer, got 1000000000\.0"),
     "batch 10^9": ({"budgets": {"batch_size": 10 ** 9}}, r"budgets\.batch_size: expected an integer in 1\.\.4096"),
     "user option": ({"connection": {"kind": "ssh", "host": "board", "user": "-oProxyCommand=touch /tmp/x"}},

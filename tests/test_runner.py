@@ -661,3 +661,63 @@ def test_pixels_travel_in_eval_npz_as_uint8_and_come_back_bit_for_bit(pristine_b
         np.savez(tmp_path / "uint8" / "bundle" / "eval.npz", **{**arrays, "x_scale": scale})
         with pytest.raises(ondevice_bundle.BundleError, match=r"'x_scale' must be one positive number"):
             ondevice_bundle.load_eval_set(tmp_path / "uint8" / "bundle", manifest)
+
+
+def test_hostile_bundles_are_refused_in_one_line(bundle, tmp_path, capsys):
+    """A probe's hostile bundles: a key twice in the manifest (json kept the last silently), a file name that is
+    not a string (TypeError: unhashable), a link out of the bundle (followed: /etc/passwd was hashed and run),
+    a bare .npy under eval.npz's name (TypeError), 0-d inputs (IndexError)."""
+    import numpy as np
+
+    bundle_dir, _, _ = bundle
+    pristine = {p.name: p.read_bytes() for p in bundle_dir.iterdir()}
+
+    def restore():
+        for p in bundle_dir.iterdir():
+            p.unlink()
+        for name, data in pristine.items():
+            (bundle_dir / name).write_bytes(data)
+
+    text = (bundle_dir / "manifest.json").read_text()
+    (bundle_dir / "manifest.json").write_text(text.replace('"files":', '"schema": 1, "files":', 1))
+    assert "appears twice in one object" in _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+    restore()
+    manifest = _manifest(bundle_dir)
+    _write_manifest(bundle_dir, {**manifest, "model_file": ["model.onnx"]})
+    assert "key 'model_file' must be a string" in _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+    restore()
+    outside = tmp_path / "elsewhere.onnx"
+    outside.write_bytes(pristine["model.onnx"])
+    (bundle_dir / "model.onnx").unlink()
+    (bundle_dir / "model.onnx").symlink_to(outside)
+    assert "model.onnx: leads outside the bundle" in _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+    restore()
+    target = bundle_dir / "eval.npz"
+    with np.load(target, allow_pickle=False) as data:
+        arrays = dict(data)
+    for bare in (True, False):
+        if bare:   # a bare .npy under the npz's name
+            with open(target, "wb") as fh:
+                np.save(fh, np.zeros(3, np.float32))
+        else:   # 0-d inputs
+            with open(target, "wb") as fh:
+                np.savez(fh, **{**arrays, "x": np.float32(1.0)})
+        manifest = _manifest(bundle_dir)
+        manifest["files"]["eval.npz"] = {"sha256": _sha256(target), "bytes": target.stat().st_size}
+        _write_manifest(bundle_dir, manifest)
+        msg = _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+        assert ("not an .npz archive" if bare else "must have a row per example") in msg, msg
+        restore()
+
+
+def test_a_results_path_that_is_not_a_regular_file_is_not_replaced(bundle, tmp_path, capsys):
+    """As root, --out /dev/full became a regular file holding the results (probe)."""
+    bundle_dir, _, _ = bundle
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "target.json")
+    assert cli.main(["--bundle", str(bundle_dir), "--out", str(link), *FAST]) != 0
+    assert "exists and is not a regular file" in capsys.readouterr().err
+    assert link.is_symlink() and not (tmp_path / "target.json").exists()
+    with pytest.raises(SystemExit):
+        cli.main(["--bundle", str(bundle_dir), "--out", str(tmp_path / "r.json"), "--threads", "100000", *FAST])
+    assert "--threads: must be <= 1024" in capsys.readouterr().err

@@ -393,7 +393,7 @@ class PipelineConfig(Section):
 # ---------------------------------------------------------------------------------------------
 class RuntimeConfig(Section):
     name: Literal[RUNTIMES] = Field("onnxruntime", description="runtime on the device: onnxruntime, tflite or tensorrt")
-    threads: Annotated[int, Range("expected a non-negative integer (0: the runtime's default)", ge=0)] = Field(
+    threads: Annotated[int, Range("expected an integer in 0..1024 (0: the runtime's default)", ge=0, le=1024)] = Field(
         0, description="intra-op threads of the runtime; 0: its default")
     precision: Annotated[Items[Literal[PRECISIONS]], _each_once("lists a precision twice")] = Field(
         ["fp32"], description="the precisions this runtime takes on the device; selection tries each one that has an "
@@ -709,6 +709,8 @@ def _load_yaml(path: Path):
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}".replace("\n", " ")) from None
+    except ValueError as e:   # a value YAML reads but Python refuses: an integer of more than 4300 digits
+        raise ConfigError(f"{path}: {e}") from None
     if data is None:  # an empty file would otherwise run every default without a word
         raise ConfigError(f"{path}: empty file (expected a mapping of keys, e.g. pipeline.yaml or devices/local.yaml)")
     if not isinstance(data, dict):
@@ -779,6 +781,8 @@ def apply_settings(data, settings, path) -> dict:
             node[parts[-1]] = yaml.load(value, Loader=_Yaml12Loader) if value.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(f"--set {setting}: the value is not valid YAML: {e}".replace("\n", " ")) from None
+        except ValueError as e:   # an integer of more than 4300 digits
+            raise ConfigError(f"--set {key}: {e}") from None
     return data
 
 

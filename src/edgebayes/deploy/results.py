@@ -21,7 +21,7 @@ import os
 import stat
 
 from edgebayes.errors import InputError
-from edgebayes.ondevice.bundle import select_artifact
+from edgebayes.ondevice.bundle import select_artifact, unique_keys
 
 MAX_BYTES = 8 << 20          # a runner's results are ~100 kB (2000 latency samples)
 MAX_MS = 3.6e6               # an hour per inference: anything above is not a latency this runner measured
@@ -197,7 +197,8 @@ def read_results(path):
     if len(data) > MAX_BYTES:
         raise ResultsError(f"{path}: larger than {MAX_BYTES >> 20} MB: not a runner's results file")
     try:
-        res = json.loads(data.decode("utf-8"))   # NaN and Infinity parse, and the schema names their field
+        # NaN and Infinity parse, and the schema names their field; a key twice is refused (json keeps the last)
+        res = json.loads(data.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ResultsError(f"{path}: not a runner's results file: not JSON ({type(e).__name__}: {e})") from None
     problem = _walk(res, SCHEMA, "") or _order(res)

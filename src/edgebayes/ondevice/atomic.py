@@ -4,6 +4,7 @@ A file is written to a temporary path in the same folder, flushed to disk and re
 interrupted run never leaves a half-written file behind.
 """
 
+import errno
 import json
 import os
 import tempfile
@@ -18,6 +19,9 @@ def atomic_path(path):
     An OSError without a file name (a full disk: `[Errno 28] No space left on device`) gets `path` as its
     file name, so that the one-line message of the command line says where."""
     path = Path(path)
+    if os.path.lexists(str(path)) and (path.is_symlink() or not path.is_file()):
+        # a device node, FIFO or folder (or a link) is not a file to replace: as root, /dev/null became one
+        raise OSError(errno.EEXIST, "exists and is not a regular file; give another path", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

@@ -40,6 +40,17 @@ def sha256_file(path, chunk_size=1 << 20):
     return digest.hexdigest()
 
 
+def unique_keys(pairs):
+    """json's object_pairs_hook: a key twice in one object is refused (json keeps the last one silently, so a
+    second "metrics" or "files" could override what a reader checks first)."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError("key {!r} appears twice in one object".format(key))
+        obj[key] = value
+    return obj
+
+
 def _safe_relative(name):
     """True if `name` is a relative path that stays inside the bundle."""
     if not isinstance(name, str) or not name or os.path.isabs(name):
@@ -69,9 +80,9 @@ def verify_bundle(bundle_dir):
         fail(MANIFEST_NAME, "missing; this directory is not an edgebayes bundle")
     try:
         with open(manifest_path, "r", encoding="utf-8") as fh:
-            manifest = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        fail(MANIFEST_NAME, f"not valid JSON ({exc})")
+            manifest = json.load(fh, object_pairs_hook=unique_keys)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:   # ValueError: JSON's, a 5000-digit integer's
+        fail(MANIFEST_NAME, f"not valid JSON ({str(exc)[:200] or type(exc).__name__})")
     if not isinstance(manifest, dict):
         fail(MANIFEST_NAME, f"must be a JSON object, got {type(manifest).__name__}")
 
@@ -88,6 +99,9 @@ def verify_bundle(bundle_dir):
 
     files = manifest["files"]
     # The runner (exported bundles carry it) is verified like the model: the measuring code is the export's.
+    for key in ("model_file", "eval_file", "format", *(("runner",) if "runner" in manifest else ())):
+        if not isinstance(manifest[key], str):
+            fail(MANIFEST_NAME, f"key {key!r} must be a string")
     for key in ("model_file", "eval_file", *(("runner",) if "runner" in manifest else ())):
         if manifest[key] not in files:
             fail(MANIFEST_NAME, f"{key} {manifest[key]!r} is not listed in 'files', so it cannot be verified")
@@ -96,8 +110,8 @@ def verify_bundle(bundle_dir):
     if not isinstance(artifacts, dict):
         fail(MANIFEST_NAME, "key 'artifacts' must be a JSON object")
     for art, entry in artifacts.items():
-        if not isinstance(entry, dict) or any(k not in entry for k in ARTIFACT_KEYS):
-            fail(MANIFEST_NAME, f"artifacts[{art!r}] must be an object with {', '.join(ARTIFACT_KEYS)}")
+        if not isinstance(entry, dict) or any(not isinstance(entry.get(k), str) for k in ARTIFACT_KEYS):
+            fail(MANIFEST_NAME, f"artifacts[{art!r}] must be an object with {', '.join(ARTIFACT_KEYS)} (strings)")
         if entry["model_file"] not in files:
             fail(MANIFEST_NAME, f"artifacts[{art!r}] model_file {entry['model_file']!r} is not listed in 'files', "
                                 "so it cannot be verified")
@@ -112,6 +126,10 @@ def verify_bundle(bundle_dir):
         path = os.path.join(bundle_dir, name)
         if not os.path.isfile(path):
             fail(name, "missing (listed in manifest.json); the bundle is incomplete")
+        # a link (of the file or of a folder on its way) must not lead the runner outside the bundle
+        root = os.path.realpath(bundle_dir)
+        if os.path.commonpath([os.path.realpath(path), root]) != root:
+            fail(name, f"leads outside the bundle (a symbolic link to {os.path.realpath(path)}); copy the file in")
         size = os.path.getsize(path)
         # Size first: it is free, and a truncated copy is the common failure.
         if size != entry["bytes"]:
@@ -158,7 +176,10 @@ def load_eval_set(bundle_dir, manifest):
         raise BundleError(f"bundle {os.fspath(bundle_dir)}: {name}: {detail}")
 
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):   # a bare .npy under the npz's name
+            fail("not an .npz archive (a single array)")
+        with data:
             missing = [key for key in EVAL_ARRAYS if key not in data.files]
             if missing:
                 fail(f"missing array(s): {', '.join(missing)}")
@@ -174,6 +195,11 @@ def load_eval_set(bundle_dir, manifest):
         fail(f"cannot be read without unpickling or is malformed ({exc})")
     except (OSError, EOFError, zipfile.BadZipFile) as exc:   # BadZipFile: cut off, or a member's CRC is wrong
         fail(f"not a readable .npz file ({exc})")
+    except MemoryError:   # an array header declaring a shape far beyond the file
+        fail("an array declares a shape too large to load: the file is corrupted or not an edgebayes eval set")
+
+    if x.ndim < 1 or ref.ndim < 1:
+        fail(f"'x' and 'reference_probs' must have a row per example, got shapes {x.shape} and {ref.shape}")
 
     if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
         fail(f"'y' must be a 1-D integer array, got dtype {y.dtype} shape {y.shape}")

@@ -54,6 +54,16 @@ def _non_negative_int(text):
     return value
 
 
+MAX_THREADS = 1024   # past any board's cores: a larger count hung the runtime's thread pool creation
+
+
+def _thread_count(text):
+    value = _non_negative_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError("must be <= {}, got {}".format(MAX_THREADS, value))
+    return value
+
+
 def positive_int(text):
     value = int(text)
     if value < 1:
@@ -87,7 +97,7 @@ def build_parser():
                              "(latency_summary)")
     parser.add_argument("--batch-size", type=positive_int, default=1,
                         help="rows per timed run (of --time-models too)")
-    parser.add_argument("--threads", type=_non_negative_int, default=0, help="intra-op threads, 0 = runtime default")
+    parser.add_argument("--threads", type=_thread_count, default=0, help="intra-op threads, 0 = runtime default")
     parser.add_argument("--runtime", default=None,
                         help=f"runtime to use ({', '.join(sorted(BACKENDS))}); default: from the manifest's format")
     parser.add_argument("--providers", default=None,
@@ -294,7 +304,13 @@ def main(argv=None):
         t0 = time.perf_counter()
         backend = make_backend(runtime, model_path, args.threads, providers, **options)
         t1 = time.perf_counter()
-        first = np.asarray(backend.run(batch))
+        try:
+            first = np.asarray(backend.run(batch))
+        except RuntimeProblem:
+            raise
+        except Exception as exc:   # the runtime's own error type (onnxruntime's InvalidArgument, LiteRT's ValueError)
+            raise RuntimeProblem("{}: the model failed its first inference on this runtime ({}: {})".format(
+                artifact["model_file"], type(exc).__name__, str(exc)[:300])) from exc
         t2 = time.perf_counter()
         if first.shape != (len(batch), n_classes):
             print(f"runner: bundle {args.bundle}: {artifact['model_file']}: model output shape "
