@@ -208,6 +208,10 @@ class Context:
         for rel, digest in done["outputs"].items():
             if _digest(folder / rel) != digest:
                 return f"its output {rel} changed since the stage wrote it"
+        return self.changed_input(done)
+
+    def changed_input(self, done):
+        """Why a finished stage's inputs are no longer what it read (an earlier stage ran again), or None."""
         for rel, digest in (done.get("inputs") or {}).items():
             if _digest(self.run_dir / rel) != digest:
                 return f"its input {rel} changed since it was read"
@@ -565,6 +569,7 @@ def run_export(ctx):
     mc_model = compressed.mc_model()
     x, y = splits.test_x, splits.test_y.numpy()
     reference_probs = predict(mc_model, x).numpy()
+    reference_metrics = classification_metrics(reference_probs, y)
     before_temperature = None
     if compressed.temperature != 1.0:
         # What the fitted T changed, both sides in PyTorch fp32 (the same M samples at T = 1 and at T): the
@@ -572,7 +577,7 @@ def run_export(ctx):
         untempered = replace(compressed, temperature=1.0).mc_model()
         probs_t1 = predict(untempered, x).numpy()
         before_temperature = classification_metrics(probs_t1, y)
-        before_temperature["at_fitted_t"] = classification_metrics(reference_probs, y)
+        before_temperature["at_fitted_t"] = dict(reference_metrics)
         if splits.ood_x is not None:
             before_temperature["ood"] = ood_scores(probs_t1, predict(untempered, splits.ood_x).numpy())
             before_temperature["at_fitted_t"]["ood"] = ood_scores(reference_probs, predict(mc_model, splits.ood_x).numpy())
@@ -620,7 +625,7 @@ def run_export(ctx):
         manifest = write_bundle(
             out / "bundle", primary["path"], x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
             knob_name=model.knob, knob_value=knob_value,
-            reference_metrics=classification_metrics(reference_probs, y), provenance=ctx.provenance("export"),
+            reference_metrics=reference_metrics, provenance=ctx.provenance("export"),
             artifacts=artifacts, ood_x=None if splits.ood_x is None else splits.ood_x.numpy())
     kept_per_sample = count_weights(compressed.samples[0], fold_batch_norm=True)
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
@@ -867,9 +872,8 @@ def stale_upstream(ctx, stage):
             continue
         if done.get("fingerprint") != ctx.fingerprint(before):
             return before, "config, device profile or code changed"
-        for rel, digest in (done.get("inputs") or {}).items():   # an earlier stage re-ran since
-            if _digest(ctx.run_dir / rel) != digest:
-                return before, f"its input {rel} changed since it was read"
+        if (why := ctx.changed_input(done)) is not None:
+            return before, why
     return None
 
 
@@ -1037,15 +1041,14 @@ def device_fidelity(ctx, res, manifest, artifact=None):
     legitimately move probabilities by more than 1e-4."""
     artifact = artifact or res["bundle"].get("artifact") or manifest["format"]
     at_export = (manifest.get("artifacts") or {}).get(artifact, {}).get("fidelity", {}).get("accuracy")
-    reference = manifest["reference"]["accuracy"]
+    base = min(manifest["reference"]["accuracy"], *([] if at_export is None else [at_export]))
     drop = ctx.cfg.export.max_accuracy_drop
-    floor = min(reference, reference if at_export is None else at_export) - drop
     got = res["metrics"]["accuracy"]
-    if got < floor:
+    if got < base - drop:
         raise StageError(f"device {ctx.profile.name}: {artifact} reaches accuracy {got:.4f} on the bundle's test set "
-                         f"there, below {floor:.4f} (accuracy at export {reference if at_export is None else at_export:.4f}"
-                         f" - export.max_accuracy_drop {drop}; max |p - p_ref| {res['max_abs_prob_diff']:.2e}): its "
-                         f"runtime does not compute what was exported; no report is written from these results")
+                         f"there, below {base - drop:.4f} (accuracy at export {base:.4f} - export.max_accuracy_drop "
+                         f"{drop}; max |p - p_ref| {res['max_abs_prob_diff']:.2e}): its runtime does not compute what "
+                         f"was exported; no report is written from these results")
 
 
 def import_results(ctx, path):
