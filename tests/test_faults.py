@@ -682,6 +682,9 @@ HOSTILE_RESULTS = {   # field: (value, what the message says)
                                                         r"choice for flops has .*: results of another bundle's model"),
     "another runtime": ("runtime.name", "tensorrt", r"runtime\.name: \"tensorrt\", but .* has \"onnxruntime\""),
     "another precision": ("bundle.precision", "fp16", r"bundle\.precision: \"fp16\", but .* has \"fp32\""),
+    "accuracy raised, bins kept": ("metrics.accuracy", 1.0, r"metrics\.accuracy: expected 0\.\d+, the accuracy of the "
+                                                           r"reliability bins, got 1: not the figures the runner"),
+    "another schema": ("schema", 999, r"schema: expected 1 \(the schema this edgebayes reads\), got 999"),
 }
 
 
@@ -702,6 +705,47 @@ def test_hostile_results_are_refused_with_every_marker_and_report_untouched(case
     out = pipeline(capsys, base, runs)
     assert "deploy: up to date" in out and "report: up to date" in out
 
+
+
+def _spread_tail(r):   # the tail moved to the fastest bin: the percentiles no longer match every run's histogram
+    r["latency_histogram"]["counts"] = [r["runs"]] + [0] * (len(r["latency_histogram"]["counts"]) - 1)
+
+
+EDITED_RESULTS = {   # an edit that keeps the schema but not what the runner derives from its own figures
+    "ECE lowered": (lambda r: r["metrics"].update(ece=r["metrics"]["ece"] / 2), r"metrics\.ece: expected .*, the ECE "),
+    "a bin moved": (lambda r: r["reliability"]["bin_count"].__setitem__(-1, r["reliability"]["bin_count"][-1] + 1),
+                    r"reliability\.bin_count: expected counts summing to metrics\.n"),
+    "p99 lowered to p90": (lambda r: r["latency_ms"].update(p99=r["latency_ms"]["p50"], p90=r["latency_ms"]["p50"]),
+                           r"latency_ms\.p9\d: expected a value in \[.*\] ms, where the histogram of every run"),
+    "histogram of other runs": (_spread_tail, r"latency_ms\.p\d\d: expected a value in"),
+    "best round better than every round": (lambda r: r["latency_ms_best_round"].update(min=r["latency_ms_best_round"]["min"] / 2),
+                                           r"latency_ms_best_round\.min: expected .* from latency_rounds_ms"),
+    "throughput doubled": (lambda r: r.update(throughput_per_s=2 * r["throughput_per_s"]),
+                           r"throughput_per_s: expected batch_size x runs / seconds"),
+    "fewer runs than the protocol": (lambda r: r["protocol"].update(min_runs=r["runs"] + 1), r"runs: expected at least"),
+    "selective curve of another set": (lambda r: r["selective"].update(n=r["selective"]["n"] + 1), r"selective: expected"),
+}
+
+
+@pytest.mark.parametrize("case", list(EDITED_RESULTS))
+def test_results_whose_figures_disagree_with_each_other_are_refused(case, base, tmp_path):
+    """What the runner derives (accuracy and ECE from the bins, percentiles from every run, the best round
+    from the rounds) is recomputed: an edited file is not shown as the board's figures. The runner's own
+    file passes (the guard against a check that refuses everything)."""
+    from edgebayes.deploy.results import ResultsError, read_results
+
+    results = json.loads((base.runs / "faults/deploy/flops/results.json").read_text())
+    assert read_results(base.runs / "faults/deploy/flops/results.json") == results
+    if case == "p99 lowered to p90":   # only an edit when the tail is not in the median's bin
+        hist = results["latency_histogram"]
+        assert results["latency_ms"]["p99"] > results["latency_ms"]["p50"] * (1 + 2 * (hist["edges_ms"][1] / hist["edges_ms"][0] - 1))
+    edit, pattern = EDITED_RESULTS[case]
+    edit(results)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    with pytest.raises(ResultsError) as caught:
+        read_results(path)
+    assert re.search(re.escape(f"{path}: ") + pattern, str(caught.value)), caught.value
 
 @pytest.mark.parametrize("kind", ["FIFO", "/dev/zero", "9 MB", "a folder"])
 def test_results_that_are_not_a_small_regular_file_are_refused_at_once(kind, base, runs, tmp_path):

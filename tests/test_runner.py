@@ -303,6 +303,25 @@ def test_a_damaged_or_non_finite_eval_file_is_refused(bundle, tmp_path, capsys):
     _write_manifest(bundle_dir, manifest)
     assert "'reference_probs' holds NaN" in _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
 
+    for what, edit in (("negated", lambda p: -p), ("logits", lambda p: 5 * p - 2)):
+        np.savez(path, x=x, y=y, reference_probs=edit(probs))
+        manifest["files"]["eval.npz"] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        _write_manifest(bundle_dir, manifest)
+        msg = _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+        assert "eval.npz: 'reference_probs': probs must be class probabilities" in msg, what
+
+
+@pytest.mark.parametrize("mc", [float("nan"), 0, -3, 2.5, True, "8", None, 10 ** 30])
+def test_a_manifest_mc_samples_that_is_not_a_count_is_refused_before_any_timing(mc, bundle, tmp_path, capsys):
+    """The runner wrote a NaN mc_samples into its results, and only the import refused them, after the
+    timing (probe): the bundle's manifest is refused at once."""
+    bundle_dir, _, _ = bundle
+    manifest = _manifest(bundle_dir)
+    manifest["mc_samples"] = mc
+    _write_manifest(bundle_dir, manifest)
+    assert "manifest.json: key 'mc_samples' must be a positive integer" in \
+        _run_expect_bundle_error(bundle_dir, tmp_path, capsys)
+
 
 def test_non_finite_outputs_on_the_ood_inputs_are_a_runtime_problem(bundle, tmp_path, capsys):
     """OOD inputs the model overflows on (finite inputs, NaN outputs): the NaN entropies ranked as the most

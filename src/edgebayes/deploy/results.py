@@ -20,8 +20,10 @@ import math
 import os
 import stat
 
+import numpy as np
+
 from edgebayes.errors import InputError
-from edgebayes.ondevice.bundle import select_artifact, unique_keys
+from edgebayes.ondevice.bundle import SCHEMA_VERSION, select_artifact, unique_keys
 
 MAX_BYTES = 8 << 20          # a runner's results are ~100 kB (2000 latency samples)
 MAX_MS = 3.6e6               # an hour per inference: anything above is not a latency this runner measured
@@ -201,21 +203,112 @@ def read_results(path):
         res = json.loads(data.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ResultsError(f"{path}: not a runner's results file: not JSON ({type(e).__name__}: {e})") from None
-    problem = _walk(res, SCHEMA, "") or _order(res)
+    problem = _walk(res, SCHEMA, "") or _consistent(res)
     if problem:
         field, what = problem
         raise ResultsError(f"{path}: {field}: {what}")
     return res
 
 
-def _order(res):
+def _consistent(res):
+    """The first field that disagrees with the rest of the file, as (field, what is wrong), or None.
+
+    The runner derives most figures from others it also writes (metrics.py, timing.py): the accuracy and
+    the ECE from the reliability bins, the percentiles from every timed run (the histogram counts them
+    all), the best and median round from the rounds, the throughput from runs and seconds. A file whose
+    figures disagree was edited or corrupted, and the report must not show its figures as measured: an
+    accuracy raised by hand while its bins, counts and hashes were kept read as the board's."""
+    if res["schema"] != SCHEMA_VERSION:
+        return "schema", f"expected {SCHEMA_VERSION} (the schema this edgebayes reads), got {_show(res['schema'])}"
     for key in ("latency_ms", "latency_ms_best_round", "latency_ms_median"):
         lat = res[key]
         if not lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]:
             return key, f"expected min <= p50 <= p90 <= p99 <= max, got {_show(lat)}"
-    if res["metrics"]["n"] != res["reference"]["n"]:
-        return "metrics.n", f"expected the evaluation set's size {res['reference']['n']} (reference.n), got " \
-                            f"{res['metrics']['n']}"
+    n = res["metrics"]["n"]
+    if n != res["reference"]["n"]:
+        return "metrics.n", f"expected the evaluation set's size {res['reference']['n']} (reference.n), got {n}"
+    return _bins_agree(res, n) or _latency_agrees(res) or _counts_agree(res, n)
+
+
+def _differs(got, want, tol=1e-6):
+    return abs(got - want) > tol * max(1.0, abs(want))
+
+
+def _bins_agree(res, n):
+    """accuracy and ECE recomputed from the reliability bins (metrics.reliability_bins)."""
+    rel = res["reliability"]
+    counts, conf, acc = rel["bin_count"], rel["bin_confidence"], rel["bin_accuracy"]
+    if not len(counts) == len(conf) == len(acc) >= 1:
+        return "reliability", "expected bin_count, bin_confidence and bin_accuracy of one length"
+    if sum(counts) != n:
+        return "reliability.bin_count", f"expected counts summing to metrics.n ({n}), got {sum(counts)}"
+    for b, (c, p, a) in enumerate(zip(counts, conf, acc)):
+        if (c == 0) != (p is None) or (c == 0) != (a is None):
+            return f"reliability.bin_count[{b}]", "expected null confidence and accuracy exactly for an empty bin"
+        if c and not (b / len(counts) - 1e-9 <= p <= (b + 1) / len(counts) + 1e-9):
+            return f"reliability.bin_confidence[{b}]", f"expected a confidence within bin {b}'s range, got {p:g}"
+    correct = sum(a * c for a, c in zip(acc, counts) if c)
+    ece = sum(abs(a - p) * c for a, p, c in zip(acc, conf, counts) if c) / n
+    if _differs(res["metrics"]["accuracy"], correct / n):
+        return "metrics.accuracy", (f"expected {correct / n:.6g}, the accuracy of the reliability bins, got "
+                                    f"{res['metrics']['accuracy']:.6g}: not the figures the runner computed")
+    if _differs(res["metrics"]["ece"], ece):
+        return "metrics.ece", (f"expected {ece:.6g}, the ECE of the reliability bins, got {res['metrics']['ece']:.6g}: "
+                               f"not the figures the runner computed")
+    sel = res["selective"]
+    if sel["n"] != n or not sel["kept"] or sel["kept"][0] != n or _differs(sel["accuracy"][0], correct / n):
+        return "selective", f"expected n and kept[0] equal to metrics.n ({n}) and accuracy[0] to metrics.accuracy"
+    if res["ood"] is not None and res["ood"]["n_in"] != n:
+        return "ood.n_in", f"expected metrics.n ({n}), got {res['ood']['n_in']}"
+    return None
+
+
+def _latency_agrees(res):
+    """The pooled percentiles against the histogram of every timed run, and the best and median round
+    against the rounds (timing.latency_summary)."""
+    lat, hist = res["latency_ms"], res["latency_histogram"]
+    edges, counts = hist["edges_ms"], hist["counts"]
+    if len(edges) != len(counts) + 1 or sum(counts) != res["runs"]:
+        return "latency_histogram", f"expected {res['runs']} runs (runs) in len(edges_ms) - 1 bins"
+    if _differs(edges[0], lat["min"]) or (len(edges) > 2 and _differs(edges[-1], lat["max"])):
+        return "latency_histogram.edges_ms", "expected the first and last edge at latency_ms's min and max"
+    cumulative = np.cumsum(counts)
+    for q in ("p50", "p90", "p99"):    # np.percentile interpolates between the order statistics lo and hi
+        rank = float(q[1:]) / 100 * (res["runs"] - 1)
+        lo, hi = (int(np.searchsorted(cumulative, k, side="right")) for k in (math.floor(rank), math.ceil(rank)))
+        if not edges[lo] * (1 - 1e-6) <= lat[q] <= edges[min(hi + 1, len(edges) - 1)] * (1 + 1e-6):
+            return f"latency_ms.{q}", (f"expected a value in [{edges[lo]:.6g}, {edges[min(hi + 1, len(edges) - 1)]:.6g}] "
+                                       f"ms, where the histogram of every run puts it, got {lat[q]:.6g}")
+    samples = res["latency_samples_ms"]
+    if not samples or len(samples) > res["runs"] or min(samples) < lat["min"] or max(samples) > lat["max"]:
+        return "latency_samples_ms", "expected at most `runs` samples within latency_ms's min and max"
+    rounds = res["latency_rounds_ms"]
+    if len(rounds) != res["rounds"]:
+        return "latency_rounds_ms", f"expected {res['rounds']} rounds (rounds), got {len(rounds)}"
+    for key, combine in (("latency_ms_best_round", min), ("latency_ms_median", lambda v: float(np.median(v)))):
+        for stat, got in res[key].items():
+            if _differs(got, combine([r[stat] for r in rounds])):
+                return f"{key}.{stat}", f"expected {combine([r[stat] for r in rounds]):.6g} from latency_rounds_ms"
+    if _differs(lat["min"], min(r["min"] for r in rounds)) or _differs(lat["max"], max(r["max"] for r in rounds)):
+        return "latency_ms", "expected the min and max of latency_rounds_ms"
+    return None
+
+
+def _counts_agree(res, n):
+    protocol = res["protocol"]
+    for key in ("rounds", "batch_size", "warmup"):
+        if protocol[key] != res[key]:
+            return f"protocol.{key}", f"expected {key} ({res[key]}), got {protocol[key]}"
+    if res["runs"] < protocol["min_runs"]:
+        return "runs", f"expected at least protocol.min_runs ({protocol['min_runs']}), got {res['runs']}"
+    if res["seconds"] > 0 and _differs(res["throughput_per_s"], res["batch_size"] * res["runs"] / res["seconds"]):
+        return "throughput_per_s", "expected batch_size x runs / seconds"
+    mem = res["memory"]
+    if mem["batch_size"] != res["batch_size"]:
+        return "memory.batch_size", f"expected batch_size ({res['batch_size']}), got {mem['batch_size']}"
+    if None not in (mem["runtime_baseline_mb"], mem["model_mb"]) and (
+            mem["deployed_mb"] is None or _differs(mem["deployed_mb"], mem["runtime_baseline_mb"] + mem["model_mb"])):
+        return "memory.deployed_mb", "expected runtime_baseline_mb + model_mb"
     return None
 
 

@@ -9,6 +9,7 @@ import zipfile
 
 import numpy as np
 
+from .metrics import check_probabilities
 from .tables import FORMAT_TO_RUNTIME
 
 SCHEMA_VERSION = 1
@@ -96,6 +97,10 @@ def verify_bundle(bundle_dir):
                       ("classes", list), ("knob", dict), ("reference", dict)):
         if not isinstance(manifest[key], kind):
             fail(MANIFEST_NAME, f"key {key!r} must be a JSON {'object' if kind is dict else 'array'}")
+
+    mc = manifest["mc_samples"]   # written into the results and checked against the choice: a count, or nothing
+    if not isinstance(mc, int) or isinstance(mc, bool) or not 1 <= mc <= 1 << 16:
+        fail(MANIFEST_NAME, f"key 'mc_samples' must be a positive integer (the MC samples in the model), got {mc!r}")
 
     files = manifest["files"]
     # The runner (exported bundles carry it) is verified like the model: the measuring code is the export's.
@@ -216,6 +221,10 @@ def load_eval_set(bundle_dir, manifest):
     for key, a in (("x", x), ("reference_probs", ref)):   # a NaN would come back as every metric NaN, exit 0
         if np.issubdtype(a.dtype, np.inexact) and not np.isfinite(a).all():
             fail(f"'{key}' holds NaN or infinite values")
+    try:   # the device's outputs are compared with these: they must be probabilities, as the export wrote them
+        check_probabilities(ref)
+    except ValueError as exc:
+        fail(f"'reference_probs': {exc}")
     # Compare per-example shape with the manifest, ignoring dynamic (null) dims.
     declared = manifest["input"].get("shape")
     if isinstance(declared, list) and len(declared) >= 1:
