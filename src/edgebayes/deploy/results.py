@@ -8,8 +8,11 @@ and the field) unless, in this order:
    read, as it would hang or fill the memory);
 2. it parses as JSON into the runner's schema (`SCHEMA`): every key known,
    accuracies and rates in [0, 1], every number finite (no NaN, Infinity), latencies positive, finite and below an hour, counts integers, the
-   percentiles in order (min <= p50 <= p90 <= p99 <= max);
-3. it is of this bundle and this device (`identity`): the sha256 of the model the runner measured, the
+   percentiles in order (min <= p50 <= p90 <= p99 <= max), schema 1;
+3. its figures agree with those the runner derives them from (`_consistent`): accuracy and ECE with the
+   reliability bins, percentiles with the histogram of every timed run, the best and median round with
+   the rounds, throughput with runs and seconds;
+4. it is of this bundle and this device (`identity`): the sha256 of the model the runner measured, the
    artifact, its format, precision and runtime, M, the device's name (the runner's `--tag device=`), the
    budget's batch size and the bundle's reference figures all equal what this run's selection chose for
    the profile. A results file of another model, bundle, runtime or device is never shown as measured.
