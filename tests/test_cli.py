@@ -152,3 +152,17 @@ def test_a_second_interrupt_while_the_program_ends_is_ignored():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr and done.stderr.count("edgebayes: interrupted; run again to resume") == 2
+
+
+def test_edgebayes_warnings_read_as_one_line_of_edgebayes_in_the_terminal():
+    """Python's format put the source path and line before each of edgebayes' warnings ('.../bayesianize.py:262:
+    UserWarning: ...' and the calling line), which read as a crash (probe); other packages' keep theirs."""
+    import torch
+
+    import edgebayes.train.bayesianize as own
+    from edgebayes import cli
+
+    assert cli._format_warning("3 of 8 parameters", UserWarning, own.__file__, 262) == \
+        "edgebayes: warning: 3 of 8 parameters\n"
+    assert "DeprecationWarning: old" in cli._format_warning("old", DeprecationWarning, torch.__file__, 1)
+    assert "UserWarning: theirs" in cli._format_warning("theirs", UserWarning, torch.__file__, 1)

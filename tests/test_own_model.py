@@ -867,6 +867,9 @@ def test_save_run_and_calibrate_refuse_empty_or_misshapen_inputs_by_name(tmp_pat
     with pytest.raises(ValueError, match=r"run: x: expected a batch of at least one input, got shape \(0, 8\)"):
         eb.run(path, x[:0])
     assert eb.run(path, x[:3]).shape == (3, 3)
+    # onnxruntime's INVALID_ARGUMENT named neither x nor the shape the artifact takes
+    with pytest.raises(ValueError, match=r"run: x: m\.onnx takes inputs of shape \(N, 8\), x has shape \(3, 4\)"):
+        eb.run(path, x[:3, :4])
     # NaN probabilities came back silently; a folder that does not exist named a temporary file
     bad = x[:3].copy()
     bad[1, 2] = np.nan
@@ -1096,6 +1099,70 @@ def test_a_pretrained_file_that_fits_part_of_the_model_warns_naming_the_rest(use
     with pytest.warns(UserWarning, match=r"part\.pt: 5 of 8 parameters keep their fresh initialisation .*: "
                                          r"bn2\.bias, bn2\.weight, conv2\.weight, fc\.bias, \.\.\."):
         build_model(model, PriorConfig(), (1, 8, 8), 10, n_train=100)
+
+
+def test_a_pretrained_file_of_another_network_is_refused_and_extra_tensors_are_named(user_package, tmp_path):
+    """Another network's file matching one bias by name trained on from fresh weights, exit 0, as a
+    fine-tuning (probe); tensors of the file the model has no place for were dropped without a word."""
+    from edgebayes.errors import InputError
+    from userpkg.nets import PlainNet
+
+    torch.save({"fc.bias": PlainNet().state_dict()["fc.bias"], "other.weight": torch.zeros(3, 3)}, tmp_path / "o.pt")
+    model = ModelConfig(arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "o.pt"))
+    with pytest.raises(InputError, match=r"o\.pt: no Linear or convolution weight of the model is in it \(only "
+                                         r"fc\.bias match by name and shape\): a checkpoint of another network"):
+        build_model(model, PriorConfig(), (1, 8, 8), 10, n_train=100)
+    state = {**PlainNet().state_dict(), "aux.weight": torch.zeros(2), "aux.bias": torch.zeros(2)}
+    torch.save(state, tmp_path / "extra.pt")
+    model = ModelConfig(arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "extra.pt"))
+    with pytest.warns(UserWarning, match=r"extra\.pt: 2 of its tensors have no place in the model .*: aux\.bias, "
+                                         r"aux\.weight"):
+        build_model(model, PriorConfig(), (1, 8, 8), 10, n_train=100)
+
+
+class _OneLogit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.fc = nn.Linear(10, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.a(x)))
+
+
+class _Rgb(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.c(x), 1), 1))
+
+
+class _Signal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.fc = nn.Conv1d(2, 4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(self.c(x).mean(-1))
+
+
+@pytest.mark.parametrize("case, make, shape, message", [
+    ("one logit", _OneLogit, (10,), r"_OneLogit returns 1 score per input; .* size its last layer to 2"),
+    ("float64", lambda: _Rgb().double(), (3, 8, 8), r"_Rgb holds torch\.float64 parameters; .* \.float\(\)"),
+    ("grey data, RGB net", _Rgb, (1, 8, 8), r"_Rgb does not run on .*; the network takes 3 channels and the data has 1: "
+                                            r"set data\.channels: 3"),
+    ("signals read as images", _Signal, (1, 2, 32), r"_Signal .*set data\.signals: true"),
+    ("DataParallel", lambda: nn.DataParallel(_Rgb()), (3, 8, 8), r"DataParallel wraps the network .*\(its \.module\)"),
+])
+def test_a_network_that_does_not_fit_the_task_or_the_data_says_what_to_change(case, make, shape, message):
+    """Each was accepted (a one-logit binary classifier, then `y_train has labels that are not classes: 1`)
+    or refused as 'does not run on inputs of the data's shape' with torch's message only (probe)."""
+    from edgebayes.errors import ArchError
+    import edgebayes as eb
+
+    with pytest.raises(ArchError, match=r"bayesianize: " + message):
+        eb.bayesianize(make(), "ss-gl", input_shape=shape, n_train=10)
 
 
 def test_a_pretrained_file_holding_nan_is_bad_input_naming_the_tensor(user_package, tmp_path):

@@ -224,7 +224,10 @@ def run(path, x, fmt=None):
     _refuse_non_finite(x, "run: x")   # the graph would return NaN probabilities, silently
     if not Path(path).is_file():
         raise ValueError(f"run: path: no such file {path}")
-    return artifact_predict(Path(path), fmt, x)
+    try:
+        return artifact_predict(Path(path), fmt, x)
+    except ValueError as e:   # x's shape against the artifact's input (the runtime's own message named neither)
+        raise ValueError(f"run: {e}") from None
 
 
 def _refuse_non_finite(x, where):

@@ -26,6 +26,7 @@ import json
 import pickle
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from edgebayes import STAGES
@@ -478,13 +479,26 @@ def _os_error(e: OSError) -> str:
     return f"{paths}: {e.strerror or e}" if paths else str(e)
 
 
+def _format_warning(message, category, filename, lineno, line=None):
+    """edgebayes' own warnings in the terminal as `edgebayes: warning: ...`: Python's format adds the source
+    file and line, which reads as a crash to a user. Other packages' warnings keep their format (their
+    origin is what a user searches for)."""
+    if issubclass(category, UserWarning) and Path(filename).resolve().is_relative_to(Path(__file__).parent):
+        return f"edgebayes: warning: {message}\n"
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
+
+
+_PYTHON_FORMAT = warnings.formatwarning
+
+
 def main(argv=None) -> int:
     """Every failure ends as one line on stderr and an exit code (module docstring), never a traceback
     (issue 19): the errors the code raises itself, and those of the machine (disk full, a read-only or
     misplaced runs folder, memory) or of a file's content (JSON, a checkpoint torch refuses to unpickle)."""
     args = build_parser().parse_args(argv)
     what = f"{args.command} {args.action}" if args.command in ("devices", "config") else args.command
-    previous = _terminate_like_ctrl_c()
+    previous, formatwarning = _terminate_like_ctrl_c(), warnings.formatwarning
+    warnings.formatwarning = _format_warning
     try:
         return _run(args)
     except InputError as e:
@@ -503,6 +517,7 @@ def main(argv=None) -> int:
     except (json.JSONDecodeError, pickle.UnpicklingError) as e:  # read_json and load_checkpoint name the file
         message, code = f"{what} failed: unreadable file content ({type(e).__name__}: {e})", EXIT_FAILED
     finally:
+        warnings.formatwarning = formatwarning
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if code in (EXIT_INTERRUPTED, EXIT_TERMINATED) and argv is None:

@@ -292,6 +292,10 @@ def _convert(f, module, path, example_x, calib_x, opset, info):
 def artifact_predict(path, fmt: str, x: np.ndarray, threads: int = 0) -> np.ndarray:
     """Run an artifact over x with the device runner's own backend (the code the device runs)."""
     backend = make_backend(get_format(fmt).runtime, os.fspath(path), threads)
+    want = backend.example_shape
+    if want is not None and (len(want) != x.ndim - 1 or any(w not in (None, g) for w, g in zip(want, x.shape[1:]))):
+        shown = ", ".join("?" if w is None else str(w) for w in want)
+        raise ValueError(f"x: {Path(path).name} takes inputs of shape (N, {shown}), x has shape {tuple(x.shape)}")
     return predict_all(backend, np.ascontiguousarray(x, dtype=np.float32))
 
 

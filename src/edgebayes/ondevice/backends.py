@@ -102,6 +102,9 @@ class Backend:
         """JSON-ready description of the runtime for the results file."""
         return {"name": self.name, "version": self.version, "threads": self.threads}
 
+    # The shape of one input the model takes (None for a dimension it leaves open), or None when unknown.
+    example_shape = None
+
     @staticmethod
     def load_runtime():
         """Import the runtime and nothing else: the process's memory then is the runtime's baseline (no
@@ -150,6 +153,7 @@ class OnnxRuntimeBackend(Backend):
                                  f"got {len(inputs)} and {len(outputs)}")
         self.input_name = inputs[0].name
         self.output_name = outputs[0].name
+        self.example_shape = tuple(d if isinstance(d, int) else None for d in inputs[0].shape[1:])
 
     @property
     def version(self):
@@ -233,6 +237,7 @@ class TFLiteBackend(Backend):
         signature = self.input.get("shape_signature", self.input["shape"])
         self.dynamic_batch = int(signature[0]) == -1
         self.batch = int(self.input["shape"][0])
+        self.example_shape = tuple(int(d) if d >= 0 else None for d in signature[1:])
 
     @property
     def version(self):

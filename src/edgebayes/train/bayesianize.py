@@ -31,6 +31,7 @@ import copy
 from collections import OrderedDict
 import math
 import pickle
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -383,8 +384,15 @@ def apply_state_dict(module, state, path):
     if not fits:
         raise InputError(f"model.pretrained {path}: none of its {len(state)} tensors matches the model "
                          f"(first keys: {list(state)[:3]}, model's: {list(own)[:3]})")
+    weights = [f"{n}.weight" for n, m in module.named_modules() if isinstance(m, AFFINE + PLAIN_ONLY)]
+    if not any(w in fits for w in weights):   # a bias or a norm's scale matched by name: another network's file
+        raise InputError(f"model.pretrained {path}: no Linear or convolution weight of the model is in it (only "
+                         f"{', '.join(sorted(fits)[:3])}{', ...' if len(fits) > 3 else ''} match by name and shape): "
+                         f"a checkpoint of another network; to start from part of a file on purpose, load it in "
+                         f"your builder")
     load_matching(module, fits)   # with the module's state-dict versions (MNASNet refuses a state without them)
     module.skipped_pretrained = sorted(k for k in own if k not in fits)
+    module.unused_pretrained = sorted(k for k in state if k not in own)
     return module
 
 
@@ -393,16 +401,26 @@ def _warn_skipped(module, path):
     a classifier trained on another number of classes, a sign of the wrong file when it is more."""
     params = {n for n, _ in module.named_parameters()}
     skipped = [k for k in module.skipped_pretrained if k in params]
+    messages = []
     if skipped:
-        warnings.warn(f"model.pretrained {path}: {len(skipped)} of {len(params)} parameters keep their fresh "
-                      f"initialisation (no tensor of that name and shape there): {', '.join(skipped[:4])}"
-                      f"{', ...' if len(skipped) > 4 else ''}", stacklevel=2)
+        messages.append(f"model.pretrained {path}: {len(skipped)} of {len(params)} parameters keep their fresh "
+                        f"initialisation (no tensor of that name and shape there): {', '.join(skipped[:4])}"
+                        f"{', ...' if len(skipped) > 4 else ''}")
     stats = {n for n, _ in module.named_buffers() if n.rpartition(".")[2] in ("running_mean", "running_var")}
     missing = [k for k in module.skipped_pretrained if k in stats]
     if missing:
-        warnings.warn(f"model.pretrained {path}: {len(missing)} of {len(stats)} running statistics keep their fresh "
-                      f"values (mean 0, variance 1): {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}; "
-                      f"save the whole torch.save(model.state_dict(), path), buffers included", stacklevel=2)
+        messages.append(f"model.pretrained {path}: {len(missing)} of {len(stats)} running statistics keep their "
+                        f"fresh values (mean 0, variance 1): {', '.join(missing[:4])}"
+                        f"{', ...' if len(missing) > 4 else ''}; save the whole torch.save(model.state_dict(), path), "
+                        f"buffers included")
+    unused = getattr(module, "unused_pretrained", [])
+    if unused:
+        messages.append(f"model.pretrained {path}: {len(unused)} of its tensors have no place in the model (no such "
+                        f"name there): {', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}")
+    for message in messages:   # the module is built again by later steps (the pre-flight): said once (_SAID)
+        if message not in _SAID:
+            _SAID.add(message)
+            warnings.warn(message, stacklevel=2)
 
 
 STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")   # where checkpoints keep the state dict
@@ -430,18 +448,41 @@ def check_runs(module, input_shape, name=None, where="model.arch"):
     and returns a tensor: else one ArchError naming it (`name`, or its class) and the shape. The module's mode
     and torch's seeded stream are left as they were (dropout, and a Bayesian net's noise in both modes)."""
     name, was_training = name or type(module).__name__, module.training
+    inner = ("module" if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)) else
+             "_orig_mod" if isinstance(getattr(module, "_orig_mod", None), nn.Module) else None)
+    if inner:   # fx traces neither a multi-GPU wrapper nor torch.compile's: their message said nothing of this
+        raise ArchError(f"{where}: {name} wraps the network (multi-GPU training or torch.compile); pass the network "
+                        f"inside it (its .{inner})")
+    dtypes = sorted({str(p.dtype) for p in module.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+    if dtypes:   # it failed on float32 inputs as "does not run on inputs of the data's shape"
+        raise ArchError(f"{where}: {name} holds {', '.join(dtypes)} parameters; edgebayes trains and exports float32 "
+                        f"networks: convert it with .float() first")
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             module.eval()(torch.zeros((2,) + tuple(input_shape)))
             training = copy.deepcopy(module).train()(torch.zeros((2,) + tuple(input_shape)))
     except Exception as e:
         raise ArchError(f"{where}: {name} does not run on inputs of the data's shape "
-                        f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                        f"{tuple(input_shape)} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                        f"{_input_hint(str(e), input_shape)}") from None
     if not isinstance(training, torch.Tensor):   # torchvision's googlenet / inception_v3 with auxiliary heads
         raise ArchError(f"{where}: {name} returns {type(training).__name__} in training mode, "
                         f"not a tensor of class scores; build it without auxiliary outputs (torchvision: "
                         f"aux_logits=False)")
     module.train(was_training)
+
+
+def _input_hint(error, input_shape):
+    """What to change when the first layer and the data disagree on channels or dimensions (torch's message
+    says what the layer expected, not which setting gives it)."""
+    wanted = re.search(r"expected input\[.*?\] to have (\d+) channels", error)
+    if wanted and len(input_shape) == 3 and int(wanted.group(1)) in (1, 3) and input_shape[0] in (1, 3):
+        return (f"; the network takes {wanted.group(1)} channels and the data has {input_shape[0]}: set "
+                f"data.channels: {wanted.group(1)} to convert the images (in Python, convert the inputs)")
+    if re.search(r"input to conv1d|conv1d, but got input of size", error) and len(input_shape) != 2:
+        return ("; a Conv1d network takes (channels, length) signals: set data.signals: true to read 3-D arrays "
+                "as signals")
+    return ""
 
 
 def output_classes(module, input_shape, where="bayesianize"):
@@ -456,4 +497,8 @@ def output_classes(module, input_shape, where="bayesianize"):
     if not out.is_floating_point():   # class indices (argmax) or rounded scores: no softmax, no gradient
         raise ArchError(f"{where}: {type(module).__name__} returns {out.dtype} values; it must return "
                         f"[batch, classes] logits as floating-point numbers (leave out any argmax or rounding)")
+    if out.shape[1] < 2:   # a one-logit binary classifier (BCE) was taken as a net of one class
+        raise ArchError(f"{where}: {type(module).__name__} returns {out.shape[1]} score per input; a classifier here "
+                        f"returns a score (logit) per class, at least 2: for a binary task, size its last layer to 2 "
+                        f"(cross-entropy over two logits in place of BCE over one)")
     return out.shape[1]

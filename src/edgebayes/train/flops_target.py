@@ -571,8 +571,9 @@ class FlopsTargetSchedule:
             cut = f": {'; '.join(list(whole.values())[:3])}{' ...' if len(whole) > 3 else ''}" if whole else ""
             raise ConfigError(f"train.flops_target: {self.target:g} of the dense FLOPs cannot be reached on this "
                               f"network: the smallest it allows is {smallest:.3g} (one group of units left in each "
-                              f"family, the layers surgery cannot cut whole{cut}{plain}); set train.flops_target to "
-                              f"{math.ceil(smallest * 100) / 100:g} or more")
+                              f"family, the layers surgery cannot cut whole{cut}{plain}); "
+                              + (f"set train.flops_target to {math.ceil(smallest * 100) / 100:g} or more"
+                                 if smallest < 0.995 else "nothing of it can be cut: leave train.flops_target out"))
 
     def step(self, model, step):
         if step == 0:   # a fresh run (a resumed one starts later): every unit kept for sure (docstring)
