@@ -689,3 +689,31 @@ def test_own_folders_left_by_killed_runs_of_this_machine_are_removed_by_the_next
         (own.workdir).mkdir(parents=True)
         assert own.workdir.name.startswith(f"run-def-{t._HOST}-{os.getpid()}-")
     assert sorted(p.name for p in runs.iterdir()) == sorted(keep)
+
+
+def test_a_table_rewritten_while_select_runs_makes_the_next_select_run_again(trained_runs, capsys, monkeypatch):
+    """`devices profile` rewriting the table while select ran: select's marker named the new table, so the
+    next select was 'up to date' on predictions of the old one (probe). The marker names the table select
+    read: the next run selects again."""
+    from edgebayes.deploy import selection
+
+    runs = trained_runs   # a fresh copy
+    table = runs / "devices/local/latency_table.json"
+    measure = selection.measure_models
+
+    def measured_while_profiled(*args, **kwargs):   # another process's profile lands while select times
+        timed = measure(*args, **kwargs)
+        rewritten = json.loads(table.read_text())
+        rewritten["provenance"] = {"rewritten by": "another devices profile"}
+        table.write_text(json.dumps(rewritten))
+        return timed
+
+    monkeypatch.setattr(selection, "measure_models", measured_while_profiled)
+    code, _, err = cli(capsys, "select", "--config", CONFIG, "--device", "local", "--runs-dir", runs, "--force")
+    assert code == 0, err
+    monkeypatch.undo()
+    code, out, err = cli(capsys, "select", "--config", CONFIG, "--device", "local", "--runs-dir", runs)
+    assert code == 0, err
+    assert "select: up to date" not in out and "select: running" in out, out
+    code, out, err = cli(capsys, "select", "--config", CONFIG, "--device", "local", "--runs-dir", runs)
+    assert code == 0 and "select: up to date" in out, out   # and settles once it has read the new table

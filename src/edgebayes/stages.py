@@ -130,6 +130,8 @@ class Context:
     # last marker recorded; mark_done records as outputs only those and what the stage wrote (owned)
     found_before: dict = field(default=None, repr=False)
     recorded_before: set = field(default_factory=set, repr=False)
+    # the latency table's stat fingerprint as select read it (pin_latency_table), or None: as it is now
+    _pinned_table: list = field(default=None, repr=False)
 
     @property
     def run_dir(self):
@@ -176,14 +178,25 @@ class Context:
         return fingerprint("report", stage_code("report"), self.fingerprint("deploy"))
 
     def _latency_table(self):
-        """[what the device's latency table holds now] where one is read (deploy/latency_model.table_path: outside
-        the run folder, re-written by `edgebayes devices profile`), else []."""
+        """[what the device's latency table holds] where one is read (deploy/latency_model.table_path: outside
+        the run folder, re-written by `edgebayes devices profile`), else []: as select read it once it has
+        (pin_latency_table), else as it is now."""
         from edgebayes.deploy.latency_model import table_path
 
+        if self._pinned_table is not None:
+            return self._pinned_table
         if self.profile.latency_model.kind == "flops":
             return []
         table = table_path(self.profile, self.runs_dir)
         return [stat_fingerprint(table)] if table.is_file() else []
+
+    def pin_latency_table(self):
+        """Called by select before it reads the table, and again after it profiled the device itself: the
+        fingerprints of this process (select's marker among them) then name that table. A `devices profile`
+        writing it meanwhile made the marker name the new table, and select 'up to date' on predictions of
+        the old one (probe); pinned, the next run sees the change and selects again."""
+        self._pinned_table = None
+        self._pinned_table = self._latency_table()
 
     def _marker(self, stage):
         """The stage's marker, or None when it is absent or unreadable (an interrupted write cannot leave
@@ -517,8 +530,10 @@ def run_select(ctx):
     out = ctx.stage_dir("select")
     transport = transport_for(ctx.profile, out / "device")
     calib_x = splits.train_x[: ctx.cfg.export.calibration_size]
+    ctx.pin_latency_table()   # before the table is read: the marker must name the table select used
     candidates, measured_on, evidence = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y,
-                                                         calib_x, transport, ctx.runs_dir, log=ctx.log)
+                                                         calib_x, transport, ctx.runs_dir, log=ctx.log,
+                                                         table_read=ctx.pin_latency_table)
     s = ctx.cfg.select
     common = {"device": ctx.profile.name, "budgets": as_dict(ctx.profile.budgets), "objective": s.objective,
               "max_ece": s.max_ece, "latency_measured_on": measured_on, "provenance": ctx.provenance("select")}

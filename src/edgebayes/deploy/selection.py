@@ -118,11 +118,12 @@ def _val_probs(fmt, path, mc_model, val_x):
         return predict(mc_model, val_x).numpy(), f"PyTorch fp32 ({runtime} is not installed here)"
 
 
-def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
+def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log, table_read=None):
     """({id: measured ms or None}, predictor or None, measured-on facts or None).
 
     A reachable `measure` device without a latency table is profiled first, so every report can set the
-    latency model's prediction against the measurement. Only a device that cannot be used (DeviceUnavailable)
+    latency model's prediction against the measurement; `table_read()` is then called while no other
+    profiling can write the table (the run's record of the table it used: Context.pin_latency_table). Only a device that cannot be used (DeviceUnavailable)
     falls back to a prediction; any other failure (the runner crashed, a full disk) stops selection as it is.
     """
     key = f"p{profile.budgets.percentile}"
@@ -140,6 +141,8 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log):
                         try:
                             path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log)
                             predictor = TablePredictor.load(path)
+                            if table_read is not None:
+                                table_read()
                         except LatencyModelError as e:   # measured only; the report then shows no prediction
                             log(f"select: {e}")
             timed = measure_models(transport, profile, models, example, bench, log=log)
@@ -177,7 +180,7 @@ def _measure_uncovered(uncovered, measured, measured_on, predictor, profile, tra
     return measured_on or timed[None]
 
 
-def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs_dir, log=print):
+def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs_dir, log=print, table_read=None):
     """Every (knob value, M, format) candidate with its validation metrics and device cost, the facts the
     runner measured on (or None) and each candidate's per-example terms on val (`per_example`, for `choose`).
 
@@ -265,7 +268,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
             raise SelectionError(f"no candidate keeps at least one unit per layer; change select.knob_values "
                                  f"({model.knob})")
         measured, predictor, measured_on = _latencies(cfg, profile, transport, models, example.numpy(),
-                                                      select_bench(cfg.benchmark), runs_dir, log)
+                                                      select_bench(cfg.benchmark), runs_dir, log, table_read)
         in_features = int(torch.tensor(val_x.shape[1:]).prod())
         uncovered = {} if predictor is None else {
             c["id"]: why for c in candidates
