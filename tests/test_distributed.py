@@ -104,3 +104,71 @@ def test_processes_are_validated(tmp_path):
     with pytest.raises(ConfigError, match=f"{path}: train.processes"):
         load_pipeline_config(path)
 
+
+
+def _tiny(tmp_path, processes, epochs=3):
+    cfg = {"name": "ddp", "seed": 0, "model": {"family": "dnn", "hidden": [16, 16]},
+           "train": {"epochs": epochs, "batch_size": 128, "lr": 3e-3, "device": "cpu", "mc_samples_eval": 1,
+                     "mc_samples_val": 1, "processes": processes}}
+    path = tmp_path / f"p{processes}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_launch_variables_left_in_the_shell_are_not_a_launch(tmp_path, monkeypatch, capsys):
+    """WORLD_SIZE / RANK / MASTER_* from another job in the user's shell: the pipeline waited forever in
+    init_process_group for processes that never came (train.processes 1), or trained one process where the
+    config said 2, with no lock (probe). Only torchrun's own launch counts."""
+    from edgebayes.train import distributed
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29533"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not distributed.launched() and distributed.is_main_process()
+    assert main(["train", "--config", str(_tiny(tmp_path, 1)), "--runs-dir", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "train: WORLD_SIZE, RANK, LOCAL_RANK set in the environment, but torchrun did not start this process: " \
+           "ignored" in out
+    assert (tmp_path / "runs/ddp/train/stage.json").is_file()   # RANK=1 did not make it a process that writes nothing
+
+
+def _processes_of(runs):
+    """pids of the processes whose command line names `runs`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(runs).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's")
+@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGKILL", -9)])
+def test_a_signal_to_the_launching_process_alone_stops_the_training_processes(signal_name, code, tmp_path):
+    """SIGTERM (a scheduler's, `kill`) or SIGKILL to `edgebayes train` alone: it exited and its two training
+    processes trained on, orphaned and unlocked, and wrote stage.json after the command said it stopped (probe)."""
+    import signal
+    import time
+
+    runs = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "edgebayes.cli", "train", "--config", str(_tiny(tmp_path, 2, 400)),
+                             "--runs-dir", str(runs)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    for line in proc.stdout:   # the workers are training
+        if "train: epoch 1/400" in line:
+            break
+    else:
+        pytest.fail(f"no epoch ended (exit {proc.wait()})")
+    os.kill(proc.pid, getattr(signal, signal_name))
+    proc.stdout.read()
+    assert proc.wait(timeout=120) == code
+    deadline = time.monotonic() + 30
+    while _processes_of(runs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_of(runs) == []
+    assert not (runs / "ddp/train/stage.json").exists()

@@ -23,6 +23,7 @@ says which);
 import argparse
 import dataclasses
 import json
+import os
 import pickle
 import signal
 import sys
@@ -349,6 +350,11 @@ def _program() -> str:
 
 def _log(args):
     """ctx.log: stdout, or stderr when --json keeps stdout for the summary alone."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from edgebayes.train import distributed
+
+        if not distributed.is_main_process():   # process 0 says it; the others repeated every line
+            return lambda message: None
     if getattr(args, "json", False):
         return lambda message: print(message, file=sys.stderr)
     return print
@@ -525,7 +531,8 @@ def main(argv=None) -> int:
         # exit handlers as a traceback, or killed it by the signal (exit -2) instead of 130
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print(f"edgebayes: {message}", file=sys.stderr)
+    if not (code in (EXIT_INTERRUPTED, EXIT_TERMINATED) and os.environ.get("EDGEBAYES_RELAUNCHED")):
+        print(f"edgebayes: {message}", file=sys.stderr)   # a training process under `train`: that one says it
     return code
 
 

@@ -34,6 +34,7 @@ RNG state, so a run resumed with the same number of processes continues exactly.
 """
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -82,17 +83,24 @@ class World:
 
 
 def launched() -> bool:
-    """Whether this process was started by torchrun (or another launcher that sets WORLD_SIZE)."""
-    return "WORLD_SIZE" in os.environ
+    """Whether torchrun started this process: WORLD_SIZE with torchrun's own TORCHELASTIC_RUN_ID. WORLD_SIZE,
+    RANK or MASTER_* left in a user's shell (from another job) are not a launch: taken as one, a pipeline
+    waited forever in init_process_group for processes that never came, or skipped train.processes (probe)."""
+    return "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def stray_launch_variables():
+    """The launch variables set in this process's environment that torchrun did not set (launched)."""
+    return [] if launched() else [k for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ]
 
 
 def is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    return not launched() or int(os.environ.get("RANK", "0")) == 0
 
 
 def setup(device: torch.device):
     """(World, device) of this process; opens the process group when torchrun started several processes."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    size = int(os.environ["WORLD_SIZE"]) if launched() else 1
     if size == 1:
         return World(), device
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -106,13 +114,44 @@ def setup(device: torch.device):
 
 
 def launch(cli_args, processes):
-    """Run `python -m edgebayes.cli <cli_args>` in `processes` processes under torchrun; returns the exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+    """Run `python -m edgebayes.cli <cli_args>` in `processes` processes under torchrun; returns the exit code.
+
+    The training processes end with this one: torchrun starts its workers in sessions of their own, so a
+    signal this process gets alone (kill, a scheduler's SIGTERM) never reached them, and subprocess.call
+    then SIGKILLed torchrun, whose workers trained on with no lock on the run folder (probe). torchrun runs
+    in its own session too, gets Ctrl-C / SIGTERM from here once (a second signal during its shutdown would
+    cut its own clean-up short) and is waited for; it stops its workers. Where this process is killed
+    outright, Linux's parent-death signal sends torchrun SIGTERM."""
+    cmd = [sys.executable, "-m", __name__, "--standalone", f"--nproc_per_node={processes}",   # torchrun (below)
            "-m", "edgebayes.cli", *cli_args]
-    # Every process imports this very edgebayes, whatever sys.path the launching process was given.
+    # Every process imports this very edgebayes, whatever sys.path the launching process was given. torchrun's
+    # warnings (the OMP_NUM_THREADS note, each signal it passes on) are not the user's; its errors stay.
     source = str(Path(edgebayes.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
-    return subprocess.call(cmd, env=env)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")])),
+           "LOGLEVEL": os.environ.get("LOGLEVEL", "ERROR"), RELAUNCHED: "1"}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                            preexec_fn=_terminate_with_parent if sys.platform.startswith("linux") else None)
+    try:
+        return proc.wait()
+    except BaseException as e:   # KeyboardInterrupt, Terminated (cli), or anything else: the workers stop too
+        proc.send_signal(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_SECONDS)
+        except BaseException:   # it did not stop in time, or a second signal here: the last resort
+            proc.kill()
+            proc.wait()
+        raise
+
+
+STOP_SECONDS = 90   # torchrun gives its workers 30 s after the signal, then kills them
+RELAUNCHED = "EDGEBAYES_RELAUNCHED"   # set for the processes `launch` starts: the launching process speaks for them
+
+
+def _terminate_with_parent():
+    """In the child before exec: SIGTERM when the launching process dies (prctl PR_SET_PDEATHSIG, Linux)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
 
 
 def rng_states(world, device):
@@ -133,3 +172,16 @@ def restore_rng(states, world, device, seed):
     if device.type == "cuda" and "cuda" in mine:
         torch.cuda.set_rng_state(mine["cuda"], device)
     return True
+
+
+if __name__ == "__main__":   # torchrun, as `launch` runs it: the signal that stops it ends it without a traceback
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(os.environ["LOGLEVEL"])
+    try:
+        main()
+    except SignalException as e:
+        sys.exit(128 + int(e.sigval))
