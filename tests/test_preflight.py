@@ -1,6 +1,7 @@
 """Fail in seconds, not after training (export/preflight.py): `train` compresses and exports the untrained
 network in every requested format before its first epoch."""
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -203,3 +204,30 @@ def test_the_model_budget_share_counts_a_files_fixed_bytes():
     assert model_budget_share(cfg, profile, sizes, 2)[0] > 0.6          # without the M = 1 size: the old rule
     tight = profile.model_copy(update={"budgets": profile.budgets.model_copy(update={"model_mb": 0.005})})
     assert model_budget_share(cfg, tight, sizes, 2, sizes_one)[0] == 0.0   # under the fixed bytes: none fits
+
+
+def test_a_latency_budget_without_a_latency_model_is_said_unjudged_not_met(tmp_path, capsys):
+    """flops_target device on a measured device without a latency table said 'none (the dense network fits
+    them)' of a 0.001 ms budget never judged, then failed at select (probe); and a budget no share can meet
+    ended as 'a stage failed' (exit 1) where an unreachable numeric target is bad input (exit 2)."""
+    from edgebayes.config import load_device_profile
+
+    local = load_device_profile("local")
+    device = tmp_path / "tiny-lat.yaml"
+    profile = json.loads(local.model_copy(update={"name": "tiny-lat", "budgets": local.budgets.model_copy(
+        update={"latency_ms": 0.001})}).model_dump_json())
+    device.write_text(yaml.safe_dump(profile))
+    args = ["train", "--config", str(Path(__file__).parents[1] / "pipeline.yaml"), "--device", str(device),
+            "--runs-dir", str(tmp_path / "runs"), "--set", "train.epochs=1", "--set", "train.flops_target=device"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert ("train: flops target from tiny-lat's budgets: none (the dense network fits those judged here); its "
+            "latency budget (0.001 ms) is not judged before training: no latency table of tiny-lat covers") in out
+    pi = load_device_profile("raspberry-pi-4")
+    device = tmp_path / "overhead.yaml"
+    profile = json.loads(pi.model_copy(update={"name": "overhead", "budgets": pi.budgets.model_copy(
+        update={"latency_ms": 0.001})}).model_dump_json())
+    device.write_text(yaml.safe_dump(profile))
+    args[args.index("--device") + 1] = str(device)
+    assert main(args) == 2
+    assert "train.flops_target device: " in capsys.readouterr().err

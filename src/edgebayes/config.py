@@ -244,6 +244,10 @@ class TrainConfig(Section):
         "(train/flops_target.py); bn3 / fn3: the narrowest width trained and served is the widest within it "
         "(train/nested.py); device: the largest fraction the device's model_mb and latency_ms budgets "
         "allow, found before the first epoch (deploy/budget_targets.py; the training is then the device's); null: none"))
+    flops_channel_multiple: PositiveInt = Field(1, description=(
+        "spike-and-slab with train.flops_target: the target's last cut is counted with each pruned convolution's "
+        "width rounded up to a multiple of this, as surgery does for a runtime's channel block "
+        "(runtime.channel_multiple); with flops_target device it is the device's block; 1: as the masks say"))
     flops_schedule_fraction: Rate = Field(0.1, description=(
         "the share of the training steps over which train.flops_target's schedule reaches its target (0.1: the "
         "rest of a few epochs' fine-tuning repairs the cut network; train/flops_target.py)"))

@@ -384,7 +384,9 @@ def resolved_device_target(ctx, cfg, out):
                                or not 0 < target <= 1):
         raise StageError(f"train: {out / 'run.json'} does not hold the FLOPs target found for train.flops_target "
                          f"device (a share in (0, 1] or null); run `{ctx.program} train --force`")
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"flops_target": target})})
+    # the device's channel block counts in the target's last cut: the network shipped there is within it
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={
+        "flops_target": target, "flops_channel_multiple": ctx.profile.runtime.channel_block})})
 
 
 def run_train(ctx):
@@ -396,6 +398,9 @@ def run_train(ctx):
     from edgebayes.train.trainer import evaluate, posterior_mean_metrics
 
     cfg, splits = ctx.cfg, splits_for(ctx)  # first: bad data must fail before anything is touched
+    if stray := distributed.stray_launch_variables():
+        ctx.log(f"train: {', '.join(stray)} set in the environment, but torchrun did not start this process: "
+                f"ignored (train.processes says how many processes train)")
     if cfg.train.processes > 1 and not distributed.launched():
         # Several processes: this stage runs again under torchrun (train/distributed.py); process 0 there
         # writes everything this stage writes.
@@ -425,7 +430,8 @@ def run_train(ctx):
         write_json(marker, {"fingerprint": ctx.fingerprint("train"), **kept})
 
     if distributed.is_main_process() and not checkpoint.exists():   # fail in seconds, not after training
-        from edgebayes.deploy.budget_targets import budget_shares, device_flops_target, target_advice
+        from edgebayes.deploy.budget_targets import (budget_shares, device_flops_target, latency_unjudged,
+                                                     target_advice)
         from edgebayes.export.preflight import preflight
 
         facts = preflight(cfg, ctx.profile, splits, ctx.log)
@@ -436,9 +442,12 @@ def run_train(ctx):
                     ctx.log(f"train: pre-flight: {advice}")
         else:
             target = device_flops_target(shares, ctx.profile)
+            unjudged = latency_unjudged(cfg, ctx.profile, facts, ctx.runs_dir)
             ctx.log(f"train: flops target from {ctx.profile.name}'s budgets: "
                     + (f"{target:g} ({'; '.join(where for _, where in shares.values())})" if target is not None
-                       else "none (the dense network fits them)"))
+                       else "none (the dense network fits them)" if unjudged is None
+                       else "none (the dense network fits those judged here)")
+                    + (f"; {unjudged}" if unjudged else ""))
             write_json(out / "run.json", {"fingerprint": ctx.fingerprint("train"), "device_flops_target": target})
     if cfg.train.flops_target == "device":   # the target run.json recorded for this run (a resumed one too)
         cfg = resolved_device_target(ctx, cfg, out)
@@ -670,7 +679,7 @@ def run_export(ctx):
                       for name, art in manifest["artifacts"].items()},
         "provenance": ctx.provenance("export"),
     }
-    if above := _above_flops_target(ctx, structure["physical_flops_ratio"]):
+    if above := _above_flops_target(ctx, structure["physical_flops_ratio"], structure["flops_ratio"]):
         ctx.log(f"export: WARNING {above}")
         summary["flops_target_exceeded"] = above
     write_compressed = family_of(ctx.cfg).write_compressed
@@ -708,10 +717,12 @@ def _shipped_structure(primary, onnx_params, structure, m):
             "physical_flops_ratio_before_input_removal": structure["physical_flops_ratio"]}
 
 
-def _above_flops_target(ctx, physical):
-    """The message when the shipped network's FLOPs exceed train.flops_target (the training counts them without
-    the runtime's channel block, since one training serves every device: surgery then rounds each pruned width up
-    to a multiple of it, faster in that runtime despite the FLOPs), else None."""
+def _above_flops_target(ctx, physical, masked):
+    """The message when the shipped network's FLOPs exceed train.flops_target, else None: the chosen point keeps
+    more by its masks (select chose a wider point the training also serves: a nested net's widths above the
+    target's), or the runtime's channel block (the training counts without it, since one training serves every
+    device: surgery then rounds each pruned width up to a multiple of it, faster in that runtime despite the
+    FLOPs). The block was blamed for a bn3 width select chose above the target (probe)."""
     from edgebayes.train.flops_target import TOLERANCE
 
     target = ctx.cfg.train.flops_target
@@ -720,6 +731,12 @@ def _above_flops_target(ctx, physical):
     if target is None or physical <= target * (1 + TOLERANCE):
         return None
     block = ctx.profile.runtime.channel_block
+    if masked > target * (1 + TOLERANCE):
+        choice = read_json(ctx.stage_dir("select") / "choice.json")
+        return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}: "
+                f"select chose {choice['knob']} {choice['knob_value']:g}, which keeps {masked:.3f} by its masks "
+                f"(the training serves the points above the target too, and select takes the best within the "
+                f"device's budgets); give select.knob_values only within the target to ship no more than it")
     why = (f"{ctx.profile.name}'s runtime ({ctx.profile.runtime.name}) runs convolutions in blocks of {block} "
            f"channels and each pruned width is rounded up to a multiple of it (faster there despite the FLOPs: "
            f"benchmarks/results/channel_multiple.md); runtime.channel_multiple: 1 in the device profile ships the "

@@ -11,7 +11,7 @@ is `device` (`device_flops_target`). Said, not enforced: select decides after tr
 import math
 from pathlib import Path
 
-from edgebayes.config import SPIKE_SLAB_FAMILIES
+from edgebayes.config import SPIKE_SLAB_FAMILIES, ConfigError
 from edgebayes.errors import StageError
 
 
@@ -39,8 +39,8 @@ def device_flops_target(shares, profile):
     if not shares:
         return None
     name, (share, where) = min(shares.items(), key=lambda item: item[1][0])
-    if share < 0.01:
-        raise StageError(f"train.flops_target device: {where}" + (
+    if share < 0.01:   # bad input like an unreachable numeric target (exit 2), not a stage that failed (exit 1)
+        raise ConfigError(f"train.flops_target device: {where}" + (
             "" if share > 0 else "; fewer layers, fewer MC samples or another runtime can fit it, a FLOPs target "
                                  "cannot") + f"; raise budgets.{name} of {profile.name} or use a smaller network")
     return math.floor(share * 100) / 100
@@ -131,18 +131,35 @@ def latency_budget_share(cfg, profile, operators, per_sample, runs_dir=None):
     the largest s within the budget, by bisection (every latency model here grows with FLOPs and weights); 0
     when the fixed per-operator overhead alone exceeds it. None where the device has no latency model that
     covers the network (a `measure` device without a table: select measures it after training)."""
+    found = _latency_judgement(cfg, profile, operators, per_sample, runs_dir)
+    return None if found is None or found[0] is None else found
+
+
+def latency_unjudged(cfg, profile, facts, runs_dir=None):
+    """Why the device's latency budget cannot be judged before training (no latency model that covers the
+    network), or None: the `device` target then comes from the other budgets, and saying 'the dense network
+    fits them' of a latency budget never judged was false (probe)."""
+    found = _latency_judgement(cfg, profile, facts["operators"], facts["per_sample"], runs_dir)
+    return found[1] if found is not None and found[0] is None else None
+
+
+def _latency_judgement(cfg, profile, operators, per_sample, runs_dir):
+    """latency_budget_share's (share, where) or None, or (None, why) where no latency model judges it."""
     from edgebayes.deploy.latency_model import LatencyModelError, predictor_for
     from edgebayes.export.formats import FORMATS
 
     b = profile.budgets
     if b.latency_ms is None or not operators:
         return None
+    unjudged = (None, f"its latency budget ({b.latency_ms:g} ms) is not judged before training: no latency table "
+                      f"of {profile.name} covers this network (`edgebayes devices profile {profile.name}` makes one); "
+                      f"select measures the trained network against it")
     try:
         predictor = predictor_for(profile, Path(runs_dir or "runs"))
     except LatencyModelError:
-        return None
+        return unjudged
     if predictor is None:
-        return None
+        return unjudged
     fewest = _fewest_mc_samples(cfg, profile)
     # the formats whose dense network the latency model covers (a table: its architecture and input size)
     operators = {fmt: ops for fmt, ops in operators.items()
@@ -162,7 +179,9 @@ def latency_budget_share(cfg, profile, operators, per_sample, runs_dir=None):
         return best
 
     dense = latency(1.0)
-    if dense is None or dense <= b.latency_ms:
+    if dense is None:
+        return unjudged
+    if dense <= b.latency_ms:
         return None
     where = (f"at M={fewest} the network is predicted at {dense:.3g} ms (p{b.percentile:g}, {predictor.describe()}) "
              f"against {profile.name}'s latency budget of {b.latency_ms:g} ms")

@@ -135,7 +135,11 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log, t
                 with profiling(profile, runs_dir, log=log):
                     predictor = predictor_for(profile, runs_dir)   # profiled by another run while this one waited
                     aside = table_set_aside(profile, runs_dir)
-                    if predictor is None or aside:
+                    if (predictor is None or aside) and cfg.model.arch != "mlp":   # the sweep is of MLPs
+                        log(f"select: {aside or f'no latency table for {profile.name}'}; the latency table's sweep "
+                            f"(edgebayes devices profile) is of MLPs, not {cfg.model.arch}: every candidate is "
+                            f"measured on the device")
+                    elif predictor is None or aside:
                         log(f"select: {aside or f'no latency table for {profile.name} yet'}: profiling it first "
                             f"(edgebayes devices profile)")
                         try:

@@ -556,6 +556,10 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
                         "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
         "verdict": s.get("overall_verdict"), "no_fit": bool(s.get("no_fit")),
         "no_fit_violations": s.get("no_fit_violations") or [],
+        # the shipped network's share of the dense FLOPs, and what the report warns of (a FLOPs target the
+        # runtime's channel block rounded past, an accuracy floor missed): they were on the page only (probe)
+        "flops_ratio": s.get("shipped_flops_ratio"),
+        "warnings": [w for w in s.get("warnings") or [] if isinstance(w, str)],
         "finish": s.get("finish"),   # a report of predictions: the steps that finish it on the device
         "report": None if report_path is None else str(report_path),
     }
@@ -597,7 +601,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              + (" (the bundle on this machine)" if predicted else " (on the device)"),
              f"  latency       {lat_txt} ({t.get('latency_basis')})"
              + (f"; best round p90 {ms(best.get('p90'))}" if best.get("p90") is not None else ""),
-             f"  size          {fmt(t.get('model_mb'), 'MB')}",
+             f"  size          {fmt(t.get('model_mb'), 'MB')}"
+             + (f", {fmt(t['flops_ratio'])} of the dense FLOPs" if num(t.get("flops_ratio")) is not None else ""),
              f"  memory        {fmt(t.get('memory_mb'), 'MB')} " + _memory_note(t)]
     for key, b in dict_or_empty(t.get("budgets")).items():
         label, unit = BUDGETS.get(key, (key, ""))
@@ -614,6 +619,8 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
     if t.get("no_fit"):
         lines.append("  no fit        no operating point fits the budgets: the closest candidate, not deployed"
                      + (f" ({'; '.join(t['no_fit_violations'])})" if t.get("no_fit_violations") else ""))
+    for warning in t.get("warnings") or []:
+        lines.append(f"  warning       {warning}")
     lines.append(f"  verdict       {t.get('verdict')}" + (" (predicted)" if predicted else "")
                  + (f", exit code {exit_code}" if exit_code is not None else ""))
     lines.append(f"  report        {t.get('report')}")

@@ -344,15 +344,17 @@ class GroupFlops:
 
 
 @torch.no_grad()
-def physical_flops(model, keep, plain_names, base, report=None):
+def physical_flops(model, keep, plain_names, base, report=None, channel_multiple=1):
     """Paper-formula FLOPs of the network surgery makes of `base` with the units `keep` leaves out switched off,
-    or None where surgery cannot run on it (compress says why after training). `report`: remove_dead_units'."""
+    or None where surgery cannot run on it (compress says why after training). `report`, `channel_multiple`:
+    remove_dead_units'."""
     pruned = copy.deepcopy(base)
     for name, mask in keep.items():
         drop_outputs(pruned, plain_names[name], mask)
     try:
         pruned = remove_dead_units(pruned, {plain_names[n]: m for n, m in keep.items()},
-                                   torch.zeros((1,) + tuple(model.input_shape)), report=report)
+                                   torch.zeros((1,) + tuple(model.input_shape)), report=report,
+                                   channel_multiple=channel_multiple)
     except SurgeryError:
         return None
     return paper_flops(pruned, model.input_shape)
@@ -541,13 +543,16 @@ class FlopsTargetSchedule:
                               "stay plain, so no unit can be switched off; leave the target out")
         self.target, self.log = float(train_cfg.flops_target), log
         self.fraction, self.total_steps = float(train_cfg.flops_schedule_fraction), total_steps
+        self.channel_multiple = train_cfg.flops_channel_multiple
         self.on_logit = math.log(SURE / (1 - SURE))
         self.off_logit = -self.on_logit   # gamma = 1 - SURE
         end = max(1, math.ceil(self.fraction * total_steps))
         self.points = sorted({min(end, math.ceil(end * (i + 1) / POINTS)) for i in range(POINTS)})
         self.reached = None
         self.max_drop, self.evaluate = train_cfg.max_accuracy_drop, evaluate
-        self.trajectory = [dict(p) for p in points]   # {"step", "flops_ratio", "val_accuracy"}; a resumed run's
+        # {"step", "flops_ratio", "val_accuracy"}; a resumed run's. Process 0's only (it validates): a pending
+        # point resumed in another DDP process called its evaluate of None (probe)
+        self.trajectory = [dict(p) for p in points] if evaluate is not None else []
         self._measure(model)
 
     def _measure(self, model):
@@ -638,15 +643,32 @@ class FlopsTargetSchedule:
         a unit: a grouped convolution keeps its groups of equal size, each as large as the one with the most
         live channels, so an unbalanced cut of its inputs or outputs removes less than the masks say (a user's
         net with a 4-group convolution, cut to 0.39 on the masks, was 0.71 after surgery). Returns (keep, FLOPs
-        after surgery: what the deployed network costs); the masks' count where surgery cannot run."""
-        physical, aim = physical_flops(snapshot, keep, plain_names, plain), goal
+        after surgery: what the deployed network costs); the masks' count where surgery cannot run. With
+        train.flops_channel_multiple, surgery rounds each pruned convolution's width up as for that runtime's
+        channel block (a `device` target's: the device's), so the network shipped there is within the target;
+        counted without it, a device target of 0.18 shipped 0.235 and failed the budget it came from (probe).
+        Re-aimed by bisection below the target, from a first guess that FLOPs after surgery fall as the masks'
+        do: a channel block makes them fall in steps (8 channels kept as 4 or 8), where that guess alone stalled
+        above the target while a lower aim fitted. Where no aim fits, the closest network found."""
+        block = self.channel_multiple
+        physical = physical_flops(snapshot, keep, plain_names, plain, channel_multiple=block)
+        if physical is None or physical <= goal * (1 + TOLERANCE):
+            return keep, flops if physical is None else physical
+        fits, closest, low, high = None, (keep, physical), 0.0, goal
+        aim = goal * goal / physical
         for _ in range(SURGERY_TRIES):
-            if physical is None or physical <= goal * (1 + TOLERANCE):
+            tried, _ = plan(snapshot, aim, self.families, plain, plain_names, self.counter)
+            physical = physical_flops(snapshot, tried, plain_names, plain, channel_multiple=block)
+            if physical is None:
                 break
-            aim *= goal / physical   # FLOPs after surgery fall about as the masks' do
-            keep, _ = plan(snapshot, aim, self.families, plain, plain_names, self.counter)
-            physical = physical_flops(snapshot, keep, plain_names, plain)
-        return keep, flops if physical is None else physical
+            if physical <= goal * (1 + TOLERANCE):
+                low = aim
+                fits = (tried, physical) if fits is None or physical > fits[1] else fits
+            else:
+                high = aim
+                closest = (tried, physical) if physical < closest[1] else closest
+            aim = (low + high) / 2
+        return fits or closest
 
     def _switch_off_to_schedule(self, model, step):
         # A CPU copy to count on: its samples draw from their own generator, not the training noise's stream
