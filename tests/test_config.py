@@ -382,7 +382,10 @@ SET_ERRORS = {
     "train.epochs=ten": r"^edgebayes: --set train\.epochs: expected an integer, got 'ten'",
     "train.epochs=0": r"^edgebayes: --set train\.epochs: expected a positive integer",
     "model.hidden=[64, x]": r"^edgebayes: --set model\.hidden\[1\]: expected an integer, got 'x'",
-    "epochs=3": r"^edgebayes: --set epochs=3: expected section\.key=value, e\.g\. --set train\.epochs=3",
+    "epochs=3": r"^edgebayes: --set epochs=3: expected section\.key=value \(or name / seed=value\), e\.g\. --set "
+                r"train\.epochs=3",
+    "train=3": r"^edgebayes: --set train=3: expected section\.key=value",
+    "seed=-1": r"^edgebayes: --set seed: expected an integer in 0\.\.2\^32 - 1",
     "train.epochs": r"^edgebayes: --set train\.epochs: expected section\.key=value",
     "name.x=1": r"^edgebayes: --set name\.x=1: name is not a section of ",
     "train.lr=[1": r"^edgebayes: --set train\.lr=\[1: the value is not valid YAML",
@@ -405,10 +408,11 @@ def test_set_overrides_the_file_and_changes_the_fingerprint_and_the_commands(tmp
     from edgebayes.stages import Context
 
     config = _write(tmp_path / "pipeline.yaml", _base())
-    settings = ("train.epochs=3", "train.lr=2e-3", "select.mc_samples=[1, 4]", "model.hidden=[8]", "data.root=")
+    settings = ("train.epochs=3", "train.lr=2e-3", "select.mc_samples=[1, 4]", "model.hidden=[8]", "data.root=",
+                "seed=7")   # the top-level keys too: `--set seed=1` was refused (probe)
     cfg = load_pipeline_config(config, settings)
-    assert (cfg.train.epochs, cfg.train.lr, cfg.select.mc_samples, cfg.model.hidden, cfg.data.root) == (
-        3, 0.002, [1, 4], [8], None)
+    assert (cfg.train.epochs, cfg.train.lr, cfg.select.mc_samples, cfg.model.hidden, cfg.data.root, cfg.seed) == (
+        3, 0.002, [1, 4], [8], None, 7)
     plain = load_pipeline_config(config)
     assert plain.train.epochs == _base()["train"]["epochs"]   # the file is left as it was
     device = load_device_profile("local")

@@ -773,8 +773,11 @@ def apply_settings(data, settings, path) -> dict:
     for setting in settings:
         key, sep, value = setting.partition("=")
         parts = key.strip().split(".")
-        if not sep or len(parts) < 2 or not all(parts):
-            raise ConfigError(f"--set {setting}: expected section.key=value, e.g. --set {SETTING_EXAMPLE}")
+        top_level = [n for n, f in PipelineConfig.model_fields.items()   # seed, name: a key of no section
+                     if not (isinstance(f.annotation, type) and issubclass(f.annotation, Section))]
+        if not sep or not all(parts) or (len(parts) < 2 and parts[0] not in top_level):
+            raise ConfigError(f"--set {setting}: expected section.key=value (or {' / '.join(top_level)}=value), "
+                              f"e.g. --set {SETTING_EXAMPLE}")
         node = data
         for depth, section in enumerate(parts[:-1]):
             child = node.get(section) if isinstance(node, dict) else None
