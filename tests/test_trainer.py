@@ -415,3 +415,26 @@ def test_what_a_schedule_cut_costs_is_not_said_as_a_lost_network():
     assert "after epoch 1" in trainer.lost_accuracy(None, history, settled_epoch=1)
     assert "the network as given" in trainer.lost_accuracy(0.97, history, settled_epoch=2)
     assert "what the cut to 0.5 of the dense FLOPs cost" in trainer.lost_accuracy(0.97, history, 2, flops_target=0.5)
+
+
+def test_a_checkpoint_of_another_config_is_not_resumed_and_the_log_says_so(tmp_path, capsys, monkeypatch):
+    """An interrupted run's checkpoint, then the config changed: training started over without a word (probe)."""
+    from pathlib import Path
+
+    from edgebayes.cli import main
+
+    real_save = trainer.atomic_torch_save
+
+    def save_then_die(obj, path):
+        real_save(obj, path)
+        raise KeyboardInterrupt
+
+    args = ["train", "--config", str(Path(__file__).parents[1] / "pipeline.yaml"), "--runs-dir", str(tmp_path),
+            "--set", "train.flops_target=null"]
+    monkeypatch.setattr(trainer, "atomic_torch_save", save_then_die)
+    assert main([*args, "--set", "train.epochs=3"]) == 130
+    monkeypatch.setattr(trainer, "atomic_torch_save", real_save)
+    capsys.readouterr()
+    assert main([*args, "--set", "train.epochs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "train: starting over: " in out and "is of another config, data or code" in out, out

@@ -423,6 +423,8 @@ def run_train(ctx):
         except (OSError, ValueError, AttributeError):  # absent, not JSON, not a mapping
             same_run = False
         if checkpoint.exists() and (ctx.force or not same_run):
+            ctx.log(f"train: starting over: {checkpoint} is " + ("not resumed with --force" if ctx.force else
+                    "of another config, data or code (its run.json differs), so it is not resumed"))
             checkpoint.unlink()
         # a resumed run keeps the FLOPs target its pre-flight found (train.flops_target device)
         kept = {"device_flops_target": earlier["device_flops_target"]} if (
