@@ -364,16 +364,122 @@ def test_real_tensorrt_engine(multi_bundle, tmp_path):
     assert np.abs(backend.run(x) - ref).max() < 1e-2
 
 
-def test_an_old_tensorrt_is_refused_by_name_before_any_engine_build(tmp_path, monkeypatch):
-    """TensorRT 8.2 (JetPack 4) failed inside the Python build (no set_memory_pool_limit, a traceback) or in
-    trtexec (no --memPoolSize); the version check came only after a cached engine loaded (review)."""
+def test_a_tensorrt_before_8_is_refused_by_name_before_any_engine_build(tmp_path, monkeypatch):
+    """TensorRT 7 has no serialized-network builder: refused before any build (the version check came only
+    after a cached engine loaded, review)."""
     trt = FakeTensorRT(np.ones((4, 3), np.float32), FakeMemory())
-    trt.__version__ = "8.2.1.8"
+    trt.__version__ = "7.1.3"
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"graph")
-    monkeypatch.setattr(trt_backend, "cached_engine", lambda *a, **k: pytest.fail("built with TensorRT 8.2"))
-    with pytest.raises(backends.RuntimeProblem, match=r"TensorRT 8.2.1.8 is too old for this runner: it needs TensorRT >= 8.5"):
+    monkeypatch.setattr(trt_backend, "cached_engine", lambda *a, **k: pytest.fail("built with TensorRT 7"))
+    with pytest.raises(backends.RuntimeProblem, match=r"TensorRT 7.1.3 is too old for this runner: it needs TensorRT >= 8.0"):
         runtimes.make_backend("tensorrt", str(onnx), example_shape=(4,), trt=trt, memory=FakeMemory())
+
+
+class FakeTensorRT82(FakeTensorRT):
+    """TensorRT 8.2's slice of the API (JetPack 4.6, a Jetson Nano): binding indices, execute_async_v2, and a
+    builder config with max_workspace_size; the same softmax(x @ W) engine."""
+
+    __version__ = "8.2.1.8"
+
+    def Runtime(self, logger):  # noqa: N802
+        trt, named = self, super().Runtime(logger).deserialize_cuda_engine(b"fake engine")
+        names = ["input", "probs"]
+
+        class Engine:
+            num_bindings = 2
+
+            def get_binding_name(self, i):
+                return names[i]
+
+            def binding_is_input(self, i):
+                return i == 0
+
+            def get_binding_dtype(self, i):
+                return np.float32
+
+            def create_execution_context(self):
+                return Context(named.create_execution_context())
+
+        class Context:
+            def __init__(self, inner):
+                self.inner = inner   # the named fake, driven through binding indices
+
+            def set_binding_shape(self, i, shape):
+                assert i == 0, "the input's binding"
+                self.inner.set_input_shape(names[i], shape)
+
+            def get_binding_shape(self, i):
+                return self.inner.get_tensor_shape(names[i])
+
+            def execute_async_v2(self, bindings, stream_handle):
+                assert stream_handle == trt.memory.stream and all(bindings)
+                for name, ptr in zip(names, bindings):
+                    self.inner.set_tensor_address(name, ptr)
+                return self.inner.execute_async_v3(stream_handle)
+
+        class Runtime:
+            def deserialize_cuda_engine(self, data):
+                return Engine() if data == b"fake engine" else None
+
+        return Runtime()
+
+
+def test_tensorrt_8_2_of_a_jetson_nano_runs_with_binding_indices(tmp_path):
+    """JetPack 4.6 (TensorRT 8.2, the last a Jetson Nano gets) was refused as too old: the shipped jetson-nano
+    profile could not finish on its board. It runs through the binding-index API, with the same buffers."""
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((12, 5)).astype(np.float32)
+    memory = FakeMemory()
+    trt = FakeTensorRT82(weight, memory)
+    onnx = tmp_path / "bundle" / "model.onnx"
+    onnx.parent.mkdir()
+    onnx.write_bytes(b"graph")
+    options = trt_backend.trt_build_options("fp16", 256, "input", (3, 4), max_batch=8)
+    cache = tmp_path / "engines"
+    cache.mkdir()
+    (cache / (trt_backend.engine_cache_key(onnx, options, trt.__version__) + ".engine")).write_bytes(b"fake engine")
+    backend = runtimes.make_backend("tensorrt", str(onnx), precision="fp16", workspace_mb=256, engine_cache=str(cache),
+                                    example_shape=(3, 4), max_batch=8, trt=trt, memory=memory)
+    x = rng.standard_normal((19, 3, 4)).astype(np.float32)
+    logits = x.reshape(19, 12) @ weight
+    expected = np.exp(logits - logits.max(1, keepdims=True))
+    expected /= expected.sum(1, keepdims=True)
+    assert np.allclose(backend.run(x), expected, atol=1e-6) and memory.syncs == 3
+    backend.close()
+    # trtexec before 8.4 takes --workspace and --buildOnly (--memPoolSize and --skipInference came with 8.4)
+    cmd = trt_backend.trtexec_command("m.onnx", "m.engine", options, trt_version="8.2.1.8")
+    assert "--workspace=256" in cmd and "--buildOnly" in cmd and not any("memPool" in c for c in cmd)
+    cmd = trt_backend.trtexec_command("m.onnx", "m.engine", options, trt_version="10.3.0")
+    assert "--memPoolSize=workspace:256" in cmd and "--skipInference" in cmd
+
+
+def test_the_python_builder_of_tensorrt_8_2_sets_the_workspace_it_has(tmp_path):
+    """8.2's builder config has max_workspace_size, not set_memory_pool_limit (a traceback on JetPack 4)."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(max_workspace_size=0, set_flag=lambda flag: None,
+                             add_optimization_profile=lambda profile: None)
+    profile = SimpleNamespace(set_shape=lambda *a: None)
+    network = object()
+    builder = SimpleNamespace(create_network=lambda flags: network, create_builder_config=lambda: config,
+                              create_optimization_profile=lambda: profile,
+                              build_serialized_network=lambda net, cfg: b"engine bytes")
+    parser = SimpleNamespace(parse=lambda data: True, num_errors=0)
+    trt = SimpleNamespace(Logger=FakeTensorRT.Logger, Builder=lambda logger: builder,
+                          NetworkDefinitionCreationFlag=SimpleNamespace(EXPLICIT_BATCH=0),
+                          OnnxParser=lambda net, logger: parser, BuilderFlag=SimpleNamespace(FP16=1, INT8=2))
+    (tmp_path / "m.onnx").write_bytes(b"graph")
+    options = trt_backend.trt_build_options("fp16", 64, "input", (4,), max_batch=2)
+    trt_backend.build_engine_python(trt, tmp_path / "m.onnx", tmp_path / "m.engine", options)
+    assert config.max_workspace_size == 64 << 20 and (tmp_path / "m.engine").read_bytes() == b"engine bytes"
+
+
+def test_without_cuda_python_or_pycuda_the_backend_names_both(monkeypatch):
+    for module in ("cuda", "cuda.bindings", "pycuda", "pycuda.autoinit", "pycuda.driver"):
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(backends.RuntimeProblem, match=r"needs cuda-python \(.*\) or pycuda \(.*\); install one"):
+        trt_backend.cuda_memory()
 
 
 def test_an_engine_build_failure_names_the_file_and_blames_the_cache_only_when_it_is_the_cache(tmp_path, monkeypatch):

@@ -48,8 +48,8 @@ RUNTIMES = tuple(RUNTIME_MODULES)
 RUNTIME_PACKAGES = {
     "onnxruntime": "pip install onnxruntime",
     "tflite": "pip install ai-edge-litert (or tflite-runtime)",
-    "tensorrt": "JetPack's TensorRT >= 8.5 Python bindings (python3-libnvinfer, JetPack >= 5.1) and pip install "
-                "cuda-python",
+    "tensorrt": "JetPack's TensorRT >= 8.0 Python bindings (python3-libnvinfer, JetPack >= 4.6) and pip install "
+                "cuda-python (pycuda on JetPack 4's Python 3.6)",
 }
 
 # The channel block of each runtime's fast convolution kernels: surgery keeps a multiple of it in every convolution it

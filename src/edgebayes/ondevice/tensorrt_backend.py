@@ -42,18 +42,19 @@ def engine_cache_key(onnx_path, options, trt_version):
     return digest.hexdigest()
 
 
-def trtexec_command(onnx_path, engine_path, options, trtexec="trtexec"):
-    """The trtexec command line that builds `engine_path` from `onnx_path` with `options`."""
+def trtexec_command(onnx_path, engine_path, options, trtexec="trtexec", trt_version=None):
+    """The trtexec command line that builds `engine_path` from `onnx_path` with `options` (TensorRT before 8.4,
+    JetPack 4's 8.2: --workspace and --buildOnly, which 8.4 replaced by --memPoolSize and --skipInference)."""
     def dims(shape):
         return "x".join(str(d) for d in shape)
 
-    name = options["input_name"]
+    name, old = options["input_name"], _version(trt_version) < (8, 4)
     cmd = [trtexec, f"--onnx={onnx_path}", f"--saveEngine={engine_path}",
-           f"--memPoolSize=workspace:{options['workspace_mb']}",  # MiB
+           (f"--workspace={options['workspace_mb']}" if old else f"--memPoolSize=workspace:{options['workspace_mb']}"),
            f"--minShapes={name}:{dims(options['min_shape'])}",
            f"--optShapes={name}:{dims(options['opt_shape'])}",
            f"--maxShapes={name}:{dims(options['max_shape'])}",
-           "--skipInference"]
+           "--buildOnly" if old else "--skipInference"]
     if options["precision"] == "fp16":
         cmd.append("--fp16")
     elif options["precision"] == "int8":
@@ -62,7 +63,7 @@ def trtexec_command(onnx_path, engine_path, options, trtexec="trtexec"):
 
 
 def build_engine_python(trt, onnx_path, engine_path, options):
-    """Build and serialize an engine with the tensorrt Python API (TensorRT 8.6 / 10)."""
+    """Build and serialize an engine with the tensorrt Python API (TensorRT 8.0 to 10)."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     explicit_batch = getattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH", None)
@@ -73,7 +74,10 @@ def build_engine_python(trt, onnx_path, engine_path, options):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise RuntimeProblem(f"TensorRT could not parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options["workspace_mb"] << 20)
+    if hasattr(config, "set_memory_pool_limit"):
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options["workspace_mb"] << 20)
+    else:   # before 8.3 (JetPack 4's 8.2)
+        config.max_workspace_size = options["workspace_mb"] << 20
     if options["precision"] == "fp16":
         config.set_flag(trt.BuilderFlag.FP16)
     elif options["precision"] == "int8":
@@ -100,7 +104,7 @@ def cached_engine(trt, onnx_path, options, cache_dir, run=None, which=None):
     trtexec = (which or shutil.which)("trtexec")
     if trtexec:
         with atomic_path(engine_path) as tmp:   # a failed or interrupted build leaves no engine behind
-            done = (run or subprocess.run)(trtexec_command(onnx_path, tmp, options, trtexec),
+            done = (run or subprocess.run)(trtexec_command(onnx_path, tmp, options, trtexec, trt.__version__),
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            universal_newlines=True)   # text= is 3.7+
             if done.returncode != 0 or not os.path.getsize(tmp):
@@ -112,15 +116,38 @@ def cached_engine(trt, onnx_path, options, cache_dir, run=None, which=None):
     return engine_path, True
 
 
-def _too_old(version):
-    """Whether a TensorRT version string is before 8.5 (the name-based I/O API and memory pools this backend
-    uses); a string it cannot read is not refused here (the engine's API is checked after loading)."""
+def _version(version):
+    """(major, minor) of a TensorRT version string; (99, 0) for one it cannot read or None (taken as new: the
+    engine's API is checked after loading)."""
     parts = (str(version).split(".") + ["0"])[:2]   # "7" reads as 7.0
     try:
         major, minor = (int(part) for part in parts)
     except ValueError:
-        return False
-    return (major, minor) < (8, 5)
+        return (99, 0)
+    return (major, minor)
+
+
+def _too_old(version):
+    """Whether a TensorRT version is before 8.0, which has no serialized-network builder this backend uses.
+    8.0 to 8.4 (JetPack 4.6's 8.2 on a Jetson Nano) run with the binding-index API (_Bindings)."""
+    return _version(version) < (8, 0)
+
+
+TOO_OLD = "is too old for this runner: it needs TensorRT >= 8.0 (JetPack >= 4.6)"
+
+
+def cuda_memory():
+    """CudaMemory (cuda-python), else PyCudaMemory (pycuda: JetPack 4's Python 3.6, where cuda-python has no
+    wheel); RuntimeProblem naming both when neither is installed."""
+    try:
+        return CudaMemory()
+    except ImportError as exc:
+        first = exc
+    try:
+        return PyCudaMemory()
+    except ImportError as exc:
+        raise RuntimeProblem(f"the TensorRT backend needs cuda-python ({first}) or pycuda ({exc}); install one: "
+                             f"pip install cuda-python (Python >= 3.8) or pip install pycuda") from None
 
 
 class CudaMemory:
@@ -130,11 +157,7 @@ class CudaMemory:
         try:
             from cuda.bindings import runtime as cudart
         except ImportError:
-            try:
-                from cuda import cudart
-            except ImportError as exc:
-                raise RuntimeProblem(f"the TensorRT backend needs cuda-python ({exc}); "
-                                     "install it with: pip install cuda-python") from exc
+            from cuda import cudart   # older cuda-python; ImportError: cuda_memory tries pycuda
         self.cudart = cudart
         self.stream = self._check(cudart.cudaStreamCreate())
 
@@ -160,6 +183,94 @@ class CudaMemory:
 
     def synchronize(self):
         self._check(self.cudart.cudaStreamSynchronize(self.stream))
+
+
+class PyCudaMemory:
+    """The same buffers and copies through pycuda (JetPack 4's samples use it); `stream` is the stream's handle,
+    as TensorRT's execute calls take it."""
+
+    def __init__(self):
+        import pycuda.autoinit  # noqa: F401  (a context on device 0)
+        import pycuda.driver as cuda
+
+        self.cuda, self._stream, self.allocations = cuda, cuda.Stream(), {}
+        self.stream = self._stream.handle
+
+    def malloc(self, nbytes):
+        allocation = self.cuda.mem_alloc(nbytes)
+        self.allocations[int(allocation)] = allocation
+        return int(allocation)
+
+    def free(self, ptr):
+        self.allocations.pop(ptr).free()
+
+    def to_device(self, ptr, array):
+        self.cuda.memcpy_htod_async(ptr, array, self._stream)
+
+    def to_host(self, array, ptr):
+        self.cuda.memcpy_dtoh_async(array, ptr, self._stream)
+
+    def synchronize(self):
+        self._stream.synchronize()
+
+
+class _Bindings:
+    """TensorRT 8.0-8.4's I/O API (binding indices; 8.5 named the tensors) behind the named calls the backend
+    makes: a Jetson Nano stays at JetPack 4.6's TensorRT 8.2."""
+
+    def __init__(self, engine, context):
+        self.engine, self.context = engine, context
+        self.index = {engine.get_binding_name(i): i for i in range(engine.num_bindings)}
+        self.pointers = [0] * engine.num_bindings
+
+    def names(self):
+        return list(self.index)
+
+    def is_input(self, name):
+        return self.engine.binding_is_input(self.index[name])
+
+    def dtype(self, name):
+        return self.engine.get_binding_dtype(self.index[name])
+
+    def set_input_shape(self, name, shape):
+        self.context.set_binding_shape(self.index[name], tuple(shape))
+
+    def get_tensor_shape(self, name):
+        return tuple(self.context.get_binding_shape(self.index[name]))
+
+    def set_tensor_address(self, name, ptr):
+        self.pointers[self.index[name]] = int(ptr)
+
+    def execute(self, stream):
+        return self.context.execute_async_v2(bindings=self.pointers, stream_handle=stream)
+
+
+class _Named:
+    """TensorRT >= 8.5's named-tensor I/O API, as _Bindings presents it."""
+
+    def __init__(self, trt, engine, context):
+        self.trt, self.engine, self.context = trt, engine, context
+
+    def names(self):
+        return [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+
+    def is_input(self, name):
+        return self.engine.get_tensor_mode(name) == self.trt.TensorIOMode.INPUT
+
+    def dtype(self, name):
+        return self.engine.get_tensor_dtype(name)
+
+    def set_input_shape(self, name, shape):
+        self.context.set_input_shape(name, tuple(shape))
+
+    def get_tensor_shape(self, name):
+        return tuple(self.context.get_tensor_shape(name))
+
+    def set_tensor_address(self, name, ptr):
+        self.context.set_tensor_address(name, ptr)
+
+    def execute(self, stream):
+        return self.context.execute_async_v3(stream)
 
 
 class TensorRTBackend(Backend):
@@ -193,9 +304,8 @@ class TensorRTBackend(Backend):
         self.trt = trt
         if example_shape is None:
             raise RuntimeProblem("the TensorRT backend needs the per-example input shape (from the manifest)")
-        if _too_old(trt.__version__):   # before any build: 8.2's builder lacks set_memory_pool_limit too
-            raise RuntimeProblem(f"TensorRT {trt.__version__} is too old for this runner: it needs TensorRT >= 8.5 "
-                                 f"(JetPack >= 5.1; JetPack 4 on a Jetson Nano has 8.2)")
+        if _too_old(trt.__version__):   # before any build
+            raise RuntimeProblem(f"TensorRT {trt.__version__} {TOO_OLD}")
         options = trt_build_options(precision, workspace_mb, "input", example_shape, max_batch, opt_batch)
         cache_dir = engine_cache or os.path.join(os.path.dirname(os.path.abspath(model_path)), "..", "trt-engines")
         t0 = time.perf_counter()
@@ -216,28 +326,29 @@ class TensorRTBackend(Backend):
             self.engine = runtime.deserialize_cuda_engine(fh.read())
         if self.engine is None:
             raise RuntimeProblem(f"TensorRT could not load the engine {self.engine_path}; delete it to rebuild")
-        if not hasattr(self.engine, "num_io_tensors"):   # a version string _too_old could not read
-            raise RuntimeProblem(f"TensorRT {trt.__version__} is too old for this runner: it needs TensorRT >= 8.5 "
-                                 f"(JetPack >= 5.1; JetPack 4 on a Jetson Nano has 8.2)")
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        if not hasattr(self.engine, "num_io_tensors") and not hasattr(self.engine, "num_bindings"):
+            raise RuntimeProblem(f"TensorRT {trt.__version__} {TOO_OLD}")   # a version string _too_old could not read
+        self.context = self.engine.create_execution_context()
+        self.io = (_Named(trt, self.engine, self.context) if hasattr(self.engine, "num_io_tensors")
+                   else _Bindings(self.engine, self.context))
+        names = self.io.names()
+        inputs = [n for n in names if self.io.is_input(n)]
         outputs = [n for n in names if n not in inputs]
         if len(inputs) != 1 or len(outputs) != 1:
             raise RuntimeProblem(f"{self.engine_path}: expected one input and one output, "
                                  f"got {len(inputs)} and {len(outputs)}")
         self.input_name, self.output_name = inputs[0], outputs[0]
-        self.input_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(self.input_name)))
-        self.output_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(self.output_name)))
-        self.context = self.engine.create_execution_context()
-        self.memory = memory or CudaMemory()
+        self.input_dtype = np.dtype(trt.nptype(self.io.dtype(self.input_name)))
+        self.output_dtype = np.dtype(trt.nptype(self.io.dtype(self.output_name)))
+        self.memory = memory or cuda_memory()
         self.example_shape = tuple(int(d) for d in example_shape)
         # The output row size is known once the input shape is set: ask at max batch.
-        self.context.set_input_shape(self.input_name, (self.max_batch, *self.example_shape))
-        out_row = int(np.prod(tuple(self.context.get_tensor_shape(self.output_name))[1:]))
+        self.io.set_input_shape(self.input_name, (self.max_batch,) + self.example_shape)
+        out_row = int(np.prod(self.io.get_tensor_shape(self.output_name)[1:]))
         self.d_input = self.memory.malloc(self.max_batch * int(np.prod(self.example_shape)) * self.input_dtype.itemsize)
         self.d_output = self.memory.malloc(self.max_batch * out_row * self.output_dtype.itemsize)
-        self.context.set_tensor_address(self.input_name, self.d_input)
-        self.context.set_tensor_address(self.output_name, self.d_output)
+        self.io.set_tensor_address(self.input_name, self.d_input)
+        self.io.set_tensor_address(self.output_name, self.d_output)
 
     @property
     def version(self):
@@ -245,10 +356,10 @@ class TensorRTBackend(Backend):
 
     def _run_chunk(self, x):
         x = np.ascontiguousarray(x, dtype=self.input_dtype)
-        self.context.set_input_shape(self.input_name, x.shape)
-        out = np.empty(tuple(self.context.get_tensor_shape(self.output_name)), dtype=self.output_dtype)
+        self.io.set_input_shape(self.input_name, x.shape)
+        out = np.empty(self.io.get_tensor_shape(self.output_name), dtype=self.output_dtype)
         self.memory.to_device(self.d_input, x)
-        if not self.context.execute_async_v3(getattr(self.memory, "stream", 0)):
+        if not self.io.execute(getattr(self.memory, "stream", 0)):
             raise RuntimeProblem(f"TensorRT failed to run {self.engine_path}")
         self.memory.to_host(out, self.d_output)
         self.memory.synchronize()
