@@ -146,7 +146,7 @@ def _processes_of(runs):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's")
-@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGKILL", -9)])
+@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGKILL", -9), ("SIGINT twice", 130)])
 def test_a_signal_to_the_launching_process_alone_stops_the_training_processes(signal_name, code, tmp_path):
     """SIGTERM (a scheduler's, `kill`) or SIGKILL to `edgebayes train` alone: it exited and its two training
     processes trained on, orphaned and unlocked, and wrote stage.json after the command said it stopped (probe)."""
@@ -164,7 +164,10 @@ def test_a_signal_to_the_launching_process_alone_stops_the_training_processes(si
             break
     else:
         pytest.fail(f"no epoch ended (exit {proc.wait()})")
-    os.kill(proc.pid, getattr(signal, signal_name))
+    os.kill(proc.pid, getattr(signal, signal_name.split()[0]))
+    if signal_name.endswith("twice"):   # an impatient user: the second one killed torchrun, orphaning its workers
+        time.sleep(0.3)
+        os.kill(proc.pid, getattr(signal, signal_name.split()[0]))
     proc.stdout.read()
     assert proc.wait(timeout=120) == code
     deadline = time.monotonic() + 30
@@ -172,3 +175,12 @@ def test_a_signal_to_the_launching_process_alone_stops_the_training_processes(si
         time.sleep(0.5)
     assert _processes_of(runs) == []
     assert not (runs / "ddp/train/stage.json").exists()
+
+
+def test_pipeline_json_keeps_stdout_for_the_summary_with_several_processes(tmp_path, capfd):
+    """The relaunched training printed its log on the inherited stdout, corrupting `pipeline --json` (review)."""
+    import json
+
+    assert main(["pipeline", "--config", str(_tiny(tmp_path, 2)), "--runs-dir", str(tmp_path / "runs"), "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["exit_code"] == 0 and "train: epoch 3/3" in err

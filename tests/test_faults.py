@@ -724,6 +724,8 @@ EDITED_RESULTS = {   # an edit that keeps the schema but not what the runner der
                            r"throughput_per_s: expected batch_size x runs / seconds"),
     "fewer runs than the protocol": (lambda r: r["protocol"].update(min_runs=r["runs"] + 1), r"runs: expected at least"),
     "selective curve of another set": (lambda r: r["selective"].update(n=r["selective"]["n"] + 1), r"selective: expected"),
+    "selective accuracy null": (lambda r: r["selective"]["accuracy"].__setitem__(0, None), r"selective: expected"),
+    "selective accuracy empty": (lambda r: r["selective"].update(accuracy=[]), r"selective: expected"),
 }
 
 

@@ -1109,9 +1109,24 @@ def test_a_pretrained_file_of_another_network_is_refused_and_extra_tensors_are_n
 
     torch.save({"fc.bias": PlainNet().state_dict()["fc.bias"], "other.weight": torch.zeros(3, 3)}, tmp_path / "o.pt")
     model = ModelConfig(arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "o.pt"))
-    with pytest.raises(InputError, match=r"o\.pt: no Linear or convolution weight of the model is in it \(only "
+    with pytest.raises(InputError, match=r"o\.pt: no weight matrix or kernel of the model is in it \(only "
                                          r"fc\.bias match by name and shape\): a checkpoint of another network"):
         build_model(model, PriorConfig(), (1, 8, 8), 10, n_train=100)
+    # a file of the same network for 1000 classes whose backbone has no Linear or convolution (an LSTM's
+    # weight_ih_l0, ...) is the user's own: loaded, its head left fresh (review)
+    class Recurrent(nn.Module):
+        def __init__(self, classes):
+            super().__init__()
+            self.rnn, self.head = nn.LSTM(4, 8, batch_first=True), nn.Linear(8, classes)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0][:, -1])
+
+    from edgebayes.train.bayesianize import apply_state_dict
+
+    torch.save(Recurrent(1000).state_dict(), tmp_path / "rnn.pt")
+    loaded = apply_state_dict(Recurrent(3), torch.load(tmp_path / "rnn.pt", weights_only=True), "rnn.pt")
+    assert loaded.skipped_pretrained == ["head.bias", "head.weight"]
     state = {**PlainNet().state_dict(), "aux.weight": torch.zeros(2), "aux.bias": torch.zeros(2)}
     torch.save(state, tmp_path / "extra.pt")
     model = ModelConfig(arch=f"{user_package}:PlainNet", pretrained=str(tmp_path / "extra.pt"))

@@ -354,6 +354,7 @@ def _log(args):
         from edgebayes.train import distributed
 
         if not distributed.is_main_process():   # process 0 says it; the others repeated every line
+            warnings.simplefilter("ignore")       # and every warning
             return lambda message: None
     if getattr(args, "json", False):
         return lambda message: print(message, file=sys.stderr)
@@ -450,6 +451,7 @@ def _run(args):
     ctx = Context(cfg, profile, runs_dir=Path(args.runs_dir), force=args.force, config_path=args.config,
                   device_arg=args.device, settings=tuple(args.settings), program=_program())
     ctx.log = _log(args)
+    ctx.stdout_is_json = bool(getattr(args, "json", False))   # the relaunched training's lines then go to stderr
     if args.command not in ("deploy", "report"):
         splits_for(ctx)  # missing data files are bad input too: reported before anything (the lock) is written
     with ctx.lock():
@@ -489,7 +491,7 @@ def _format_warning(message, category, filename, lineno, line=None):
     """edgebayes' own warnings in the terminal as `edgebayes: warning: ...`: Python's format adds the source
     file and line, which reads as a crash to a user. Other packages' warnings keep their format (their
     origin is what a user searches for)."""
-    if issubclass(category, UserWarning) and Path(filename).resolve().is_relative_to(Path(__file__).parent):
+    if issubclass(category, UserWarning) and Path(filename).resolve().is_relative_to(Path(__file__).resolve().parent):
         return f"edgebayes: warning: {message}\n"
     return _PYTHON_FORMAT(message, category, filename, lineno, line)
 

@@ -124,6 +124,7 @@ class Context:
     device_arg: str = "local"            # --device as given (a relaunch under torchrun passes it on)
     settings: tuple = ()                 # --set section.key=value over the config file (already in cfg)
     program: str = "edgebayes"           # the command the user ran (.venv/bin/edgebayes): hints repeat it
+    stdout_is_json: bool = False         # --json: stdout holds the summary alone (logs go to stderr)
     # upstream files the running stage read (require): {path under run_dir: sha256}, written to its marker
     reads: dict = field(default_factory=dict, repr=False)
     # what the running stage's folder held before it ran: {path: (inode, mtime, size)}, and the outputs its
@@ -131,7 +132,7 @@ class Context:
     found_before: dict = field(default=None, repr=False)
     recorded_before: set = field(default_factory=set, repr=False)
     # the latency table's stat fingerprint as select read it (pin_latency_table), or None: as it is now
-    _pinned_table: list = field(default=None, repr=False)
+    _pinned_table: list = field(default=None, init=False, repr=False)
 
     @property
     def run_dir(self):
@@ -407,7 +408,7 @@ def run_train(ctx):
         ctx.log(f"train: {cfg.train.processes} processes (DDP) under torchrun")
         args = ["train", "--config", str(ctx.config_path), "--device", ctx.device_arg, *ctx.devices_dir_args(),
                 "--runs-dir", str(ctx.runs_dir), *ctx.set_args()] + (["--force"] if ctx.force else [])
-        code = distributed.launch(args, cfg.train.processes)
+        code = distributed.launch(args, cfg.train.processes, stdout=2 if ctx.stdout_is_json else None)   # fd 2: stderr
         if code != 0:
             raise StageError(f"train: the {cfg.train.processes} training processes failed (exit code {code}); "
                              f"their messages are above")
@@ -727,22 +728,32 @@ def _above_flops_target(ctx, physical, masked):
     FLOPs). The block was blamed for a bn3 width select chose above the target (probe)."""
     from edgebayes.train.flops_target import TOLERANCE
 
-    target = ctx.cfg.train.flops_target
-    if target == "device":
-        target = resolved_device_target(ctx, ctx.cfg, ctx.stage_dir("train")).train.flops_target
+    train = ctx.cfg.train
+    if train.flops_target == "device":
+        train = resolved_device_target(ctx, ctx.cfg, ctx.stage_dir("train")).train
+    target, counted = train.flops_target, train.flops_channel_multiple
     if target is None or physical <= target * (1 + TOLERANCE):
         return None
     block = ctx.profile.runtime.channel_block
     if masked > target * (1 + TOLERANCE):
+        from edgebayes.deploy.summary import point_label
+
         choice = read_json(ctx.stage_dir("select") / "choice.json")
         return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}: "
-                f"select chose {choice['knob']} {choice['knob_value']:g}, which keeps {masked:.3f} by its masks "
+                f"select chose {point_label(choice['knob'], choice['knob_value'])}, which keeps {masked:.3f} by its "
+                f"masks "
                 f"(the training serves the points above the target too, and select takes the best within the "
                 f"device's budgets); give select.knob_values only within the target to ship no more than it")
+    if block > 1 and counted == block:   # the training counted the blocks already: the schedule got no closer
+        return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}, "
+                f"counted in {ctx.profile.name}'s channel blocks of {block}: no cut of the schedule reached it in them "
+                f"(the training log names the closest); runtime.channel_multiple: 1 in the device profile ships "
+                f"narrower widths")
     why = (f"{ctx.profile.name}'s runtime ({ctx.profile.runtime.name}) runs convolutions in blocks of {block} "
            f"channels and each pruned width is rounded up to a multiple of it (faster there despite the FLOPs: "
-           f"benchmarks/results/channel_multiple.md); runtime.channel_multiple: 1 in the device profile ships the "
-           f"target's widths" if block > 1 else "surgery kept more than the training counted")
+           f"benchmarks/results/channel_multiple.md); train.flops_channel_multiple: {block} counts the target in "
+           f"those blocks, runtime.channel_multiple: 1 in the device profile ships the target's widths"
+           if block > 1 else "surgery kept more than the training counted")
     return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}: {why}; "
             f"or aim the target lower (about {target * target / physical:.2f})")
 

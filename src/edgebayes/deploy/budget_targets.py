@@ -32,7 +32,7 @@ def budget_shares(cfg, profile, facts, runs_dir=None):
 def device_flops_target(shares, profile):
     """train.flops_target `device`: the smallest share `budget_shares` found, rounded down to two decimals,
     or None when the dense network fits every budget (nothing to remove). A budget no share fits (the fixed
-    per-operator latency) or one that leaves under 1% of the network is a StageError naming it."""
+    per-operator latency) or one that leaves under 1% of the network is a ConfigError naming it (exit 2)."""
     if shares is None:   # the pre-flight was skipped
         raise StageError("train.flops_target device: the untrained network could not be compressed to measure it "
                          "against the device's budgets (the pre-flight's line above); give the share instead")
@@ -152,8 +152,10 @@ def _latency_judgement(cfg, profile, operators, per_sample, runs_dir):
     if b.latency_ms is None or not operators:
         return None
     unjudged = (None, f"its latency budget ({b.latency_ms:g} ms) is not judged before training: no latency table "
-                      f"of {profile.name} covers this network (`edgebayes devices profile {profile.name}` makes one); "
-                      f"select measures the trained network against it")
+                      f"of {profile.name} covers this network"
+                      + (f" (`edgebayes devices profile {profile.name}` makes one)" if cfg.model.arch == "mlp" else
+                         " (the latency table's sweep is of MLPs)")
+                      + "; select measures the trained network against it")
     try:
         predictor = predictor_for(profile, Path(runs_dir or "runs"))
     except LatencyModelError:

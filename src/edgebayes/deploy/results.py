@@ -206,6 +206,9 @@ def read_results(path):
         res = json.loads(data.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ResultsError(f"{path}: not a runner's results file: not JSON ({type(e).__name__}: {e})") from None
+    if isinstance(res, dict) and res.get("schema") != SCHEMA_VERSION:   # first: another schema has other keys
+        raise ResultsError(f"{path}: schema: expected {SCHEMA_VERSION} (the schema this edgebayes reads), got "
+                           f"{_show(res.get('schema'))}")
     problem = _walk(res, SCHEMA, "") or _consistent(res)
     if problem:
         field, what = problem
@@ -221,8 +224,6 @@ def _consistent(res):
     all), the best and median round from the rounds, the throughput from runs and seconds. A file whose
     figures disagree was edited or corrupted, and the report must not show its figures as measured: an
     accuracy raised by hand while its bins, counts and hashes were kept read as the board's."""
-    if res["schema"] != SCHEMA_VERSION:
-        return "schema", f"expected {SCHEMA_VERSION} (the schema this edgebayes reads), got {_show(res['schema'])}"
     for key in ("latency_ms", "latency_ms_best_round", "latency_ms_median"):
         lat = res[key]
         if not lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]:
@@ -259,7 +260,8 @@ def _bins_agree(res, n):
         return "metrics.ece", (f"expected {ece:.6g}, the ECE of the reliability bins, got {res['metrics']['ece']:.6g}: "
                                f"not the figures the runner computed")
     sel = res["selective"]
-    if sel["n"] != n or not sel["kept"] or sel["kept"][0] != n or _differs(sel["accuracy"][0], correct / n):
+    if (sel["n"] != n or not sel["kept"] or sel["kept"][0] != n or not sel["accuracy"] or sel["accuracy"][0] is None
+            or _differs(sel["accuracy"][0], correct / n)):
         return "selective", f"expected n and kept[0] equal to metrics.n ({n}) and accuracy[0] to metrics.accuracy"
     if res["ood"] is not None and res["ood"]["n_in"] != n:
         return "ood.n_in", f"expected metrics.n ({n}), got {res['ood']['n_in']}"

@@ -559,7 +559,8 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         # the shipped network's share of the dense FLOPs, and what the report warns of (a FLOPs target the
         # runtime's channel block rounded past, an accuracy floor missed): they were on the page only (probe)
         "flops_ratio": s.get("shipped_flops_ratio"),
-        "warnings": [w for w in s.get("warnings") or [] if isinstance(w, str)],
+        "warnings": [w for w in s.get("warnings") or [] if isinstance(w, str)
+                     and not (s.get("no_fit") and w.startswith("No operating point fits"))],   # its own line
         "finish": s.get("finish"),   # a report of predictions: the steps that finish it on the device
         "report": None if report_path is None else str(report_path),
     }
@@ -602,7 +603,7 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
              f"  latency       {lat_txt} ({t.get('latency_basis')})"
              + (f"; best round p90 {ms(best.get('p90'))}" if best.get("p90") is not None else ""),
              f"  size          {fmt(t.get('model_mb'), 'MB')}"
-             + (f", {fmt(t['flops_ratio'])} of the dense FLOPs" if num(t.get("flops_ratio")) is not None else ""),
+             + (f", {fmt(t['flops_ratio'])} of the dense FLOPs" if (num(t.get("flops_ratio")) or 1) < 1 else ""),
              f"  memory        {fmt(t.get('memory_mb'), 'MB')} " + _memory_note(t)]
     for key, b in dict_or_empty(t.get("budgets")).items():
         label, unit = BUDGETS.get(key, (key, ""))

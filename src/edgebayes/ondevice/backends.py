@@ -153,7 +153,8 @@ class OnnxRuntimeBackend(Backend):
                                  f"got {len(inputs)} and {len(outputs)}")
         self.input_name = inputs[0].name
         self.output_name = outputs[0].name
-        self.example_shape = tuple(d if isinstance(d, int) else None for d in inputs[0].shape[1:])
+        shape = inputs[0].shape   # [] where the graph leaves the rank open
+        self.example_shape = tuple(d if isinstance(d, int) else None for d in shape[1:]) if shape else None
 
     @property
     def version(self):

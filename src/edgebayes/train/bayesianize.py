@@ -384,9 +384,8 @@ def apply_state_dict(module, state, path):
     if not fits:
         raise InputError(f"model.pretrained {path}: none of its {len(state)} tensors matches the model "
                          f"(first keys: {list(state)[:3]}, model's: {list(own)[:3]})")
-    weights = [f"{n}.weight" for n, m in module.named_modules() if isinstance(m, AFFINE + PLAIN_ONLY)]
-    if not any(w in fits for w in weights):   # a bias or a norm's scale matched by name: another network's file
-        raise InputError(f"model.pretrained {path}: no Linear or convolution weight of the model is in it (only "
+    if not any(v.dim() >= 2 for v in fits.values()):   # biases or norm scales matched by name: another net's file
+        raise InputError(f"model.pretrained {path}: no weight matrix or kernel of the model is in it (only "
                          f"{', '.join(sorted(fits)[:3])}{', ...' if len(fits) > 3 else ''} match by name and shape): "
                          f"a checkpoint of another network; to start from part of a file on purpose, load it in "
                          f"your builder")

@@ -37,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,8 +114,9 @@ def setup(device: torch.device):
     return World(rank, size, owns), device
 
 
-def launch(cli_args, processes):
+def launch(cli_args, processes, stdout=None):
     """Run `python -m edgebayes.cli <cli_args>` in `processes` processes under torchrun; returns the exit code.
+    `stdout`: where their output goes (None: this process's stdout; `pipeline --json` keeps it for the summary).
 
     The training processes end with this one: torchrun starts its workers in sessions of their own, so a
     signal this process gets alone (kill, a scheduler's SIGTERM) never reached them, and subprocess.call
@@ -129,17 +131,13 @@ def launch(cli_args, processes):
     source = str(Path(edgebayes.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")])),
            "LOGLEVEL": os.environ.get("LOGLEVEL", "ERROR"), RELAUNCHED: "1"}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                            preexec_fn=_terminate_with_parent if sys.platform.startswith("linux") else None)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=stdout,
+                            preexec_fn=_terminated_with_parent() if sys.platform.startswith("linux") else None)
     try:
         return proc.wait()
     except BaseException as e:   # KeyboardInterrupt, Terminated (cli), or anything else: the workers stop too
         proc.send_signal(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_SECONDS)
-        except BaseException:   # it did not stop in time, or a second signal here: the last resort
-            proc.kill()
-            proc.wait()
+        _wait_for_stop(proc)
         raise
 
 
@@ -147,11 +145,37 @@ STOP_SECONDS = 90   # torchrun gives its workers 30 s after the signal, then kil
 RELAUNCHED = "EDGEBAYES_RELAUNCHED"   # set for the processes `launch` starts: the launching process speaks for them
 
 
-def _terminate_with_parent():
-    """In the child before exec: SIGTERM when the launching process dies (prctl PR_SET_PDEATHSIG, Linux)."""
+def _wait_for_stop(proc):
+    """Wait for torchrun to stop its workers. A second Ctrl-C or SIGTERM meanwhile (an impatient user) is not
+    passed on: killing torchrun then left its workers training (review). Past STOP_SECONDS it is killed, said."""
+    deadline = time.monotonic() + STOP_SECONDS
+    while True:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            print(f"edgebayes: torchrun did not stop its training processes within {STOP_SECONDS} s and was killed; "
+                  f"look for leftover `edgebayes.cli train` processes", file=sys.stderr)
+            return
+        except BaseException:   # a further signal: torchrun has the first and is stopping
+            continue
+
+
+def _terminated_with_parent():
+    """The preexec_fn that gives the child SIGTERM when this process dies (prctl PR_SET_PDEATHSIG, Linux).
+    prctl is looked up here, in the parent: a dlopen in the child of a threaded process can deadlock. A parent
+    that died before the flag was set is noticed by the child's parent id."""
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def in_child():
+        prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGTERM)
+    return in_child
 
 
 def rng_states(world, device):

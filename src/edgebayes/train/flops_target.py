@@ -491,10 +491,11 @@ def _plan(model, target_flops, families, count):
 
 
 @torch.no_grad()
-def nested_width_within(model, target):
+def nested_width_within(model, target, channel_multiple=1):
     """(width, FLOPs ratio): the widest width of a nested net (train/nested.py) whose network after surgery has
     at most `target` of the dense network's paper-formula FLOPs, found by bisection (the FLOPs grow with the
-    width; structure alone: no weights, no data). ConfigError if even the narrowest width has more."""
+    width; structure alone: no weights, no data). ConfigError if even the narrowest width has more.
+    `channel_multiple`: surgery rounds each convolution's width up to it (train.flops_channel_multiple)."""
     base = model._build_plain()
     dense = paper_flops(base, model.input_shape)
     plain_names = {name: name for name in model.kept_units(model.groups)}   # kept_units names plain layers
@@ -504,7 +505,8 @@ def nested_width_within(model, target):
     @functools.cache   # each width's surgery once: the bisection and the message read a width again
     def ratio(width):
         reports[width] = {}
-        flops = physical_flops(model, model.kept_units(width), plain_names, base, reports[width])
+        flops = physical_flops(model, model.kept_units(width), plain_names, base, reports[width],
+                               channel_multiple=channel_multiple)
         if flops is None:
             raise SurgeryError(f"surgery cannot remove the channels of width {width} of this nested network")
         return flops / dense

@@ -370,7 +370,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
     nested = t.flops_target is not None and hasattr(model, "serve_from")
     if nested:   # a nested net trains and serves the widths within reach of the target only (train/nested.py)
         log(f"train: flops target {t.flops_target:g}: counting the FLOPs of {model.family}'s widths after surgery")
-        width, ratio = nested_width_within(model, t.flops_target)
+        width, ratio = nested_width_within(model, t.flops_target, t.flops_channel_multiple)
         model.serve_from(width)
         log(f"train: flops target {t.flops_target:g}: {model.family} serves widths {width}..{model.groups} of "
             f"{model.groups} groups, the narrowest at {ratio:.3f} of the dense FLOPs (after surgery)")
