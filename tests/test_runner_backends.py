@@ -294,21 +294,27 @@ class FakeTensorRT:
         return Runtime()
 
 
-def test_tensorrt_backend_buffers_against_a_fake_engine(tmp_path):
+def _cached_fake_engine(tmp_path, fake, precision):
+    """(backend, weight, memory, rng): a fake TensorRT's engine of softmax(x @ W) for (3, 4) inputs, in the
+    cache under the key the backend computes, loaded with a batch profile up to 8."""
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((12, 5)).astype(np.float32)
     memory = FakeMemory()
-    trt = FakeTensorRT(weight, memory)
+    trt = fake(weight, memory)
     onnx = tmp_path / "bundle" / "model.onnx"
     onnx.parent.mkdir()
     onnx.write_bytes(b"graph")
-    options = trt_backend.trt_build_options("int8", 256, "input", (3, 4), max_batch=8)
+    options = trt_backend.trt_build_options(precision, 256, "input", (3, 4), max_batch=8)
     cache = tmp_path / "engines"
     cache.mkdir()
     (cache / (trt_backend.engine_cache_key(onnx, options, trt.__version__) + ".engine")).write_bytes(b"fake engine")
+    backend = runtimes.make_backend("tensorrt", str(onnx), precision=precision, workspace_mb=256,
+                                    engine_cache=str(cache), example_shape=(3, 4), max_batch=8, trt=trt, memory=memory)
+    return backend, weight, memory, rng
 
-    backend = runtimes.make_backend("tensorrt", str(onnx), precision="int8", workspace_mb=256, engine_cache=str(cache),
-                                    example_shape=(3, 4), max_batch=8, trt=trt, memory=memory)
+
+def test_tensorrt_backend_buffers_against_a_fake_engine(tmp_path):
+    backend, weight, memory, rng = _cached_fake_engine(tmp_path, FakeTensorRT, "int8")
     assert not backend.built and backend.info()["precision"] == "int8"
     # Buffers sized for max_batch rows: 8 x 12 float32 in, 8 x 5 float32 out.
     assert sorted(len(b) for b in memory.buffers.values()) == [8 * 5 * 4, 8 * 12 * 4]
@@ -428,19 +434,8 @@ class FakeTensorRT82(FakeTensorRT):
 def test_tensorrt_8_2_of_a_jetson_nano_runs_with_binding_indices(tmp_path):
     """JetPack 4.6 (TensorRT 8.2, the last a Jetson Nano gets) was refused as too old: the shipped jetson-nano
     profile could not finish on its board. It runs through the binding-index API, with the same buffers."""
-    rng = np.random.default_rng(0)
-    weight = rng.standard_normal((12, 5)).astype(np.float32)
-    memory = FakeMemory()
-    trt = FakeTensorRT82(weight, memory)
-    onnx = tmp_path / "bundle" / "model.onnx"
-    onnx.parent.mkdir()
-    onnx.write_bytes(b"graph")
+    backend, weight, memory, rng = _cached_fake_engine(tmp_path, FakeTensorRT82, "fp16")
     options = trt_backend.trt_build_options("fp16", 256, "input", (3, 4), max_batch=8)
-    cache = tmp_path / "engines"
-    cache.mkdir()
-    (cache / (trt_backend.engine_cache_key(onnx, options, trt.__version__) + ".engine")).write_bytes(b"fake engine")
-    backend = runtimes.make_backend("tensorrt", str(onnx), precision="fp16", workspace_mb=256, engine_cache=str(cache),
-                                    example_shape=(3, 4), max_batch=8, trt=trt, memory=memory)
     x = rng.standard_normal((19, 3, 4)).astype(np.float32)
     logits = x.reshape(19, 12) @ weight
     expected = np.exp(logits - logits.max(1, keepdims=True))
