@@ -178,9 +178,17 @@ def test_a_signal_to_the_launching_process_alone_stops_the_training_processes(si
 
 
 def test_pipeline_json_keeps_stdout_for_the_summary_with_several_processes(tmp_path, capfd):
-    """The relaunched training printed its log on the inherited stdout, corrupting `pipeline --json` (review)."""
+    """The relaunched training printed its log on the inherited stdout, corrupting `pipeline --json` (review);
+    and each run left torchrun's empty log folder in the temporary directory (probe)."""
     import json
+    import tempfile
 
+    def leftovers():
+        return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.name.startswith(("torchelastic_",
+                                                                                               "edgebayes-torchrun-"))}
+
+    before = leftovers()
     assert main(["pipeline", "--config", str(_tiny(tmp_path, 2)), "--runs-dir", str(tmp_path / "runs"), "--json"]) == 0
     out, err = capfd.readouterr()
     assert json.loads(out)["exit_code"] == 0 and "train: epoch 3/3" in err
+    assert leftovers() <= before

@@ -1013,6 +1013,10 @@ def test_a_failed_training_rerun_withdraws_the_report_too(tmp_path, monkeypatch)
         folder.mkdir(parents=True)
         (folder / "report.json").write_text('{"summary": {"overall_verdict": "pass"}}')
         (folder / "report.html").write_text("pass")
+        (folder / "reliability.png").write_bytes(b"png")   # the report's plots go with it (probe); a user's file stays
+        (folder / "notes.txt").write_text("mine")
+        (folder / "stage.json").write_text(json.dumps({"outputs": {n: "x" for n in ("report.json", "report.html",
+                                                                                   "reliability.png", "../x")}}))
 
     def failing(ctx):
         raise StageError("train: diverged")
@@ -1021,7 +1025,7 @@ def test_a_failed_training_rerun_withdraws_the_report_too(tmp_path, monkeypatch)
     with pytest.raises(StageError, match="diverged"):
         stages.run_stage(ctx, "train")
     for folder in (report, other):
-        assert sorted(p.name for p in folder.iterdir()) == ["report.withdrawn.json"]
+        assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "report.withdrawn.json"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -265,8 +265,14 @@ class Context:
         folders = sorted(self._inside(p) for p in reports.iterdir() if p.is_dir()) if every_device and reports.is_dir() \
             else [mine]
         for folder in folders:
-            for name in (MARKER, "report.html"):
-                (folder / name).unlink(missing_ok=True)
+            try:   # the plots it wrote go too (a withdrawn report's PNGs were left beside its JSON); a user's files stay
+                written = read_json(folder / MARKER).get("outputs") or {}
+            except (OSError, ValueError, AttributeError):
+                written = {}
+            for name in [*written, MARKER, "report.html"]:
+                path = folder / name
+                if name != "report.json" and path.resolve().is_relative_to(folder.resolve()) and path.is_file():
+                    path.unlink()
             # kept apart for `report --devices`, which shows it marked stale (cli._report_extras), not an error
             if (folder / "report.json").is_file():
                 (folder / "report.json").replace(folder / "report.withdrawn.json")

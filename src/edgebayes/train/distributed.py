@@ -34,9 +34,11 @@ RNG state, so a run resumed with the same number of processes continues exactly.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,8 +126,9 @@ def launch(cli_args, processes, stdout=None):
     in its own session too, gets Ctrl-C / SIGTERM from here once (a second signal during its shutdown would
     cut its own clean-up short) and is waited for; it stops its workers. Where this process is killed
     outright, Linux's parent-death signal sends torchrun SIGTERM."""
+    logs = tempfile.mkdtemp(prefix="edgebayes-torchrun-")   # torchrun's own folder (error files): removed after
     cmd = [sys.executable, "-m", __name__, "--standalone", f"--nproc_per_node={processes}",   # torchrun (below)
-           "-m", "edgebayes.cli", *cli_args]
+           f"--log-dir={logs}", "-m", "edgebayes.cli", *cli_args]
     # Every process imports this very edgebayes, whatever sys.path the launching process was given. torchrun's
     # warnings (the OMP_NUM_THREADS note, each signal it passes on) are not the user's; its errors stay.
     source = str(Path(edgebayes.__file__).resolve().parents[1])
@@ -139,6 +142,8 @@ def launch(cli_args, processes, stdout=None):
         proc.send_signal(signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
         _wait_for_stop(proc)
         raise
+    finally:   # each run left an empty /tmp/torchelastic_* folder (probe)
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 STOP_SECONDS = 90   # torchrun gives its workers 30 s after the signal, then kills them
