@@ -770,11 +770,10 @@ def apply_settings(data, settings, path) -> dict:
     is read as YAML (1.2 numbers, as in the file: `train.lr=1e-3`, `select.mc_samples=[1,4]`, `null`). A
     malformed setting is one ConfigError naming it; its key and value are validated with the file's own."""
     data = dict(data) if isinstance(data, dict) else data
+    top_level = [n for n, f in PipelineConfig.model_fields.items() if not _is_section(f)]   # seed, name
     for setting in settings:
         key, sep, value = setting.partition("=")
         parts = key.strip().split(".")
-        top_level = [n for n, f in PipelineConfig.model_fields.items()   # seed, name: a key of no section
-                     if not (isinstance(f.annotation, type) and issubclass(f.annotation, Section))]
         if not sep or not all(parts) or (len(parts) < 2 and parts[0] not in top_level):
             raise ConfigError(f"--set {setting}: expected section.key=value (or {' / '.join(top_level)}=value), "
                               f"e.g. --set {SETTING_EXAMPLE}")

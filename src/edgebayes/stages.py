@@ -200,13 +200,7 @@ class Context:
         self._pinned_table = self._latency_table()
 
     def _marker(self, stage):
-        """The stage's marker, or None when it is absent or unreadable (an interrupted write cannot leave
-        half a marker, but a user can)."""
-        try:
-            done = read_json(self.stage_dir(stage) / MARKER)
-        except (OSError, ValueError):
-            return None
-        return done if isinstance(done, dict) and isinstance(done.get("outputs"), dict) else None
+        return _read_marker(self.stage_dir(stage))
 
     def staleness(self, stage):
         """None when the stage's artifacts can be reused as they are; else why the stage must run."""
@@ -265,10 +259,8 @@ class Context:
         folders = sorted(self._inside(p) for p in reports.iterdir() if p.is_dir()) if every_device and reports.is_dir() \
             else [mine]
         for folder in folders:
-            try:   # the plots it wrote go too (a withdrawn report's PNGs were left beside its JSON); a user's files stay
-                written = read_json(folder / MARKER).get("outputs") or {}
-            except (OSError, ValueError, AttributeError):
-                written = {}
+            # the plots it wrote go too (a withdrawn report's PNGs were left beside its JSON); a user's files stay
+            written = (_read_marker(folder) or {}).get("outputs", {})
             for name in [*written, MARKER, "report.html"]:
                 path = folder / name
                 if name != "report.json" and path.resolve().is_relative_to(folder.resolve()) and path.is_file():
@@ -378,6 +370,16 @@ def load_trained_model(ctx):
 # ---------------------------------------------------------------------------------------------
 def _has_inclusion(model):
     return any(hasattr(mod, "sample_inclusion") for mod in model.modules())
+
+
+def _read_marker(folder):
+    """The marker of the stage folder `folder`, or None when it is absent or unreadable (an interrupted write
+    cannot leave half a marker, but a user can)."""
+    try:
+        done = read_json(folder / MARKER)
+    except (OSError, ValueError):
+        return None
+    return done if isinstance(done, dict) and isinstance(done.get("outputs"), dict) else None
 
 
 def resolved_device_target(ctx, cfg, out):

@@ -239,6 +239,10 @@ def dict_or_empty(x: Any) -> dict:
     return x if isinstance(x, dict) else {}
 
 
+NO_FIT_WARNING = ("No operating point fits the device budgets (the candidates table shows each against them): "
+                  "nothing was deployed; the figures are the closest candidate's, predicted.")
+
+
 def summarize(d: dict) -> dict:
     """Compute the summary block from the (JSON-clean) inputs."""
     device = dict_or_empty(d.get("device"))
@@ -325,8 +329,7 @@ def summarize(d: dict) -> dict:
     no_fit = bool(get(predicted_in, "no_fit"))   # no operating point fits: the closest one, not deployed
     if no_fit:
         overall = "fail"
-        warnings.append("No operating point fits the device budgets (the candidates table shows each against "
-                        "them): nothing was deployed; the figures are the closest candidate's, predicted.")
+        warnings.append(NO_FIT_WARNING)
 
     onnx_params, kept_total = export.get("onnx_params"), export.get("kept_weights_total")
     params_match = (None if num(onnx_params) is None or num(kept_total) is None
@@ -560,7 +563,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         # runtime's channel block rounded past, an accuracy floor missed): they were on the page only (probe)
         "flops_ratio": s.get("shipped_flops_ratio"),
         "warnings": [w for w in s.get("warnings") or [] if isinstance(w, str)
-                     and not (s.get("no_fit") and w.startswith("No operating point fits"))],   # its own line
+                     and w != NO_FIT_WARNING],   # the summary's own "no fit" line says it
         "finish": s.get("finish"),   # a report of predictions: the steps that finish it on the device
         "report": None if report_path is None else str(report_path),
     }
