@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 import yaml
 from sklearn.cluster import KMeans
 
@@ -334,8 +335,81 @@ def test_a_users_checkpoint_is_the_starting_point(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), user.state_dict().values()))
     torch.save({"something": torch.zeros(3)}, tmp_path / "other.pt")
     cfg.sqs = SQSConfig(checkpoint=str(tmp_path / "other.pt"))
-    with pytest.raises(InputError, match="sqs.checkpoint"):
+    with pytest.raises(InputError, match=r"sqs.checkpoint .*other.pt: .*missing: hidden1.weight.*not in the model: "
+                                         r"something"):
         pretrained_base(cfg, splits, tmp_path)
+    # the layouts model.pretrained reads: a checkpoint's "state_dict" entry, a DataParallel / torch.compile prefix
+    for name, state in (("wrapped.pt", {"state_dict": user.net.state_dict(), "epoch": 3}),
+                        ("compiled.pt", {f"_orig_mod.{k}": v for k, v in user.net.state_dict().items()})):
+        torch.save(state, tmp_path / name)
+        cfg.sqs = SQSConfig(checkpoint=str(tmp_path / name))
+        base, _ = pretrained_base(cfg, splits, tmp_path)
+        assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), user.state_dict().values()))
+
+
+def test_a_replaced_sqs_checkpoint_trains_again(tmp_path):
+    """The train stage's fingerprint follows what sqs.checkpoint holds, as it does model.pretrained's: a file
+    replaced under the same name shipped the network compressed from the old one (probe)."""
+    import os
+
+    from edgebayes.config import load_device_profile
+    from edgebayes.stages import Context
+
+    weights = tmp_path / "user.pt"
+    torch.save({}, weights)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"family": "sqs"}, "sqs": {"checkpoint": str(weights)}}))
+    ctx = Context(load_pipeline_config(path), load_device_profile("local"))
+    before = ctx.fingerprint("train")
+    torch.save({"x": torch.zeros(3)}, weights)
+    os.utime(weights, ns=(1, 10**18))
+    assert ctx.fingerprint("train") != before
+
+
+class HeadFirst(nn.Module):
+    """An MLP whose output layer is defined before the layer that reads the input."""
+
+    def __init__(self, inputs=20):
+        super().__init__()
+        self.out = nn.Linear(12, 3)
+        self.body = nn.Linear(inputs, 12)
+        self.input_shape = (inputs,)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.body(x)))
+
+
+def test_sqs_rates_count_the_layers_it_leaves_fp32(tmp_path):
+    """A Conv1d ships as fp32 beside model.sqs: the file's rates were read as the network's (probe)."""
+    from edgebayes.provenance import write_json
+    from edgebayes.train.sqs import stage_summary
+
+    class Signal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(1, 4, 3)
+            self.head = nn.Linear(248, 64)   # inputs of 64 samples
+
+        def forward(self, x):
+            return self.head(torch.relu(self.conv(x)).flatten(1))
+
+    torch.manual_seed(0)
+    net = SQSNet(Signal(), windowing="single").initialise(keep_init=0.9, seed=0)
+    write_json(tmp_path / "pretrained.json", {"source": "checkpoint", "test": {"accuracy": 0.9}})
+    s = stage_summary(net, None, tmp_path, 0.5, {"accuracy": 0.8})
+    assert s["unquantized_params"] == 4 * 3 + 4   # the Conv1d's weight and bias
+    assert s["rate_bytes_network"] == pytest.approx((s["fp32_bytes"] + 64) / (s["file_bytes"] + 64))
+    assert 1 < s["rate_bytes_network"] < s["rate_bytes"]   # (a file of a few weights is larger than fp32)
+
+
+def test_per_input_scores_go_to_the_layer_that_reads_the_input():
+    """sqs.first_layer_scores per-input: the layer that runs first on the input, not the first registered."""
+    net = SQSNet(HeadFirst(), first_layer_scores="per-input")
+    assert net.posteriors["body"].score.shape == (20,)
+    assert net.posteriors["out"].score.shape == (3, 12)
+    with pytest.warns(UserWarning, match="body reads one input feature"):
+        net = SQSNet(HeadFirst(inputs=1), first_layer_scores="per-input")
+    assert net.posteriors["body"].score.shape == (12, 1)
 
 
 def test_pipeline_with_family_sqs_on_digits(tmp_path):
@@ -383,6 +457,10 @@ def test_pipeline_with_family_sqs_on_digits(tmp_path):
     html_text = (run / "report/small-flash/report.html").read_text()
     ratio = export["artifacts"]["onnx-codebook"]["bytes_breakdown"]["compression_ratio"]
     assert "Where the shipped bytes go" in html_text and f"{ratio:.1f}x" in html_text
+    # the page shows SQS's own figures (it showed node counts only: probe); the zoo MLP leaves nothing fp32
+    assert f"<td>non-zero weights / all (the shipped samples)</td><td>{form['nonzero_rate']:.4g}" in html_text
+    assert "levels per layer" in html_text and "test accuracy: full precision (the start) / after SQS" in html_text
+    assert s["unquantized_params"] == 0 and s["rate_bytes_network"] == pytest.approx(s["rate_bytes"])
 
 
 def test_sqs_wraps_the_convolutions_of_lenet5_caffe(tmp_path):

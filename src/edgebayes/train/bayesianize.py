@@ -353,29 +353,30 @@ def start_from_plain(net, plain):
             _start_from(net.get_submodule(name), mod, None)
 
 
-def read_state_dict(path):
-    """A state dict of tensors from `path` (weights_only; a pipeline checkpoint's "model" entry too)."""
+def read_state_dict(path, key="model.pretrained"):
+    """A state dict of tensors from `path` (weights_only; a pipeline checkpoint's "model" entry too); the errors name
+    the config `key` that gave the path."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:   # torch's own text advises weights_only=False: never for a user's file
-        raise InputError(f"model.pretrained {path}: not a file of tensors that torch.load(weights_only=True) "
+        raise InputError(f"{key} {path}: not a file of tensors that torch.load(weights_only=True) "
                          f"accepts (save one with torch.save(model.state_dict(), path))") from None
     except Exception as e:
         if Path(path).is_file() and not zipfile.is_zipfile(path):   # a text or other file: torch says `KeyError: 105`
-            raise InputError(f"model.pretrained {path}: not a file torch.save wrote (save one with "
+            raise InputError(f"{key} {path}: not a file torch.save wrote (save one with "
                              f"torch.save(model.state_dict(), path))") from None
-        raise InputError(f"model.pretrained {path}: cannot load a state dict ({type(e).__name__}: "
+        raise InputError(f"{key} {path}: cannot load a state dict ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
     if isinstance(state, dict):   # a checkpoint that holds the state dict beside other entries (the pipeline's
         # "model", Lightning's "state_dict", a hand-written "model_state_dict")
         state = next((state[k] for k in STATE_DICT_KEYS if isinstance(state.get(k), dict)), state)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         held = f" (it holds {', '.join(map(repr, list(state)[:8]))})" if isinstance(state, dict) else ""
-        raise InputError(f"model.pretrained {path}: expected a state dict of tensors{held}; save one with "
+        raise InputError(f"{key} {path}: expected a state dict of tensors{held}; save one with "
                          f"torch.save(model.state_dict(), path)")
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:   # a diverged training's weights: every output NaN, which surgery's output check reports as a change
-        raise InputError(f"model.pretrained {path}: {len(bad)} tensor(s) hold NaN or infinite values "
+        raise InputError(f"{key} {path}: {len(bad)} tensor(s) hold NaN or infinite values "
                          f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     return state
 
@@ -384,7 +385,7 @@ def apply_state_dict(module, state, path):
     """Load `state` into a plain module; tensors whose shapes differ (a classifier trained for another number
     of classes) keep their fresh initialisation, and `module.skipped_pretrained` names them."""
     own = module.state_dict()
-    state = _unwrapped(state, own)
+    state = without_wrapper_prefix(state, own)
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not fits:
         raise InputError(f"model.pretrained {path}: none of its {len(state)} tensors matches the model "
@@ -429,7 +430,7 @@ STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")   # where checkpoi
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")   # nn.DataParallel / DistributedDataParallel, torch.compile
 
 
-def _unwrapped(state, own):
+def without_wrapper_prefix(state, own):
     """`state` without the prefix a training wrapper put on every key (a state dict saved from
     DistributedDataParallel(model) or torch.compile(model) names model's tensors module.* / _orig_mod.*; a
     Lightning module's, model.* after its attribute), where the module's own keys do not carry it."""

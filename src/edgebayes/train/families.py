@@ -105,8 +105,11 @@ def _sqs_build(cfg, splits):
 def _sqs_summary(net, splits, train_dir, knob_value, test, log):
     """Accuracy against the full-precision start, compression by formula and by the bytes of model.sqs."""
     summary = sqs.stage_summary(net, splits, train_dir, knob_value, test)
+    others = summary["unquantized_params"]
     log(f"train: SQS drop {summary['accuracy_drop']:+.4f} against full precision; compression "
-        f"{summary['rate_formula']:.1f}x by formula, {summary['rate_bytes']:.1f}x by file bytes")
+        f"{summary['rate_formula']:.1f}x by formula, {summary['rate_bytes']:.1f}x by file bytes"
+        + (f" of the layers it quantizes; {others} parameters outside them stay fp32 (not in model.sqs): "
+           f"{summary['rate_bytes_network']:.1f}x for the whole network" if others else ""))
     return summary
 
 
@@ -154,7 +157,10 @@ def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=N
         raise ArchError(f"bayesianize: unknown family {family!r}; expected one of {tuple(FAMILIES)}")
     if FAMILIES[family].wrap is None:  # SQS fine-tunes a trained dnn in two calls of the loop (train/sqs.py)
         raise ArchError(f"bayesianize: family {family} runs through the pipeline: model.family: {family} with "
-                        f"model.arch: <import path of the module's constructor> (and model.pretrained)")
+                        f"model.arch: <import path of the module's constructor> and {FAMILIES[family].section}."
+                        f"checkpoint: <your trained network's state dict> (compressed from those weights as they "
+                        f"are; model.pretrained would train them again for {FAMILIES[family].section}."
+                        f"pretrain_epochs first)")
     if isinstance(n_train, bool) or not isinstance(n_train, (int, np.integer)) or n_train < 1:
         raise ArchError(f"bayesianize: n_train: expected the number of training examples (a positive integer: "
                         f"the ELBO's KL is per example), got {n_train!r}")

@@ -58,6 +58,8 @@ Where this deviates from or completes the paper, and why:
 
 import copy
 import math
+import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -67,9 +69,12 @@ from torch.func import functional_call
 from edgebayes.compressed import codebook
 from edgebayes.compressed.samples import sample_generator
 from edgebayes.config import SQS_WINDOWS as WINDOWS, fingerprint
+from edgebayes.data import data_fingerprint
 from edgebayes.errors import InputError
-from edgebayes.provenance import code_version, read_json, write_json
+from edgebayes.plugins import source_files
+from edgebayes.provenance import code_version, read_json, stat_fingerprint, write_json
 from edgebayes.train.accel import autocast, fused_optimizer, in_layout
+from edgebayes.train.bayesianize import read_state_dict, without_wrapper_prefix
 from edgebayes.train.flops_target import pruning_schedule
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 from edgebayes.train.models import build_model
@@ -325,6 +330,32 @@ class SpikeGMMWeight(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # The network
 # ---------------------------------------------------------------------------------------------
+def _input_layer(base, wrapped):
+    """The wrapped layer that reads the network's input (sqs.first_layer_scores: per-input): the first of them
+    to run on an input of base.input_shape, which need not be the first registered (a head defined before the
+    body). None, with a warning, where that layer has one input feature (a Conv2d of one channel and a 1x1
+    kernel): one shared score would keep or cut the whole layer."""
+    ran = []
+    hooks = [base.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: ran.append(name))
+             for name in wrapped]
+    was_training = base.training
+    try:
+        with torch.no_grad():
+            base.eval()(torch.zeros((1,) + tuple(base.input_shape)))
+    finally:
+        base.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    if not ran:
+        return None
+    first = base.get_submodule(ran[0])
+    if first.weight[0].numel() < 2:
+        warnings.warn(f"sqs.first_layer_scores per-input: {ran[0]} reads one input feature, so one shared score "
+                      f"would keep or cut the whole layer; its weights keep the paper's per-weight scores")
+        return None
+    return ran[0]
+
+
 class SQSNet(nn.Module):
     """A plain network whose Linear / Conv2d weights carry the spike-and-GMM posterior (model interface)."""
 
@@ -346,10 +377,11 @@ class SQSNet(nn.Module):
         if first_layer_scores not in ("per-weight", "per-input"):
             raise ValueError(f"first_layer_scores must be 'per-weight' or 'per-input', got {first_layer_scores!r}")
         self.first_layer_scores = first_layer_scores
+        grouped = _input_layer(base, self.wrapped) if first_layer_scores == "per-input" else None
         self.posteriors = nn.ModuleDict({
             self._key(name): SpikeGMMWeight(base.get_submodule(name).weight.shape, components, WINDOWS[windowing],
-                                            per_input=first_layer_scores == "per-input" and i == 0)
-            for i, name in enumerate(self.wrapped)})
+                                            per_input=name == grouped)
+            for name in self.wrapped})
         for name in self.wrapped:  # the posterior replaces the weight; theta holds its trained value
             base.get_submodule(name).weight.requires_grad_(False)
         self.register_buffer("tau_prime", torch.tensor(float(tau_prime)))
@@ -544,32 +576,53 @@ def pretrained_base(cfg, splits, train_dir, log=print):
     """
     s, base_cfg = cfg.sqs, base_config(cfg)
     if s.checkpoint:
-        base = build_base(cfg, splits)
-        try:
-            state = torch.load(s.checkpoint, map_location="cpu", weights_only=True)
-            state = state.get("model", state)  # a pipeline checkpoint holds the state dict under "model"
-            # The plain architecture's own keys (hidden1.weight, ...) or the pipeline's (net.hidden1.weight).
-            plain = hasattr(base, "net") and not any(k.startswith("net.") for k in state)
-            (base.net if plain else base).load_state_dict(state)
-        except (OSError, RuntimeError, KeyError, AttributeError, TypeError) as e:
-            raise InputError(f"sqs.checkpoint {s.checkpoint}: not a state dict of the configured "
-                             f"{cfg.model.arch} {cfg.model.hidden}: {str(e).splitlines()[0]}") from None
+        base = load_checkpoint(build_base(cfg, splits), s.checkpoint, cfg.model.arch)
         source = {"source": "checkpoint", "path": str(s.checkpoint)}
     else:
         pre_cfg = base_cfg.model_copy(update={"train": cfg.train.model_copy(update=dict(
             epochs=s.pretrain_epochs, lr=s.pretrain_lr, kl_weight=1.0, mc_samples_eval=1, mc_samples_val=1))})
         path, marker = train_dir / "pretrained.pt", train_dir / "pretrained.json"
-        key = fingerprint("sqs-pretrain", code_version(), cfg.seed, cfg.data, base_cfg.model, pre_cfg.train)
+        # what the files hold counts too, as for the train stage: a replaced data file or model.pretrained, the
+        # user's own network or loader edited
+        contents = [data_fingerprint(cfg.data), cfg.model.pretrained and stat_fingerprint(Path(cfg.model.pretrained)),
+                    *(stat_fingerprint(f) for value in (cfg.model.arch, cfg.data.dataset) for f in source_files(value))]
+        key = fingerprint("sqs-pretrain", code_version(), cfg.seed, cfg.data, base_cfg.model, pre_cfg.train, *contents)
         if path.exists() and (not marker.is_file() or read_json(marker).get("fingerprint") != key):
             path.unlink()
         write_json(marker, {"fingerprint": key})
-        log(f"sqs: pretraining the deterministic {cfg.model.arch} for {s.pretrain_epochs} epochs")
+        log(f"sqs: pretraining the deterministic {cfg.model.arch} for {s.pretrain_epochs} epochs"
+            + (f" from model.pretrained {cfg.model.pretrained} (sqs.checkpoint compresses a trained network's "
+               f"weights as they are)" if cfg.model.pretrained else ""))
         base, _ = train(pre_cfg, splits, path, lambda: build_base(cfg, splits), ELBO(), log)
-        source = {"source": "pretrained", "epochs": s.pretrain_epochs, "fingerprint": key}
+        source = {"source": "pretrained", "epochs": s.pretrain_epochs, "fingerprint": key,
+                  "from": cfg.model.pretrained}
     base = base.cpu().eval()
     test, _, _ = evaluate(base, splits.test_x, splits.test_y, 1.0, 1, cfg.seed)
     write_json(train_dir / "pretrained.json", {**source, "test": test})
     return base, test
+
+
+def load_checkpoint(base, path, arch):
+    """`base` (the plain network SQS wraps) with every tensor of the state dict at `path` (sqs.checkpoint): read as
+    model.pretrained files are (a checkpoint's "model" / "state_dict" entry, a DataParallel or torch.compile
+    prefix), but all of it: SQS compresses these weights as they are, so a tensor missing, extra or of another
+    shape is an InputError naming the first few."""
+    state = read_state_dict(path, key="sqs.checkpoint")
+    # The plain architecture's own keys (hidden1.weight, ...) or the pipeline's (net.hidden1.weight)
+    target = base.net if hasattr(base, "net") and not any(k.startswith("net.") for k in state) else base
+    own = target.state_dict()
+    state = without_wrapper_prefix(state, own)
+    problems = []
+    for what, keys in (("missing", [k for k in own if k not in state]),
+                       ("not in the model", [k for k in state if k not in own]),
+                       ("of another shape", [f"{k} {tuple(state[k].shape)} (the model's {tuple(own[k].shape)})"
+                                             for k in own if k in state and state[k].shape != own[k].shape])):
+        if keys:
+            problems.append(f"{len(keys)} tensor(s) {what}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}")
+    if problems:
+        raise InputError(f"sqs.checkpoint {path}: not a state dict of the configured {arch}: {'; '.join(problems)}")
+    target.load_state_dict(state)
+    return base
 
 
 class SQSObjective:
@@ -657,7 +710,13 @@ def stage_summary(model, splits, train_dir, knob_value, test_metrics):
     """
     start = read_json(train_dir / "pretrained.json")
     rates = model.write_compressed(train_dir / "model.sqs", knob_value, m=1)
-    return {"components": model.components, "windows": model.windowing, "prior": model.prior,
+    # What SQS does not quantize (a Conv1d, norms) ships as fp32 beside the file: the network's rate counts it
+    # (the file's rates were read as the network's: 16x by bytes where the network with its Conv1d was 7x)
+    others = sum(p.numel() for name, p in model.base.named_parameters()
+                 if name.rpartition(".")[0] not in model.wrapped)
+    return {"unquantized_params": others,
+            "rate_bytes_network": (rates["fp32_bytes"] + 4 * others) / (rates["file_bytes"] + 4 * others),
+            "components": model.components, "windows": model.windowing, "prior": model.prior,
             "first_layer_scores": model.first_layer_scores,
             "full_precision_test": start["test"], "start": {k: v for k, v in start.items() if k != "test"},
             "accuracy_drop": start["test"]["accuracy"] - test_metrics["accuracy"],
