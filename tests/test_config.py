@@ -387,7 +387,7 @@ SET_ERRORS = {
     "train=3": r"^edgebayes: --set train=3: expected section\.key=value",
     "seed=-1": r"^edgebayes: --set seed: expected an integer in 0\.\.2\^32 - 1",
     "train.epochs": r"^edgebayes: --set train\.epochs: expected section\.key=value",
-    "name.x=1": r"^edgebayes: --set name\.x=1: name is not a section of ",
+    "name.x=1": r"^edgebayes: --set name\.x=1: name is not a section in ",
     "train.lr=[1": r"^edgebayes: --set train\.lr=\[1: the value is not valid YAML",
     "train.lr_milestones=[9999]": r"pipeline\.yaml with --set train\.lr_milestones=\[9999\]: train\.lr_milestones: "
                                   r"expected epochs between 1 and train\.epochs",

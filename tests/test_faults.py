@@ -272,6 +272,37 @@ def test_names_that_point_elsewhere_are_refused(name, tmp_path, capsys):
     assert not runs.exists() and [p.name for p in outside.iterdir()] == ["keep.txt"]
 
 
+@pytest.mark.parametrize("setting", ["model.pretrained=garbage.pt", "train.device=cuda"])
+def test_bad_training_input_leaves_the_finished_run_as_it_was(setting, base, runs, tmp_path, capsys, monkeypatch):
+    """A bad model.pretrained, or train.device cuda without CUDA, deleted the finished run's checkpoint, marker
+    and report before it was refused (exit 2, probe): what train refuses is checked before anything is touched."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "garbage.pt").write_text("garbage\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
+    code, _, err = cli(capsys, "pipeline", "--config", base.config, "--device", base.device, "--runs-dir", runs,
+                       "--set", setting)
+    assert code == EXIT_BAD_INPUT and one_line(err) and setting.partition("=")[0] in err, err
+    after = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
+def test_a_profile_named_after_another_device_is_refused(tmp_path, capsys):
+    """A copy of local.yaml saved as mybox.yaml that kept `name: local` wrote over local's results (probe); an
+    alias names a profile, not a path."""
+    device = write_device(tmp_path / "mybox.yaml", name="local")
+    code, _, err = cli(capsys, "pipeline", "--config", write_config(tmp_path / "c.yaml"), "--device", device,
+                       "--runs-dir", tmp_path / "runs")
+    assert code == EXIT_BAD_INPUT and one_line(err) and f"{device}: name: 'local' is not the file's name 'mybox'" in err
+    assert "set `name: mybox`" in err and not (tmp_path / "runs").exists()
+    alias = tmp_path / "elsewhere.yaml"
+    alias.write_text("alias: ../boards/evil\n")
+    code, _, err = cli(capsys, "devices", "check", str(alias))
+    assert code == EXIT_BAD_INPUT and f"{alias}: alias: expected a profile's name" in err, err
+
+
 def test_stage_folder_linked_outside_the_runs_folder_is_refused(base, runs, tmp_path, capsys):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -773,6 +804,10 @@ def test_another_devices_results_are_not_reported_as_the_boards(base, runs, tmp_
     reported as its measured pass. Refused, and the Jetson's report of predictions stays as it was."""
     code, out, err = cli(capsys, "pipeline", "--config", base.config, "--device", "jetson", "--runs-dir", runs)
     assert code == 4, err
+    # the page says whose figures these are: the engine's ONNX in onnxruntime here, not the fp16 engine (probe)
+    html = (runs / "faults/report/jetson-orin-nano/report.html").read_text()
+    assert "figures are the bundle&#x27;s tensorrt-fp16 run with onnxruntime on this machine (the engine is built " \
+           "on the device" in html and "tensorrt-fp16 (onnxruntime on the shipped ONNX" in html
     before = _state(runs)
     code, _, err = cli(capsys, "report", "--config", base.config, "--device", "jetson", "--runs-dir", runs,
                        "--results", runs / "faults/deploy/flops/results.json")
@@ -992,7 +1027,7 @@ def test_a_failed_rerun_leaves_no_report_of_the_earlier_run(base, runs, tmp_path
     assert not (report / "report.json").exists() and not (report / "report.html").exists()
     # the comparison page still lists the device, its withdrawn figures marked so
     code, out, err = cli(capsys, "report", "--config", base.config, "--runs-dir", runs, "--devices", device)
-    assert code == 0, err
+    assert code == 3, err   # a stale report's verdict is of an earlier choice: not a pass
     assert "flops.yaml's report is stale, marked so on the page: withdrawn" in out
     page = (runs / "faults/report/devices.html").read_text()
     assert "flops/report.html" not in page   # the withdrawn report's page is gone: no link to it
@@ -1235,6 +1270,11 @@ def test_a_no_fit_report_gives_the_latency_select_measured_on_the_device(base, r
     assert re.search(r"budget        latency [0-9.]+ [um]s > 0.001 us: fail\n", out), out
     row = json.loads((runs / "faults/report/tightm/report.json").read_text())["summary"]["budgets"]["latency_ms"]
     assert row["measured"] > 0 and row["basis"] == "measured" and row["measured_as"].endswith("at selection")
+    # the page says so too: the board was reached, and the headline's latency is the selection's measurement
+    html = (runs / "faults/report/tightm/report.html").read_text()
+    assert "No operating point fits the budgets of tightm: nothing was deployed" in html
+    assert "could not be reached" not in html and "To finish on the device" not in html
+    assert "latency (measured at selection)" in html and "select timed it on the device" in html
 
 
 def test_a_board_measured_before_and_unreachable_now_gets_exit_4_and_predictions(base, runs, sshd, tmp_path, capsys):

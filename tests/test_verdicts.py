@@ -85,6 +85,15 @@ def test_a_budget_failing_on_the_device_exits_3(trained_runs, quick_config, tmp_
     assert s["budgets"]["model_mb"]["verdict"] == "pass"
     choice = json.loads((trained_runs / "digits-ssgl/select/optimist/choice.json").read_text())
     assert choice["candidate"]["fits"]   # selection thought it fitted: the device says otherwise
+    # A report that runs again and fails takes its page with it: the last one looked current (probe)
+    page = trained_runs / "digits-ssgl/report/optimist"
+    (trained_runs / "digits-ssgl/deploy/optimist/results.json").unlink()
+    code, _, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
+    assert code == 1 and "results.json" in err
+    assert not (page / "report.html").exists() and (page / "report.withdrawn.json").is_file()
+    code, out, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", device,
+                         "--json")
+    assert code == EXIT_BUDGET and json.loads(out)["devices"][0]["stale"].startswith("withdrawn"), err
 
 
 def test_memory_is_judged_on_the_models_own_memory(trained_runs, quick_config, tmp_path, capsys):
@@ -147,9 +156,11 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     assert "(predicted)" in html and "PREDICTED, not measured on the device" in html and "--results" in html
     assert not (run / "deploy/far-board/stage.json").exists()   # the next pipeline deploys when it is back
 
-    # `edgebayes report` alone says how to finish, naming the device
-    code, _, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
-    assert code == 1 and f"--device {device}" in err and "--results" in err
+    # `edgebayes report` alone repeats the verdict: the report of predictions, how to finish, exit 4 (it was 1)
+    code, out, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
+    assert code == EXIT_PREDICTED and f"--device {device}" in out and "--results" in out, err
+    assert "host unreachable" in json.loads((run / "report/far-board/report.json").read_text())["predicted"]["reason"]
+    assert not (run / "report/far-board/stage.json").exists()   # still to finish: the next pipeline deploys
 
     # Finish by hand: run the bundle with its runner.pyz "on the device" (here), import its results.
     board = tmp_path / "board"
@@ -242,15 +253,16 @@ def test_devices_comparison_page(trained_runs, quick_config, tmp_path, capsys):
     assert cli(capsys, "pipeline", "--config", quick_config, "--runs-dir", trained_runs)[0] == 0
     assert cli(capsys, "pipeline", "--config", quick_config, "--device", far, "--runs-dir", trained_runs)[0] == 4
     code, out, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs,
-                         "--devices", "local", far, "--json")
-    assert code == 0, err
+                         "--devices", "local", far, "local", "--json")
+    assert code == EXIT_PREDICTED, err   # the worst of the devices' verdicts: far's is a prediction (it was 0)
     rows = {r["device"]: r for r in json.loads(out)["devices"]}
-    assert set(rows) == {"local", "far"}
+    assert len(json.loads(out)["devices"]) == 2 and set(rows) == {"local", "far"}   # local once
     assert rows["local"]["mode"] == "measured" and rows["far"]["mode"] == "predicted"
     html = (trained_runs / "digits-ssgl/report/devices.html").read_text()
     assert "href='local/report.html'" in html and "href='far/report.html'" in html
     assert "predicted" in html and "<img" in html
     assert not rows["local"]["stale"] and not rows["far"]["stale"] and "stale report" not in html
+    assert cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", "local")[0] == 0
     # A later selection than the report (a re-run killed before its report): the row says so.
     choice = trained_runs / "digits-ssgl/select/local/choice.json"
     later = (trained_runs / "digits-ssgl/report/local/report.json").stat().st_mtime + 60
@@ -258,7 +270,7 @@ def test_devices_comparison_page(trained_runs, quick_config, tmp_path, capsys):
     code, out, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs,
                          "--devices", "local", far, "--json")
     rows = {r["device"]: r for r in json.loads(out)["devices"]}
-    assert code == 0 and "selection is newer" in rows["local"]["stale"] and not rows["far"]["stale"]
+    assert code == EXIT_BUDGET and "selection is newer" in rows["local"]["stale"] and not rows["far"]["stale"]
     assert "local: stale report" in (trained_runs / "digits-ssgl/report/devices.html").read_text()
     assert "local's report is stale" in err
     # A device without a report is named with the command that makes one.

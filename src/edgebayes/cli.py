@@ -76,7 +76,9 @@ _STAGE_HELP = {
                ["edgebayes deploy --device local", "edgebayes deploy --device ssh-localhost"]),
     "report": ("write report.json / report.html from the stages' artifacts",
                "Writes the report and prints the summary; --results imports a results.json run by hand on the "
-               "device, --devices compares several devices' reports on one page.",
+               "device, --devices compares several devices' reports on one page (its exit code: 3 where any "
+               "device's report fails a budget, fits nothing or is stale, else 4 where any holds predictions, "
+               "else 0).",
                ["edgebayes report --device local",
                 "edgebayes report --device jetson --results results.json   # results run by hand on the board",
                 "edgebayes report --devices local ssh-localhost jetson"]),
@@ -295,7 +297,8 @@ def _list_devices(names):
         latency = ("yes" if table.is_file() and kind != "flops" else "no (measured at selection)" if kind == "measure"
                    else "no (spec sheet)" if p.latency_model.flops_per_second else "no")
         rows.append((name + ("" if p.name == name else f" = {p.name}"),
-                     f"{p.runtime.name} {'/'.join(p.runtime.precision)}", latency, reachable[name], p.description))
+                     f"{p.runtime.name} {'/'.join(p.runtime.precision)}", latency, reachable[name],
+                     _printable(" ".join(p.description.split()))))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(f"{v:<{w}}" for v, w in zip(r[:4], widths)) + "  " + r[4])
@@ -304,11 +307,17 @@ def _list_devices(names):
     return EXIT_BAD_INPUT if bad else 0
 
 
+def _printable(text):
+    """A profile's free text for the terminal: as it is, or escaped where it holds control characters (an
+    escape sequence in a description retitled or recoloured the terminal: probe)."""
+    return text if text.isprintable() else ascii(text)
+
+
 def _check(profile, transport):
     """Print what the device offers; exit 1 if deploying to it would fail."""
     import time
 
-    print(f"device {profile.name}: {profile.description}")
+    print(f"device {profile.name}: {_printable(' '.join(profile.description.split()))}")
     print(f"  connection:  {profile.connection.kind} ({transport.where()})")
     t0 = time.monotonic()
     facts = transport.probe(profile.runtime.name)   # raises TransportError: unreachable, auth, no python
@@ -369,9 +378,13 @@ def _report_extras(ctx, args):
     if args.results:
         import_results(ctx, args.results)
         return _finish(ctx, args)
-    reports = []
+    reports, names, seen = [], [], set()
     for name in args.devices:
         profile = load_device_profile(name)
+        if profile.name in seen:   # `local local`, or an alias beside its device: one row each
+            continue
+        seen.add(profile.name)
+        names.append(name)
         path = ctx.run_dir / "report" / profile.name / "report.json"
         withdrawn = path.with_name("report.withdrawn.json")
         if not path.is_file() and withdrawn.is_file():   # a stage before the report ran again (Context.withdraw_report)
@@ -387,13 +400,25 @@ def _report_extras(ctx, args):
         reports.append((report, path.with_name("report.html")))
     out = ctx.run_dir / "report"
     write_comparison(reports, out)
-    ctx.log(f"report: {out / 'devices.html'} compares {', '.join(args.devices)}")
-    for name, (report, _) in zip(args.devices, reports):
+    ctx.log(f"report: {out / 'devices.html'} compares {', '.join(names)}")
+    for name, (report, _) in zip(names, reports):
         if report["stale"]:
             ctx.log(f"report: {name}'s report is stale, marked so on the page: {report['stale']}")
     if args.json:
         print((out / "devices.json").read_text(), end="")
-    return 0
+    return comparison_exit_code([report for report, _ in reports])
+
+
+def comparison_exit_code(reports):
+    """`report --devices`: the exit code a gate over every device can trust. 3 where a device's report fails a
+    budget, found no fitting point, or is stale (its verdict is of an earlier choice: the current one is not
+    judged); else 4 where one holds predictions; else 0."""
+    summaries = [report.get("summary") or {} for report in reports]
+    measured = [s for s in summaries if s.get("mode") == "measured"]
+    if any(r["stale"] for r in reports) or any(s.get("no_fit") for s in summaries) \
+            or any(s.get("overall_verdict") not in ("pass", "not set") for s in measured):
+        return EXIT_BUDGET
+    return EXIT_PREDICTED if len(measured) < len(summaries) else 0
 
 
 def _report_staleness(ctx, report_path):

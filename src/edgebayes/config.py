@@ -541,7 +541,8 @@ class LatencyModel(Section):
 
 class DeviceProfile(Section):
     name: Name = Field(description=(
-        "the profile's name: letters, digits, -, _, ., not first . or - (it names folders under --runs-dir)"))
+        "the profile's name, the file's own (mybox.yaml: mybox): letters, digits, -, _, ., not first . or - (it "
+        "names folders under --runs-dir)"))
     description: str = Field("", description="free text, shown by `edgebayes devices list`")
     runtime: RuntimeConfig = Field(RuntimeConfig(), description="the runtime on the device and the precisions it takes")
     budgets: Budgets = Field(Budgets(), description="the limits the chosen point must meet on the device")
@@ -672,6 +673,9 @@ class _Yaml12Loader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":   # `<<:` merges an alias's mapping: none to merge here
+                raise _Refused(f"line {key_node.start_mark.line + 1}: YAML merge keys (<<) are not accepted in a "
+                               f"config; write the keys out")
             key = self.construct_object(key_node, deep=deep)
             try:
                 duplicate = key in seen
@@ -684,6 +688,13 @@ class _Yaml12Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# Booleans as YAML 1.2 writes them (true / false): YAML 1.1's yes / no / on / off made `name: yes` a boolean,
+# refused as "expected a string, got True" (probe); where a key takes a boolean, the validation reads them still
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -695,10 +706,15 @@ _KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", b
 
 
 def _load_yaml(path: Path):
-    if not path.is_file():
-        raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'}")
-    with open(path, "rb") as f:
-        raw = f.read(MAX_CONFIG_BYTES + 1)
+    try:
+        if not path.is_file():
+            if path.is_symlink():   # a loop, or a link to nothing, reads as not there: stat's words say which
+                path.stat()
+            raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'}")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:   # unreadable (permissions, a symlink loop): bad input, named, like the others
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MB; not a config")
     try:
@@ -773,6 +789,7 @@ def apply_settings(data, settings, path) -> dict:
     top_level = [n for n, f in PipelineConfig.model_fields.items() if not _is_section(f)]   # seed, name
     for setting in settings:
         key, sep, value = setting.partition("=")
+        setting = setting if len(setting) <= 120 else setting[:120] + "..."   # as said in messages: a line
         parts = key.strip().split(".")
         if not sep or not all(parts) or (len(parts) < 2 and parts[0] not in top_level):
             raise ConfigError(f"--set {setting}: expected section.key=value (or {' / '.join(top_level)}=value), "
@@ -781,7 +798,8 @@ def apply_settings(data, settings, path) -> dict:
         for depth, section in enumerate(parts[:-1]):
             child = node.get(section) if isinstance(node, dict) else None
             if not isinstance(node, dict) or not isinstance(child, (dict, type(None))):
-                raise ConfigError(f"--set {setting}: {'.'.join(parts[:depth + 1])} is not a section of {path}")
+                held = f" (it holds {_show(child)})" if isinstance(node, dict) else ""
+                raise ConfigError(f"--set {setting}: {'.'.join(parts[:depth + 1])} is not a section in {path}{held}")
             node[section] = node = dict(child or {})
         try:
             node[parts[-1]] = yaml.load(value, Loader=_Yaml12Loader) if value.strip() else None
@@ -801,7 +819,8 @@ def load_pipeline_config(path, settings=()) -> PipelineConfig:
     if settings:
         data = apply_settings(data, settings, path)
     cfg = validate(PipelineConfig, data, path, set_keys=[s.partition("=")[0].strip() for s in settings])
-    p = f"{path} with --set {' '.join(settings)}" if settings else str(path)
+    shown = " ".join(settings)
+    p = f"{path} with --set {shown if len(shown) <= 200 else shown[:200] + '...'}" if settings else str(path)
     _check_data(cfg.data, p)
     check_train(cfg.train, cfg.model.family, p, "train.")
     _check(cfg.select.objective != "ece-constrained-accuracy" or cfg.select.max_ece is not None,
@@ -920,6 +939,14 @@ def known_devices() -> list[str]:
 def _profile_path(name: str) -> Path:
     if name.endswith((".yaml", ".yml")):
         path = Path(name)
+        if not path.is_file():   # a path, not a name: not looked for among the profiles as <name>.yaml.yaml
+            if path.is_symlink():
+                try:
+                    path.stat()
+                except OSError as e:
+                    raise ConfigError(f"{path}: cannot read the device profile: {e.strerror or e}") from None
+            raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'} (a device "
+                              f"profile given by its path)")
     else:
         path = next((d / f"{name}.yaml" for d in devices_dirs() if (d / f"{name}.yaml").is_file()),
                     devices_dirs()[0] / f"{name}.yaml")
@@ -941,6 +968,8 @@ def load_device_profile(name: str) -> DeviceProfile:
     if isinstance(data, dict) and "alias" in data:
         _check(set(data) == {"alias"} and isinstance(data["alias"], str), f"{path}: alias",
                "an alias file holds only `alias: <profile name>`")
+        _check(NAME.fullmatch(data["alias"]) is not None, f"{path}: alias",   # not a path: a profile beside it
+               f"expected a profile's name (letters, digits, -, _, .), got {data['alias']!r}")
         _check(data["alias"] != path.stem, f"{path}: alias", "a profile cannot be an alias of itself")
         try:
             target = _profile_path(data["alias"])
@@ -956,6 +985,12 @@ def load_device_profile(name: str) -> DeviceProfile:
         judge_ssh_config(c, p)
     _check(lm.kind != "flops" or (lm.flops_per_second or 0) > 0, f"{p}: latency_model.flops_per_second",
            "a positive number is required when latency_model.kind is flops")
+    # The runs' folders of a device are named by `name`: a copy of local.yaml saved as mybox.yaml that kept
+    # `name: local` wrote over local's measured results (probe)
+    _check(profile.name == path.stem, f"{p}: name",
+           f"{profile.name!r} is not the file's name {path.stem!r}; the device's folders under --runs-dir are named "
+           f"by it, so this profile would write over device {profile.name}'s results: set `name: {path.stem}` (or "
+           f"name the file {profile.name}.yaml)")
     return profile
 
 

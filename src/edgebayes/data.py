@@ -772,6 +772,11 @@ def load_data(cfg, seed: int) -> Splits:
                             f"{cfg.val_fraction}); give more data or change the fractions")
     check_classes_seen(y[carved], {"validation": val_y, "test": test_y}, classes, _source(cfg),
                        carved=f"data.test_fraction {cfg.test_fraction}, data.val_fraction {cfg.val_fraction}")
+    left_out = np.setdiff1d(np.unique(y[carved].numpy()), np.unique(y[train].numpy()))
+    if len(left_out):   # a quick run's choice, but one example of ten classes trained without a word (probe)
+        shown = ", ".join(repr(classes[i]) for i in left_out[:5]) + (", ..." if len(left_out) > 5 else "")
+        warnings.warn(f"{_source(cfg)}: data.train_subset {cfg.train_subset} leaves {len(left_out)} class(es) of the "
+                      f"training split without an example ({shown}): the network never learns them")
     splits = Splits(x[train], y[train], val_x, val_y, test_x, test_y, classes)
     del x, y, sets   # the whole given set: each split holds its own copy of its rows
     if cfg.ood:

@@ -133,6 +133,8 @@ class Context:
     recorded_before: set = field(default_factory=set, repr=False)
     # the latency table's stat fingerprint as select read it (pin_latency_table), or None: as it is now
     _pinned_table: list = field(default=None, init=False, repr=False)
+    # what check_train's pre-flight found for run.json (train_preflight), or None: run_train runs it
+    train_preflight: dict = field(default=None, init=False, repr=False)
 
     @property
     def run_dir(self):
@@ -157,10 +159,11 @@ class Context:
             # A family's own section counts for it only: other families' fingerprints stay as they were.
             section = family_of(c).section
             own = [getattr(c, section)] if section else []
-            # What data.path and model.pretrained hold now (size and mtime) counts where they are set
+            # What data.path and the weight files (model.pretrained; the family's own checkpoint, SQS's
+            # sqs.checkpoint) hold now (size and mtime) counts where they are set: a file replaced under the
+            # same name is another network
             contents = [h] if (h := data_fingerprint(c.data)) is not None else []
-            if c.model.pretrained:
-                contents.append(["pretrained", stat_fingerprint(Path(c.model.pretrained))])
+            contents += [[key, stat_fingerprint(Path(path))] for key, path in weight_files(c)]
             for key, value in (("model.arch", c.model.arch), ("data.dataset", c.data.dataset)):
                 if sources := source_files(value):   # the user's own net or loader and what it imports, edited since
                     contents.append([key, *(stat_fingerprint(f) for f in sources)])
@@ -398,6 +401,76 @@ def resolved_device_target(ctx, cfg, out):
         "flops_target": target, "flops_channel_multiple": ctx.profile.runtime.channel_block})})
 
 
+def check_train(ctx):
+    """What train refuses as bad input, checked before run_stage touches the run (a bad model.pretrained, or
+    train.device cuda on a machine without one, deleted the finished run of the same name, then exited 2:
+    probe): the data, the weight files (model.pretrained; sqs.checkpoint), the training device and, for a run
+    that starts (no checkpoint of this config to resume), the pre-flight (the network builds, exports and
+    its FLOPs target is reachable: train_preflight). Under torchrun process 0 alone runs the pre-flight."""
+    from edgebayes.train import distributed
+    from edgebayes.train.bayesianize import read_state_dict
+    from edgebayes.train.trainer import resolve_device
+
+    cfg = ctx.cfg
+    splits_for(ctx)
+    for key, path in weight_files(cfg):
+        read_state_dict(path, key=key)
+    try:
+        resolve_device(cfg.train.device)
+    except ConfigError as e:
+        raise ConfigError(f"{ctx.config_path}: {e}") from None
+    if cfg.train.processes > 1 and not distributed.launched():
+        return   # the run goes on under torchrun, whose process 0 checks the rest
+    if distributed.is_main_process() and not _resumes(ctx):
+        ctx.train_preflight = train_preflight(ctx)
+
+
+def weight_files(cfg):
+    """[(config key, path)] of the weight files a training starts from: model.pretrained, and the family's own
+    checkpoint (SQS's sqs.checkpoint), where set."""
+    from edgebayes.train.families import family_of
+
+    section = family_of(cfg).section
+    own = getattr(getattr(cfg, section), "checkpoint", None) if section else None
+    return [(key, path) for key, path in (("model.pretrained", cfg.model.pretrained), (f"{section}.checkpoint", own))
+            if path]
+
+
+def _resumes(ctx):
+    """Whether train will resume a checkpoint (one of this config, no --force): no pre-flight then."""
+    out = ctx.stage_dir("train")
+    try:
+        same_run = read_json(out / "run.json").get("fingerprint") == ctx.fingerprint("train")
+    except (OSError, ValueError, AttributeError):  # absent, not JSON, not a mapping
+        same_run = False
+    return (out / "checkpoint.pt").exists() and same_run and not ctx.force
+
+
+def train_preflight(ctx):
+    """The pre-flight of a training that starts (export/preflight.py: fail in seconds, not after training) and
+    the FLOPs target of train.flops_target device: {"device_flops_target": share or None} for run.json where
+    that is set, else {}."""
+    from edgebayes.deploy.budget_targets import budget_shares, device_flops_target, latency_unjudged, target_advice
+    from edgebayes.export.preflight import preflight
+
+    cfg = ctx.cfg
+    facts = preflight(cfg, ctx.profile, splits_for(ctx), ctx.log)
+    shares = None if facts is None else budget_shares(cfg, ctx.profile, facts, ctx.runs_dir)
+    if cfg.train.flops_target != "device":   # said; with device, they are the target
+        for share, where in (shares or {}).values():
+            if advice := target_advice(cfg, where, share):
+                ctx.log(f"train: pre-flight: {advice}")
+        return {}
+    target = device_flops_target(shares, ctx.profile)
+    unjudged = latency_unjudged(cfg, ctx.profile, facts, ctx.runs_dir)
+    ctx.log(f"train: flops target from {ctx.profile.name}'s budgets: "
+            + (f"{target:g} ({'; '.join(where for _, where in shares.values())})" if target is not None
+               else "none (the dense network fits them)" if unjudged is None
+               else "none (the dense network fits those judged here)")
+            + (f"; {unjudged}" if unjudged else ""))
+    return {"device_flops_target": target}
+
+
 def run_train(ctx):
     from edgebayes.compressed.samples import EmptyLayerError
     from edgebayes.compressed.structure import structure_report
@@ -440,26 +513,9 @@ def run_train(ctx):
             checkpoint.exists() and "device_flops_target" in earlier) else {}
         write_json(marker, {"fingerprint": ctx.fingerprint("train"), **kept})
 
-    if distributed.is_main_process() and not checkpoint.exists():   # fail in seconds, not after training
-        from edgebayes.deploy.budget_targets import (budget_shares, device_flops_target, latency_unjudged,
-                                                     target_advice)
-        from edgebayes.export.preflight import preflight
-
-        facts = preflight(cfg, ctx.profile, splits, ctx.log)
-        shares = None if facts is None else budget_shares(cfg, ctx.profile, facts, ctx.runs_dir)
-        if cfg.train.flops_target != "device":   # said; with device, they are the target
-            for share, where in (shares or {}).values():
-                if advice := target_advice(cfg, where, share):
-                    ctx.log(f"train: pre-flight: {advice}")
-        else:
-            target = device_flops_target(shares, ctx.profile)
-            unjudged = latency_unjudged(cfg, ctx.profile, facts, ctx.runs_dir)
-            ctx.log(f"train: flops target from {ctx.profile.name}'s budgets: "
-                    + (f"{target:g} ({'; '.join(where for _, where in shares.values())})" if target is not None
-                       else "none (the dense network fits them)" if unjudged is None
-                       else "none (the dense network fits those judged here)")
-                    + (f"; {unjudged}" if unjudged else ""))
-            write_json(out / "run.json", {"fingerprint": ctx.fingerprint("train"), "device_flops_target": target})
+    if distributed.is_main_process() and not checkpoint.exists():   # run_stage's check_train ran its pre-flight
+        found = ctx.train_preflight if ctx.train_preflight is not None else train_preflight(ctx)
+        write_json(out / "run.json", {"fingerprint": ctx.fingerprint("train"), **found})
     if cfg.train.flops_target == "device":   # the target run.json recorded for this run (a resumed one too)
         cfg = resolved_device_target(ctx, cfg, out)
     family = family_of(cfg)
@@ -646,7 +702,7 @@ def run_export(ctx):
                 line["measured_with"] = "onnxruntime on the shipped ONNX; the engine's own figures come from the device"
             artifacts[fmt] = {"path": path, **facts, "format": f.bundle_format, "bytes": path.stat().st_size,
                               "fidelity": line}
-            ctx.log(f"export: {fmt} ({facts['layout']}): accuracy {line['accuracy']:.4f} (PyTorch {line['reference']['accuracy']:.4f}), "
+            ctx.log(f"export: {fmt} ({facts['layout']}{'; ' + line['measured_with'] if 'measured_with' in line else ''}): accuracy {line['accuracy']:.4f} (PyTorch {line['reference']['accuracy']:.4f}), "
                     f"NLL {line['nll']:.4f}, ECE {line['ece']:.4f}, max |p - p_torch| {line['max_abs_prob_diff']:.2e}: "
                     f"{'ok' if line['check']['passed'] else 'FAILED'} ({line['check']['rule']})")
             if not line["check"]["passed"]:
@@ -875,6 +931,19 @@ def _report_inputs(ctx, results):
     }
 
 
+def _standing_prediction(ctx):
+    """Why the device was not reached, where this device's current report is one of predictions (the pipeline
+    could not deploy, and no deploy has run since: a later stage run withdraws it); else None."""
+    path = ctx.stage_dir("report") / "report.json"
+    if ctx._marker("deploy") is not None or not path.is_file():
+        return None
+    try:
+        reason = read_json(path).get("predicted", {}).get("reason")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return reason if isinstance(reason, str) else None
+
+
 def no_fit(ctx):
     """Selection found no operating point within the budgets (its choice is the closest, `fits` false)."""
     return read_json(ctx.require("select", "choice.json") / "choice.json").get("fits") is False
@@ -886,6 +955,9 @@ def run_report(ctx):
     if no_fit(ctx):
         return write_predicted_report(ctx, "no operating point fits the device budgets", no_fit=True)
     if not (ctx.stage_dir("deploy") / "results.json").is_file():
+        standing = _standing_prediction(ctx)
+        if standing is not None:   # the device was not reached since: the report of predictions again, exit 4
+            return write_predicted_report(ctx, standing)
         raise StageError(f"{ctx.stage_dir('deploy') / 'results.json'} is missing: run `{ctx.command('deploy')}`; "
                          f"for a device this machine cannot reach: {finish_hint(ctx)}")
     from edgebayes.deploy.results import check_results
@@ -905,6 +977,7 @@ def run_report(ctx):
     return report
 
 
+CHECKS = {"train": check_train}   # run_stage: before the stage withdraws the report and begins
 RUNNERS = {"train": run_train, "select": run_select, "export": run_export, "deploy": run_deploy, "report": run_report}
 
 
@@ -942,21 +1015,32 @@ def run_stage(ctx, stage, single=False):
     ctx.log(f"{stage}: running ({why})")
     if stage in ("train", "select", "export"):   # deploy's runner keeps the device profile's runtime.threads
         ctx.log(f"{stage}: {set_threads(ctx.cfg.train.threads)} torch threads (train.threads)")
+    if stage in CHECKS:   # bad input is refused before the last run's artifacts are touched
+        CHECKS[stage](ctx)
     if is_main_process():
         if stage in ("train", "select", "export", "deploy"):
             ctx.withdraw_report(every_device=stage == "train")
         ctx.begin(stage)
     try:
-        RUNNERS[stage](ctx)
-    except MemoryError as e:  # the stack is unwound: the memory it held is free again for the message
-        raise StageError(f"{stage}: out of memory{f' ({e})' if str(e) else ''}; its marker is not written, "
-                         f"so the stage runs again next time") from None
-    except OSError as e:
-        if e.filename is not None:  # the command line names the file
-            raise
-        # e.g. a full disk under matplotlib's savefig: at least the folder the stage was writing to
-        raise StageError(f"{stage}: {e.strerror or e} (writing in {ctx.stage_dir(stage)})") from None
-    if is_main_process():  # under torchrun, process 0 alone writes (train/distributed.py)
+        try:
+            done = RUNNERS[stage](ctx)
+        except MemoryError as e:  # the stack is unwound: the memory it held is free again for the message
+            raise StageError(f"{stage}: out of memory{f' ({e})' if str(e) else ''}; its marker is not written, "
+                             f"so the stage runs again next time") from None
+        except OSError as e:
+            if e.filename is not None:  # the command line names the file
+                raise
+            # e.g. a full disk under matplotlib's savefig: at least the folder the stage was writing to
+            raise StageError(f"{stage}: {e.strerror or e} (writing in {ctx.stage_dir(stage)})") from None
+    except BaseException:
+        # A report that ran (its inputs changed since the last) and failed: the last one's page no longer
+        # describes the stages, and looked current beside no marker (probe); `report --devices` shows it stale
+        if stage == "report" and is_main_process():
+            ctx.withdraw_report()
+        raise
+    predicted = stage == "report" and isinstance(done, dict) and done["summary"]["mode"] == "predicted" \
+        and not done["summary"]["no_fit"]   # not done: the next pipeline deploys (write_predicted_report)
+    if is_main_process() and not predicted:  # under torchrun, process 0 alone writes (train/distributed.py)
         ctx.mark_done(stage)
 
 

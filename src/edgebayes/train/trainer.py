@@ -140,7 +140,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is cuda but no CUDA device is available (use auto or cpu)")
+        raise ConfigError("train.device is cuda but no CUDA device is available (use auto or cpu)")
     return torch.device(name)
 
 
