@@ -592,3 +592,21 @@ def test_a_model_below_what_the_memory_measurement_resolves_counts_its_weights_n
     large = own_memory({"model_mb": 30.0, "runtime_baseline_mb": 60.0}, parts)
     assert large["own_mb"] == pytest.approx(30.0 - 9.348) and "subtracted: 9.35 MB" in large["measured_as"]
     assert own_memory({"model_mb": 5.0}, {})["own_mb"] == 5.0   # no set-up measured: nothing subtracted
+    assert small["stand_in"] and not large["stand_in"]
+
+
+def test_a_stand_in_for_the_models_memory_is_said_everywhere_and_not_checked_against_itself(tmp_path):
+    """The weights' bytes standing for a model too small to measure were labelled the model's own less the
+    set-up, judged as "measured", and the estimate (which holds the same bytes) was 'validated' against them."""
+    inputs = make_inputs()
+    inputs["results"]["memory"] = {"runtime_baseline_mb": 50.0, "model_mb": 9.2, "deployed_mb": 59.2, "batch_size": 1}
+    inputs["candidates"][2]["cost"].update(memory_estimate_mb=0.041, memory_estimate_lower_bound=False, memory_parts_mb={
+        "runtime_baseline_mb": 50.0, "runtime_setup_mb": 9.3, "weights_mb": 0.04, "activations_mb": 0.001})
+    rep = report_mod.write_report(inputs, tmp_path)
+    s = rep["summary"]
+    assert s["budgets"]["memory_mb"]["measured"] == 0.04 and s["budgets"]["memory_mb"]["basis"] == "weights' bytes"
+    assert s["memory"]["own_is_stand_in"] and s["memory"]["estimate_error"] is None
+    html = (tmp_path / "report.html").read_text()
+    assert "the weights&#x27; bytes, standing for the model&#x27;s own" in html and "too small to measure" in html
+    assert "the weights' bytes: the measurement does not resolve" in "\n".join(
+        report_mod.summary_text(report_mod.terminal_summary(rep)))

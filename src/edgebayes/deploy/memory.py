@@ -56,12 +56,15 @@ def own_memory(measured, parts):
                f"set-up measured on the device at selection, above a {base:.1f} MB baseline of the runtime imported)")
     else:
         how = "the model's own peak RSS with the runtime's set-up in it (no set-up measurement to subtract)"
-    if weights is not None and own < weights:
+    stand_in = weights is not None and own < weights
+    if stand_in:
         how = (f"below what the measurement resolves (peak RSS {model:.2f} MB above the runtime loaded, "
                f"{setup or 0.0:.2f} MB of runtime set-up measured at selection subtracted): the weights' exact "
                f"bytes, file and runtime copy, stand for it")
         own = weights
-    return {"own_mb": max(0.0, own), "baseline_mb": base, "setup_mb": setup, "measured_as": how}
+    # stand_in: the figure is the weights' bytes, not a measurement (the report says so wherever it shows it)
+    return {"own_mb": max(0.0, own), "baseline_mb": base, "setup_mb": setup, "measured_as": how,
+            "stand_in": stand_in}
 
 
 def deployed_estimate(parts):

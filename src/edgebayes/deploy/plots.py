@@ -73,12 +73,16 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
     xs = [k * x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else []) + [
         k * v for b in bands.values() for v in b]
     if min(xs) > 0 and max(xs) / min(xs) > 10:  # wide spread: linear axis would squash the points
+        from matplotlib.ticker import NullFormatter
+
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())   # labelled minor ticks ran into each other ("3x10^14x10^1")
     if budget_ms is not None:
         ax.axvline(budget_ms, color="crimson", linestyle="--", linewidth=1.3)
     stat = f"p{fmt(num(percentile))} latency" if num(percentile) is not None else "latency"
     batch = f", batch size {batch_size}" if batch_size is not None else ""
-    ax.set_xlabel(f"{stat}{batch} ({unit})" + (", log scale" if ax.get_xscale() == "log" else ""))
+    # the selection's figures (measured there or predicted), not the deployment's: the headline has those
+    ax.set_xlabel(f"{stat} at selection{batch} ({unit})" + (", log scale" if ax.get_xscale() == "log" else ""))
     ax.set_ylabel("validation accuracy")
     ax.set_title("Candidate operating points: accuracy vs latency")
     ax.grid(True, alpha=0.3)

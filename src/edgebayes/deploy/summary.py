@@ -312,8 +312,10 @@ def summarize(d: dict) -> dict:
     else:
         memory = (num(results.get("peak_rss_mb")), "peak RSS")
     measured = {"latency_ms": (lat_value, lat_src), "memory_mb": memory, "model_mb": (model_mb, model_src)}
+    stand_in = bool(own.get("stand_in"))   # the weights' bytes: below what the measurement resolves
     basis = {"latency_ms": "measured" if predicted_in is None or measured_at_selection else "predicted",
-             "memory_mb": "estimated" if predicted_in is not None else "measured", "model_mb": "file"}
+             "memory_mb": "estimated" if predicted_in is not None else "weights' bytes" if stand_in else "measured",
+             "model_mb": "file"}
     budget_rows = {}
     for key, (label, unit) in BUDGETS.items():
         limit = num(budgets.get(key))
@@ -403,12 +405,13 @@ def summarize(d: dict) -> dict:
     deployed_mb = num(mem.get("deployed_mb"))
     own_mb = num(own.get("own_mb"))
     memory_block = {
-        "own_mb": own_mb, "subtracted_setup_mb": num(own.get("setup_mb")),
+        "own_mb": own_mb, "own_is_stand_in": stand_in, "subtracted_setup_mb": num(own.get("setup_mb")),
         "runtime_baseline_mb": num(mem.get("runtime_baseline_mb")), "model_mb": num(mem.get("model_mb")),
         "deployed_mb": deployed_mb, "runner_peak_rss_mb": num(results.get("peak_rss_mb")),
         "estimate_mb": estimate, "estimate_lower_bound": lower if estimate is not None else None,
         "estimate_parts_mb": cost.get("memory_parts_mb"),
-        "estimate_error": None if estimate is None or not own_mb else (estimate - own_mb) / own_mb,
+        # none against a stand-in: the estimate holds the same weights' bytes, so it would check itself
+        "estimate_error": None if estimate is None or not own_mb or stand_in else (estimate - own_mb) / own_mb,
     }
     ood_train = dict_or_empty(train.get("ood"))
     ood = dict_or_empty(outputs.get("ood"))
@@ -507,6 +510,7 @@ def fidelity_rows(d: dict) -> list[dict]:
             "bytes": art.get("bytes"), "accuracy": fid.get("accuracy"), "nll": fid.get("nll"),
             "ece": fid.get("ece"), "reference": fid.get("reference"),
             "max_abs_prob_diff": fid.get("max_abs_prob_diff"), "check": fid.get("check"),
+            "measured_with": fid.get("measured_with"),   # a TensorRT engine's: its ONNX in onnxruntime
             "device_accuracy": get(dev, "metrics", "accuracy"), "device_ece": get(dev, "metrics", "ece"),
             "device_p50_ms": get(dev, "latency_ms", "p50"), "device_skipped": dev.get("skipped"),
         })
@@ -555,6 +559,7 @@ def terminal_summary(report: dict, report_path: Any = None) -> dict:
         "memory_runtime_baseline_mb": get(s, "memory", "runtime_baseline_mb"),
         "memory_model_mb": get(s, "memory", "model_mb"),
         "memory_setup_mb": get(s, "memory", "subtracted_setup_mb"),
+        "memory_is_stand_in": bool(get(s, "memory", "own_is_stand_in")),
         "budgets": {k: {"limit": r.get("limit"), "value": r.get("measured"), "basis": r.get("basis"),
                         "verdict": r.get("verdict")} for k, r in dict_or_empty(s.get("budgets")).items()},
         "verdict": s.get("overall_verdict"), "no_fit": bool(s.get("no_fit")),
@@ -575,7 +580,8 @@ def _memory_note(t: dict) -> str:
     if t.get("mode") == "predicted" or t.get("memory_model_mb") is None:
         return f"({t.get('memory_basis')})"
     setup = t.get("memory_setup_mb")
-    own = "of its own" + (f", less {fmt(setup, 'MB')} runtime set-up" if setup is not None else "")
+    own = ("the weights' bytes: the measurement does not resolve a model this small" if t.get("memory_is_stand_in")
+           else "of its own" + (f", less {fmt(setup, 'MB')} runtime set-up" if setup is not None else ""))
     base = num(t.get("memory_runtime_baseline_mb"))
     whole = None if base is None else base + num(t["memory_model_mb"])
     return f"({own}; whole process {fmt(whole, 'MB')})"
