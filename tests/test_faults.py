@@ -272,19 +272,24 @@ def test_names_that_point_elsewhere_are_refused(name, tmp_path, capsys):
     assert not runs.exists() and [p.name for p in outside.iterdir()] == ["keep.txt"]
 
 
-@pytest.mark.parametrize("setting", ["model.pretrained=garbage.pt", "train.device=cuda"])
-def test_bad_training_input_leaves_the_finished_run_as_it_was(setting, base, runs, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("settings, named", [
+    (["model.pretrained=garbage.pt"], "model.pretrained"), (["train.device=cuda"], "train.device"),
+    (["model.family=sqs", "sqs.checkpoint=other.pt", "train.flops_target=null"], "sqs.checkpoint")])
+def test_bad_training_input_leaves_the_finished_run_as_it_was(settings, named, base, runs, tmp_path, capsys,
+                                                               monkeypatch):
     """A bad model.pretrained, or train.device cuda without CUDA, deleted the finished run's checkpoint, marker
-    and report before it was refused (exit 2, probe): what train refuses is checked before anything is touched."""
+    and report before it was refused (exit 2, probe): what train refuses is checked before anything is touched;
+    an sqs.checkpoint of another network too (review)."""
     import torch
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "garbage.pt").write_text("garbage\n")
+    torch.save({"something": torch.zeros(3)}, tmp_path / "other.pt")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
     code, _, err = cli(capsys, "pipeline", "--config", base.config, "--device", base.device, "--runs-dir", runs,
-                       "--set", setting)
-    assert code == EXIT_BAD_INPUT and one_line(err) and setting.partition("=")[0] in err, err
+                       *(x for setting in settings for x in ("--set", setting)))
+    assert code == EXIT_BAD_INPUT and one_line(err) and named in err, err
     after = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == before
 
@@ -301,6 +306,16 @@ def test_a_profile_named_after_another_device_is_refused(tmp_path, capsys):
     alias.write_text("alias: ../boards/evil\n")
     code, _, err = cli(capsys, "devices", "check", str(alias))
     assert code == EXIT_BAD_INPUT and f"{alias}: alias: expected a profile's name" in err, err
+    # a mistyped --devices-dir was passed over, the shipped profiles answering (probe)
+    code, _, err = cli(capsys, "devices", "list", "--devices-dir", tmp_path / "no-such-folder")
+    assert code == EXIT_BAD_INPUT and f"--devices-dir {tmp_path / 'no-such-folder'}: not a folder" in err, err
+
+
+def test_an_m_or_a_knob_value_given_twice_is_refused(tmp_path, capsys):
+    for setting in ("select.mc_samples=[1,1]", "select.knob_values=[0.5,0.5]"):
+        code, _, err = cli(capsys, "report", "--config", write_config(tmp_path / "c.yaml"), "--set", setting,
+                           "--runs-dir", tmp_path / "runs")
+        assert code == EXIT_BAD_INPUT and one_line(err) and "once, got [" in err, err
 
 
 def test_stage_folder_linked_outside_the_runs_folder_is_refused(base, runs, tmp_path, capsys):

@@ -415,6 +415,13 @@ def test_what_a_schedule_cut_costs_is_not_said_as_a_lost_network():
     assert "after epoch 1" in trainer.lost_accuracy(None, history, settled_epoch=1)
     assert "the network as given" in trainer.lost_accuracy(0.97, history, settled_epoch=2)
     assert "what the cut to 0.5 of the dense FLOPs cost" in trainer.lost_accuracy(0.97, history, 2, flops_target=0.5)
+    # SQS validates the given network already quantized: said as that, with SQS's own advice (it advised a
+    # spike-and-slab family)
+    from edgebayes.train.sqs import SQSObjective
+
+    said = trainer.lost_accuracy(0.97, history, 2, start=SQSObjective.start)
+    assert "0.970 (the network SQS starts from, quantized" in said and "sqs.lr_quantization" in said
+    assert "spike-and-slab" not in said
 
 
 def test_a_checkpoint_of_another_config_is_not_resumed_and_the_log_says_so(tmp_path, capsys, monkeypatch):

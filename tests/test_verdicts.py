@@ -91,6 +91,7 @@ def test_a_budget_failing_on_the_device_exits_3(trained_runs, quick_config, tmp_
     code, _, err = cli(capsys, "report", "--config", quick_config, "--device", device, "--runs-dir", trained_runs)
     assert code == 1 and "results.json" in err
     assert not (page / "report.html").exists() and (page / "report.withdrawn.json").is_file()
+    assert not list(page.glob("*.png"))   # its plots too (its marker, which lists them, was gone: review)
     code, out, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", device,
                          "--json")
     assert code == EXIT_BUDGET and json.loads(out)["devices"][0]["stale"].startswith("withdrawn"), err

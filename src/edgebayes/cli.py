@@ -298,7 +298,7 @@ def _list_devices(names):
                    else "no (spec sheet)" if p.latency_model.flops_per_second else "no")
         rows.append((name + ("" if p.name == name else f" = {p.name}"),
                      f"{p.runtime.name} {'/'.join(p.runtime.precision)}", latency, reachable[name],
-                     _printable(" ".join(p.description.split()))))
+                     _printable(p.description)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(f"{v:<{w}}" for v, w in zip(r[:4], widths)) + "  " + r[4])
@@ -310,6 +310,7 @@ def _list_devices(names):
 def _printable(text):
     """A profile's free text for the terminal: as it is, or escaped where it holds control characters (an
     escape sequence in a description retitled or recoloured the terminal: probe)."""
+    text = " ".join(text.split())   # one line
     return text if text.isprintable() else ascii(text)
 
 
@@ -317,7 +318,7 @@ def _check(profile, transport):
     """Print what the device offers; exit 1 if deploying to it would fail."""
     import time
 
-    print(f"device {profile.name}: {_printable(' '.join(profile.description.split()))}")
+    print(f"device {profile.name}: {_printable(profile.description)}")
     print(f"  connection:  {profile.connection.kind} ({transport.where()})")
     t0 = time.monotonic()
     facts = transport.probe(profile.runtime.name)   # raises TransportError: unreachable, auth, no python
@@ -381,7 +382,7 @@ def _report_extras(ctx, args):
     reports, names, seen = [], [], set()
     for name in args.devices:
         profile = load_device_profile(name)
-        if profile.name in seen:   # `local local`, or an alias beside its device: one row each
+        if profile.name in seen:   # `local local`, or an alias beside its device: one row for both
             continue
         seen.add(profile.name)
         names.append(name)
@@ -389,7 +390,8 @@ def _report_extras(ctx, args):
         withdrawn = path.with_name("report.withdrawn.json")
         if not path.is_file() and withdrawn.is_file():   # a stage before the report ran again (Context.withdraw_report)
             report = json.loads(withdrawn.read_text())
-            report["stale"] = "withdrawn: a later train, select, export or deploy ran and no report followed it"
+            report["stale"] = ("withdrawn: a stage before the report ran again, or the report itself ran and failed, "
+                               "and no report followed")
             reports.append((report, None))   # its page went: nothing to link to
             continue
         if not path.is_file():
@@ -413,12 +415,16 @@ def comparison_exit_code(reports):
     """`report --devices`: the exit code a gate over every device can trust. 3 where a device's report fails a
     budget, found no fitting point, or is stale (its verdict is of an earlier choice: the current one is not
     judged); else 4 where one holds predictions; else 0."""
-    summaries = [report.get("summary") or {} for report in reports]
-    measured = [s for s in summaries if s.get("mode") == "measured"]
-    if any(r["stale"] for r in reports) or any(s.get("no_fit") for s in summaries) \
-            or any(s.get("overall_verdict") not in ("pass", "not set") for s in measured):
-        return EXIT_BUDGET
-    return EXIT_PREDICTED if len(measured) < len(summaries) else 0
+    codes = [EXIT_BUDGET if report["stale"] else
+             verdict_exit_code(bool(s.get("no_fit")), s.get("mode"), s.get("overall_verdict"))
+             for report in reports for s in [report.get("summary") or {}]]
+    return EXIT_BUDGET if EXIT_BUDGET in codes else EXIT_PREDICTED if EXIT_PREDICTED in codes else 0
+
+
+def verdict_exit_code(no_fit, mode, verdict):
+    """A report's exit code: 3 no point fits or a budget fails (or is not judged), 4 predictions, 0 pass."""
+    return (EXIT_BUDGET if no_fit else EXIT_PREDICTED if mode == "predicted" else
+            0 if verdict in ("pass", "not set") else EXIT_BUDGET)
 
 
 def _report_staleness(ctx, report_path):
@@ -444,8 +450,7 @@ def _finish(ctx, args):
         return 0
     path = ctx.stage_dir("report") / "report.json"
     summary = terminal_summary(json.loads(path.read_text()), path.with_name("report.html"))
-    code = (EXIT_BUDGET if summary["no_fit"] else EXIT_PREDICTED if summary["mode"] == "predicted" else
-            0 if summary["verdict"] in ("pass", "not set") else EXIT_BUDGET)
+    code = verdict_exit_code(summary["no_fit"], summary["mode"], summary["verdict"])
     if args.json:
         print(json.dumps({**summary, "exit_code": code}, indent=2))
     else:

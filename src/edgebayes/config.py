@@ -29,7 +29,7 @@ from annotated_types import MinLen
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError, core_schema
 
-from edgebayes.errors import InputError
+from edgebayes.errors import InputError, warn_once
 from edgebayes.ondevice.tables import CHANNEL_MULTIPLE, FORMATS, PRECISIONS, PROTOCOL, RUNTIMES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,15 +323,20 @@ class NestedConfig(Section):
         "examples per batch when batch-norm statistics are recollected at a width"))
 
 
+def _each_once(message: Callable[[list], str]) -> Check:
+    return Check(lambda v: len(set(v)) == len(v), message, uniqueItems=True)
+
+
 class SelectConfig(Section):
-    knob_values: Optional[Items[float]] = Field(None, description=(
+    knob_values: Optional[Annotated[Items[float], _each_once(lambda v: f"expected each value once, got {v}")]] = Field(
+        None, description=(
         "values of the family's deploy-time knob to try (inclusion threshold, width, non-zero rate); null: the "
         "model's own default operating points. Widths narrower than a nested net's training served "
         "(nested.fixed_groups or fewer groups, or under train.flops_target's width) are left out, and the log says "
         "so"))
     mc_samples: Annotated[Items[int], Check(lambda v: all(m > 0 for m in v), "expected positive integers"),
-                          Check(lambda v: max(v) <= MAX_MC_SAMPLES,
-                                f"expected integers in 1..{MAX_MC_SAMPLES}")] = Field([1, 2, 4, 8], description=(
+                          Check(lambda v: max(v) <= MAX_MC_SAMPLES, f"expected integers in 1..{MAX_MC_SAMPLES}"),
+                          _each_once(lambda v: f"expected each M once, got {v}")] = Field([1, 2, 4, 8], description=(
         "numbers of posterior samples M to try (each is averaged in one exported graph)"))
     objective: Literal["accuracy", "nll", "ece-constrained-accuracy"] = Field("accuracy", description=(
         "accuracy: highest val accuracy; nll: lowest val NLL; ece-constrained-accuracy: highest val accuracy among "
@@ -347,10 +352,6 @@ class SelectConfig(Section):
 
 # Target formats of the exported MC-averaged model (export/formats.py has what each one is).
 ExportFormat = Literal[tuple(FORMATS)]
-
-
-def _each_once(message: Callable[[list], str]) -> Check:
-    return Check(lambda v: len(set(v)) == len(v), message, uniqueItems=True)
 
 
 class ExportConfig(Section):
@@ -620,7 +621,9 @@ def _problem(cls, data, error: dict, path: str, set_keys=()) -> str:
     if kind == "finite_number" or (tp is float and isinstance(value, int) and not isinstance(value, bool)):
         # .inf / .nan, or an int too large for a float: they would pass every `> 0` check and break the run later
         return f"{where}: expected a finite number, got {value if isinstance(value, float) else math.inf}"
-    return f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})"
+    hint = ("; YAML 1.2, as configs are read: write true or false" if tp is bool and isinstance(value, str)
+            and value.lower() in YAML11_BOOLEANS else "")
+    return f"{where}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__}){hint}"
 
 
 def validate(cls, data, path, set_keys=()):
@@ -689,7 +692,8 @@ class _Yaml12Loader(yaml.SafeLoader):
 
 
 # Booleans as YAML 1.2 writes them (true / false): YAML 1.1's yes / no / on / off made `name: yes` a boolean,
-# refused as "expected a string, got True" (probe); where a key takes a boolean, the validation reads them still
+# refused as "expected a string, got True" (probe). A key that takes a boolean refuses them, with that hint
+YAML11_BOOLEANS = ("yes", "no", "on", "off", "y", "n")
 _Yaml12Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
@@ -705,15 +709,25 @@ _Yaml12Loader.add_implicit_resolver(
 _KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false"}
 
 
+def _regular_file(path: Path, what=""):
+    """A ConfigError naming `path` unless it is a regular file: missing, not regular (a folder, a FIFO), or a
+    symlink loop / a link to nothing (which read as missing: stat's words say which). `what`: said after."""
+    if path.is_file():
+        return
+    if path.is_symlink():
+        try:
+            path.stat()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read it: {e.strerror or e}{what}") from None
+    raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'}{what}")
+
+
 def _load_yaml(path: Path):
+    _regular_file(path)
     try:
-        if not path.is_file():
-            if path.is_symlink():   # a loop, or a link to nothing, reads as not there: stat's words say which
-                path.stat()
-            raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'}")
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:   # unreadable (permissions, a symlink loop): bad input, named, like the others
+    except OSError as e:   # unreadable (permissions): bad input, named, like the others
         raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MB; not a config")
@@ -929,24 +943,24 @@ def devices_dirs() -> list[Path]:
     """Where device profiles are looked up, the first folder holding NAME.yaml winning: --devices-dir,
     then $EDGEBAYES_DEVICES, then the profiles shipped in the package."""
     user = [Path(d).expanduser() for d in (USER_DEVICES_DIR, os.environ.get("EDGEBAYES_DEVICES")) if d]
+    # A mistyped folder was passed over without a word, the shipped profiles answering: --devices-dir, given for
+    # this command, is refused; the environment's, set once for every command, is warned about and skipped
+    if USER_DEVICES_DIR:
+        _check(user[0].is_dir(), f"--devices-dir {user[0]}", "not a folder of device profiles")
+    if os.environ.get("EDGEBAYES_DEVICES") and not user[-1].is_dir():
+        warn_once(f"$EDGEBAYES_DEVICES {user[-1]}: not a folder of device profiles; skipped")
+        user.pop()
     return [*user, DEVICES_DIR]
 
 
 def known_devices() -> list[str]:
-    return sorted({p.stem for d in devices_dirs() for p in d.glob("*.yaml")})
+    return sorted({p.stem for d in devices_dirs() for p in d.glob("*.yaml") if p.is_file()})
 
 
 def _profile_path(name: str) -> Path:
     if name.endswith((".yaml", ".yml")):
-        path = Path(name)
-        if not path.is_file():   # a path, not a name: not looked for among the profiles as <name>.yaml.yaml
-            if path.is_symlink():
-                try:
-                    path.stat()
-                except OSError as e:
-                    raise ConfigError(f"{path}: cannot read the device profile: {e.strerror or e}") from None
-            raise ConfigError(f"{path}: {'not a regular file' if path.exists() else 'file not found'} (a device "
-                              f"profile given by its path)")
+        path = Path(name)   # a path, not a name: not looked for among the profiles as <name>.yaml.yaml
+        _regular_file(path, " (a device profile given by its path)")
     else:
         path = next((d / f"{name}.yaml" for d in devices_dirs() if (d / f"{name}.yaml").is_file()),
                     devices_dirs()[0] / f"{name}.yaml")
@@ -968,7 +982,7 @@ def load_device_profile(name: str) -> DeviceProfile:
     if isinstance(data, dict) and "alias" in data:
         _check(set(data) == {"alias"} and isinstance(data["alias"], str), f"{path}: alias",
                "an alias file holds only `alias: <profile name>`")
-        _check(NAME.fullmatch(data["alias"]) is not None, f"{path}: alias",   # not a path: a profile beside it
+        _check(NAME.fullmatch(data["alias"]) is not None, f"{path}: alias",   # a name, looked up as --device is
                f"expected a profile's name (letters, digits, -, _, .), got {data['alias']!r}")
         _check(data["alias"] != path.stem, f"{path}: alias", "a profile cannot be an alias of itself")
         try:

@@ -4,7 +4,20 @@ InputError (exit 2): bad input found before any work (config, device profile, da
 StageError (exit 1): a stage could not finish (a failed check, no operating point fits, the device runner
 failed); artifacts of finished stages are kept and the stage can be re-run.
 CorruptFileError (exit 1): a file that does not hold what it should (not JSON, not a loadable checkpoint).
+warn_once: a warning said once per process (the CLI prints it as `edgebayes: warning: ...`).
 """
+
+import warnings
+
+_SAID = set()   # the warnings said in this process (warn_once)
+
+
+def warn_once(message, stacklevel=3):
+    """A warning said once per process: a net is converted, a pretrained file loaded, the device folders looked
+    up, for every twin, stage and profile; the warnings module's own once-filter is reset by torch's exporters."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, stacklevel=stacklevel)
 
 
 class InputError(Exception):

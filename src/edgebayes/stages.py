@@ -251,20 +251,21 @@ class Context:
         self.found_before = {rel: _stat(path) for rel, path in _candidate_files(folder)}
         self.recorded_before = set(done["outputs"]) if done else set()
 
-    def withdraw_report(self, every_device=False):
+    def withdraw_report(self, every_device=False, written=None):
         """A stage before the report runs again for this device (`every_device`: train, whose folder every
         device's stages build on): the report of the earlier run (another budget, profile or bundle) no longer
         describes what the stages hold, and a run that now fails (exit 1) must not leave report.html saying
         `pass`. Its page and marker go, its JSON is renamed report.withdrawn.json (deleted when the next report
-        is written: Context.replace_withdrawn)."""
+        is written: Context.replace_withdrawn). `written`: this device's report outputs, where its marker is gone
+        already (a report that ran and failed: run_stage)."""
         mine = self.stage_dir("report")
         reports = self._inside(self.run_dir / "report")
         folders = sorted(self._inside(p) for p in reports.iterdir() if p.is_dir()) if every_device and reports.is_dir() \
             else [mine]
         for folder in folders:
             # the plots it wrote go too (a withdrawn report's PNGs were left beside its JSON); a user's files stay
-            written = (_read_marker(folder) or {}).get("outputs", {})
-            for name in [*written, MARKER, "report.html"]:
+            outputs = written if written is not None and folder == mine else (_read_marker(folder) or {}).get("outputs", {})
+            for name in [*outputs, MARKER, "report.html"]:
                 path = folder / name
                 if name != "report.json" and path.resolve().is_relative_to(folder.resolve()) and path.is_file():
                     path.unlink()
@@ -411,16 +412,19 @@ def check_train(ctx):
     from edgebayes.train.bayesianize import read_state_dict
     from edgebayes.train.trainer import resolve_device
 
-    cfg = ctx.cfg
-    splits_for(ctx)
+    cfg, ctx.train_preflight = ctx.cfg, None
+    splits = splits_for(ctx)
     for key, path in weight_files(cfg):
         read_state_dict(path, key=key)
+    if cfg.model.family == "sqs" and cfg.sqs.checkpoint:   # every tensor, shapes too: SQS takes it as it is
+        from edgebayes.train import sqs
+
+        sqs.load_checkpoint(sqs.build_base(cfg, splits), cfg.sqs.checkpoint, cfg.model.arch)
     try:
         resolve_device(cfg.train.device)
     except ConfigError as e:
         raise ConfigError(f"{ctx.config_path}: {e}") from None
-    if cfg.train.processes > 1 and not distributed.launched():
-        return   # the run goes on under torchrun, whose process 0 checks the rest
+    # (several processes: the parent checks before it launches torchrun, whose process 0 checks again)
     if distributed.is_main_process() and not _resumes(ctx):
         ctx.train_preflight = train_preflight(ctx)
 
@@ -436,14 +440,18 @@ def weight_files(cfg):
             if path]
 
 
+def _earlier_run(ctx):
+    """(train/run.json as the last run wrote it, or {}; whether it is of this config: its checkpoint resumes)."""
+    try:
+        earlier = read_json(ctx.stage_dir("train") / "run.json")
+        return earlier, earlier.get("fingerprint") == ctx.fingerprint("train")
+    except (OSError, ValueError, AttributeError):  # absent, not JSON, not a mapping
+        return {}, False
+
+
 def _resumes(ctx):
     """Whether train will resume a checkpoint (one of this config, no --force): no pre-flight then."""
-    out = ctx.stage_dir("train")
-    try:
-        same_run = read_json(out / "run.json").get("fingerprint") == ctx.fingerprint("train")
-    except (OSError, ValueError, AttributeError):  # absent, not JSON, not a mapping
-        same_run = False
-    return (out / "checkpoint.pt").exists() and same_run and not ctx.force
+    return (ctx.stage_dir("train") / "checkpoint.pt").exists() and _earlier_run(ctx)[1] and not ctx.force
 
 
 def train_preflight(ctx):
@@ -499,11 +507,7 @@ def run_train(ctx):
     if distributed.is_main_process():  # the other processes wait for this in train()
         # A checkpoint of another config must not be resumed: start over.
         marker = out / "run.json"
-        try:
-            earlier = read_json(marker)
-            same_run = earlier.get("fingerprint") == ctx.fingerprint("train")
-        except (OSError, ValueError, AttributeError):  # absent, not JSON, not a mapping
-            same_run = False
+        earlier, same_run = _earlier_run(ctx)
         if checkpoint.exists() and (ctx.force or not same_run):
             ctx.log(f"train: starting over: {checkpoint} is " + ("not resumed with --force" if ctx.force else
                     "of another config, data or code (its run.json differs), so it is not resumed"))
@@ -957,7 +961,7 @@ def run_report(ctx):
     if not (ctx.stage_dir("deploy") / "results.json").is_file():
         standing = _standing_prediction(ctx)
         if standing is not None:   # the device was not reached since: the report of predictions again, exit 4
-            return write_predicted_report(ctx, standing)
+            return write_predicted_report(ctx, standing, standing=True)
         raise StageError(f"{ctx.stage_dir('deploy') / 'results.json'} is missing: run `{ctx.command('deploy')}`; "
                          f"for a device this machine cannot reach: {finish_hint(ctx)}")
     from edgebayes.deploy.results import check_results
@@ -1017,6 +1021,8 @@ def run_stage(ctx, stage, single=False):
         ctx.log(f"{stage}: {set_threads(ctx.cfg.train.threads)} torch threads (train.threads)")
     if stage in CHECKS:   # bad input is refused before the last run's artifacts are touched
         CHECKS[stage](ctx)
+    # the report's plots as its marker lists them, which begin() removes: withdrawn with it if this run fails
+    plots = (_read_marker(ctx.stage_dir("report")) or {}).get("outputs", {}) if stage == "report" else None
     if is_main_process():
         if stage in ("train", "select", "export", "deploy"):
             ctx.withdraw_report(every_device=stage == "train")
@@ -1036,7 +1042,7 @@ def run_stage(ctx, stage, single=False):
         # A report that ran (its inputs changed since the last) and failed: the last one's page no longer
         # describes the stages, and looked current beside no marker (probe); `report --devices` shows it stale
         if stage == "report" and is_main_process():
-            ctx.withdraw_report()
+            ctx.withdraw_report(written=plots)
         raise
     predicted = stage == "report" and isinstance(done, dict) and done["summary"]["mode"] == "predicted" \
         and not done["summary"]["no_fit"]   # not done: the next pipeline deploys (write_predicted_report)
@@ -1142,7 +1148,7 @@ def _results_here(ctx, bundle, manifest):
     return {**{k: res.get(k) for k in keep}, "measured_on": "this machine", "runtime_used": runtime}, None
 
 
-def write_predicted_report(ctx, error, no_fit=False):
+def write_predicted_report(ctx, error, no_fit=False, standing=False):
     """deploy found the device unavailable: write the report from what exists, marked predicted.
 
     Selection's figures (latency by the device's latency model, memory estimate) and the exported file's
@@ -1156,7 +1162,8 @@ def write_predicted_report(ctx, error, no_fit=False):
     if not no_fit:
         ctx.begin("report")   # no marker: the next `pipeline` deploys and reports when the device is back
     bundle = ctx.require("export", "bundle/manifest.json") / "bundle"
-    ctx.log(f"deploy: {error}")
+    # standing: `report` alone, the device not reached since (run_report): nothing was tried now
+    ctx.log(f"report: {ctx.profile.name} was not reached since: {error}" if standing else f"deploy: {error}")
     ctx.log(f"report: {'no operating point fits: a report of every candidate against the budgets, the closest' if no_fit else ctx.profile.name + ' is not available: writing a report of predictions'} "
             f"(selection's latency and memory, the bundle's accuracy on this machine)")
     here, why_not = _results_here(ctx, bundle, read_json(bundle / "manifest.json"))

@@ -39,6 +39,7 @@ from edgebayes.compressed.structure import count_weights, paper_flops
 from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, measure_models,
                                             predictor_for, profile_device, profiling, table_set_aside)
 from edgebayes.deploy.memory import deployed_estimate, memory_estimate
+from edgebayes.deploy.summary import fmt
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError, UnreachableWithoutTable
 from edgebayes.export.formats import formats_for, operator_count
@@ -74,10 +75,10 @@ def violations(candidate, budgets, max_ece=None):
     """The budgets (and the ECE constraint) a candidate exceeds, as readable strings."""
     out, cost = [], candidate["cost"]
     if budgets.latency_ms is not None and cost["latency_ms"] > budgets.latency_ms:
-        # 4 significant digits: a fixed 3 decimals showed 45 us and 0.005 MB files as alike
-        out.append(f"latency p{budgets.percentile} {cost['latency_ms']:.4g} ms > budget {budgets.latency_ms} ms")
+        # the report's number format: a fixed 3 decimals showed 45 us and 0.005 MB files as alike
+        out.append(f"latency p{budgets.percentile} {fmt(cost['latency_ms'])} ms > budget {budgets.latency_ms} ms")
     if budgets.model_mb is not None and cost["model_mb"] > budgets.model_mb:
-        out.append(f"model {cost['model_mb']:.4g} MB > budget {budgets.model_mb} MB")
+        out.append(f"model {fmt(cost['model_mb'])} MB > budget {budgets.model_mb} MB")
     memory = cost.get("memory_estimate_mb")
     if budgets.memory_mb is not None and memory is not None and memory > budgets.memory_mb:
         at_least = "at least " if cost.get("memory_estimate_lower_bound") else ""
@@ -363,8 +364,7 @@ def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
                 "format": best["format"], "precision": best["precision"], "candidate": best, "fits": False,
                 "reason": "no operating point fits the device budgets; closest candidates:\n" + "\n".join(lines),
                 "best_by_objective": None, "tied": []}
-    key, why = objective_key(objective)
-    why += f" with val ECE <= {max_ece}" if why.endswith("accuracy") and max_ece is not None else ""
+    key, why = objective_key(objective, max_ece)
     best = min(fitting, key=lambda c: (*key(c), c["cost"]["latency_ms"]))
     tied = tied_with(best, fitting, evidence, seed)
     for c in candidates:
@@ -390,10 +390,11 @@ def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
             "fits": True, "best_by_objective": best["id"], "tied": list(tied)}
 
 
-def objective_key(objective):
+def objective_key(objective, max_ece=None):
     """(a sort key, best first, on a candidate's validation figures; what it means in words)."""
     if objective in ("accuracy", "ece-constrained-accuracy"):
-        return (lambda c: (-c["val"]["accuracy"], c["val"]["nll"])), "highest validation accuracy"
+        return ((lambda c: (-c["val"]["accuracy"], c["val"]["nll"])),
+                "highest validation accuracy" + (f" with val ECE <= {max_ece}" if max_ece is not None else ""))
     return (lambda c: (c["val"]["nll"],)), "lowest validation NLL"
 
 

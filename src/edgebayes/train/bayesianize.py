@@ -32,7 +32,6 @@ from collections import OrderedDict
 import math
 import pickle
 import re
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -40,14 +39,13 @@ import torch
 from torch import fx, nn
 
 from edgebayes.compressed.surgery import order_channels
-from edgebayes.errors import ArchError, InputError
+from edgebayes.errors import ArchError, InputError, warn_once
 from edgebayes.train.layers import ConvNorm, LayerFactory
 from edgebayes.train.nested import NESTED_FAMILIES
 
 AFFINE = (nn.Conv2d, nn.Linear)
 NORMS = (nn.BatchNorm2d,)
 PLAIN_ONLY = (nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase)   # no Bayesian twin: stay plain
-_SAID = set()   # the warnings said in this process (_warn_once)
 
 
 def _structure(module):
@@ -230,7 +228,7 @@ def convert(module: nn.Module, factory) -> nn.Module:
         found = f" (only {', '.join(sorted(set(plain_layers.values())))})" if plain_layers else ""
         raise ArchError(f"bayesianize: {type(module).__name__} has no nn.Linear or nn.Conv2d layer called in its "
                         f"forward{found}: nothing to make Bayesian, and no unit to switch off")
-    if plain_layers:   # said once per process (_warn_once)
+    if plain_layers:   # said once per process (warn_once)
         by_reason = {}
         for name, why in plain_layers.items():
             by_reason.setdefault(why, []).append(name)
@@ -239,16 +237,8 @@ def convert(module: nn.Module, factory) -> nn.Module:
         message = (f"bayesianize: {len(plain_layers)} layer(s) of {type(module).__name__} have no Bayesian twin "
                    f"here and stay plain, deterministic and whole ({listed}); their FLOPs count in every ratio "
                    f"where they are called, and nothing switches their units off")
-        _warn_once(message)
+        warn_once(message)
     return net
-
-
-def _warn_once(message):
-    """A warning said once per process (_SAID): a net is converted, and its pretrained file loaded, for every
-    twin and stage; the warnings module's own once-filter is reset by torch's exporters."""
-    if message not in _SAID:
-        _SAID.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 def module_builder(make_module, pretrained=None):
@@ -423,7 +413,7 @@ def _warn_skipped(module, path):
         messages.append(f"model.pretrained {path}: {len(unused)} of its tensors have no place in the model (no such "
                         f"name there): {', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}")
     for message in messages:   # the module is built again by later steps (the pre-flight)
-        _warn_once(message)
+        warn_once(message)
 
 
 STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")   # where checkpoints keep the state dict

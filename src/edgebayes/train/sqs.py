@@ -335,6 +335,9 @@ def _input_layer(base, wrapped):
     to run on an input of base.input_shape, which need not be the first registered (a head defined before the
     body). None, with a warning, where that layer has one input feature (a Conv2d of one channel and a 1x1
     kernel): one shared score would keep or cut the whole layer."""
+    if getattr(base, "input_shape", None) is None:
+        raise ValueError("sqs.first_layer_scores per-input: the network has no input_shape (one example's shape) "
+                         "to find the layer that reads the input with; set it on the module")
     ran = []
     hooks = [base.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: ran.append(name))
              for name in wrapped]
@@ -639,6 +642,11 @@ class SQSObjective:
 
     name = "sqs"
     shown = ("train_keep_fraction",)
+    # what the loop validates before the first step, and the advice when the fine-tuning ends below it
+    # (trainer.lost_accuracy): the given network already quantized and pruned, not the network as given
+    start = ("the network SQS starts from, quantized (k-means levels) and pruned to the non-zero rate",
+             "SQS's fine-tuning ended below its own start. A lower sqs.lr_quantization or sqs.lr_pruning, or more "
+             "train.epochs, keeps more of it (train/sqs.py)")
 
     def __init__(self, s, masked=True):
         self.s, self.masked = s, masked
@@ -711,7 +719,9 @@ def stage_summary(model, splits, train_dir, knob_value, test_metrics):
     start = read_json(train_dir / "pretrained.json")
     rates = model.write_compressed(train_dir / "model.sqs", knob_value, m=1)
     # What SQS does not quantize (a Conv1d, norms) ships as fp32 beside the file: the network's rate counts it
-    # (the file's rates were read as the network's: 16x by bytes where the network with its Conv1d was 7x)
+    # (the file's rates were read as the network's: 16x by bytes where the network with its Conv1d was 7x).
+    # Parameters only: a norm's running statistics are left out, and a norm that export folds into its
+    # convolution is counted though it ships inside it: near, not exact, for nets with norms
     others = sum(p.numel() for name, p in model.base.named_parameters()
                  if name.rpartition(".")[0] not in model.wrapped)
     return {"unquantized_params": others,

@@ -270,7 +270,7 @@ class ELBO:
 LOST_ACCURACY = 0.10   # validation accuracy a training may lose against the best it had, unsaid
 
 
-def lost_accuracy(before, history, settled_epoch=1, flops_target=None):
+def lost_accuracy(before, history, settled_epoch=1, flops_target=None, start=None):
     """The warning when training ended more than LOST_ACCURACY below the best validation accuracy it had, else
     None. The best of: the network as given (a user's trained network that the fine-tuning wrecked; one trained
     from scratch starts near chance and never counts) and the epochs from `settled_epoch` on (a run that reached
@@ -278,9 +278,12 @@ def lost_accuracy(before, history, settled_epoch=1, flops_target=None):
     falling together, module docstring; LeNet-5 on 20,000 MNIST images went from 0.971 after epoch 4 to chance,
     benchmarks/results/peer_bayesian_torch.md). The epochs before `settled_epoch` are left out: a FLOPs target's
     or SQS's schedule is still cutting the network there, and what its cut costs is said by its own verdict.
-    `flops_target`: the run's train.flops_target, whose cut is then what the advice is about."""
+    `flops_target`: the run's train.flops_target, whose cut is then what the advice is about. `start`: (what the
+    network before the first step is, the advice when training fell below it) where the objective says
+    otherwise (SQS validates the given network already quantized: its advice is SQS's own)."""
     after = history[-1]["val_accuracy"]
-    peaks = [] if before is None else [(before, "the network as given, before the first step")]
+    start_label, start_advice = start or ("the network as given", None)
+    peaks = [] if before is None else [(before, f"{start_label}, before the first step")]
     peaks += [(h["val_accuracy"], f"after epoch {h['epoch']}") for h in history[:-1] if h["epoch"] >= settled_epoch]
     if not peaks:
         return None
@@ -288,6 +291,8 @@ def lost_accuracy(before, history, settled_epoch=1, flops_target=None):
     if best - after <= LOST_ACCURACY:
         return None
     said = f"validation accuracy fell from {best:.3f} ({when}) to {after:.3f} after the last epoch: "
+    if best == before and start_advice:
+        return said + start_advice
     if best == before and flops_target is not None:
         return (said + f"the fine-tuning did not recover what the cut to {flops_target:g} of the dense FLOPs cost. "
                 "More epochs, or a larger train.flops_target, keeps more of it; train.max_accuracy_drop names the "
@@ -500,7 +505,8 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
     # the first epoch whose network has its final structure: a schedule's last cut falls in it
     settled = max(objective.schedule_steps(t.epochs * steps_per_epoch), flops_target.points[-1] if flops_target else 0)
     settled_epoch = max(0, settled - 1) // steps_per_epoch + 1
-    lost = lost_accuracy(before, history, settled_epoch, None if nested else t.flops_target) if world.main and finished else None
+    lost = lost_accuracy(before, history, settled_epoch, None if nested else t.flops_target,
+                         getattr(objective, "start", None)) if world.main and finished else None
     if lost and few_steps:   # the likely cause, said where the report shows the loss
         lost = f"{lost}; the likely cause: {few_steps}"
     if lost:
