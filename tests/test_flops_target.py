@@ -375,6 +375,31 @@ def test_a_gate_beside_batch_norms_does_not_rank_the_channels_it_gates():
     assert bool((reordered.bn1.weight.diff() < 0).all())                   # by the batch norm, strongest first
 
 
+def test_a_nested_net_with_batch_norms_and_no_calibration_inputs_is_warned_about():
+    """Without calibration_x each posterior sample keeps the trained network's batch-norm statistics: about 2
+    points lower on a digits CNN, and nothing said so (probe)."""
+    from edgebayes.errors import _SAID
+
+    net = trained_net()
+    assert any(isinstance(m, nn.BatchNorm2d) for m in net.modules())
+    _SAID.clear()
+    with pytest.warns(UserWarning, match=r"has batch norms and no calibration_x.*pass calibration_x=x"):
+        eb.bayesianize(net, "bn3", input_shape=SHAPE, n_train=10)
+
+
+def test_a_flops_target_with_no_width_left_to_order_is_a_config_error():
+    """nested.fixed_groups = groups - 1 leaves no width below the full one: train.flops_target 1.0 ended in a
+    traceback from serve_from (probe)."""
+    from edgebayes.config import NestedConfig
+    from edgebayes.train.flops_target import nested_width_within
+    from edgebayes.train.models import NestedNet
+
+    net = NestedNet("mlp", "bn3", NestedConfig(groups=5, fixed_groups=4), (1, 4, 4), 3, hidden=[10, 10])
+    with pytest.raises(ConfigError, match=r"nested\.fixed_groups 4 of 5 groups leaves no width narrower than the full "
+                                          r"one.*nested\.fixed_groups 3 or less"):
+        nested_width_within(net, 1.0)
+
+
 def test_a_nested_net_with_a_flops_target_trains_and_serves_the_widths_within_it_and_loads_as_saved():
     """bn3 with flops_target (train/nested.py, nested_width_within): the widest width within the target becomes
     the narrowest one served, its ordering units order only the wider ones, and a net built from the config
@@ -676,6 +701,15 @@ def test_export_says_when_the_runtimes_channel_block_puts_the_shipped_network_ab
     (tmp_path / "choice.json").write_text(json.dumps({"knob": "width", "knob_value": 4}))
     message = _above_flops_target(ctx(0.25, 4), 0.2573, 0.2573)
     assert "select chose width 4, which keeps 0.257 by its masks" in message and "blocks of" not in message
+    # ... and one within the target by its masks, above it in the device's blocks, with the target counted in
+    # them: the block branch said no cut reached the target, where the training's width did (probe)
+    (tmp_path / "choice.json").write_text(json.dumps({"knob": "width", "knob_value": 5}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"test": {"knob": "width", "knob_value": 4}}))
+    blocked = ctx(0.45, 8)
+    blocked.cfg.train.flops_channel_multiple = 8
+    message = _above_flops_target(blocked, 0.551, 0.402)
+    assert "select chose width 5" in message and "the training's point within the target is width 4" in message
+    assert "no cut of the schedule reached it" not in message
 
 
 class GroupNormed(nn.Module):

@@ -788,6 +788,15 @@ def _shipped_structure(primary, onnx_params, structure, m):
             "physical_flops_ratio_before_input_removal": structure["physical_flops_ratio"]}
 
 
+def _json_or_empty(path):
+    """The JSON mapping at `path`, or {} where there is none (absent, unreadable, not a mapping)."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _above_flops_target(ctx, physical, masked):
     """The message when the shipped network's FLOPs exceed train.flops_target, else None: the chosen point keeps
     more by its masks (select chose a wider point the training also serves: a nested net's widths above the
@@ -803,14 +812,20 @@ def _above_flops_target(ctx, physical, masked):
     if target is None or physical <= target * (1 + TOLERANCE):
         return None
     block = ctx.profile.runtime.channel_block
-    if masked > target * (1 + TOLERANCE):
+    # select's choice, and the point the training made within the target (a nested net's width)
+    choice = _json_or_empty(ctx.stage_dir("select") / "choice.json")
+    trained = _json_or_empty(ctx.stage_dir("train") / "metrics.json").get("test") or {}
+    wider = (choice.get("knob") == trained.get("knob") == "width" and isinstance(trained.get("knob_value"), (int, float))
+             and choice.get("knob_value", 0) > trained["knob_value"])   # a width above the target's: select's (probe)
+    if masked > target * (1 + TOLERANCE) or wider:
         from edgebayes.deploy.summary import point_label
 
-        choice = read_json(ctx.stage_dir("select") / "choice.json")
         return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}: "
                 f"select chose {point_label(choice['knob'], choice['knob_value'])}, which keeps {masked:.3f} by its "
-                f"masks "
-                f"(the training serves the points above the target too, and select takes the best within the "
+                f"masks"
+                + (f" (the training's point within the target is {point_label(trained['knob'], trained['knob_value'])})"
+                   if wider else "")
+                + " (the training serves the points above the target too, and select takes the best within the "
                 f"device's budgets); give select.knob_values only within the target to ship no more than it")
     if block > 1 and counted == block:   # the training counted the blocks already: the schedule got no closer
         return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}, "

@@ -24,7 +24,7 @@ from torch import nn
 
 from edgebayes.config import ModelConfig, NestedConfig, PriorConfig
 from edgebayes.data import as_inputs
-from edgebayes.errors import ArchError
+from edgebayes.errors import ArchError, warn_once
 from edgebayes.train import sqs
 from edgebayes.train.arch import resolve_arch
 from edgebayes.train.bayesianize import module_builder, output_classes
@@ -183,6 +183,12 @@ def bayesianize(module: nn.Module, family: str, *, input_shape, n_train, prior=N
         if calibration_x.dim() < 2 or tuple(calibration_x.shape[1:]) != shape or len(calibration_x) == 0:
             raise ArchError(f"bayesianize: calibration_x: expected a batch of inputs of shape (N, "
                             f"{', '.join(map(str, shape))}), got {tuple(calibration_x.shape)}")
+    if FAMILIES[family].section == "nested" and calibration_x is None and any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
+        # each posterior sample's statistics then stay the trained network's: about 2 points lower (probe)
+        warn_once(f"bayesianize: {type(module).__name__} has batch norms and no calibration_x: each width's "
+                  f"posterior samples keep the trained network's batch-norm statistics; pass calibration_x=x "
+                  f"(training inputs) to recollect them per sample, as the pipeline does")
     classes = output_classes(module, input_shape)
     return FAMILIES[family].wrap(module_builder(lambda _: module), input_shape, classes, n_train,
                                  prior, nested, activation, calibration_x)

@@ -512,6 +512,10 @@ def nested_width_within(model, target, channel_multiple=1):
         return flops / dense
 
     low, high = model.configured_fixed_groups + 1, model.groups - 1   # the widest leaves one group to order
+    if low > high:   # a traceback from serve_from (probe)
+        raise ConfigError(f"train.flops_target: nested.fixed_groups {model.configured_fixed_groups} of "
+                          f"{model.groups} groups leaves no width narrower than the full one to train to it; "
+                          f"nested.fixed_groups {model.groups - 2} or less, or no train.flops_target")
     if ratio(low) > target:
         why = kept_summary(reports[low])
         raise ConfigError(f"train.flops_target: {target:g} of the dense FLOPs cannot be reached by this nested "
