@@ -227,7 +227,8 @@ def test_altered_bundle_reruns_export_and_stale_temporaries_go(base, runs, capsy
     out = pipeline(capsys, base, runs)
     assert "train: up to date" in out and "select: up to date" in out
     assert "export: running (its output bundle/model.onnx changed since the stage wrote it)" in out
-    assert "deploy: running (no finished run" in out   # the refused deploy above had begun: no marker
+    # the refused deploy above touched nothing (its check comes first): it runs for the new bundle
+    assert "deploy: running (its input export/flops/bundle" in out
     assert not list(export.glob(".*"))
     assert_same_run(figures(runs), base.deployed)
 
@@ -292,6 +293,16 @@ def test_bad_training_input_leaves_the_finished_run_as_it_was(settings, named, b
     assert code == EXIT_BAD_INPUT and one_line(err) and named in err, err
     after = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == before
+
+
+def test_deploy_of_an_edited_bundle_leaves_the_report_as_it_was(base, runs, capsys):
+    """deploy withdrew the good report, then refused the bundle edited by hand (probe): the bundle is checked
+    against export's marker first."""
+    flip_byte(runs / "faults/export/flops/bundle/model.onnx")
+    before = {p: p.read_bytes() for p in (runs / "faults/report/flops").iterdir()}
+    code, _, err = cli(capsys, "deploy", "--config", base.config, "--device", base.device, "--runs-dir", runs, "--force")
+    assert code == EXIT_FAILED and one_line(err) and "model.onnx" in err, err
+    assert {p: p.read_bytes() for p in (runs / "faults/report/flops").iterdir()} == before
 
 
 def test_a_profile_named_after_another_device_is_refused(tmp_path, capsys):

@@ -264,14 +264,20 @@ def test_devices_comparison_page(trained_runs, quick_config, tmp_path, capsys):
     assert "predicted" in html and "<img" in html
     assert not rows["local"]["stale"] and not rows["far"]["stale"] and "stale report" not in html
     assert cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", "local")[0] == 0
-    # A later selection than the report (a re-run killed before its report): the row says so.
+    # Judged as `report` judges it, by the markers and hashes, not file times (probe): a copy that changed the
+    # times alone is current; a bundle edited by hand is not, and the row says so (it passed, exit 0)
     choice = trained_runs / "digits-ssgl/select/local/choice.json"
     later = (trained_runs / "digits-ssgl/report/local/report.json").stat().st_mtime + 60
     os.utime(choice, (later, later))
+    assert cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", "local")[0] == 0
+    onnx = trained_runs / "digits-ssgl/export/local/bundle/model.onnx"
+    kept = onnx.read_bytes()
+    onnx.write_bytes(kept[:-1] + bytes([kept[-1] ^ 0xFF]))
     code, out, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs,
                          "--devices", "local", far, "--json")
+    onnx.write_bytes(kept)
     rows = {r["device"]: r for r in json.loads(out)["devices"]}
-    assert code == EXIT_BUDGET and "selection is newer" in rows["local"]["stale"] and not rows["far"]["stale"]
+    assert code == EXIT_BUDGET and "model.onnx changed" in rows["local"]["stale"] and not rows["far"]["stale"]
     assert "local: stale report" in (trained_runs / "digits-ssgl/report/devices.html").read_text()
     assert "local's report is stale" in err
     # A device without a report is named with the command that makes one.

@@ -398,7 +398,7 @@ def _report_extras(ctx, args):
             raise StageError(f"{path} is missing: run `{dataclasses.replace(ctx, device_arg=name).command('pipeline')}` "
                              f"first")
         report = json.loads(path.read_text())
-        report["stale"] = _report_staleness(dataclasses.replace(ctx, profile=profile), path)
+        report["stale"] = _report_staleness(dataclasses.replace(ctx, profile=profile), report)
         reports.append((report, path.with_name("report.html")))
     out = ctx.run_dir / "report"
     write_comparison(reports, out)
@@ -427,15 +427,26 @@ def verdict_exit_code(no_fit, mode, verdict):
             0 if verdict in ("pass", "not set") else EXIT_BUDGET)
 
 
-def _report_staleness(ctx, report_path):
-    """Why a device's report no longer shows its current chosen point (None when it does): a selection
-    written after the report (a later run stopped before its report), or a config, profile or code change
-    since the selection (the next `pipeline` selects again)."""
-    choice = ctx.stage_dir("select") / "choice.json"
-    if choice.is_file() and choice.stat().st_mtime > report_path.stat().st_mtime:
-        return "its selection is newer than this report (a later run stopped before its report)"
-    why = ctx.staleness("select")
-    return None if why is None else f"select would run again ({why})"
+def _report_staleness(ctx, report):
+    """Why a device's report no longer shows what its stages hold (None when it does), by the check `report`
+    itself makes: a stage before it out of date or its outputs changed (stale_upstream), or the report that
+    would be written again. A report of predictions has no marker of its own (the next pipeline deploys), so
+    only the stages before it count. (It compared file times: a copy without them marked a report stale that no
+    run could clear, and an edited bundle passed: probe.)"""
+    from edgebayes.stages import stale_upstream
+
+    try:
+        stale = stale_upstream(ctx, "report")
+    except StageError as e:   # a stage's file gone (its folder deleted): the message names it
+        return str(e)
+    if stale is not None:
+        before, why = stale
+        return f"the {before} stage is out of date ({why})"
+    summary = report.get("summary") or {}
+    if summary.get("mode") == "predicted" and not summary.get("no_fit"):
+        return None
+    why = ctx.staleness("report")
+    return None if why is None else f"the report would be written again ({why})"
 
 
 def _finish(ctx, args):

@@ -996,7 +996,13 @@ def run_report(ctx):
     return report
 
 
-CHECKS = {"train": check_train}   # run_stage: before the stage withdraws the report and begins
+def check_deploy(ctx):
+    """The bundle is the one export wrote (its marker's hashes) before deploy withdraws the last report: a bundle
+    edited by hand withdrew a good report, then failed (probe)."""
+    ctx.require("export", "bundle")
+
+
+CHECKS = {"train": check_train, "deploy": check_deploy}   # run_stage: before the stage withdraws and begins
 RUNNERS = {"train": run_train, "select": run_select, "export": run_export, "deploy": run_deploy, "report": run_report}
 
 

@@ -39,7 +39,6 @@ from edgebayes.compressed.structure import count_weights, paper_flops
 from edgebayes.deploy.latency_model import (PERCENTILES, LatencyModelError, TablePredictor, measure_models,
                                             predictor_for, profile_device, profiling, table_set_aside)
 from edgebayes.deploy.memory import deployed_estimate, memory_estimate
-from edgebayes.deploy.summary import fmt
 from edgebayes.deploy.transport import DeviceUnavailable
 from edgebayes.errors import StageError, UnreachableWithoutTable
 from edgebayes.export.formats import formats_for, operator_count
@@ -71,14 +70,19 @@ def select_bench(benchmark):
             "min_seconds": min(benchmark.min_seconds, 0.25), "rounds": benchmark.rounds}
 
 
+def _figure(x):
+    """A cost as the log shows it: 4 significant digits (a fixed 3 decimals showed 45 us and 0.005 MB files as
+    alike), whole numbers from 1000 on. (Not the report's fmt: select's code must not hash the report's.)"""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
 def violations(candidate, budgets, max_ece=None):
     """The budgets (and the ECE constraint) a candidate exceeds, as readable strings."""
     out, cost = [], candidate["cost"]
     if budgets.latency_ms is not None and cost["latency_ms"] > budgets.latency_ms:
-        # the report's number format: a fixed 3 decimals showed 45 us and 0.005 MB files as alike
-        out.append(f"latency p{budgets.percentile} {fmt(cost['latency_ms'])} ms > budget {budgets.latency_ms} ms")
+        out.append(f"latency p{budgets.percentile} {_figure(cost['latency_ms'])} ms > budget {budgets.latency_ms} ms")
     if budgets.model_mb is not None and cost["model_mb"] > budgets.model_mb:
-        out.append(f"model {fmt(cost['model_mb'])} MB > budget {budgets.model_mb} MB")
+        out.append(f"model {_figure(cost['model_mb'])} MB > budget {budgets.model_mb} MB")
     memory = cost.get("memory_estimate_mb")
     if budgets.memory_mb is not None and memory is not None and memory > budgets.memory_mb:
         at_least = "at least " if cost.get("memory_estimate_lower_bound") else ""
