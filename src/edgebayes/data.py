@@ -38,7 +38,7 @@ import torch
 
 
 from edgebayes.errors import InputError
-from edgebayes.plugins import IMPORT_PATH, load_callable
+from edgebayes.plugins import IMPORT_PATH, load_callable, source_files
 from edgebayes.provenance import stat_fingerprint
 
 
@@ -734,6 +734,19 @@ def data_fingerprint(cfg) -> Optional[str]:
     if cfg.dataset not in ("npz", "image-folder", "csv") or not cfg.path:
         return None
     return stat_fingerprint(Path(cfg.path).expanduser(), IMAGE_EXTENSIONS)
+
+
+def inputs_fingerprint(cfg, weight_files=()) -> list:
+    """What the files a training reads hold now (size and mtime): data.path (data_fingerprint), the weight files
+    [(config key, path)] and the user's own network and loader with what they import (plugins.source_files). A
+    file replaced or edited under the same name makes another training: the train stage's fingerprint and
+    SQS's pretraining cache count these. `cfg`: the pipeline config."""
+    held = [h] if (h := data_fingerprint(cfg.data)) is not None else []
+    held += [[key, stat_fingerprint(Path(path))] for key, path in weight_files]
+    for key, value in (("model.arch", cfg.model.arch), ("data.dataset", cfg.data.dataset)):
+        if sources := source_files(value):
+            held.append([key, *(stat_fingerprint(f) for f in sources)])
+    return held
 
 
 def _split(n, fraction, generator):

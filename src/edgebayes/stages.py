@@ -37,11 +37,10 @@ import numpy as np
 
 from edgebayes import STAGES
 from edgebayes.config import ConfigError, as_dict, fingerprint
-from edgebayes.data import data_fingerprint, load_data
+from edgebayes.data import inputs_fingerprint, load_data
 from edgebayes.errors import StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
-from edgebayes.plugins import source_files
 from edgebayes.provenance import (code_hash, code_version, exclusive, load_checkpoint, provenance, read_json,
                                   stat_fingerprint, write_json)
 from edgebayes.train import distributed
@@ -159,14 +158,9 @@ class Context:
             # A family's own section counts for it only: other families' fingerprints stay as they were.
             section = family_of(c).section
             own = [getattr(c, section)] if section else []
-            # What data.path and the weight files (model.pretrained; the family's own checkpoint, SQS's
-            # sqs.checkpoint) hold now (size and mtime) counts where they are set: a file replaced under the
-            # same name is another network
-            contents = [h] if (h := data_fingerprint(c.data)) is not None else []
-            contents += [[key, stat_fingerprint(Path(path))] for key, path in weight_files(c)]
-            for key, value in (("model.arch", c.model.arch), ("data.dataset", c.data.dataset)):
-                if sources := source_files(value):   # the user's own net or loader and what it imports, edited since
-                    contents.append([key, *(stat_fingerprint(f) for f in sources)])
+            # What data.path, the weight files (model.pretrained; SQS's sqs.checkpoint) and the user's own net or
+            # loader hold now counts where they are set: a file replaced under the same name is another network
+            contents = inputs_fingerprint(c, weight_files(c))
             if c.train.flops_target == "device":   # the target comes from the device's budgets (run_train)
                 contents.append(["device", p.name, as_dict(p.budgets), as_dict(p.latency_model), as_dict(p.runtime),
                                  *self._latency_table()])
@@ -376,14 +370,20 @@ def _has_inclusion(model):
     return any(hasattr(mod, "sample_inclusion") for mod in model.modules())
 
 
+def _json_or_empty(path):
+    """The JSON mapping at `path`, or {} where there is none (absent, unreadable, not a mapping)."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _read_marker(folder):
     """The marker of the stage folder `folder`, or None when it is absent or unreadable (an interrupted write
     cannot leave half a marker, but a user can)."""
-    try:
-        done = read_json(folder / MARKER)
-    except (OSError, ValueError):
-        return None
-    return done if isinstance(done, dict) and isinstance(done.get("outputs"), dict) else None
+    done = _json_or_empty(folder / MARKER)
+    return done if isinstance(done.get("outputs"), dict) else None
 
 
 def resolved_device_target(ctx, cfg, out):
@@ -415,11 +415,12 @@ def check_train(ctx):
     cfg, ctx.train_preflight = ctx.cfg, None
     splits = splits_for(ctx)
     for key, path in weight_files(cfg):
-        read_state_dict(path, key=key)
-    if cfg.model.family == "sqs" and cfg.sqs.checkpoint:   # every tensor, shapes too: SQS takes it as it is
-        from edgebayes.train import sqs
+        if key == "sqs.checkpoint":   # every tensor, shapes too: SQS takes it as it is (it reads the file itself)
+            from edgebayes.train import sqs
 
-        sqs.load_checkpoint(sqs.build_base(cfg, splits), cfg.sqs.checkpoint, cfg.model.arch)
+            sqs.load_checkpoint(sqs.build_base(cfg, splits), path, cfg.model.arch)
+        else:
+            read_state_dict(path, key=key)
     try:
         resolve_device(cfg.train.device)
     except ConfigError as e:
@@ -442,11 +443,8 @@ def weight_files(cfg):
 
 def _earlier_run(ctx):
     """(train/run.json as the last run wrote it, or {}; whether it is of this config: its checkpoint resumes)."""
-    try:
-        earlier = read_json(ctx.stage_dir("train") / "run.json")
-        return earlier, earlier.get("fingerprint") == ctx.fingerprint("train")
-    except (OSError, ValueError, AttributeError):  # absent, not JSON, not a mapping
-        return {}, False
+    earlier = _json_or_empty(ctx.stage_dir("train") / "run.json")
+    return earlier, earlier.get("fingerprint") == ctx.fingerprint("train")
 
 
 def _resumes(ctx):
@@ -788,15 +786,6 @@ def _shipped_structure(primary, onnx_params, structure, m):
             "physical_flops_ratio_before_input_removal": structure["physical_flops_ratio"]}
 
 
-def _json_or_empty(path):
-    """The JSON mapping at `path`, or {} where there is none (absent, unreadable, not a mapping)."""
-    try:
-        data = read_json(path)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _above_flops_target(ctx, physical, masked):
     """The message when the shipped network's FLOPs exceed train.flops_target, else None: the chosen point keeps
     more by its masks (select chose a wider point the training also serves: a nested net's widths above the
@@ -953,13 +942,10 @@ def _report_inputs(ctx, results):
 def _standing_prediction(ctx):
     """Why the device was not reached, where this device's current report is one of predictions (the pipeline
     could not deploy, and no deploy has run since: a later stage run withdraws it); else None."""
-    path = ctx.stage_dir("report") / "report.json"
-    if ctx._marker("deploy") is not None or not path.is_file():
+    if ctx._marker("deploy") is not None:
         return None
-    try:
-        reason = read_json(path).get("predicted", {}).get("reason")
-    except (OSError, ValueError, AttributeError):
-        return None
+    predicted = _json_or_empty(ctx.stage_dir("report") / "report.json").get("predicted")
+    reason = predicted.get("reason") if isinstance(predicted, dict) else None
     return reason if isinstance(reason, str) else None
 
 

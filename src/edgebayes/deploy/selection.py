@@ -345,6 +345,7 @@ def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
     if none fits, the closest one with `fits` false and the reason listing the closest ones. Marks
     `tied_with_best` on every candidate."""
     fitting = [c for c in candidates if c["fits"]]
+    key, why = objective_key(objective, max_ece)
     if not fitting:
         def excess(c):
             cost, total = c["cost"], float(len(c["violations"]))   # non-numeric violations count 1 each
@@ -358,7 +359,7 @@ def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
         # A budget verdict, not a failure: the closest candidate stands as the choice, marked as not
         # fitting, so the pipeline reports every candidate against the budgets and exits 3. Among candidates as
         # close (an SQS net's rates share one dense graph, so one predicted latency), the objective's best
-        closest = sorted(candidates, key=lambda c: (excess(c), *objective_key(objective)[0](c)))
+        closest = sorted(candidates, key=lambda c: (excess(c), *key(c)))
         lines = [f"  {c['knob']} {c['knob_value']}, M={c['mc_samples']}, {c['format']} ({c['precision']}; val "
                  f"accuracy {c['val']['accuracy']:.4f}): " + "; ".join(c["violations"]) for c in closest[:3]]
         for c in candidates:
@@ -368,7 +369,6 @@ def choose(candidates, objective, budgets, max_ece=None, evidence=None, seed=0):
                 "format": best["format"], "precision": best["precision"], "candidate": best, "fits": False,
                 "reason": "no operating point fits the device budgets; closest candidates:\n" + "\n".join(lines),
                 "best_by_objective": None, "tied": []}
-    key, why = objective_key(objective, max_ece)
     best = min(fitting, key=lambda c: (*key(c), c["cost"]["latency_ms"]))
     tied = tied_with(best, fitting, evidence, seed)
     for c in candidates:

@@ -59,7 +59,6 @@ Where this deviates from or completes the paper, and why:
 import copy
 import math
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -69,10 +68,9 @@ from torch.func import functional_call
 from edgebayes.compressed import codebook
 from edgebayes.compressed.samples import sample_generator
 from edgebayes.config import SQS_WINDOWS as WINDOWS, fingerprint
-from edgebayes.data import data_fingerprint
+from edgebayes.data import inputs_fingerprint
 from edgebayes.errors import InputError
-from edgebayes.plugins import source_files
-from edgebayes.provenance import code_version, read_json, stat_fingerprint, write_json
+from edgebayes.provenance import code_version, read_json, write_json
 from edgebayes.train.accel import autocast, fused_optimizer, in_layout
 from edgebayes.train.bayesianize import read_state_dict, without_wrapper_prefix
 from edgebayes.train.flops_target import pruning_schedule
@@ -587,9 +585,9 @@ def pretrained_base(cfg, splits, train_dir, log=print):
         path, marker = train_dir / "pretrained.pt", train_dir / "pretrained.json"
         # what the files hold counts too, as for the train stage: a replaced data file or model.pretrained, the
         # user's own network or loader edited
-        contents = [data_fingerprint(cfg.data), cfg.model.pretrained and stat_fingerprint(Path(cfg.model.pretrained)),
-                    *(stat_fingerprint(f) for value in (cfg.model.arch, cfg.data.dataset) for f in source_files(value))]
-        key = fingerprint("sqs-pretrain", code_version(), cfg.seed, cfg.data, base_cfg.model, pre_cfg.train, *contents)
+        weights = [("model.pretrained", cfg.model.pretrained)] if cfg.model.pretrained else []
+        key = fingerprint("sqs-pretrain", code_version(), cfg.seed, cfg.data, base_cfg.model, pre_cfg.train,
+                          *inputs_fingerprint(cfg, weights))
         if path.exists() and (not marker.is_file() or read_json(marker).get("fingerprint") != key):
             path.unlink()
         write_json(marker, {"fingerprint": key})
