@@ -260,3 +260,33 @@ def test_a_bn3_pipeline_with_a_flops_target_selects_only_the_widths_its_training
     assert metrics["physical_flops_ratio"] <= 0.5   # the target's width (it was the full width's 1.0)
     chosen = json.loads((run / "select/local/choice.json").read_text())
     assert chosen["knob_value"] in (width, 8)
+    # select.knob_values of none but the widths the training never served: a setting of the config (exit 2),
+    # refused before the last selection is withdrawn (it was exit 1, after select had started)
+    before = (run / "select/local/choice.json").read_bytes()
+    cfg["select"]["knob_values"] = [2, 3]
+    path.write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert main(["select", "--config", str(path), "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert (f"select.knob_values: every width ([2, 3]) is narrower than the narrowest one the training served "
+            f"({width} of 8 groups") in err, err
+    assert (run / "select/local/choice.json").read_bytes() == before
+    assert (run / "report/local/report.json").is_file()   # the last run's report is not withdrawn
+
+
+def test_knob_values_only_at_or_below_fixed_groups_are_a_config_error(tmp_path):
+    """Widths no training step serves (nested.fixed_groups or fewer groups) are refused when the config loads,
+    not after training."""
+    from edgebayes.config import ConfigError, load_pipeline_config
+
+    cfg = yaml.safe_load((ROOT / "configs/digits-mlp-bn3.yaml").read_text())
+    cfg.setdefault("nested", {})["fixed_groups"] = 3
+    cfg["select"]["knob_values"] = [2, 3]
+    path = tmp_path / "bn3.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=r"select.knob_values: every width \(\[2, 3\]\) is at or below "
+                                          r"nested.fixed_groups = 3, which no training step serves; give widths in 4..8"):
+        load_pipeline_config(path)
+    cfg["select"]["knob_values"] = [2, 4]
+    path.write_text(yaml.safe_dump(cfg))
+    assert load_pipeline_config(path).select.knob_values == [2, 4]

@@ -130,6 +130,39 @@ def test_pruning_keeps_the_largest_keep_scores():
     assert scores[kept].min() >= scores[~kept].max()
 
 
+def test_a_rate_that_cuts_a_whole_layer_leaves_no_network_to_ship():
+    """The rate ranks weights over the whole network (paper 001): a small first layer can lose every weight, and
+    the samples then gave one constant prediction for every input, which select ranked and shipped with exit 0
+    (probe). compress names the layer; a training's validation still scores it (allow_no_network)."""
+    from edgebayes.compressed.samples import EmptyLayerError, output_ignores_input
+
+    net = small_net()
+    assert not output_ignores_input(compress(net, 0.5, 1, 0).samples[0], net.input_shape)
+    with torch.no_grad():   # the first layer's weights rank last
+        net.posterior("net.hidden1").score.fill_(-100.0)
+    with pytest.raises(EmptyLayerError, match=r"same for every input: layer\(s\) \['hidden1'\] keep no weight"):
+        compress(net, 0.3, 2, 0)   # 164 of 548 weights kept; the first layer has 320
+    kept = compress(net, 0.3, 1, 0, allow_no_network=True)
+    x = torch.randn(6, 20)
+    probs = kept.mc_model()(x)
+    assert torch.equal(probs, probs[:1].expand_as(probs))
+    # a residual path around an emptied layer still reads the input: not refused
+    assert compress(net, 0.99, 1, 0).samples   # above the other layers' share: every layer keeps weights
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.branch, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(x + self.branch(x))
+
+    res = Residual()
+    with torch.no_grad():
+        res.branch.weight.zero_()
+    assert not output_ignores_input(res, (4,))
+
+
 @pytest.mark.parametrize("rate", [0.5, 0.37])
 def test_per_input_scores_prune_whole_inputs_of_the_first_layer_at_the_exact_rate(rate):
     net = small_net(first_layer_scores="per-input")

@@ -931,8 +931,12 @@ def _check_family(cfg: PipelineConfig, p):
     from edgebayes.train.nested import NESTED_FAMILIES   # here: train/ imports this module (check_train)
 
     if family in NESTED_FAMILIES:
+        widths = [int(v) if v == int(v) else v for v in values]   # YAML's 2 is read as 2.0 (knob values are numbers)
         _check(all(v == int(v) and 1 <= v <= n.groups for v in values), where,
-               f"expected widths (whole numbers of groups) in 1..nested.groups = {n.groups}, got {_show(values)}")
+               f"expected widths (whole numbers of groups) in 1..nested.groups = {n.groups}, got {_show(widths)}")
+        _check(any(v > n.fixed_groups for v in values), where,
+               f"every width ({_show(widths)}) is at or below nested.fixed_groups = {n.fixed_groups}, which no training "
+               f"step serves; give widths in {n.fixed_groups + 1}..{n.groups}")
     elif family == "sqs":
         _check(all(0 < v <= 1 for v in values), where, f"expected non-zero rates in (0, 1], got {_show(values)}")
     else:

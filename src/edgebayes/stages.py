@@ -209,6 +209,10 @@ class Context:
             return f"no valid {MARKER}: never run, interrupted, or from older code" if (folder / MARKER).exists() \
                 else "no finished run: never run, interrupted or failed"
         if done.get("fingerprint") != self.fingerprint(stage):
+            # the table lives outside the run (`devices profile` writes it): the one change no config edit explains
+            if self._only_table_moved(stage, done):
+                return (f"the device's latency table {self._table_name()} changed since the stage read it "
+                        f"(`devices profile` wrote it again, or it was moved)")
             return "config, device profile or code changed"
         for rel, digest in done["outputs"].items():
             if _digest(folder / rel) != digest:
@@ -276,7 +280,27 @@ class Context:
         write_json(self.stage_dir(stage) / MARKER, {
             "stage": stage, "fingerprint": self.fingerprint(stage), "code_version": code_version(),
             "outputs": _files(self.stage_dir(stage), self.found_before, self.recorded_before),
-            "inputs": dict(sorted(self.reads.items()))})
+            "inputs": dict(sorted(self.reads.items())),
+            # where the fingerprint counts the device's latency table: staleness names it when only it moved
+            **({"latency_table": self._latency_table()} if self._reads_table(stage) else {})})
+
+    def _only_table_moved(self, stage, done):
+        """The stage's fingerprint with the table its marker recorded is the marker's: nothing else changed."""
+        if "latency_table" not in done or done["latency_table"] == self._latency_table():
+            return False
+        pinned, self._pinned_table = self._pinned_table, list(done["latency_table"])
+        try:
+            return self.fingerprint(stage) == done.get("fingerprint")
+        finally:
+            self._pinned_table = pinned
+
+    def _reads_table(self, stage):
+        return stage == "select" or (stage == "train" and self.cfg.train.flops_target == "device")
+
+    def _table_name(self):
+        from edgebayes.deploy.latency_model import table_path
+
+        return table_path(self.profile, self.runs_dir)
 
     def provenance(self, stage):
         return provenance(self.fingerprint(stage))
@@ -601,10 +625,6 @@ def run_select(ctx):
     from edgebayes.deploy.transport import transport_for
 
     model, splits = load_trained_model(ctx), splits_for(ctx)
-    try:
-        model.operating_points(ctx.cfg.select.knob_values)
-    except ValueError as e:
-        raise ConfigError(f"{ctx.config_path}: select.knob_values: {e}") from None
     out = ctx.stage_dir("select")
     transport = transport_for(ctx.profile, out / "device")
     calib_x = splits.train_x[: ctx.cfg.export.calibration_size]
@@ -982,13 +1002,31 @@ def run_report(ctx):
     return report
 
 
+def check_select(ctx):
+    """select.knob_values against the trained network, before run_stage withdraws the last selection: values out
+    of the family's range, or only widths a nested net's training never served (narrower than its FLOPs
+    target's width, known once trained; the config's own check covers nested.fixed_groups). That was exit 1
+    after the work, for a setting of the config."""
+    model = load_trained_model(ctx)
+    try:
+        knobs = model.operating_points(ctx.cfg.select.knob_values)
+    except ValueError as e:
+        raise ConfigError(f"{ctx.config_path}: select.knob_values: {e}") from None
+    untrained = getattr(model, "untrained_widths", lambda _: [])(knobs)   # nested nets (train/models.py)
+    if knobs and len(untrained) == len(knobs):
+        raise ConfigError(f"{ctx.config_path}: select.knob_values: every width ({untrained}) is narrower than the "
+                          f"narrowest one the training served ({model.fixed_groups + 1} of {model.groups} groups, "
+                          f"train.flops_target's); give widths in {model.fixed_groups + 1}..{model.groups}, or "
+                          f"leave knob_values out")
+
+
 def check_deploy(ctx):
     """The bundle is the one export wrote (its marker's hashes) before deploy withdraws the last report: a bundle
     edited by hand withdrew a good report, then failed (probe)."""
     ctx.require("export", "bundle")
 
 
-CHECKS = {"train": check_train, "deploy": check_deploy}   # run_stage: before the stage withdraws and begins
+CHECKS = {"train": check_train, "select": check_select, "deploy": check_deploy}   # run_stage: before the stage withdraws and begins
 RUNNERS = {"train": run_train, "select": run_select, "export": run_export, "deploy": run_deploy, "report": run_report}
 
 

@@ -100,7 +100,10 @@ class Compressed:
         if self.input_shape is not None and tuple(x.shape[1:]) != tuple(self.input_shape):
             raise ValueError(f"calibrate: x: expected inputs of shape {tuple(self.input_shape)}, got "
                              f"{tuple(x.shape[1:])}")
-        self.temperature = fit_temperature(self.samples, x, y)
+        try:
+            self.temperature = fit_temperature(self.samples, x, y)
+        except ValueError as e:   # its checks of the labels and logits, said as the caller's
+            raise ValueError(str(e).replace("fit_temperature:", "calibrate:", 1)) from None
         return self.temperature
 
 
@@ -110,14 +113,18 @@ def sample_generator(seed: int) -> torch.Generator:
 
 
 @torch.no_grad()
-def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1) -> Compressed:
+def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1, allow_no_network=False) -> Compressed:
     """Draw m posterior samples at `knob` and physically remove their dead units.
 
     channel_multiple: every pruned convolution keeps a multiple of this many channels, the block of the device
     runtime's fast kernels (the profile's runtime.channel_block; surgery's `_round_width`).
 
-    Raises EmptyLayerError when the knob removes every unit of a layer (no network is left). Surgery
-    degrades rather than fails (compressed/surgery.py): what it kept, and why, is in `surgery`, and
+    Raises EmptyLayerError when the knob removes every unit of a layer, or leaves a network whose output does
+    not depend on its input (no network is left). The second is for unstructured cuts, which remove no unit:
+    SQS ranks the weights over the whole network (paper 001), and a small layer (a depthwise first convolution)
+    can lose every weight; the samples then shipped one constant prediction with exit 0 (probe).
+    `allow_no_network` (a training's validation, which scores whatever the schedule has reached) keeps them.
+    Surgery degrades rather than fails (compressed/surgery.py): what it kept, and why, is in `surgery`, and
     `not_pruned` says why when it could not prune the network at all.
     """
     gen = sample_generator(seed)
@@ -127,10 +134,35 @@ def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1) -
         empty = [name for name, mask in kept.items() if not bool(mask.any())]
         if empty:
             raise EmptyLayerError(f"{model.knob} {knob} removes every unit of layer(s) {empty}")
+        if dense0 is None and not allow_no_network and output_ignores_input(dense, model.input_shape):
+            cut = [name for name, mod in dense.named_modules()
+                   if isinstance(getattr(mod, "weight", None), torch.Tensor) and mod.weight.dim() > 1
+                   and not bool(mod.weight.any())]
+            raise EmptyLayerError(f"{model.knob} {knob} leaves the network's output the same for every input"
+                                  + (f": layer(s) {cut} keep no weight" if cut else "")
+                                  + f"; a larger {model.knob} keeps them")
         dense0 = dense if dense0 is None else dense0
         samples.append(remove_dead_units(dense, kept, torch.zeros((1,) + tuple(model.input_shape)),
                                          report=None if samples else report, channel_multiple=channel_multiple))
     return Compressed(knob, samples, dense0, kept, report, input_shape=tuple(model.input_shape))
+
+
+@torch.no_grad()
+def output_ignores_input(net, input_shape) -> bool:
+    """The network gives bit-identical outputs for four different inputs: no path from input to output has a
+    weight left (a constant net). Exact equality: any network with a path left moves its outputs on inputs this
+    far apart, and one whose layer kept no weight computes the same constant for all of them."""
+    if input_shape is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.zeros((1,) + tuple(input_shape)), torch.ones((1,) + tuple(input_shape)),
+                   torch.randn((2,) + tuple(input_shape), generator=gen)])
+    was_training = net.training
+    try:
+        out = net.eval()(x)
+    finally:
+        net.train(was_training)
+    return isinstance(out, torch.Tensor) and bool((out == out[:1]).all())
 
 
 TEMPERATURES = (0.05, 20.0)   # fit_temperature's search range: beyond it a network is broken, not miscalibrated

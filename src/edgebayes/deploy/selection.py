@@ -203,12 +203,8 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     batch = val_x[torch.arange(b.batch_size) % len(val_x)]
     knobs = model.operating_points(cfg.select.knob_values)
     untrained = getattr(model, "untrained_widths", lambda _: [])(knobs)   # nested nets (train/models.py)
-    if untrained:   # a config's widths are written before a FLOPs target's width is known
+    if untrained:   # a config's widths are written before a FLOPs target's width is known (all: run_select)
         knobs = [k for k in knobs if k not in untrained]
-        if not knobs:
-            raise SelectionError(f"select.knob_values: every width ({untrained}) is narrower than the narrowest one "
-                                 f"the training served ({model.fixed_groups + 1} of {model.groups} groups); give "
-                                 f"widths in {model.fixed_groups + 1}..{model.groups}, or leave knob_values out")
         log(f"select: width(s) {untrained} of select.knob_values left out: narrower than the narrowest width the "
             f"training served ({model.fixed_groups + 1} of {model.groups} groups), so never trained")
     grid = [(k, m) for k in knobs for m in sorted(cfg.select.mc_samples)]
@@ -275,8 +271,8 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
             log(f"select: {model.knob} {', '.join(f'{v:g}' for v in sorted(set(same)))} keep the same units as "
                 f"{first:g}: that network is scored once")
         if not candidates:
-            raise SelectionError(f"no candidate keeps at least one unit per layer; change select.knob_values "
-                                 f"({model.knob})")
+            raise SelectionError(f"no candidate leaves a network (each {model.knob} removes a whole layer, or makes "
+                                 f"the output the same for every input); change select.knob_values ({model.knob})")
         measured, predictor, measured_on = _latencies(cfg, profile, transport, models, example.numpy(),
                                                       select_bench(cfg.benchmark), runs_dir, log, table_read)
         in_features = int(torch.tensor(val_x.shape[1:]).prod())

@@ -598,7 +598,7 @@ def pretrained_base(cfg, splits, train_dir, log=print):
         source = {"source": "pretrained", "epochs": s.pretrain_epochs, "fingerprint": key,
                   "from": cfg.model.pretrained}
     base = base.cpu().eval()
-    test, _, _ = evaluate(base, splits.test_x, splits.test_y, 1.0, 1, cfg.seed)
+    test, _, _ = evaluate(base, splits.test_x, splits.test_y, 1.0, 1, cfg.seed, allow_no_network=True)
     write_json(train_dir / "pretrained.json", {**source, "test": test})
     return base, test
 
@@ -678,8 +678,9 @@ class SQSObjective:
         return logits, kl
 
     def validate(self, model, splits, cfg, device):
+        # a schedule's early scores may cut a whole small layer: scored as it is (the floor of a constant net)
         val, _, _ = evaluate(model, splits.val_x, splits.val_y, model.default_knob, cfg.train.mc_samples_val,
-                             cfg.seed)
+                             cfg.seed, allow_no_network=True)
         with torch.no_grad():
             keep = torch.cat([model.posterior(nm).keep_probability(model.tau_prime).expand(
                 model.posterior(nm).theta.shape).reshape(-1) for nm in model.wrapped])

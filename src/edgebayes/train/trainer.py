@@ -144,10 +144,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def evaluate(model, x, y, knob_value, m, seed):
-    """MC-averaged metrics of m posterior samples at a knob value (e.g. an inclusion threshold), on the CPU."""
+def evaluate(model, x, y, knob_value, m, seed, allow_no_network=False):
+    """MC-averaged metrics of m posterior samples at a knob value (e.g. an inclusion threshold), on the CPU.
+    allow_no_network: score a cut that leaves the output the same for every input (compress) instead of raising."""
     cpu_model = copy.deepcopy(model).cpu()
-    compressed = compress(cpu_model, knob_value, m, seed)
+    compressed = compress(cpu_model, knob_value, m, seed, allow_no_network=allow_no_network)
     probs = predict(compressed.mc_model(), x).numpy()
     return classification_metrics(probs, y.numpy()), compressed, probs
 
