@@ -16,7 +16,7 @@ from torch import nn
 
 from _nets import ConvBnFc
 from edgebayes.cli import main
-from edgebayes.config import ModelConfig, PriorConfig
+from edgebayes.config import ConfigError, ModelConfig, PriorConfig
 from edgebayes.train.arch import ArchError, register_arch, resolve_arch
 from edgebayes.train.families import bayesianize
 from edgebayes.train.models import BayesianNet, build_model
@@ -890,6 +890,53 @@ def test_save_run_and_calibrate_refuse_empty_or_misshapen_inputs_by_name(tmp_pat
     assert eb.metrics(probs, (y == 1)[:, None]) == eb.metrics(probs, (y == 1).astype(int))   # bool, (N, 1)
     with pytest.raises(ValueError, match=r"metrics: y holds strings"):
         eb.metrics(probs, y.astype(str))
+    # the runner's and fit_temperature's checks said no caller (probe)
+    with pytest.raises(ValueError, match=r"metrics: y must be 1-D with N=3 entries"):
+        eb.metrics(probs[:3], y[:2])
+    with pytest.raises(ValueError, match=r"calibrate: validation labels must be classes 0\.\.2, got 0\.\.9"):
+        c.calibrate(x, np.arange(20) % 10)
+
+
+def test_save_checks_calibration_inputs_and_the_path_before_the_export(tmp_path):
+    """calib_x was passed unchecked to the quantizers: onnxruntime's INVALID_ARGUMENT, the converter's failure
+    blamed on the network, or a NaN range deep in torch.histc; a path that is a folder failed after the export,
+    naming the staged file; a read-only file was replaced through the rename; seed "a" failed in the generator
+    (probe)."""
+    import edgebayes as eb
+
+    torch.manual_seed(0)
+    net = bayesianize(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), "ss-gl", input_shape=(8,),
+                      n_train=60)
+    c = eb.compress(net, m=2)
+    x = np.random.default_rng(0).random((20, 8), dtype=np.float32)
+    nan = x.copy()
+    nan[3, 0] = np.nan
+    for calib, message in ((x[:, :4], r"save: calib_x: expected a batch of inputs of shape \(N, 8\), got \(20, 4\)"),
+                           (nan, r"save: calib_x: 1 input\(s\) hold NaN or infinite values \(rows \[3\]\)"),
+                           ("rows", r"save: calib_x: expected a batch of inputs \(a tensor or an array\), got str"),
+                           (x[:0], r"save: calib_x: expected a batch of at least one input")):
+        for fmt, name in (("onnx-int8", "m.onnx"), ("tflite-int8", "m.tflite")):
+            with pytest.raises(ValueError, match=message):
+                eb.save(c, tmp_path / name, example=x[:2], fmt=fmt, calib_x=calib)
+    (tmp_path / "d.onnx").mkdir()
+    with pytest.raises(ValueError, match=r"save: path: .*d\.onnx is a folder"):
+        eb.save(c, tmp_path / "d.onnx", example=x[:2])
+    locked = tmp_path / "r.onnx"
+    locked.write_bytes(b"kept")
+    locked.chmod(0o444)
+    with pytest.raises(ValueError, match=r"save: path: .*r\.onnx is read-only"):
+        eb.save(c, locked, example=x[:2])
+    assert locked.read_bytes() == b"kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.onnx", "r.onnx"]   # nothing staged is left
+    with pytest.raises(ValueError, match=r"compress: seed: expected a whole number, got 'a'"):
+        eb.compress(net, m=1, seed="a")
+    with pytest.raises(ValueError, match=r"compress: knob: inclusion_threshold 0.999999 removes every unit"):
+        eb.compress(net, knob=0.999999, m=1)
+    with pytest.warns(UserWarning, match=r"fit: the network has 3 outputs and y uses 2 of them: class\(es\) \[2\]"):
+        eb.fit(net, x, np.arange(20) % 2, epochs=1, log=lambda *_: None)
+    if not torch.cuda.is_available():   # it said "train.device is cuda", a config key fit does not take
+        with pytest.raises(ConfigError, match=r"^fit: device: cuda, but no CUDA device is available"):
+            eb.fit(net, x, np.arange(20) % 3, epochs=1, device="cuda", log=lambda *_: None)
 
 
 def test_the_python_api_scales_uint8_inputs_as_the_pipeline_does(tmp_path):

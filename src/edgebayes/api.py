@@ -27,7 +27,7 @@ import torch
 
 from edgebayes.config import (MAX_MC_SAMPLES, OPSETS, ConfigError, ExportConfig, PipelineConfig, TrainConfig,
                               check_train, validate)
-from edgebayes.compressed.samples import Compressed, compress as _compress
+from edgebayes.compressed.samples import Compressed, EmptyLayerError, compress as _compress
 from edgebayes.data import as_inputs, check_classes_seen, class_indices
 from edgebayes.train.arch import register_arch  # noqa: F401  (re-exported)
 from edgebayes.train.families import bayesianize  # noqa: F401  (re-exported)
@@ -63,6 +63,12 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     # of range is refused by name, not ignored
     t = validate(TrainConfig, {"epochs": epochs, **train}, "fit")
     check_train(t, getattr(net, "family", None), "fit", prefix="")
+    from edgebayes.train.trainer import resolve_device
+
+    try:   # before the data's checks and the trainer: its message names the config's train.device
+        resolve_device(t.device)
+    except ConfigError as e:
+        raise ConfigError(f"fit: device: {str(e).replace('train.device is cuda but', 'cuda, but', 1)}") from None
     if until_epoch is not None and (checkpoint is None or isinstance(until_epoch, bool)
                                     or not isinstance(until_epoch, int) or not 1 <= until_epoch <= t.epochs):
         raise ConfigError(f"fit: until_epoch: expected an integer in 1..epochs ({t.epochs}) and a checkpoint to go on "
@@ -79,6 +85,10 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
         raise DataError(f"fit: x has inputs of shape {shape}, the network was made for input_shape "
                         f"{tuple(net.input_shape)} (bayesianize's)")
     x, y = sets["train"]
+    if unseen := sorted(set(range(net.classes)) - set(y.unique().tolist())):   # the pipeline's data names its classes
+        warnings.warn(f"fit: the network has {net.classes} outputs and y uses {net.classes - len(unseen)} of them: "
+                      f"class(es) {unseen[:10]}{' ...' if len(unseen) > 10 else ''} never appear, so their outputs "
+                      f"are trained only to stay low", stacklevel=2)
     if val is None:   # 10% of the training data, carved out with the seed
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
         k = max(1, len(x) // 10)
@@ -134,6 +144,8 @@ def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
             allowed = f"in 1..{most}" if most else "of 1 or more"
             raise ValueError(f"compress: {name}: expected a whole number {allowed}, got {value!r} "
                              f"({type(value).__name__})")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):   # numpy's integers too
+        raise ValueError(f"compress: seed: expected a whole number, got {seed!r} ({type(seed).__name__})")
     knob = net.default_knob if knob is None else knob
     try:
         net.operating_points([knob])   # the family's range: an inclusion threshold in (0, 1), a width in 1..D
@@ -143,7 +155,10 @@ def compress(net, knob=None, m=1, seed=0, channel_multiple=1) -> Compressed:
         raise ValueError(f"compress: knob: width {knob:g} was never trained (the narrowest width the training served "
                          f"is {net.fixed_groups + 1} of {net.groups} groups: train.flops_target's, or "
                          f"nested.fixed_groups + 1); give a width in {net.fixed_groups + 1}..{net.groups}")
-    return _compress(net.cpu().eval(), knob, int(m), seed, int(channel_multiple))
+    try:
+        return _compress(net.cpu().eval(), knob, int(m), int(seed), int(channel_multiple))
+    except EmptyLayerError as e:   # the knob leaves no network: the argument's message
+        raise EmptyLayerError(f"compress: knob: {e}") from None
 
 
 def _check_made_by_bayesianize(net, where, needed):
@@ -156,27 +171,27 @@ def _check_made_by_bayesianize(net, where, needed):
 
 def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", calib_x=None, opset=17):
     """Write the MC-averaged graph of the compressed samples in `fmt` (export/formats.py); returns the path.
-    `example`: a batch of inputs of the network's shape (its shapes are the graph's)."""
+    `example`: a batch of inputs of the network's shape (its shapes are the graph's); `calib_x` (int8 formats):
+    training inputs of that shape, a few hundred rows."""
     from edgebayes.export.formats import export_artifact, get_format
 
     f = get_format(fmt)
-    if Path(path).suffix != f.suffix:   # run() and the device runner tell the runtime by the file's suffix
-        raise ValueError(f"save: path: {fmt} is written as a {f.suffix} file, got {Path(path).name!r}")
+    path = Path(path).expanduser()
+    if path.suffix != f.suffix:   # run() and the device runner tell the runtime by the file's suffix
+        raise ValueError(f"save: path: {fmt} is written as a {f.suffix} file, got {path.name!r}")
     if f.precision == "int8" and calib_x is None:
         raise ValueError(f"save: calib_x: {fmt} needs calibration inputs (a few hundred rows of the training data)")
     if isinstance(opset, bool) or not isinstance(opset, numbers.Integral) or not OPSETS[0] <= opset <= OPSETS[1]:
         raise ValueError(f"save: opset: expected an ONNX opset in {OPSETS[0]}..{OPSETS[1]}, got {opset!r}")
-    example = as_inputs(example)   # one that requires grad, or on a GPU, as eb.fit takes them
-    if example.dim() == 0 or len(example) == 0:
-        raise ValueError(f"save: example: expected a batch of at least one input, got shape {tuple(example.shape)}")
-    _refuse_non_finite(example, "save: example")   # else blamed on the converter by the fidelity check
-    shape = compressed.input_shape
-    if shape is not None and (example.dim() != len(shape) + 1 or tuple(example.shape[1:]) != tuple(shape)):
-        raise ValueError(f"save: example: expected a batch of inputs of shape (N, {', '.join(map(str, shape))}), "
-                         f"got {tuple(example.shape)}")
-    path = Path(path)
+    example = _network_inputs(example, compressed.input_shape, "save: example")
+    if f.precision == "int8":   # else the quantizer's own errors, or the converter's blamed on the network (probe)
+        calib_x = _network_inputs(calib_x, compressed.input_shape, "save: calib_x")
     if not path.parent.is_dir():   # the staging folder goes beside it: a missing folder named a temporary file
         raise ValueError(f"save: path: the folder {path.parent} does not exist (create it first)")
+    if path.is_dir():   # os.replace failed only after the export, naming the staged file
+        raise ValueError(f"save: path: {path} is a folder; give a file name ending in {f.suffix}")
+    if path.exists() and not path.stat().st_mode & 0o222:   # the rename would pass over the file's own mode
+        raise ValueError(f"save: path: {path} is read-only; make it writable or give another name")
     # Written beside the destination and renamed onto it: a failed export leaves no half-written file and
     # keeps the artifact that was there (the export stage does the same with its folder)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
@@ -190,6 +205,23 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
             _check_fp32_artifact(mc_model, staged, fmt, example)
         os.replace(staged, path)
     return path
+
+
+def _network_inputs(x, shape, where):
+    """x as a float batch of the network's input shape (tensor or array; uint8 scaled as fit takes it), finite,
+    or a ValueError naming `where`."""
+    try:
+        x = as_inputs(x)   # one that requires grad, or on a GPU, as eb.fit takes them
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: expected a batch of inputs (a tensor or an array), got {type(x).__name__} "
+                         f"({e})") from None
+    if x.dim() == 0 or len(x) == 0:
+        raise ValueError(f"{where}: expected a batch of at least one input, got shape {tuple(x.shape)}")
+    _refuse_non_finite(x, where)   # else blamed on the converter by the fidelity check
+    if shape is not None and (x.dim() != len(shape) + 1 or tuple(x.shape[1:]) != tuple(shape)):
+        raise ValueError(f"{where}: expected a batch of inputs of shape (N, {', '.join(map(str, shape))}), "
+                         f"got {tuple(x.shape)}")
+    return x
 
 
 FIDELITY_TOLERANCE = ExportConfig.model_fields["fidelity_tolerance"].default   # the export stage's default
@@ -222,10 +254,11 @@ def run(path, x, fmt=None):
     if x.ndim == 0 or len(x) == 0:
         raise ValueError(f"run: x: expected a batch of at least one input, got shape {x.shape}")
     _refuse_non_finite(x, "run: x")   # the graph would return NaN probabilities, silently
-    if not Path(path).is_file():
+    path = Path(path).expanduser()
+    if not path.is_file():
         raise ValueError(f"run: path: no such file {path}")
     try:
-        return artifact_predict(Path(path), fmt, x)
+        return artifact_predict(path, fmt, x)
     except ValueError as e:   # x's shape against the artifact's input (the runtime's own message named neither)
         raise ValueError(f"run: {e}") from None
 
@@ -242,5 +275,8 @@ def metrics(probs, y) -> dict:
     from edgebayes.ondevice.metrics import check_probabilities
     from edgebayes.train.metrics import classification_metrics
 
-    check_probabilities(probs)
-    return classification_metrics(np.asarray(probs), class_indices(y, "y", "metrics").numpy())
+    try:
+        check_probabilities(probs)
+        return classification_metrics(np.asarray(probs), class_indices(y, "y", "metrics").numpy())
+    except ValueError as e:   # the runner's checks (ondevice/metrics.py) name no caller
+        raise ValueError(e if str(e).startswith("metrics:") else f"metrics: {e}") from None
