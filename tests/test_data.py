@@ -445,3 +445,78 @@ def test_loaders_cover_the_configured_data_sets():
     from edgebayes.data import LOADERS
 
     assert tuple(LOADERS) == BUILTIN_DATASETS + DATA_FORMATS
+
+
+def test_what_an_image_folder_reads_and_what_its_fingerprint_sees(tmp_path):
+    """Silent-wrong cases of a user's folder (probe): images in a hidden sub-folder of a class were that class's;
+    two class folders spelling one name in two Unicode forms were one class (the second replaced the first);
+    Roboflow's valid/ beside train/ was passed over; a symlinked class folder's images were read but their
+    changes not seen, so train stayed 'up to date'."""
+    import os
+    import unicodedata
+
+    from edgebayes.data import data_fingerprint
+
+    root = tmp_path / "imgs"
+    _images(root / "train", classes=("a", "b"), n=6)
+    _images(root / "train" / "a" / ".thumbnails", classes=("x",), n=4)   # hidden, below a class
+    s = load_data(_own("image-folder", root), seed=0)
+    assert len(s.train_x) + len(s.val_x) + len(s.test_x) == 12
+    _images(root / "valid", classes=("a", "b"), n=2)
+    s = load_data(_own("image-folder", root), seed=0)
+    assert len(s.val_x) == 4 and len(s.train_x) + len(s.test_x) == 12   # valid/ is the validation set
+    _images(root / "val", classes=("a",), n=1)
+    with pytest.raises(DataError, match=r"imgs/val and .*imgs/valid are both the val set; keep one"):
+        load_data(_own("image-folder", root), seed=0)
+
+    two = tmp_path / "forms"
+    _images(two, classes=(unicodedata.normalize("NFC", "café"), unicodedata.normalize("NFD", "café"), "tea"), n=3)
+    with pytest.raises(DataError, match=r"class folders .* spell one name \('café'\) in two Unicode forms"):
+        load_data(_own("image-folder", two), seed=0)
+
+    real = _images(tmp_path / "elsewhere", classes=("b",), n=6)
+    linked = tmp_path / "linked"
+    _images(linked, classes=("a",), n=6)
+    os.symlink(real / "b", linked / "b")
+    os.symlink(linked, real / "b" / "loop")   # a link to an ancestor is walked once
+    cfg = _own("image-folder", linked)
+    assert load_data(cfg, seed=0).classes == ["a", "b"]
+    before = data_fingerprint(cfg)
+    _images(real, classes=("b",), n=8)   # two more images behind the link
+    assert data_fingerprint(cfg) != before
+
+
+def test_a_csv_with_a_byte_order_mark_and_non_finite_cells(tmp_path):
+    """Excel's CSV UTF-8 starts with a BOM: the header's first cell read '\\ufefflabel', so the last feature was
+    taken as the label (19 classes, exit 0: probe); a 'nan' cell was counted in x_train, without its line."""
+    rows = "".join(f"{i % 3},{i * 0.5},{i % 7}\n" for i in range(30))
+    (tmp_path / "bom.csv").write_bytes(("label,c1,c2\n" + rows).encode("utf-8-sig"))
+    s = load_data(_own("csv", tmp_path / "bom.csv"), seed=0)
+    assert s.classes == ["0", "1", "2"] and s.input_shape == (2,)
+    (tmp_path / "nan.csv").write_text("label,c1,c2\n" + rows + "1,nan,2\n")
+    with pytest.raises(DataError, match=r"nan\.csv: feature column 'c1': line 32 holds 'nan'"):
+        load_data(_own("csv", tmp_path / "nan.csv"), seed=0)
+
+
+def test_a_loader_of_your_own_given_data_path_is_fingerprinted_by_it(tmp_path):
+    from edgebayes.data import data_fingerprint
+
+    path = _npz(tmp_path / "d.npz", x=X, y=Y)
+    cfg = DataConfig(dataset="userdata:from_path", path=str(path))
+    before = data_fingerprint(cfg)
+    assert before is not None
+    _npz(path, x=X + 1, y=Y)
+    import os
+    os.utime(path, ns=(1, 1))
+    assert data_fingerprint(cfg) != before
+    assert data_fingerprint(DataConfig(dataset="userdata:from_path")) is None
+
+
+def test_an_image_size_beyond_memory_is_refused_by_name(tmp_path, monkeypatch):
+    import edgebayes.data as data
+
+    root = _images(tmp_path / "imgs", classes=("a", "b"), n=4)
+    monkeypatch.setattr(data, "_physical_memory", lambda: 2**30)
+    with pytest.raises(DataError, match=r"8 images of 10000x10000x1 take 3\.0 GiB as float32, more than this "
+                                        r"machine's 1\.0 GiB; set data\.image_size smaller"):
+        load_data(_own("image-folder", root, image_size=[10000, 10000]), seed=0)

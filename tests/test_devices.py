@@ -723,6 +723,6 @@ def test_a_table_rewritten_while_select_runs_makes_the_next_select_run_again(tra
     assert code == 0, err
     assert "select: up to date" not in out, out
     # the reason names the table (it said "config, device profile or code changed", which none had)
-    assert f"select: running (the device's latency table {table} changed since the stage read it" in out, out
+    assert f"select: running (the device's latency table {table} (`devices profile` wrote it again" in out, out
     code, out, err = cli(capsys, "select", "--config", CONFIG, "--device", "local", "--runs-dir", runs)
     assert code == 0 and "select: up to date" in out, out   # and settles once it has read the new table

@@ -116,9 +116,35 @@ def test_pipeline_runs_on_data_of_your_own(dataset, tmp_path):
     assert "ood" in metrics
     manifest = json.loads((run / "export/local/bundle/manifest.json").read_text())
     assert manifest["classes"] == (["left", "middle", "right"] if dataset == "npz" else ["blue", "green", "red"])
+    # what a device application must do to its own inputs, and which data (nothing said either: probe)
+    steps = manifest["input"]["preprocessing"]
+    assert steps.startswith("uint8 arrays / 255" if dataset == "npz" else
+                            "images read with PIL as RGB (PIL mode RGB: alpha dropped, grayscale repeated), at "
+                            "their own size, 8x8 (HxW); 8-bit values / 255"), steps
+    assert manifest["data"] == {"source": f"data.path: {path}", "fingerprint": metrics["data"]["fingerprint"]}
+    html = (run / "report/local/report.html").read_text()
+    assert f"data.path: {path}" in html and steps.replace("(", "").split(";")[0][:30] in html.replace("(", "")
     results = json.loads((run / "deploy/local/results.json").read_text())
     assert 0 <= results["metrics"]["accuracy"] <= 1
     assert (run / "report/local/report.html").is_file()
+
+
+def test_a_stage_run_again_for_new_data_says_so(tmp_path, capsys):
+    """The files changed, not the config: the log said "config, device profile or code changed" (probe)."""
+    import os
+
+    path = _npz_data(tmp_path / "d.npz")
+    config = _config(tmp_path, name="own-again", dataset="npz", path=str(path))
+    runs = tmp_path / "runs"
+    assert main(["train", "--config", str(config), "--runs-dir", str(runs)]) == 0
+    arrays = dict(np.load(path))
+    np.savez(path, x=arrays["x"][::-1].copy(), y=arrays["y"])
+    os.utime(path, ns=(1, 1))
+    capsys.readouterr()
+    assert main(["train", "--config", str(config), "--runs-dir", str(runs)]) == 0
+    assert "train: running (what data.path holds changed since the stage ran)" in capsys.readouterr().out
+    assert main(["train", "--config", str(config), "--runs-dir", str(runs), "--set", "train.epochs=1"]) == 0
+    assert "train: running (config, device profile or code changed)" in capsys.readouterr().out
 
 
 SIGNAL_NET = """

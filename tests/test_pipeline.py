@@ -272,6 +272,15 @@ def test_a_bn3_pipeline_with_a_flops_target_selects_only_the_widths_its_training
             f"({width} of 8 groups") in err, err
     assert (run / "select/local/choice.json").read_bytes() == before
     assert (run / "report/local/report.json").is_file()   # the last run's report is not withdrawn
+    # without select.knob_values the width within the target ships: a wider one, a few thousandths of a nat
+    # ahead, shipped 0.40 of the FLOPs for a target of 0.3 (probe)
+    del cfg["select"]["knob_values"]
+    path.write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert main(["select", "--config", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert f"select: width {width}, the training's within train.flops_target" in capsys.readouterr().out
+    candidates = json.loads((run / "select/local/candidates.json").read_text())["candidates"]
+    assert {c["knob_value"] for c in candidates} == {width}
 
 
 def test_knob_values_only_at_or_below_fixed_groups_are_a_config_error(tmp_path):

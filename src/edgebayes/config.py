@@ -331,7 +331,8 @@ class SelectConfig(Section):
     knob_values: Optional[Annotated[Items[float], _each_once(lambda v: f"expected each value once, got {v}")]] = Field(
         None, description=(
         "values of the family's deploy-time knob to try (inclusion threshold, width, non-zero rate); null: the "
-        "model's own default operating points. Widths narrower than a nested net's training served "
+        "model's own default operating points (a nested net fitted to train.flops_target: the width within it, the one "
+        "its training made). Widths narrower than a nested net's training served "
         "(nested.fixed_groups or fewer groups, or under train.flops_target's width) are left out, and the log says "
         "so"))
     mc_samples: Annotated[Items[int], Check(lambda v: all(m > 0 for m in v), "expected positive integers"),

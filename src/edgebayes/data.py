@@ -39,7 +39,7 @@ import torch
 
 from edgebayes.errors import InputError
 from edgebayes.plugins import IMPORT_PATH, load_callable, source_files
-from edgebayes.provenance import stat_fingerprint
+from edgebayes.provenance import stat_fingerprint, walk_files
 
 
 class DataError(InputError, ValueError):
@@ -67,6 +67,8 @@ TORCHVISION = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "cifar10": "CI
 FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                    "Ankle boot"]
 SET_NAMES = ("train", "val", "test")
+# an image folder's split folders beside train/, as export tools spell them
+SPLIT_FOLDERS = {"val": ("val", "valid", "validation"), "test": ("test", "testing")}
 SPLIT_LIKE = {"train", "training", "val", "valid", "validation", "test", "testing"}
 # What PIL reads and torchvision's ImageFolder accepts; other files in the folders (notes, .DS_Store) are skipped.
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
@@ -334,13 +336,19 @@ def _pixels(image, channels, size) -> np.ndarray:
     return a
 
 
-def _class_files(folder: Path) -> dict:
-    """{class name: image files} of folder/<class>/ (files found at any depth below <class>/). Names in Unicode's
-    composed form (NFC): macOS writes 'ü' decomposed, and train/ and test/ copied apart spell one class two ways."""
-    classes = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-    return {unicodedata.normalize("NFC", d.name): sorted(f for f in d.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()
-                           and not f.name.startswith("."))
-            for d in classes}
+def _class_files(folder: Path, where) -> dict:
+    """{class name: image files} of folder/<class>/ (files found at any depth below <class>/, through symlinked
+    folders too, hidden files and folders left out: a .thumbnails/ inside a class was read as its images). Names
+    in Unicode's composed form (NFC): macOS writes 'ü' decomposed, and train/ and test/ copied apart spell one
+    class two ways; two folders of one name in that form are refused (the second replaced the first)."""
+    found = {}
+    for d in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
+        name = unicodedata.normalize("NFC", d.name)
+        if name in found:
+            raise DataError(f"{where}: class folders {found[name][0].name!r} and {d.name!r} in {folder} spell one "
+                            f"name ({name!r}) in two Unicode forms; merge them or rename one")
+        found[name] = (d, sorted(f for f in walk_files(d, hidden=False) if f.suffix.lower() in IMAGE_EXTENSIONS))
+    return {name: files for name, (_, files) in found.items()}
 
 
 def _image_folder(cfg):
@@ -360,14 +368,20 @@ def _image_folder(cfg):
     layout = f"expected {root}/<class>/*.png (or .jpg, ...), or {root}/train/<class>/ and {root}/test/<class>/"
     folders = {"train": root}
     if (root / "train").is_dir():
-        folders = {s: root / s for s in SET_NAMES if (root / s).is_dir()}
+        folders = {"train": root / "train"}
+        for s, spellings in SPLIT_FOLDERS.items():   # valid/ (Roboflow's export) was passed over without a word
+            there = [root / name for name in spellings if (root / name).is_dir()]
+            if len(there) > 1:
+                raise DataError(f"{where}: {' and '.join(str(p) for p in there)} are both the {s} set; keep one")
+            if there:
+                folders[s] = there[0]
     else:   # Train/ Test/, training/ testing/: split folders that would otherwise be read as two classes
         split_like = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.lower() in SPLIT_LIKE
                             and any(c.is_dir() for c in d.iterdir()))   # class folders in it, not images
         if split_like:
             raise DataError(f"{where}: {root / split_like[0]} looks like a split, not a class "
                             f"({', '.join(split_like)}); {layout} (lower case: train, val, test)")
-    found = {s: _class_files(f) for s, f in folders.items()}
+    found = {s: _class_files(f, where) for s, f in folders.items()}
     for s in ("val", "test"):
         if s in found and not any(found[s].values()):
             raise DataError(f"{where}: {folders[s]} holds no images in class folders; fill it as "
@@ -412,6 +426,11 @@ def _image_folder(cfg):
             raise DataError(f"{where}: images differ in size: {first} is {h1}x{w1} (HxW), {other} is {h2}x{w2}; "
                             f"set data.image_size: [H, W] to resize them all")
         size = sizes[first]
+    need = sum(len(pairs) for pairs in files.values()) * size[0] * size[1] * channels * 4
+    if need > (memory := _physical_memory() or need):   # data.image_size [100000, 100000]: out of memory, exit 1
+        raise DataError(f"{where}: {sum(map(len, files.values()))} images of {size[1]}x{size[0]}x{channels} take "
+                        f"{need / 2**30:.1f} GiB as float32, more than this machine's {memory / 2**30:.1f} GiB; "
+                        f"set data.image_size smaller" + ("" if cfg.image_size else " (they are read at their own size)"))
     sets = {}
     for s, pairs in files.items():
         x = np.empty((len(pairs), size[1], size[0]) + ((3,) if channels == 3 else ()), dtype=np.float32)
@@ -425,6 +444,14 @@ def _image_folder(cfg):
         x = x.unsqueeze(1) if channels == 1 else x.permute(0, 3, 1, 2).contiguous()
         sets[s] = (x, np.array([label for _, label in pairs], dtype=np.int64))
     return sets, classes
+
+
+def _physical_memory():
+    """This machine's memory in bytes, or None where the OS does not say (sysconf: Linux, macOS)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _is_number(text) -> bool:
@@ -447,7 +474,8 @@ def _csv(cfg):
     path = _path(cfg, folder=False)
     where = f"data.path: {path}"
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:   # Excel's "CSV UTF-8" starts with a BOM: the
+            # first header cell read "\ufefflabel", and the last feature column was taken as the label (probe)
             reader = csv.reader(f)  # line_num: the file's line a row ends on (quoted cells may span lines)
             rows = [(reader.line_num, row) for row in reader if any(c.strip() for c in row)]
     except UnicodeDecodeError:
@@ -496,6 +524,10 @@ def _csv(cfg):
             bad = "is empty (missing values are not filled in)" if not column[i].strip() else f"holds {column[i]!r}"
             raise DataError(f"{where}: feature column {names[k]!r} is not numeric: line {data[i][0]} {bad}; "
                             f"the label column is {names[j]!r} (data.label_column picks another)") from None
+        if not np.isfinite(features[-1]).all():   # "nan", "inf" parse as numbers; the line, not x_train's count
+            i = int(np.flatnonzero(~np.isfinite(features[-1]))[0])
+            raise DataError(f"{where}: feature column {names[k]!r}: line {data[i][0]} holds {column[i].strip()!r} "
+                            f"(missing values are not filled in)")
     y = np.asarray([c.strip() for c in columns[j]])
     missing = np.flatnonzero(y == "")
     if len(missing):
@@ -725,15 +757,39 @@ def _load_sets(cfg):
 
 
 def data_fingerprint(cfg) -> Optional[str]:
-    """What data.path holds now (provenance.stat_fingerprint over its files; images only in a folder), None
-    for the built-in sets and loader functions.
+    """What data.path holds now (provenance.stat_fingerprint over its files; images only in an image folder),
+    None for the built-in sets and a loader function of the user's given no data.path.
 
     The stage cache hashes the config, which names data.path but not what is in it: a rewritten npz or a
     folder with images added would otherwise leave a stale training run in place.
     """
-    if cfg.dataset not in ("npz", "image-folder", "csv") or not cfg.path:
+    if not cfg.path or not (cfg.dataset in ("npz", "image-folder", "csv") or IMPORT_PATH.match(cfg.dataset)):
         return None
-    return stat_fingerprint(Path(cfg.path).expanduser(), IMAGE_EXTENSIONS)
+    # a loader of the user's own is handed data.path: what it holds counts, every file (its formats are its own)
+    return stat_fingerprint(Path(cfg.path).expanduser(), IMAGE_EXTENSIONS if cfg.dataset == "image-folder" else None)
+
+
+def describe(cfg, input_shape) -> dict:
+    """Which data a run read and what a raw input went through before the network, as the loader did it: what
+    the train metrics, the report and the bundle's manifest say, so that an application on the device can feed
+    the shipped model its own inputs the same way (probe: nothing said the 1/255, the RGB or the resize)."""
+    if cfg.dataset == "image-folder":
+        c, h, w = input_shape
+        mode = "grayscale (PIL mode L)" if c == 1 else "RGB (PIL mode RGB: alpha dropped, grayscale repeated)"
+        size = (f"resized to {h}x{w} (HxW) with PIL's bilinear filter" if cfg.image_size
+                else f"at their own size, {h}x{w} (HxW)")
+        steps = f"images read with PIL as {mode}, {size}; 8-bit values / 255, 16-bit grayscale / 65535"
+    elif cfg.dataset == "csv":
+        steps = "the feature columns in the file's order, the label column left out; numbers as written, not scaled"
+    elif cfg.dataset == "digits":
+        steps = "scikit-learn's 8x8 digits, values 0..16 divided by 16"
+    elif cfg.dataset in OFFICIAL_SPLITS:
+        steps = "8-bit pixels / 255"
+    else:   # npz, or a loader of the user's own: the arrays as given
+        steps = ((f"what {cfg.dataset} returns, then " if IMPORT_PATH.match(cfg.dataset) else "")
+                 + "uint8 arrays / 255, other numbers as they are; images channels first")
+    return {"source": _source(cfg), "fingerprint": data_fingerprint(cfg),
+            "preprocessing": f"{steps}; float32, shape (N, {', '.join(map(str, input_shape))})"}
 
 
 def inputs_fingerprint(cfg, weight_files=()) -> list:
@@ -741,11 +797,17 @@ def inputs_fingerprint(cfg, weight_files=()) -> list:
     [(config key, path)] and the user's own network and loader with what they import (plugins.source_files). A
     file replaced or edited under the same name makes another training: the train stage's fingerprint and
     SQS's pretraining cache count these. `cfg`: the pipeline config."""
-    held = [h] if (h := data_fingerprint(cfg.data)) is not None else []
-    held += [[key, stat_fingerprint(Path(path))] for key, path in weight_files]
+    return list(inputs_parts(cfg, weight_files).values())
+
+
+def inputs_parts(cfg, weight_files=()) -> dict:
+    """inputs_fingerprint's pieces by what the user would call them (data.path, model.pretrained, the code of
+    model.arch), so that a stage run again can say which changed."""
+    held = {"data.path": h} if (h := data_fingerprint(cfg.data)) is not None else {}
+    held.update({key: [key, stat_fingerprint(Path(path))] for key, path in weight_files})
     for key, value in (("model.arch", cfg.model.arch), ("data.dataset", cfg.data.dataset)):
         if sources := source_files(value):
-            held.append([key, *(stat_fingerprint(f) for f in sources)])
+            held[f"the code of {key}"] = [key, *(stat_fingerprint(f) for f in sources)]
     return held
 
 

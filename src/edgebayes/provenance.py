@@ -139,12 +139,32 @@ def code_hash(*roots: str) -> str:
     return digest.hexdigest()[:12]
 
 
+def walk_files(folder: Path, hidden=True):
+    """Every file below `folder`, through symlinked folders too (Path.rglob does not enter them before Python
+    3.13: a symlinked class folder's images were read, and their changes not seen), each real folder once (a
+    link to an ancestor ends there); hidden=False leaves out names starting with '.' and what is below them."""
+    seen = set()
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        if not hidden:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(top) / name
+            if (hidden or not name.startswith(".")) and path.is_file():
+                yield path
+
+
 def stat_fingerprint(path: Path, suffixes=None) -> str:
     """A hash of what a file, or a folder's files (those ending in `suffixes`, if given), hold now: each
     relative path, size and modification time (stat only, no reading). Size and mtime change with any
     rewrite; a copy that keeps both (rsync -a) counts as the same."""
     if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and (suffixes is None or f.suffix.lower() in suffixes))
+        files = sorted(f for f in walk_files(path) if suffixes is None or f.suffix.lower() in suffixes)
     else:
         files = [path] if path.is_file() else []
     h = hashlib.sha256()

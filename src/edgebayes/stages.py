@@ -37,7 +37,7 @@ import numpy as np
 
 from edgebayes import STAGES
 from edgebayes.config import ConfigError, as_dict, fingerprint
-from edgebayes.data import inputs_fingerprint, load_data
+from edgebayes.data import describe as describe_data, inputs_parts, load_data
 from edgebayes.errors import StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
@@ -132,6 +132,8 @@ class Context:
     recorded_before: set = field(default_factory=set, repr=False)
     # the latency table's stat fingerprint as select read it (pin_latency_table), or None: as it is now
     _pinned_table: list = field(default=None, init=False, repr=False)
+    # the outside parts as a marker recorded them, while _what_changed recomputes its fingerprint with them
+    _as_recorded: dict = field(default_factory=dict, init=False, repr=False)
     # what check_train's pre-flight found for run.json (train_preflight), or None: run_train runs it
     train_preflight: dict = field(default=None, init=False, repr=False)
 
@@ -160,7 +162,7 @@ class Context:
             own = [getattr(c, section)] if section else []
             # What data.path, the weight files (model.pretrained; SQS's sqs.checkpoint) and the user's own net or
             # loader hold now counts where they are set: a file replaced under the same name is another network
-            contents = inputs_fingerprint(c, weight_files(c))
+            contents = list(self._outside_parts()["inputs"].values())
             if c.train.flops_target == "device":   # the target comes from the device's budgets (run_train)
                 contents.append(["device", p.name, as_dict(p.budgets), as_dict(p.latency_model), as_dict(p.runtime),
                                  *self._latency_table()])
@@ -181,6 +183,8 @@ class Context:
         (pin_latency_table), else as it is now."""
         from edgebayes.deploy.latency_model import table_path
 
+        if "latency_table" in self._as_recorded:
+            return self._as_recorded["latency_table"]
         if self._pinned_table is not None:
             return self._pinned_table
         if self.profile.latency_model.kind == "flops":
@@ -209,11 +213,7 @@ class Context:
             return f"no valid {MARKER}: never run, interrupted, or from older code" if (folder / MARKER).exists() \
                 else "no finished run: never run, interrupted or failed"
         if done.get("fingerprint") != self.fingerprint(stage):
-            # the table lives outside the run (`devices profile` writes it): the one change no config edit explains
-            if self._only_table_moved(stage, done):
-                return (f"the device's latency table {self._table_name()} changed since the stage read it "
-                        f"(`devices profile` wrote it again, or it was moved)")
-            return "config, device profile or code changed"
+            return self._what_changed(stage, done)
         for rel, digest in done["outputs"].items():
             if _digest(folder / rel) != digest:
                 return f"its output {rel} changed since the stage wrote it"
@@ -281,26 +281,42 @@ class Context:
             "stage": stage, "fingerprint": self.fingerprint(stage), "code_version": code_version(),
             "outputs": _files(self.stage_dir(stage), self.found_before, self.recorded_before),
             "inputs": dict(sorted(self.reads.items())),
-            # where the fingerprint counts the device's latency table: staleness names it when only it moved
-            **({"latency_table": self._latency_table()} if self._reads_table(stage) else {})})
+            # what the fingerprint counts from outside the config and code: staleness names it when it moved
+            "outside": self._outside_parts()})
 
-    def _only_table_moved(self, stage, done):
-        """The stage's fingerprint with the table its marker recorded is the marker's: nothing else changed."""
-        if "latency_table" not in done or done["latency_table"] == self._latency_table():
-            return False
-        pinned, self._pinned_table = self._pinned_table, list(done["latency_table"])
-        try:
-            return self.fingerprint(stage) == done.get("fingerprint")
-        finally:
-            self._pinned_table = pinned
+    def _outside_parts(self):
+        """What a stage's fingerprint counts that lives outside the config and the code: the files the training
+        reads (data.path, weight files, the user's own code: data.inputs_parts) and the device's latency table
+        (written by `devices profile`); as the marker being judged recorded them, inside _what_changed."""
+        inputs = {k: v for k, v in inputs_parts(self.cfg, weight_files(self.cfg)).items()}
+        inputs.update(self._as_recorded.get("inputs", {}))
+        return {"inputs": {k: inputs[k] for k in inputs if k not in self._as_recorded.get("gone", ())},
+                "latency_table": self._latency_table()}
 
-    def _reads_table(self, stage):
-        return stage == "select" or (stage == "train" and self.cfg.train.flops_target == "device")
+    def _what_changed(self, stage, done):
+        """Why a stage whose fingerprint differs from its marker's must run: the outside files that moved, where
+        the fingerprint with them as recorded is the marker's, else the config, profile or code. A changed
+        data folder or table read "config, device profile or code changed", which none had (probe)."""
+        recorded = done.get("outside") or {}
+        now = self._outside_parts()
+        moved = [k for k, v in (recorded.get("inputs") or {}).items() if now["inputs"].get(k) != v]
+        gone = [k for k in now["inputs"] if k not in (recorded.get("inputs") or {})]
+        table = "latency_table" in recorded and recorded["latency_table"] != now["latency_table"]
+        if recorded and (moved or gone or table):
+            self._as_recorded = {"inputs": recorded.get("inputs") or {}, "gone": gone,
+                                 **({"latency_table": recorded["latency_table"]} if table else {})}
+            try:
+                explained = self.fingerprint(stage) == done.get("fingerprint")
+            finally:
+                self._as_recorded = {}
+            if explained:
+                from edgebayes.deploy.latency_model import table_path
 
-    def _table_name(self):
-        from edgebayes.deploy.latency_model import table_path
-
-        return table_path(self.profile, self.runs_dir)
+                said = [f"what {k} holds" for k in moved + gone] + (
+                    [f"the device's latency table {table_path(self.profile, self.runs_dir)} (`devices profile` "
+                     f"wrote it again, or it was moved)"] if table else [])
+                return f"{' and '.join(said)} changed since the stage ran"
+        return "config, device profile or code changed"
 
     def provenance(self, stage):
         return provenance(self.fingerprint(stage))
@@ -593,7 +609,7 @@ def run_train(ctx):
         "model": {"arch": cfg.model.arch, "in_features": int(np.prod(splits.input_shape)),
                   "hidden": cfg.model.hidden if cfg.model.arch == "mlp" else [], "classes": len(splits.classes)},
         "data": {"dataset": cfg.data.dataset, "train": len(splits.train_x), "val": len(splits.val_x),
-                 "test": len(splits.test_x)},
+                 "test": len(splits.test_x), **describe_data(cfg.data, splits.input_shape)},
         "epochs": cfg.train.epochs,
         # the FLOPs target trained to (train.flops_target device: the share the device's budgets allowed)
         "flops_target": cfg.train.flops_target,
@@ -739,7 +755,7 @@ def run_export(ctx):
             out / "bundle", primary["path"], x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
             knob_name=model.knob, knob_value=knob_value,
             reference_metrics=reference_metrics, provenance=ctx.provenance("export"),
-            artifacts=artifacts, ood_x=None if splits.ood_x is None else splits.ood_x.numpy())
+            data=describe_data(ctx.cfg.data, splits.input_shape), artifacts=artifacts, ood_x=None if splits.ood_x is None else splits.ood_x.numpy())
     kept_per_sample = count_weights(compressed.samples[0], fold_batch_norm=True)
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
@@ -834,8 +850,9 @@ def _above_flops_target(ctx, physical, masked):
                 f"masks"
                 + (f" (the training's point within the target is {point_label(trained['knob'], trained['knob_value'])})"
                    if wider else "")
-                + " (the training serves the points above the target too, and select takes the best within the "
-                f"device's budgets); give select.knob_values only within the target to ship no more than it")
+                + " (the training serves the points above the target too, select.knob_values named them, and "
+                f"select takes the best within the device's budgets); give select.knob_values only within the "
+                f"target, or leave it out, to ship no more than it")
     if block > 1 and counted == block:   # the training counted the blocks already: the schedule got no closer
         return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}, "
                 f"counted in {ctx.profile.name}'s channel blocks of {block}: no cut of the schedule reached it in them "

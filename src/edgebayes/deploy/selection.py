@@ -201,7 +201,15 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
     b = profile.budgets
     example = val_x[:1]
     batch = val_x[torch.arange(b.batch_size) % len(val_x)]
-    knobs = model.operating_points(cfg.select.knob_values)
+    values = cfg.select.knob_values
+    if values is None and model.knob == "width" and cfg.train.flops_target is not None:
+        # A nested net fitted to a FLOPs target ships the width its training made within it: the wider widths got
+        # 1 - nested.target_width_probability of the steps, and one of them, ahead by a few thousandths of a nat,
+        # shipped 0.40 of the FLOPs for a target of 0.3 with exit 0 (probe). Asked for by knob_values, they are tried.
+        values = [model.default_knob]
+        log(f"select: width {model.default_knob}, the training's within train.flops_target (the wider widths it "
+            f"also served are tried where select.knob_values names them)")
+    knobs = model.operating_points(values)
     untrained = getattr(model, "untrained_widths", lambda _: [])(knobs)   # nested nets (train/models.py)
     if untrained:   # a config's widths are written before a FLOPs target's width is known (all: run_select)
         knobs = [k for k in knobs if k not in untrained]

@@ -24,11 +24,13 @@ MODEL_FILE, EVAL_FILE = "model.onnx", "eval.npz"
 
 
 def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_samples, knob_name, knob_value,
-                 reference_metrics, provenance, fmt="onnx", precision="fp32", artifacts=None, ood_x=None) -> dict:
+                 reference_metrics, provenance, fmt="onnx", precision="fp32", artifacts=None, ood_x=None,
+                 data=None) -> dict:
     """Assemble the bundle at `bundle_dir` (replacing any old one); returns the manifest.
 
     artifacts: optional {name: {"path": model file, "format", "precision", "runtime", ...more facts}};
     the one whose path is `model_file` is the primary artifact.
+    data: optional data.describe of the run's data (the manifest's input.preprocessing, and data).
     ood_x: optional out-of-distribution inputs, stored in the eval file so that the runner measures OOD
     AUROC / AUPR on the device's own outputs (quantization can move the uncertainty they rest on).
     """
@@ -52,7 +54,10 @@ def write_bundle(bundle_dir, model_file, x, y, reference_probs, *, classes, mc_s
         manifest = {
             "schema": 1, "format": fmt, "precision": precision,
             "model_file": primary, "eval_file": EVAL_FILE, "runner": RUNNER_FILE,
-            "input": {"name": "input", "shape": [None, *x.shape[1:]], "dtype": "float32"},
+            "input": {"name": "input", "shape": [None, *x.shape[1:]], "dtype": "float32",
+                      **({"preprocessing": data["preprocessing"]} if data else {})},
+            # which data the model was trained and evaluated on (data.describe): source and its fingerprint
+            **({"data": {k: v for k, v in data.items() if k != "preprocessing"}} if data else {}),
             "output": {"name": "probs", "shape": [None, len(classes)]},
             "classes": list(classes), "mc_samples": mc_samples,
             "knob": {"name": knob_name, "value": knob_value},
