@@ -520,3 +520,11 @@ def test_an_image_size_beyond_memory_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"8 images of 10000x10000x1 take 3\.0 GiB as float32, more than this "
                                         r"machine's 1\.0 GiB; set data\.image_size smaller"):
         load_data(_own("image-folder", root, image_size=[10000, 10000]), seed=0)
+
+
+def test_class_names_given_twice_and_a_missing_ood_set_are_named(tmp_path):
+    path = _npz(tmp_path / "c.npz", x=X, y=Y, classes=np.array(["cat", "cat"]))
+    with pytest.raises(DataError, match=r"classes names 'cat' more than once; one name per class"):
+        load_data(_own("npz", path), seed=0)
+    with pytest.raises(DataError, match=r"^data\.ood: .*not found"):   # it named the set, not the key
+        load_data(DataConfig(dataset="digits", ood="mnist", root=str(tmp_path)), seed=0)

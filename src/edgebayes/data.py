@@ -271,7 +271,11 @@ def _class_names(values, where):
     a = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
     if a.ndim != 1:
         raise DataError(f"{where}: classes has shape {a.shape}; expected one name per class (a 1-D array)")
-    return [v.decode() if isinstance(v, bytes) else str(v) for v in a.tolist()]
+    names = [v.decode() if isinstance(v, bytes) else str(v) for v in a.tolist()]
+    if len(set(names)) < len(names):   # two outputs under one name: the report's per-class figures would merge
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise DataError(f"{where}: classes names {', '.join(map(repr, twice[:3]))} more than once; one name per class")
+    return names
 
 
 def _npz(cfg):
@@ -872,7 +876,11 @@ def _ood_set(cfg, splits, generator):
     if cfg.ood == "digits":
         x = _digits()[0]["train"][0]
     else:
-        x = OFFICIAL_SPLITS[cfg.ood](cfg.ood, cfg.model_copy(update={"dataset": cfg.ood, "ood": None}), train=False)[0]
+        try:
+            x = OFFICIAL_SPLITS[cfg.ood](cfg.ood, cfg.model_copy(update={"dataset": cfg.ood, "ood": None}),
+                                         train=False)[0]
+        except DataError as e:   # its files are missing: said as the key that asked for them
+            raise DataError(f"data.ood: {e}") from None
     if tuple(x.shape[1:]) != splits.input_shape:
         raise DataError(f"data.ood: {cfg.ood} images have shape {tuple(x.shape[1:])}, "
                         f"but {cfg.dataset} has {splits.input_shape}")
