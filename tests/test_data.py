@@ -494,8 +494,11 @@ def test_a_csv_with_a_byte_order_mark_and_non_finite_cells(tmp_path):
     s = load_data(_own("csv", tmp_path / "bom.csv"), seed=0)
     assert s.classes == ["0", "1", "2"] and s.input_shape == (2,)
     (tmp_path / "nan.csv").write_text("label,c1,c2\n" + rows + "1,nan,2\n")
-    with pytest.raises(DataError, match=r"nan\.csv: feature column 'c1': line 32 holds 'nan'"):
+    with pytest.raises(DataError, match=r"nan\.csv: feature column 'c1': line 32 holds 'nan', not a value"):
         load_data(_own("csv", tmp_path / "nan.csv"), seed=0)
+    (tmp_path / "big.csv").write_text("label,c1,c2\n" + rows + "1,2,1e40\n")
+    with pytest.raises(DataError, match=r"feature column 'c2': line 32 holds '1e40', beyond float32's range"):
+        load_data(_own("csv", tmp_path / "big.csv"), seed=0)
 
 
 def test_a_loader_of_your_own_given_data_path_is_fingerprinted_by_it(tmp_path):
@@ -517,8 +520,8 @@ def test_an_image_size_beyond_memory_is_refused_by_name(tmp_path, monkeypatch):
 
     root = _images(tmp_path / "imgs", classes=("a", "b"), n=4)
     monkeypatch.setattr(data, "_physical_memory", lambda: 2**30)
-    with pytest.raises(DataError, match=r"8 images of 10000x10000x1 take 3\.0 GiB as float32, more than this "
-                                        r"machine's 1\.0 GiB; set data\.image_size smaller"):
+    with pytest.raises(DataError, match=r"8 images of 10000x10000x1 \(HxWxC\) need 3\.0 GiB as float32 to load, "
+                                        r"more than this machine's 1\.0 GiB; set data\.image_size smaller"):
         load_data(_own("image-folder", root, image_size=[10000, 10000]), seed=0)
 
 
@@ -528,3 +531,18 @@ def test_class_names_given_twice_and_a_missing_ood_set_are_named(tmp_path):
         load_data(_own("npz", path), seed=0)
     with pytest.raises(DataError, match=r"^data\.ood: .*not found"):   # it named the set, not the key
         load_data(DataConfig(dataset="digits", ood="mnist", root=str(tmp_path)), seed=0)
+
+
+def test_describe_says_the_source_and_the_preprocessing_of_each_kind(tmp_path):
+    from edgebayes.data import describe
+
+    npz = _npz(tmp_path / "d.npz", x=X, y=Y)
+    assert describe(_own("npz", npz), (4,))["preprocessing"] == (
+        "uint8 arrays / 255, other numbers as they are; feature vectors; float32, shape (N, 4)")
+    assert "signals as (channels, length)" in describe(_own("npz", npz, signals=True), (2, 16))["preprocessing"]
+    own = describe(DataConfig(dataset="userdata:from_path", path=str(npz)), (1, 4, 4))
+    assert own["source"] == f"data.dataset: userdata:from_path (data.path: {npz})" and own["fingerprint"]
+    assert own["preprocessing"].startswith("what userdata:from_path returns, then uint8 arrays / 255")
+    assert describe(DataConfig(), (1, 8, 8)) == {
+        "source": "data set 'digits'", "fingerprint": None,
+        "preprocessing": "scikit-learn's 8x8 digits, values 0..16 divided by 16; float32, shape (N, 1, 8, 8)"}

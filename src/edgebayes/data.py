@@ -430,11 +430,14 @@ def _image_folder(cfg):
             raise DataError(f"{where}: images differ in size: {first} is {h1}x{w1} (HxW), {other} is {h2}x{w2}; "
                             f"set data.image_size: [H, W] to resize them all")
         size = sizes[first]
-    need = sum(len(pairs) for pairs in files.values()) * size[0] * size[1] * channels * 4
-    if need > (memory := _physical_memory() or need):   # data.image_size [100000, 100000]: out of memory, exit 1
-        raise DataError(f"{where}: {sum(map(len, files.values()))} images of {size[1]}x{size[0]}x{channels} take "
-                        f"{need / 2**30:.1f} GiB as float32, more than this machine's {memory / 2**30:.1f} GiB; "
-                        f"set data.image_size smaller" + ("" if cfg.image_size else " (they are read at their own size)"))
+    # data.image_size [100000, 100000] was "out of memory", exit 1. Counted at the loading's peak: an RGB set is
+    # decoded channels-last, then copied channels-first; against all of the machine's memory (a bound, not a fit)
+    need = sum(len(pairs) for pairs in files.values()) * size[0] * size[1] * channels * 4 * (2 if channels == 3 else 1)
+    if need > (memory := _physical_memory() or need):
+        raise DataError(f"{where}: {sum(map(len, files.values()))} images of {size[1]}x{size[0]}x{channels} (HxWxC) "
+                        f"need {need / 2**30:.1f} GiB as float32 to load, more than this machine's "
+                        f"{memory / 2**30:.1f} GiB; set data.image_size smaller"
+                        + ("" if cfg.image_size else " (they are read at their own size)"))
     sets = {}
     for s, pairs in files.items():
         x = np.empty((len(pairs), size[1], size[0]) + ((3,) if channels == 3 else ()), dtype=np.float32)
@@ -530,8 +533,10 @@ def _csv(cfg):
                             f"the label column is {names[j]!r} (data.label_column picks another)") from None
         if not np.isfinite(features[-1]).all():   # "nan", "inf" parse as numbers; the line, not x_train's count
             i = int(np.flatnonzero(~np.isfinite(features[-1]))[0])
-            raise DataError(f"{where}: feature column {names[k]!r}: line {data[i][0]} holds {column[i].strip()!r} "
-                            f"(missing values are not filled in)")
+            text = column[i].strip()
+            why = ("beyond float32's range (3.4e38)" if np.isfinite(float(text)) else
+                   "not a value (missing values are not filled in)" if np.isnan(float(text)) else "infinite")
+            raise DataError(f"{where}: feature column {names[k]!r}: line {data[i][0]} holds {text!r}, {why}")
     y = np.asarray([c.strip() for c in columns[j]])
     missing = np.flatnonzero(y == "")
     if len(missing):
@@ -790,9 +795,13 @@ def describe(cfg, input_shape) -> dict:
     elif cfg.dataset in OFFICIAL_SPLITS:
         steps = "8-bit pixels / 255"
     else:   # npz, or a loader of the user's own: the arrays as given
+        kind = {3: "images channels first", 2: "signals as (channels, length)"}.get(len(input_shape),
+                                                                                    "feature vectors")
         steps = ((f"what {cfg.dataset} returns, then " if IMPORT_PATH.match(cfg.dataset) else "")
-                 + "uint8 arrays / 255, other numbers as they are; images channels first")
-    return {"source": _source(cfg), "fingerprint": data_fingerprint(cfg),
+                 + f"uint8 arrays / 255, other numbers as they are; {kind}")
+    source = _source(cfg) + (f" (data.path: {Path(cfg.path).expanduser()})"
+                             if cfg.path and IMPORT_PATH.match(cfg.dataset) else "")
+    return {"source": source, "fingerprint": data_fingerprint(cfg),
             "preprocessing": f"{steps}; float32, shape (N, {', '.join(map(str, input_shape))})"}
 
 

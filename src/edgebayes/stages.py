@@ -300,10 +300,12 @@ class Context:
         recorded = done.get("outside") or {}
         now = self._outside_parts()
         moved = [k for k, v in (recorded.get("inputs") or {}).items() if now["inputs"].get(k) != v]
-        gone = [k for k in now["inputs"] if k not in (recorded.get("inputs") or {})]
-        table = "latency_table" in recorded and recorded["latency_table"] != now["latency_table"]
-        if recorded and (moved or gone or table):
-            self._as_recorded = {"inputs": recorded.get("inputs") or {}, "gone": gone,
+        added = [k for k in now["inputs"] if k not in (recorded.get("inputs") or {})]
+        # the table counts for every stage after train, and for train only with its target from the device
+        counted = stage != "train" or self.cfg.train.flops_target == "device"
+        table = counted and "latency_table" in recorded and recorded["latency_table"] != now["latency_table"]
+        if recorded and (moved or added or table):
+            self._as_recorded = {"inputs": recorded.get("inputs") or {}, "gone": added,
                                  **({"latency_table": recorded["latency_table"]} if table else {})}
             try:
                 explained = self.fingerprint(stage) == done.get("fingerprint")
@@ -312,7 +314,7 @@ class Context:
             if explained:
                 from edgebayes.deploy.latency_model import table_path
 
-                said = [f"what {k} holds" for k in moved + gone] + (
+                said = [f"what {k} holds" for k in moved + added] + (
                     [f"the device's latency table {table_path(self.profile, self.runs_dir)} (`devices profile` "
                      f"wrote it again, or it was moved)"] if table else [])
                 return f"{' and '.join(said)} changed since the stage ran"
@@ -850,9 +852,8 @@ def _above_flops_target(ctx, physical, masked):
                 f"masks"
                 + (f" (the training's point within the target is {point_label(trained['knob'], trained['knob_value'])})"
                    if wider else "")
-                + " (the training serves the points above the target too, select.knob_values named them, and "
-                f"select takes the best within the device's budgets); give select.knob_values only within the "
-                f"target, or leave it out, to ship no more than it")
+                + " (the training serves the points above the target too, and select takes the best within the "
+                f"device's budgets); give select.knob_values only within the target to ship no more than it")
     if block > 1 and counted == block:   # the training counted the blocks already: the schedule got no closer
         return (f"the shipped network has {physical:.3f} of the dense FLOPs, above train.flops_target {target:g}, "
                 f"counted in {ctx.profile.name}'s channel blocks of {block}: no cut of the schedule reached it in them "

@@ -134,13 +134,13 @@ def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1, a
         empty = [name for name, mask in kept.items() if not bool(mask.any())]
         if empty:
             raise EmptyLayerError(f"{model.knob} {knob} removes every unit of layer(s) {empty}")
-        if dense0 is None and not allow_no_network and output_ignores_input(dense, model.input_shape):
-            cut = [name for name, mod in dense.named_modules()
-                   if isinstance(getattr(mod, "weight", None), torch.Tensor) and mod.weight.dim() > 1
-                   and not bool(mod.weight.any())]
-            raise EmptyLayerError(f"{model.knob} {knob} leaves the network's output the same for every input"
-                                  + (f": layer(s) {cut} keep no weight" if cut else "")
-                                  + f"; a larger {model.knob} keeps them")
+        cut = [] if allow_no_network else [name for name, mod in dense.named_modules()
+                                          if isinstance(getattr(mod, "weight", None), torch.Tensor)
+                                          and mod.weight.dim() > 1 and not bool(mod.weight.any())]
+        # a layer without weights, and no path around it (a residual branch's empty layer leaves one)
+        if cut and output_ignores_input(dense, model.input_shape):
+            raise EmptyLayerError(f"{model.knob} {knob} leaves the network's output the same for every input: "
+                                  f"layer(s) {cut} keep no weight; a larger {model.knob} keeps them")
         dense0 = dense if dense0 is None else dense0
         samples.append(remove_dead_units(dense, kept, torch.zeros((1,) + tuple(model.input_shape)),
                                          report=None if samples else report, channel_multiple=channel_multiple))
@@ -149,9 +149,10 @@ def compress(model, knob: float, m: int, seed: int, channel_multiple: int = 1, a
 
 @torch.no_grad()
 def output_ignores_input(net, input_shape) -> bool:
-    """The network gives bit-identical outputs for four different inputs: no path from input to output has a
-    weight left (a constant net). Exact equality: any network with a path left moves its outputs on inputs this
-    far apart, and one whose layer kept no weight computes the same constant for all of them."""
+    """The network gives bit-identical outputs for four different inputs (zeros, ones, two normal draws): a
+    constant net. Asked by compress only of a network with a layer that kept no weight, where it tells an
+    empty layer on every path (a constant) from one a residual path goes around: a trained net on unscaled
+    inputs can have every ReLU off at these four and still work on its data (review)."""
     if input_shape is None:
         return False
     gen = torch.Generator().manual_seed(0)
@@ -162,7 +163,7 @@ def output_ignores_input(net, input_shape) -> bool:
         out = net.eval()(x)
     finally:
         net.train(was_training)
-    return isinstance(out, torch.Tensor) and bool((out == out[:1]).all())
+    return isinstance(out, torch.Tensor) and out.dim() > 0 and len(out) == len(x) and bool((out == out[:1]).all())
 
 
 TEMPERATURES = (0.05, 20.0)   # fit_temperature's search range: beyond it a network is broken, not miscalibrated

@@ -211,7 +211,7 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
             f"also served are tried where select.knob_values names them)")
     knobs = model.operating_points(values)
     untrained = getattr(model, "untrained_widths", lambda _: [])(knobs)   # nested nets (train/models.py)
-    if untrained:   # a config's widths are written before a FLOPs target's width is known (all: run_select)
+    if untrained:   # a config's widths are written before a FLOPs target's width is known (all: check_select)
         knobs = [k for k in knobs if k not in untrained]
         log(f"select: width(s) {untrained} of select.knob_values left out: narrower than the narrowest width the "
             f"training served ({model.fixed_groups + 1} of {model.groups} groups), so never trained")
