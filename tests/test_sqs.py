@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -632,3 +633,34 @@ def test_spike_gmm_terms_with_components_first_equal_the_plain_computation(shape
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)
     assert mean.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+TINY_CONV = """
+from torch import nn
+def build(num_classes=10):
+    return nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, num_classes))
+"""
+
+
+def test_a_rate_that_takes_a_whole_layer_fails_train_by_name_after_a_full_preflight(tmp_path, monkeypatch, capsys):
+    """A 1-channel first convolution (9 weights) ranked with 4,800 others at a rate of 0.3%: every sample's output
+    was one constant, shipped with exit 0 (probe). The pre-flight still exports the untrained net (its equal keep
+    scores may leave a layer empty before training ranks them), and train ends with the layer and the rate named."""
+    (tmp_path / "tinyconv.py").write_text(TINY_CONV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = yaml.safe_load((ROOT / "pipeline.yaml").read_text())
+    cfg["name"] = "sqs-collapse"
+    cfg["model"].update(family="sqs", arch="tinyconv:build")
+    cfg["train"].update(epochs=1, mc_samples_eval=1)
+    cfg["train"].pop("flops_target")
+    cfg["sqs"] = {"components": 4, "windows": "single", "nonzero_rate": 0.003, "pretrain_epochs": 1}
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert main(["train", "--config", str(config), "--runs-dir", str(tmp_path / "runs")]) == 1
+    out, err = capsys.readouterr()
+    assert "train: pre-flight: the untrained network compresses and exports" in out
+    assert re.search(r"train: nonzero_rate 0.003 leaves the network's output the same for every input: layer\(s\) "
+                     r"\['\d'(, '\d')*\] keep no weight; a larger nonzero_rate keeps them \(sqs\.nonzero_rate, the rate "
+                     r"this training pruned to", err), err
+    assert (tmp_path / "runs/sqs-collapse/train/checkpoint.pt").is_file()

@@ -589,8 +589,10 @@ def run_train(ctx):
     try:
         test, compressed, probs = evaluate(model, splits.test_x, splits.test_y, knob_value, m, cfg.seed)
     except EmptyLayerError as e:
-        if posterior_mean is None:
-            raise StageError(f"train: {e}") from None
+        if posterior_mean is None:   # SQS at a rate that takes a whole layer's weights: no network at its target
+            own = f"{family.section}.{model.knob}" if family.section else model.knob
+            raise StageError(f"train: {e} ({own}, the rate this training pruned to: its checkpoint is kept, but no "
+                             f"network at this rate can be deployed)") from None
         # The inclusion probabilities of a layer fall together and may all sit below 0.5 (trainer docstring,
         # issue 20); the training is kept and reported, there is just no median model to deploy.
         write_json(out / "metrics.json", {

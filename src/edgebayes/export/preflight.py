@@ -47,7 +47,10 @@ def preflight(cfg, profile, splits, log=print):
     x = splits.train_x[:2]
     what = "train: refused before the first epoch (compress and export of the untrained network)"
     try:
-        compressed = compress(model, model.default_knob, m, cfg.seed, profile.runtime.channel_block)
+        # its weights are untrained, its structure is what is checked: an SQS net's equal keep scores may
+        # leave a layer no weight before training ranks them (allow_no_network)
+        compressed = compress(model, model.default_knob, m, cfg.seed, profile.runtime.channel_block,
+                              allow_no_network=True)
     except EmptyLayerError as e:   # the untrained knob empties a layer: nothing to export, training decides
         log(f"train: pre-flight skipped: {e}")
         return None
