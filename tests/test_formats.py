@@ -195,3 +195,25 @@ def test_an_fp32_artifact_as_close_to_float64_as_pytorch_fp32_passes_and_the_rul
     assert check["passed"] and "float64 7.00e-05" in check["rule"] and "5.00e-05" in check["rule"]
     line["float64"] = {"passed": False, "max_abs_diff": 1.2e-4, "max_abs_diff_float64": 1.2e-4, "torch_fp32_error": 1e-7}
     assert not check_fidelity(line, "fp32", 1e-4, 0.01)["passed"]
+
+
+def test_the_litert_conversion_keeps_its_progress_bars_off_the_log(tmp_path, monkeypatch, capfd):
+    """ai-edge-quantizer drew tqdm bars on stderr for a network of 100 operations or more (tflite-fp16 of a
+    mobilenet), in the pipeline's log and under eb.save (probe)."""
+    import sys
+
+    import litert_torch
+
+    from edgebayes.export import formats
+
+    class Edge:
+        def export(self, path):
+            open(path, "wb").close()
+
+    def convert(*args, **kwargs):
+        print("Generating Quantization Parameters:: 100%", file=sys.stderr)
+        return Edge()
+
+    monkeypatch.setattr(litert_torch, "convert", convert)
+    formats._litert_convert(torch.nn.Identity(), torch.zeros(1, 2), tmp_path / "m.tflite")
+    assert "Generating" not in capfd.readouterr().err

@@ -166,7 +166,9 @@ def _output_probabilities(graph):
 
 
 def _litert_convert(module, example, path, quant_config=None):
-    with _quiet():
+    # ai-edge-quantizer draws tqdm bars on stderr for a network of 100 operations or more (tflite-fp16 of a
+    # mobilenet: "Generating Quantization Parameters:: 100%" in the pipeline's log and under eb.save: probe)
+    with _quiet(), contextlib.redirect_stderr(io.StringIO()):
         import litert_torch
 
         edge = litert_torch.convert(module, (example,), quant_config=quant_config)
