@@ -476,3 +476,11 @@ def test_a_config_or_device_profile_that_is_not_a_mapping_is_one_message(tmp_pat
         err = capsys.readouterr().err
         assert rc == EXIT_BAD_INPUT and said in err and "odd.yaml" in err and "Traceback" not in err, args
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_comma_separated_device_list_is_answered_with_the_spaced_one():
+    from edgebayes.config import load_device_profile
+
+    with pytest.raises(ConfigError, match=r"unknown device 'local,jetson-orin-nano': .*; several devices are given "
+                                          r"apart: local jetson-orin-nano$"):
+        load_device_profile("local,jetson-orin-nano")

@@ -610,3 +610,26 @@ def test_a_stand_in_for_the_models_memory_is_said_everywhere_and_not_checked_aga
     assert "the weights&#x27; bytes, standing for the model&#x27;s own" in html and "too small to measure" in html
     assert "the weights' bytes: the measurement does not resolve" in "\n".join(
         report_mod.summary_text(report_mod.terminal_summary(rep)))
+
+
+def test_memory_without_a_set_up_to_subtract_says_it_holds_it():
+    """Imported results of a board never profiled: nothing is subtracted, yet the summary said "of its own" and
+    the report gave the estimate an error of -97 % against a figure holding the runtime's set-up (probe)."""
+    from edgebayes.deploy.summary import _memory_note
+
+    line = {"mode": "measured", "memory_model_mb": 3.5, "memory_setup_mb": None, "memory_runtime_baseline_mb": 50.0}
+    assert _memory_note(line) == ("(of its own, the runtime's set-up in it: none measured to subtract; "
+                                  "whole process 53.5 MB)")
+    assert _memory_note({**line, "memory_setup_mb": 3.0}).startswith("(of its own, less 3 MB runtime set-up;")
+
+
+def test_a_predicted_tensorrt_summary_says_whose_accuracy_it_shows(tmp_path):
+    """The engine is built on the device: the figures here are its ONNX in onnxruntime, which the summary
+    called "the bundle on this machine" (probe)."""
+    rep = report_mod.write_report(predicted_inputs(), tmp_path)
+    t = report_mod.terminal_summary(rep)
+    accuracy = next(line for line in report_mod.summary_text(t, 4) if line.startswith("  accuracy"))
+    assert accuracy.endswith("(the bundle on this machine)")
+    t["chosen"]["format"] = "tensorrt-fp16"
+    accuracy = next(line for line in report_mod.summary_text(t, 4) if line.startswith("  accuracy"))
+    assert accuracy.endswith("(the bundle's ONNX in onnxruntime on this machine: the engine is built on the device)")

@@ -148,7 +148,7 @@ def test_unreachable_device_gives_a_predicted_report_and_exit_4(trained_runs, qu
     # how to finish: copy, run, import, with the device named
     finish = s["finish"]
     assert finish[-1].startswith("edgebayes report") and "--device" in finish[-1] and "--results" in finish[-1]
-    assert str(device) in finish[-1]
+    assert str(device) in finish[-1] and "--results results-far-board.json" in finish[-1]
     assert any("scp" in step and "bundle" in step for step in finish)
     assert any("bundle/runner.pyz --bundle bundle" in step for step in finish)   # the bundle's own runner
     assert finish[0].startswith("the board needs") and "numpy" in finish[0] and "onnxruntime" in finish[0]

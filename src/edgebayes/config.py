@@ -971,8 +971,11 @@ def _profile_path(name: str) -> Path:
                     devices_dirs()[0] / f"{name}.yaml")
     if not path.is_file():
         where = ", ".join(str(d) for d in devices_dirs())
+        several = "," in name and all(part.strip() for part in name.split(","))   # --devices a,b (probe)
         raise ConfigError(f"unknown device {name!r}: no {name}.yaml in {where} "
-                          f"(known devices: {', '.join(known_devices()) or 'none'})")
+                          f"(known devices: {', '.join(known_devices()) or 'none'})"
+                          + (f"; several devices are given apart: {' '.join(p.strip() for p in name.split(','))}"
+                             if several else ""))
     return path
 
 

@@ -1163,7 +1163,9 @@ def finish_steps(ctx):
     workdir = expand_repo(c.workdir) or f"edgebayes/{ctx.profile.name}"
     python = expand_repo(c.python) or "python3"
     run = shlex.join([python, *runner_args(ctx)])
-    import_cmd = ctx.command("report", "--results", "results.json")
+    # here, named by the device: finishing two boards in turn in one folder overwrote the first's (probe)
+    here = f"results-{ctx.profile.name}.json"
+    import_cmd = ctx.command("report", "--results", here)
     from edgebayes.ondevice.tables import RUNTIME_MODULES, RUNTIME_PACKAGES
 
     runtime = ctx.profile.runtime.name
@@ -1173,7 +1175,7 @@ def finish_steps(ctx):
              f"({RUNTIME_PACKAGES[runtime]}; check: {checks})")
     if c.kind != "ssh":
         return [needs, f"copy {bundle} to the device", f"there: {run}",
-                f"copy results.json back, then here: {import_cmd}"]
+                f"copy results.json back here as {here}, then: {import_cmd}"]
     dest = f"{c.user}@{c.host}" if c.user else c.host
     # the profile's own ssh settings, as deploy uses them: a board behind a jump host, or reached with its own
     # key, is not reached by a bare `ssh user@host`
@@ -1181,7 +1183,7 @@ def finish_steps(ctx):
     return [needs, shlex.join([*ssh, dest, f"mkdir -p {shlex.quote(workdir)}"]),
             shlex.join([*scp, "-r", str(bundle), f"{dest}:{workdir}/"]),
             shlex.join([*ssh, dest, f"cd {shlex.quote(workdir)} && {run}"]),
-            shlex.join([*scp, f"{dest}:{workdir}/results.json", "results.json"]),
+            shlex.join([*scp, f"{dest}:{workdir}/results.json", here]),
             import_cmd]
 
 

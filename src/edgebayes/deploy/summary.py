@@ -410,8 +410,11 @@ def summarize(d: dict) -> dict:
         "deployed_mb": deployed_mb, "runner_peak_rss_mb": num(results.get("peak_rss_mb")),
         "estimate_mb": estimate, "estimate_lower_bound": lower if estimate is not None else None,
         "estimate_parts_mb": cost.get("memory_parts_mb"),
-        # none against a stand-in: the estimate holds the same weights' bytes, so it would check itself
-        "estimate_error": None if estimate is None or not own_mb or stand_in else (estimate - own_mb) / own_mb,
+        # none against a stand-in: the estimate holds the same weights' bytes, so it would check itself; none
+        # where no set-up was subtracted (imported results of an unprofiled board): the figure holds the runtime's
+        # set-up, the estimate does not, and -97 % read as a bad estimate (probe)
+        "estimate_error": (None if estimate is None or not own_mb or stand_in or own.get("setup_mb") is None
+                           else (estimate - own_mb) / own_mb),
     }
     ood_train = dict_or_empty(train.get("ood"))
     ood = dict_or_empty(outputs.get("ood"))
@@ -581,7 +584,8 @@ def _memory_note(t: dict) -> str:
         return f"({t.get('memory_basis')})"
     setup = t.get("memory_setup_mb")
     own = ("the weights' bytes: the measurement does not resolve a model this small" if t.get("memory_is_stand_in")
-           else "of its own" + (f", less {fmt(setup, 'MB')} runtime set-up" if setup is not None else ""))
+           else "of its own" + (f", less {fmt(setup, 'MB')} runtime set-up" if setup is not None
+                                else ", the runtime's set-up in it: none measured to subtract"))
     base = num(t.get("memory_runtime_baseline_mb"))
     whole = None if base is None else base + num(t["memory_model_mb"])
     return f"({own}; whole process {fmt(whole, 'MB')})"
@@ -608,7 +612,9 @@ def summary_text(t: dict, exit_code: int | None = None) -> list[str]:
                 + (f", {fmt(t['ece_at_fitted_t'])} at T={fmt(c.get('temperature'))})"
                    if t.get("ece_at_fitted_t") is not None else ")") if t.get("ece_at_t1") is not None else "")
              + f", OOD AUROC {fmt(t.get('ood_auroc'))}"
-             + (" (the bundle on this machine)" if predicted else " (on the device)"),
+             + ((" (the bundle's ONNX in onnxruntime on this machine: the engine is built on the device)"
+                 if str(c.get("format") or "").startswith("tensorrt") else " (the bundle on this machine)")
+                if predicted else " (on the device)"),
              f"  latency       {lat_txt} ({t.get('latency_basis')})"
              + (f"; best round p90 {ms(best.get('p90'))}" if best.get("p90") is not None else ""),
              f"  size          {fmt(t.get('model_mb'), 'MB')}"
