@@ -65,10 +65,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     check_train(t, getattr(net, "family", None), "fit", prefix="")
     from edgebayes.train.trainer import resolve_device
 
-    try:   # before the data's checks and the trainer: its message names the config's train.device
-        resolve_device(t.device)
-    except ConfigError as e:
-        raise ConfigError(f"fit: device: {str(e).replace('train.device is cuda but', 'cuda, but', 1)}") from None
+    resolve_device(t.device, key="fit: device")   # before the data's checks and the trainer, named as fit's
     if until_epoch is not None and (checkpoint is None or isinstance(until_epoch, bool)
                                     or not isinstance(until_epoch, int) or not 1 <= until_epoch <= t.epochs):
         raise ConfigError(f"fit: until_epoch: expected an integer in 1..epochs ({t.epochs}) and a checkpoint to go on "

@@ -69,7 +69,8 @@ FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sanda
 SET_NAMES = ("train", "val", "test")
 # an image folder's split folders beside train/, as export tools spell them
 SPLIT_FOLDERS = {"val": ("val", "valid", "validation"), "test": ("test", "testing")}
-SPLIT_LIKE = {"train", "training", "val", "valid", "validation", "test", "testing"}
+# folder names that are splits, not classes (refused in the one-set layout, where they would read as classes)
+SPLIT_LIKE = {"train", "training", *(name for spellings in SPLIT_FOLDERS.values() for name in spellings)}
 # What PIL reads and torchvision's ImageFolder accepts; other files in the folders (notes, .DS_Store) are skipped.
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 # A CSV column with one of these names (any case) is the label column unless data.label_column says otherwise.
@@ -432,9 +433,10 @@ def _image_folder(cfg):
         size = sizes[first]
     # data.image_size [100000, 100000] was "out of memory", exit 1. Counted at the loading's peak: an RGB set is
     # decoded channels-last, then copied channels-first; against all of the machine's memory (a bound, not a fit)
-    need = sum(len(pairs) for pairs in files.values()) * size[0] * size[1] * channels * 4 * (2 if channels == 3 else 1)
+    n = sum(len(pairs) for pairs in files.values())
+    need = n * size[0] * size[1] * channels * 4 * (2 if channels == 3 else 1)
     if need > (memory := _physical_memory() or need):
-        raise DataError(f"{where}: {sum(map(len, files.values()))} images of {size[1]}x{size[0]}x{channels} (HxWxC) "
+        raise DataError(f"{where}: {n} images of {size[1]}x{size[0]}x{channels} (HxWxC) "
                         f"need {need / 2**30:.1f} GiB as float32 to load, more than this machine's "
                         f"{memory / 2**30:.1f} GiB; set data.image_size smaller"
                         + ("" if cfg.image_size else " (they are read at their own size)"))

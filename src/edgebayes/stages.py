@@ -162,7 +162,7 @@ class Context:
             own = [getattr(c, section)] if section else []
             # What data.path, the weight files (model.pretrained; SQS's sqs.checkpoint) and the user's own net or
             # loader hold now counts where they are set: a file replaced under the same name is another network
-            contents = list(self._outside_parts()["inputs"].values())
+            contents = list(self._inputs().values())
             if c.train.flops_target == "device":   # the target comes from the device's budgets (run_train)
                 contents.append(["device", p.name, as_dict(p.budgets), as_dict(p.latency_model), as_dict(p.runtime),
                                  *self._latency_table()])
@@ -286,26 +286,30 @@ class Context:
 
     def _outside_parts(self):
         """What a stage's fingerprint counts that lives outside the config and the code: the files the training
-        reads (data.path, weight files, the user's own code: data.inputs_parts) and the device's latency table
-        (written by `devices profile`); as the marker being judged recorded them, inside _what_changed."""
-        inputs = {k: v for k, v in inputs_parts(self.cfg, weight_files(self.cfg)).items()}
+        reads (_inputs) and the device's latency table (written by `devices profile`)."""
+        return {"inputs": self._inputs(), "latency_table": self._latency_table()}
+
+    def _inputs(self):
+        """{what: its fingerprint} of the files the training reads (data.inputs_parts: data.path, weight files,
+        the user's own code); inside _what_changed, as the marker being judged recorded them."""
+        inputs = inputs_parts(self.cfg, weight_files(self.cfg))
         inputs.update(self._as_recorded.get("inputs", {}))
-        return {"inputs": {k: inputs[k] for k in inputs if k not in self._as_recorded.get("gone", ())},
-                "latency_table": self._latency_table()}
+        return {k: v for k, v in inputs.items() if k not in self._as_recorded.get("added", ())}
 
     def _what_changed(self, stage, done):
         """Why a stage whose fingerprint differs from its marker's must run: the outside files that moved, where
         the fingerprint with them as recorded is the marker's, else the config, profile or code. A changed
         data folder or table read "config, device profile or code changed", which none had (probe)."""
         recorded = done.get("outside") or {}
+        was = recorded.get("inputs") or {}
         now = self._outside_parts()
-        moved = [k for k, v in (recorded.get("inputs") or {}).items() if now["inputs"].get(k) != v]
-        added = [k for k in now["inputs"] if k not in (recorded.get("inputs") or {})]
+        moved = [k for k, v in was.items() if now["inputs"].get(k) != v]
+        added = [k for k in now["inputs"] if k not in was]
         # the table counts for every stage after train, and for train only with its target from the device
         counted = stage != "train" or self.cfg.train.flops_target == "device"
         table = counted and "latency_table" in recorded and recorded["latency_table"] != now["latency_table"]
         if recorded and (moved or added or table):
-            self._as_recorded = {"inputs": recorded.get("inputs") or {}, "gone": added,
+            self._as_recorded = {"inputs": was, "added": added,
                                  **({"latency_table": recorded["latency_table"]} if table else {})}
             try:
                 explained = self.fingerprint(stage) == done.get("fingerprint")
@@ -759,7 +763,8 @@ def run_export(ctx):
             out / "bundle", primary["path"], x.numpy(), y, reference_probs, classes=splits.classes, mc_samples=m,
             knob_name=model.knob, knob_value=knob_value,
             reference_metrics=reference_metrics, provenance=ctx.provenance("export"),
-            data=describe_data(ctx.cfg.data, splits.input_shape), artifacts=artifacts, ood_x=None if splits.ood_x is None else splits.ood_x.numpy())
+            data=describe_data(ctx.cfg.data, splits.input_shape), artifacts=artifacts,
+            ood_x=None if splits.ood_x is None else splits.ood_x.numpy())
     kept_per_sample = count_weights(compressed.samples[0], fold_batch_norm=True)
     structure = structure_report(compressed.dense_sample, compressed.samples[0], compressed.kept,
                                  splits.input_shape)
@@ -1046,7 +1051,8 @@ def check_deploy(ctx):
     ctx.require("export", "bundle")
 
 
-CHECKS = {"train": check_train, "select": check_select, "deploy": check_deploy}   # run_stage: before the stage withdraws and begins
+# run_stage: before the stage withdraws and begins
+CHECKS = {"train": check_train, "select": check_select, "deploy": check_deploy}
 RUNNERS = {"train": run_train, "select": run_select, "export": run_export, "deploy": run_deploy, "report": run_report}
 
 

@@ -136,11 +136,12 @@ def restore_last_finite(model, checkpoint_path, start_state, device):
         model.load_state_dict(state)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "train.device") -> torch.device:
+    """`key`: how the refusal names the setting (the config's train.device, or eb.fit's device argument)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device is cuda but no CUDA device is available (use auto or cpu)")
+        raise ConfigError(f"{key}: cuda, but no CUDA device is available (use auto or cpu)")
     return torch.device(name)
 
 
