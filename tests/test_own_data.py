@@ -145,6 +145,13 @@ def test_a_stage_run_again_for_new_data_says_so(tmp_path, capsys):
     assert "train: running (what data.path holds changed since the stage ran)" in capsys.readouterr().out
     assert main(["train", "--config", str(config), "--runs-dir", str(runs), "--set", "train.epochs=1"]) == 0
     assert "train: running (config, device profile or code changed)" in capsys.readouterr().out
+    # a marker edited by hand: the plain reason, not a traceback
+    marker = runs / "own-again/train/stage.json"
+    for epochs, outside in ((2, "x"), (1, {"inputs": [1], "latency_table": 3})):   # each run another config
+        done = json.loads(marker.read_text())
+        marker.write_text(json.dumps({**done, "outside": outside}))
+        assert main(["train", "--config", str(config), "--runs-dir", str(runs), "--set", f"train.epochs={epochs}"]) == 0
+        assert "train: running (config, device profile or code changed)" in capsys.readouterr().out
 
 
 SIGNAL_NET = """

@@ -300,8 +300,9 @@ class Context:
         """Why a stage whose fingerprint differs from its marker's must run: the outside files that moved, where
         the fingerprint with them as recorded is the marker's, else the config, profile or code. A changed
         data folder or table read "config, device profile or code changed", which none had (probe)."""
-        recorded = done.get("outside") or {}
-        was = recorded.get("inputs") or {}
+        # a marker is a file like any other: one edited by hand gets the plain reason, not a traceback
+        recorded = done.get("outside") if isinstance(done.get("outside"), dict) else {}
+        was = recorded.get("inputs") if isinstance(recorded.get("inputs"), dict) else {}
         now = self._outside_parts()
         moved = [k for k, v in was.items() if now["inputs"].get(k) != v]
         added = [k for k in now["inputs"] if k not in was]
