@@ -533,10 +533,12 @@ def test_class_names_given_twice_and_a_missing_ood_set_are_named(tmp_path):
         load_data(DataConfig(dataset="digits", ood="mnist", root=str(tmp_path)), seed=0)
 
 
-def test_describe_says_the_source_and_the_preprocessing_of_each_kind(tmp_path):
+def test_describe_says_the_source_and_the_preprocessing_of_each_kind(tmp_path, monkeypatch):
     from edgebayes.data import describe
 
     npz = _npz(tmp_path / "d.npz", x=X, y=Y)
+    monkeypatch.chdir(tmp_path)   # a relative data.path is written absolute
+    assert describe(_own("npz", "d.npz"), (4,))["source"] == f"data.path: {npz.resolve()}"
     assert describe(_own("npz", npz), (4,))["preprocessing"] == (
         "uint8 arrays / 255, other numbers as they are; feature vectors; float32, shape (N, 4)")
     assert "signals as (channels, length)" in describe(_own("npz", npz, signals=True), (2, 16))["preprocessing"]

@@ -801,8 +801,10 @@ def describe(cfg, input_shape) -> dict:
                                                                                     "feature vectors")
         steps = ((f"what {cfg.dataset} returns, then " if IMPORT_PATH.match(cfg.dataset) else "")
                  + f"uint8 arrays / 255, other numbers as they are; {kind}")
-    source = _source(cfg) + (f" (data.path: {Path(cfg.path).expanduser()})"
-                             if cfg.path and IMPORT_PATH.match(cfg.dataset) else "")
+    # the absolute path: a relative one says nothing once the report or the bundle has left the working folder
+    path = Path(cfg.path).expanduser().resolve() if cfg.path else None
+    source = (f"data.path: {path}" if cfg.dataset in ("npz", "image-folder", "csv") else
+              _source(cfg) + (f" (data.path: {path})" if path and IMPORT_PATH.match(cfg.dataset) else ""))
     return {"source": source, "fingerprint": data_fingerprint(cfg),
             "preprocessing": f"{steps}; float32, shape (N, {', '.join(map(str, input_shape))})"}
 
