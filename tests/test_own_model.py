@@ -433,6 +433,67 @@ def test_bias_free_linear_layers_are_bayesianized_pruned_and_exported(family, tm
     assert abs(eb.run(path, x) - compressed.mc_model()(x).detach().numpy()).max() < 1e-4
 
 
+class _Sensor(nn.Module):
+    """A 1-D network as sensor and audio models are written: Conv1d + BatchNorm1d, a strided grouped Conv1d with
+    padding "same"-like numbers and no batch norm, a dilated Conv1d (no Bayesian twin), a Linear head."""
+
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv1d(2, 8, 5, padding="same"), nn.BatchNorm1d(8)
+        self.c2 = nn.Conv1d(8, 8, 3, stride=2, padding=1, groups=2)
+        self.c3 = nn.Conv1d(8, 8, 3, dilation=2, padding=2)
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        h = F.relu(self.c2(F.relu(self.b1(self.c1(x)))))
+        return self.fc(F.relu(self.c3(h)).mean(-1))
+
+
+@pytest.mark.parametrize("family", ["ss-gl", "bn3"])
+def test_conv1d_layers_are_the_familys_and_their_channels_are_cut_out(family, tmp_path):
+    """A Conv1d network (sensors, audio) kept every Conv1d plain and whole: nothing but its Linear units could be
+    switched off. Its Conv1d layers are now height-1 Conv2d layers (with the BatchNorm1d that alone reads one),
+    the same function in both modes; a state dict of the network as written loads into the rewritten one; the
+    family's layers switch their channels off, surgery cuts them, and the packed ONNX equals the MC model. The
+    dilated one stays plain, named in the warning."""
+    import edgebayes as eb
+    from edgebayes.train.bayesianize import conv1d_as_conv2d, state_as_built
+
+    torch.manual_seed(0)
+    module, x = _Sensor(), torch.randn(32, 2, 24)
+    with torch.no_grad():
+        module.b1.running_mean.uniform_(-1, 1), module.b1.running_var.uniform_(0.5, 2), module.b1.weight.uniform_(0.5, 2)
+    rewritten = conv1d_as_conv2d(module)
+    assert isinstance(module.c1, nn.Conv1d) and isinstance(module.b1, nn.BatchNorm1d)   # the user's own is untouched
+    assert isinstance(rewritten.c1.conv, nn.Conv2d) and isinstance(rewritten.c1.norm, nn.BatchNorm2d)
+    assert isinstance(rewritten.b1, nn.Identity) and isinstance(rewritten.c2.norm, nn.Identity)
+    for mode in (False, True):   # training mode: batch statistics, and the running ones move alike
+        torch.testing.assert_close(rewritten.train(mode)(x), module.train(mode)(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rewritten.c1.norm.running_mean, module.b1.running_mean)
+    fresh = conv1d_as_conv2d(_Sensor().eval())
+    fresh.load_state_dict(state_as_built(module.state_dict(), fresh))   # strict: every tensor has its place
+    torch.testing.assert_close(fresh.eval()(x), module.eval()(x), rtol=1e-5, atol=1e-6)
+
+    from edgebayes.errors import _SAID
+
+    _SAID.discard(next((m for m in _SAID if "of _Sensor have no Bayesian twin" in m), None))   # said once a process
+    with pytest.warns(UserWarning, match=r"1 layer\(s\) of _Sensor have no Bayesian twin .*dilated: c3\.conv"):
+        net = eb.bayesianize(module, family, input_shape=(2, 24), n_train=100, calibration_x=x)
+    convs = [n for n, m in net.named_modules() if hasattr(m, "weight_mu") or hasattr(m, "theta")]
+    assert {"net.c1.conv", "net.c2.conv", "net.fc"} <= set(convs) and "net.c3.conv" not in convs
+    if family == "ss-gl":   # switch half of c1's channels off
+        with torch.no_grad():
+            net.net.c1.conv.gamma_logit[:4] = -10.0
+        knob = None
+    else:
+        knob = min(net.operating_points())
+    compressed = eb.compress(net, knob=knob, m=2)
+    first = compressed.samples[0]
+    assert first.c1.conv.conv.out_channels < 8   # cut out, not masked
+    path = eb.save(compressed, tmp_path / "model.onnx", example=x[:4])
+    assert abs(eb.run(path, x) - compressed.mc_model()(x).detach().numpy()).max() < 1e-4
+
+
 def test_python_api_in_a_few_lines(tmp_path):
     """bayesianize -> fit -> compress -> save -> run -> metrics, the README's Python API."""
     import edgebayes as eb

@@ -381,6 +381,41 @@ def test_a_users_checkpoint_is_the_starting_point(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), user.state_dict().values()))
 
 
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_conv_bn_networks_own_checkpoint_loads_and_its_convolutions_are_quantized(dims, tmp_path):
+    """SQS wraps the network as the pipeline builds it: a convolution and the batch norm that alone reads it are
+    one ConvNorm (conv1.conv, conv1.norm), and a Conv1d is a height-1 Conv2d (train/bayesianize.py). A user's
+    checkpoint, saved from the network as written (conv1.weight, bn1.weight), was refused as 'not a state dict of
+    the configured' network for every Conv + BatchNorm network (torchvision's resnet18); it now loads, moved to
+    the built names and shapes, and the convolution is quantized, not left fp32."""
+    from edgebayes.config import PriorConfig
+    from edgebayes.train.bayesianize import module_builder
+    from edgebayes.train.models import BayesianNet
+    from edgebayes.train.sqs import load_checkpoint
+
+    conv, norm = (nn.Conv1d, nn.BatchNorm1d) if dims == 1 else (nn.Conv2d, nn.BatchNorm2d)
+    shape = (2, 16) if dims == 1 else (2, 4, 4)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1, self.fc = conv(2, 6, 3, padding=1), norm(6), nn.Linear(6 * 16, 3)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.b1(self.c1(x))).flatten(1))
+
+    torch.manual_seed(0)
+    user = Net().eval()
+    with torch.no_grad():
+        user.b1.running_mean.uniform_(-1, 1)
+    torch.save(user.state_dict(), tmp_path / "user.pt")
+    base = BayesianNet(module_builder(lambda _: Net()), "dnn", PriorConfig(), shape, 3, 100)
+    load_checkpoint(base, tmp_path / "user.pt", "net")
+    x = torch.randn((8,) + shape)
+    torch.testing.assert_close(base.net.eval()(x), user(x), rtol=1e-5, atol=1e-6)
+    assert SQSNet(base.net, windowing="single").wrapped == ["c1.conv.conv" if dims == 1 else "c1.conv", "fc"]
+
+
 def test_a_replaced_sqs_checkpoint_trains_again(tmp_path):
     """The train stage's fingerprint follows what sqs.checkpoint holds, as it does model.pretrained's: a file
     replaced under the same name shipped the network compressed from the old one (probe)."""
@@ -414,7 +449,8 @@ class HeadFirst(nn.Module):
 
 
 def test_sqs_rates_count_the_layers_it_leaves_fp32(tmp_path):
-    """A Conv1d ships as fp32 beside model.sqs: the file's rates were read as the network's (probe)."""
+    """A layer SQS does not wrap ships as fp32 beside model.sqs (here a Conv1d given to SQSNet as written; the
+    pipeline's networks have theirs as Conv2d): the file's rates were read as the network's (probe)."""
     from edgebayes.provenance import write_json
     from edgebayes.train.sqs import stage_summary
 

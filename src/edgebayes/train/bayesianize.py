@@ -17,9 +17,12 @@ user's own `forward` keeps running unchanged:
     statistics) are the given weights, and the spike-and-slab posterior scales min(softplus(-6), 0.1 |w|)
     (`_relative_rho` says why this deviates from paper 000's -6), so a pretrained network starts where it
     was trained. Nested layers keep paper 002's log alpha initialisation.
+  - a Conv1d (1-D signals: sensors, audio) is first rewritten as the height-1 Conv2d it equals, with the
+    BatchNorm1d that alone reads it (`conv1d_as_conv2d`, `Signal1d`), and then becomes the family's layer as
+    any Conv2d does: its channels carry uncertainty, are switched off and are cut out.
   - padding "valid" and "same" are taken as the numbers they mean (`_explicit_padding`); dilated
     convolutions, "same" with an even kernel (it pads unevenly), padding modes other than zeros, other
-    convolutions (Conv1d, Conv3d, transposed) and nn.MultiheadAttention have no Bayesian twin here: they
+    convolutions (Conv3d, transposed) and nn.MultiheadAttention have no Bayesian twin here: they
     stay plain, deterministic and whole, listed in `net.plain_layers` and in one warning (FLOPs ratios count
     them: compressed/structure.py).
 
@@ -44,7 +47,7 @@ from edgebayes.train.layers import ConvNorm, LayerFactory
 from edgebayes.train.nested import NESTED_FAMILIES
 
 AFFINE = (nn.Conv2d, nn.Linear)
-NORMS = (nn.BatchNorm2d,)
+NORM_OF = {nn.Conv2d: nn.BatchNorm2d, nn.Conv1d: nn.BatchNorm1d}   # the batch norm a convolution takes with it
 PLAIN_ONLY = (nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase)   # no Bayesian twin: stay plain
 
 
@@ -68,9 +71,10 @@ def _structure(module):
     for n in calls:   # every affine map: those without a Bayesian twin (a Conv1d) are listed as staying plain
         if isinstance(mods[n.target], AFFINE + PLAIN_ONLY) and n.target not in order:
             order.append(n.target)
-        if isinstance(mods[n.target], nn.Conv2d) and count[n.target] == 1 and len(n.users) == 1:
+        norm = next((b for c, b in NORM_OF.items() if isinstance(mods[n.target], c)), None)
+        if norm is not None and count[n.target] == 1 and len(n.users) == 1:
             (user,) = n.users
-            if user.op == "call_module" and isinstance(mods[user.target], NORMS) and count[user.target] == 1:
+            if user.op == "call_module" and isinstance(mods[user.target], norm) and count[user.target] == 1:
                 pairs[n.target] = user.target
     stack = [n for n in graph.nodes if n.op == "output"]
     if any(_is_softmax(arg, mods) for node in stack for arg in node.all_input_nodes):
@@ -185,11 +189,87 @@ def _replace(module, name, new):
     setattr(module.get_submodule(parent) if parent else module, attr, new)
 
 
+class Signal1d(nn.Module):
+    """A Conv1d (and the BatchNorm1d that alone reads it) as the height-1 Conv2d (and BatchNorm2d) it equals, on
+    (N, C, L) signals: (N, C, 1, L) through the (1, k) kernel, then back. The same outputs, the same FLOPs
+    (structure.py's formula over one kernel row and one output row) and the same channels (dimension 1), so the
+    families' 2-D layers, surgery and the packed export take it as any Conv2d; runtimes run the Unsqueeze /
+    Squeeze around it as reshapes. `norm` is nn.Identity where no batch norm alone reads the convolution."""
+
+    def __init__(self, conv, norm=None):
+        super().__init__()
+        self.conv, self.norm = conv, norm if norm is not None else nn.Identity()
+
+    def forward(self, x):
+        return self.norm(self.conv(x.unsqueeze(-2))).squeeze(-2)
+
+
+@torch.no_grad()
+def conv1d_as_conv2d(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose Conv1d layers are Signal1d's height-1 Conv2d (same weights, padding, stride,
+    dilation, groups and padding mode), each with the BatchNorm1d that alone reads it (its place becomes
+    nn.Identity); `module` itself where it has none. Why: the families' layers, the probes and the rules of
+    surgery are written once, for Conv2d, and a 1-D convolution is exactly a 2-D one over a single row; kept as
+    a Conv1d, a sensor or audio network kept its convolutions plain and whole (most of its FLOPs). A Conv1d whose
+    weights the forward also reads itself stays (tied weights). `original_keys` of the copy maps its new state-dict
+    keys to the module's (`state_as_built` reads a state dict of the module as written)."""
+    pairs, _, order, _, read = _structure(module)
+    names = [n for n in order if type(module.get_submodule(n)) is nn.Conv1d and n not in read]
+    if not names:
+        return module
+    net, renamed = copy.deepcopy(module), {}
+    for name in names:
+        c = net.get_submodule(name)
+        padding = c.padding if isinstance(c.padding, str) else (0,) + tuple(c.padding)
+        conv = nn.Conv2d(c.in_channels, c.out_channels, (1,) + c.kernel_size, (1,) + c.stride, padding,
+                         (1,) + c.dilation, c.groups, c.bias is not None, c.padding_mode)
+        conv.weight.copy_(c.weight.unsqueeze(-2))
+        renamed[f"{name}.conv.weight"] = f"{name}.weight"
+        if c.bias is not None:
+            conv.bias.copy_(c.bias)
+            renamed[f"{name}.conv.bias"] = f"{name}.bias"
+        norm = None
+        if name in pairs:
+            b = net.get_submodule(pairs[name])
+            norm = nn.BatchNorm2d(b.num_features, b.eps, b.momentum, b.affine, b.track_running_stats)
+            norm.load_state_dict(b.state_dict())
+            renamed.update({f"{name}.norm.{k}": f"{pairs[name]}.{k}" for k in b.state_dict()})
+            norm.train(b.training)
+            _replace(net, pairs[name], nn.Identity())
+        _replace(net, name, Signal1d(conv.train(c.training), norm))
+    net.original_keys = renamed
+    return net
+
+
+def state_as_built(state, module):
+    """`state`, a state dict of a network as its author wrote it, in the names and shapes of `module`, that network
+    as built here (`original_keys`, new key -> the author's: conv1d_as_conv2d's Conv1d / BatchNorm1d moves, c1.weight
+    of shape (out, in, k) as c1.conv.weight of shape (out, in, 1, k); the dnn twin's ConvNorm, conv1.weight and
+    bn1.weight as conv1.conv.weight and conv1.norm.weight). Keys already in the built form pass unchanged."""
+    renamed = getattr(module, "original_keys", None)
+    if not renamed:
+        return state
+    own, state = module.state_dict(), dict(state)
+    for new, old in renamed.items():
+        if new not in state and old in state:
+            value = state.pop(old)
+            same_size = new in own and value.shape != own[new].shape and value.numel() == own[new].numel()
+            state[new] = value.reshape(own[new].shape) if same_size else value
+    return state
+    state = dict(state)
+    for new, old in renamed.items():
+        if new not in state and old in state:
+            value = state.pop(old)
+            state[new] = value.unsqueeze(-2) if new.endswith(".conv.weight") and value.dim() == 3 else value
+    return state
+
+
 def convert(module: nn.Module, factory) -> nn.Module:
     """A copy of `module` with every Conv2d / Linear (+ its batch norm) built by `factory` (module docstring)."""
     pairs, outputs, order, called, read = _structure(module)
     net = copy.deepcopy(module)
     plain_layers = {}   # name -> why it has no Bayesian twin
+    renamed = {}        # new state-dict key -> the module's (state_as_built)
     for name in order:
         affine = net.get_submodule(name)
         if type(affine) not in AFFINE:   # a Conv1d / Conv3d, a subclass (a quantization stub, a custom conv)
@@ -215,6 +295,9 @@ def convert(module: nn.Module, factory) -> nn.Module:
         _replace(net, name, layer)
         if norm is not None:
             _replace(net, pairs[name], nn.Identity())
+            if isinstance(layer, ConvNorm):   # the dnn twin: the pair's tensors under the layer's name
+                renamed.update({f"{name}.conv.{k}": f"{name}.{k}" for k in affine.state_dict()})
+                renamed.update({f"{name}.norm.{k}": f"{pairs[name]}.{k}" for k in norm.state_dict()})
     for name, m in module.named_modules():   # e.g. torchvision's swin_t: attention reads qkv.weight itself
         if not isinstance(m, AFFINE + PLAIN_ONLY) or name in order:
             continue
@@ -224,6 +307,9 @@ def convert(module: nn.Module, factory) -> nn.Module:
         elif whole not in order:   # e.g. nn.TransformerEncoderLayer: its Linear layers run inside it
             plain_layers[name] = f"inside a {type(module.get_submodule(whole)).__name__} called whole"
     net.plain_layers = list(plain_layers)
+    before = getattr(module, "original_keys", {})   # conv1d_as_conv2d's, less what this conversion moved again
+    net.original_keys = {**{k: v for k, v in before.items() if k not in set(renamed.values())},
+                         **{new: before.get(old, old) for new, old in renamed.items()}}
     if not set(order) - set(plain_layers):   # no layer became the family's
         found = f" (only {', '.join(sorted(set(plain_layers.values())))})" if plain_layers else ""
         raise ArchError(f"bayesianize: {type(module).__name__} has no nn.Linear or nn.Conv2d layer called in its "
@@ -259,7 +345,7 @@ def module_builder(make_module, pretrained=None):
             if (predicted := output_classes(module, input_shape, "model.arch")) != classes:
                 raise ArchError(f"model.arch: {type(module).__name__} predicts {predicted} classes and the data has "
                                 f"{classes}; make it take num_classes, or size its last layer to {classes}")
-            made[classes] = module.eval()
+            made[classes] = conv1d_as_conv2d(module.eval())   # a copy where it has a Conv1d
             if factory.family in NESTED_FAMILIES:   # a copy: the caller's module keeps its order
                 made[classes] = copy.deepcopy(made[classes])
                 order_for_nesting(made[classes], input_shape)
@@ -375,7 +461,7 @@ def apply_state_dict(module, state, path):
     """Load `state` into a plain module; tensors whose shapes differ (a classifier trained for another number
     of classes) keep their fresh initialisation, and `module.skipped_pretrained` names them."""
     own = module.state_dict()
-    state = without_wrapper_prefix(state, own)
+    state = state_as_built(without_wrapper_prefix(state, own), module)
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not fits:
         raise InputError(f"model.pretrained {path}: none of its {len(state)} tensors matches the model "

@@ -72,7 +72,7 @@ from edgebayes.data import inputs_fingerprint
 from edgebayes.errors import InputError
 from edgebayes.provenance import code_version, read_json, write_json
 from edgebayes.train.accel import autocast, fused_optimizer, in_layout
-from edgebayes.train.bayesianize import read_state_dict, without_wrapper_prefix
+from edgebayes.train.bayesianize import read_state_dict, state_as_built, without_wrapper_prefix
 from edgebayes.train.flops_target import pruning_schedule
 from edgebayes.train.kl import kl_bernoulli, kl_gaussian_gaussian
 from edgebayes.train.models import build_model
@@ -612,7 +612,7 @@ def load_checkpoint(base, path, arch):
     # The plain architecture's own keys (hidden1.weight, ...) or the pipeline's (net.hidden1.weight)
     target = base.net if hasattr(base, "net") and not any(k.startswith("net.") for k in state) else base
     own = target.state_dict()
-    state = without_wrapper_prefix(state, own)
+    state = state_as_built(without_wrapper_prefix(state, own), target)   # the file as the network's author saved it
     problems = []
     for what, keys in (("missing", [k for k in own if k not in state]),
                        ("not in the model", [k for k in state if k not in own]),
@@ -717,8 +717,8 @@ def stage_summary(model, splits, train_dir, knob_value, test_metrics):
     """
     start = read_json(train_dir / "pretrained.json")
     rates = model.write_compressed(train_dir / "model.sqs", knob_value, m=1)
-    # What SQS does not quantize (a Conv1d, norms) ships as fp32 beside the file: the network's rate counts it
-    # (the file's rates were read as the network's: 16x by bytes where the network with its Conv1d was 7x).
+    # What SQS does not quantize (a Conv3d, norms) ships as fp32 beside the file: the network's rate counts it
+    # (the file's rates were read as the network's: 16x by bytes where the network with a plain Conv1d was 7x).
     # Parameters only: a norm's running statistics are left out, and a norm that export folds into its
     # convolution is counted though it ships inside it: near, not exact, for nets with norms
     others = sum(p.numel() for name, p in model.base.named_parameters()
