@@ -639,13 +639,14 @@ def test_validating_along_the_schedule_changes_no_training_noise(monkeypatch):
         assert torch.equal(runs[0][name], runs[1][name]), name
 
 
-class DilatedSignal(nn.Module):
-    """A 1-D network (sensor or audio data) of dilated Conv1d layers, which have no Bayesian twin (a temporal
-    convolutional network's), and a Linear head."""
+class ReflectSignal(nn.Module):
+    """A 1-D network (sensor or audio data) of reflection-padded Conv1d layers, which have no Bayesian twin, and a
+    Linear head."""
 
     def __init__(self, classes=4):
         super().__init__()
-        self.c1, self.c2 = nn.Conv1d(2, 16, 5, dilation=2), nn.Conv1d(16, 16, 5, dilation=2)
+        self.c1 = nn.Conv1d(2, 16, 5, padding=2, padding_mode="reflect")
+        self.c2 = nn.Conv1d(16, 16, 5, padding=2, padding_mode="reflect")
         self.fc1, self.fc = nn.Linear(16, 32), nn.Linear(32, classes)
 
     def forward(self, x):
@@ -654,18 +655,18 @@ class DilatedSignal(nn.Module):
 
 
 def test_layers_without_a_bayesian_twin_are_told_counted_and_named_when_they_block_the_target():
-    """A dilated Conv1d stays plain: bayesianize says so in one warning, its FLOPs count (before, the ratio counted
-    the Linear layers only: 0.38 'reached' with every convolution whole), and a target it blocks is refused
-    before the first step, naming it and the smallest share within reach."""
+    """A reflection-padded Conv1d stays plain: bayesianize says so in one warning, its FLOPs count (before, the
+    ratio counted the Linear layers only: 0.38 'reached' with every convolution whole), and a target it blocks is
+    refused before the first step, naming it and the smallest share within reach."""
     from edgebayes.compressed.structure import paper_flops
 
     tiny = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
     assert paper_flops(tiny, (2, 10)) == (2 * 4 * 3 + 4) * 8 + (32 * 3 + 3)   # appendix A.1's formula, in 1-D
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 2, 40, generator=g), torch.randint(4, (64,), generator=g)
-    with pytest.warns(UserWarning, match=r"2 layer\(s\) of DilatedSignal have no Bayesian twin.*dilated: c1\.conv, "
+    with pytest.warns(UserWarning, match=r"2 layer\(s\) of ReflectSignal have no Bayesian twin.*padding: c1\.conv, "
                                          r"c2\.conv"):
-        net = eb.bayesianize(DilatedSignal(), "ss-gl", input_shape=(2, 40), n_train=len(x))
+        net = eb.bayesianize(ReflectSignal(), "ss-gl", input_shape=(2, 40), n_train=len(x))
     before = {k: v.clone() for k, v in net.state_dict().items()}
     # The convolutions are most of the FLOPs and stay whole: cutting the Linear layers to one unit each would
     # destroy the classifier and still miss the target, so the fine-tuning does not start

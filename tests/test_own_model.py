@@ -303,21 +303,24 @@ def test_a_network_that_returns_probabilities_is_refused_naming_the_softmax(head
 
 
 def test_string_paddings_are_bayesianized_as_numbers_and_an_uneven_one_stays_plain():
-    """padding="same" / "valid" (Keras-style networks) left the convolution plain and unprunable."""
+    """padding="same" / "valid" (Keras-style networks) left the convolution plain and unprunable; so did dilation
+    (DeepLab's and temporal convolutional networks' layers)."""
     class Padded(nn.Module):
         def __init__(self):
             super().__init__()
             self.same, self.valid = nn.Conv2d(3, 8, (3, 5), padding="same"), nn.Conv2d(8, 8, 3, padding="valid")
+            self.dilated = nn.Conv2d(8, 8, 3, padding="same", dilation=(2, 1))
             self.even = nn.Conv2d(8, 8, 2, padding="same")
             self.fc = nn.Linear(8, 4)
 
         def forward(self, x):
-            return self.fc(self.even(F.relu(self.valid(F.relu(self.same(x))))).mean((2, 3)))
+            h = self.dilated(F.relu(self.valid(F.relu(self.same(x)))))
+            return self.fc(self.even(F.relu(h)).mean((2, 3)))
 
     torch.manual_seed(0)
     module, x = Padded().eval(), torch.randn(2, 3, 8, 8)
     net = bayesianize(module, "ss-gl", input_shape=(3, 8, 8), n_train=100)
-    assert isinstance(net.net.same, SpikeSlabLayer) and isinstance(net.net.valid, SpikeSlabLayer)
+    assert all(isinstance(net.net.get_submodule(n), SpikeSlabLayer) for n in ("same", "valid", "dilated"))
     assert net.net.plain_layers == ["even"]
     with torch.no_grad():
         torch.testing.assert_close(bayesianize(module, "dnn", input_shape=(3, 8, 8), n_train=100).eval()(x),
@@ -434,19 +437,21 @@ def test_bias_free_linear_layers_are_bayesianized_pruned_and_exported(family, tm
 
 
 class _Sensor(nn.Module):
-    """A 1-D network as sensor and audio models are written: Conv1d + BatchNorm1d, a strided grouped Conv1d with
-    padding "same"-like numbers and no batch norm, a dilated Conv1d (no Bayesian twin), a Linear head."""
+    """A 1-D network as sensor and audio models are written: Conv1d + BatchNorm1d with padding "same", a strided
+    grouped Conv1d without a batch norm, a dilated one (a temporal convolutional network's), a circular-padded one
+    (no Bayesian twin), a Linear head."""
 
     def __init__(self, num_classes=3):
         super().__init__()
         self.c1, self.b1 = nn.Conv1d(2, 8, 5, padding="same"), nn.BatchNorm1d(8)
         self.c2 = nn.Conv1d(8, 8, 3, stride=2, padding=1, groups=2)
-        self.c3 = nn.Conv1d(8, 8, 3, dilation=2, padding=2)
+        self.c3 = nn.Conv1d(8, 8, 3, dilation=2, padding="same")
+        self.c4 = nn.Conv1d(8, 8, 3, padding=1, padding_mode="circular")
         self.fc = nn.Linear(8, num_classes)
 
     def forward(self, x):
-        h = F.relu(self.c2(F.relu(self.b1(self.c1(x)))))
-        return self.fc(F.relu(self.c3(h)).mean(-1))
+        h = F.relu(self.c3(F.relu(self.c2(F.relu(self.b1(self.c1(x)))))))
+        return self.fc(F.relu(self.c4(h)).mean(-1))
 
 
 @pytest.mark.parametrize("family", ["ss-gl", "bn3"])
@@ -455,7 +460,7 @@ def test_conv1d_layers_are_the_familys_and_their_channels_are_cut_out(family, tm
     switched off. Its Conv1d layers are now height-1 Conv2d layers (with the BatchNorm1d that alone reads one),
     the same function in both modes; a state dict of the network as written loads into the rewritten one; the
     family's layers switch their channels off, surgery cuts them, and the packed ONNX equals the MC model. The
-    dilated one stays plain, named in the warning."""
+    circular-padded one stays plain, named in the warning."""
     import edgebayes as eb
     from edgebayes.train.bayesianize import conv1d_as_conv2d, state_as_built
 
@@ -477,10 +482,10 @@ def test_conv1d_layers_are_the_familys_and_their_channels_are_cut_out(family, tm
     from edgebayes.errors import _SAID
 
     _SAID.discard(next((m for m in _SAID if "of _Sensor have no Bayesian twin" in m), None))   # said once a process
-    with pytest.warns(UserWarning, match=r"1 layer\(s\) of _Sensor have no Bayesian twin .*dilated: c3\.conv"):
+    with pytest.warns(UserWarning, match=r"1 layer\(s\) of _Sensor have no Bayesian twin .*padding: c4\.conv"):
         net = eb.bayesianize(module, family, input_shape=(2, 24), n_train=100, calibration_x=x)
     convs = [n for n, m in net.named_modules() if hasattr(m, "weight_mu") or hasattr(m, "theta")]
-    assert {"net.c1.conv", "net.c2.conv", "net.fc"} <= set(convs) and "net.c3.conv" not in convs
+    assert {"net.c1.conv", "net.c2.conv", "net.c3.conv", "net.fc"} <= set(convs) and "net.c4.conv" not in convs
     if family == "ss-gl":   # switch half of c1's channels off
         with torch.no_grad():
             net.net.c1.conv.gamma_logit[:4] = -10.0
@@ -1449,13 +1454,13 @@ class _Tokens(nn.Module):
 
 
 class _PlainConvThenNorm(nn.Module):
-    """A bias-free convolution without a Bayesian twin (dilated) and its batch norm, called in forward, not
-    neighbours in an nn.Sequential: the exporter folds the norm into a bias all the same."""
+    """A bias-free convolution without a Bayesian twin (reflection padding) and its batch norm, called in forward,
+    not neighbours in an nn.Sequential: the exporter folds the norm into a bias all the same."""
 
     def __init__(self):
         super().__init__()
         self.a = nn.Conv2d(1, 4, 3, padding=1)
-        self.d, self.bn = nn.Conv2d(4, 4, 3, padding=2, dilation=2, bias=False), nn.BatchNorm2d(4)
+        self.d, self.bn = nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect", bias=False), nn.BatchNorm2d(4)
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x):

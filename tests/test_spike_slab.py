@@ -111,7 +111,8 @@ def _layer(kind, prior, noncentered, seed=0):
         layer = SpikeSlabLinear(6, 5, **kw)
         x = torch.randn(5, 4, 6) if kind == "linear tokens" else torch.randn(5, 6)   # (B, T, F): a transformer's
     else:
-        layer = SpikeSlabConv2d(3, 5, 3, padding=1, bias=kind == "conv", **kw,
+        dilation = 2 if kind.endswith("dilated") else 1   # a temporal convolutional network's
+        layer = SpikeSlabConv2d(3, 5, 3, padding=dilation, dilation=dilation, bias=kind == "conv", **kw,
                                 norm=nn.BatchNorm2d(5) if kind.startswith("conv+bn") else None)
         x = torch.randn(5, 3, 5, 5)
         if kind.endswith("channels_last"):   # what train.channels_last does to the model and its inputs
@@ -126,7 +127,7 @@ def _layer(kind, prior, noncentered, seed=0):
 
 @pytest.mark.parametrize("blocks", ["one", "several"])
 @pytest.mark.parametrize("kind", ["linear", "linear tokens", "conv", "conv+bn", "conv+bn channels_last",
-                                  "conv channels_last"])
+                                  "conv channels_last", "conv+bn dilated"])
 @pytest.mark.parametrize("prior,noncentered", [("ss-ig", False), ("ss-gl", False), ("ss-ghs", False),
                                                ("ss-ig", True), ("ss-gl", True), ("ss-ghs", True)])
 def test_fused_training_step_equals_the_plain_computation(kind, prior, noncentered, blocks, monkeypatch):

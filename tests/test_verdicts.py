@@ -280,10 +280,13 @@ def test_devices_comparison_page(trained_runs, quick_config, tmp_path, capsys):
     assert code == EXIT_BUDGET and "model.onnx changed" in rows["local"]["stale"] and not rows["far"]["stale"]
     assert "local: stale report" in (trained_runs / "digits-ssgl/report/devices.html").read_text()
     assert "local's report is stale" in err
-    # A device without a report is named with the command that makes one.
+    # A device without a report is bad input (it was exit 1, 'a stage failed', which no stage had), named with the
+    # command that makes one, and the last page stays as it was
+    page = (trained_runs / "digits-ssgl/report/devices.html").read_bytes()
     code, _, err = cli(capsys, "report", "--config", quick_config, "--runs-dir", trained_runs, "--devices", "local",
                        "jetson")
-    assert code == 1 and "--device jetson" in err
+    assert code == 2 and "report --devices: jetson has no report" in err and "--device jetson" in err
+    assert (trained_runs / "digits-ssgl/report/devices.html").read_bytes() == page
 
 
 def test_an_mc_samples_budget_that_allows_none_of_the_grid_is_refused_before_any_work(quick_config, tmp_path,

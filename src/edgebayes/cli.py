@@ -394,9 +394,9 @@ def _report_extras(ctx, args):
                                "and no report followed")
             reports.append((report, None))   # its page went: nothing to link to
             continue
-        if not path.is_file():
-            raise StageError(f"{path} is missing: run `{dataclasses.replace(ctx, device_arg=name).command('pipeline')}` "
-                             f"first")
+        if not path.is_file():   # what was asked for does not exist yet: bad input, no verdict and no page
+            raise InputError(f"report --devices: {name} has no report ({path} is missing): run "
+                             f"`{dataclasses.replace(ctx, device_arg=name).command('pipeline')}` first")
         report = json.loads(path.read_text())
         report["stale"] = _report_staleness(dataclasses.replace(ctx, profile=profile), report)
         reports.append((report, path.with_name("report.html")))

@@ -20,9 +20,9 @@ user's own `forward` keeps running unchanged:
   - a Conv1d (1-D signals: sensors, audio) is first rewritten as the height-1 Conv2d it equals, with the
     BatchNorm1d that alone reads it (`conv1d_as_conv2d`, `Signal1d`), and then becomes the family's layer as
     any Conv2d does: its channels carry uncertainty, are switched off and are cut out.
-  - padding "valid" and "same" are taken as the numbers they mean (`_explicit_padding`); dilated
-    convolutions, "same" with an even kernel (it pads unevenly), padding modes other than zeros, other
-    convolutions (Conv3d, transposed) and nn.MultiheadAttention have no Bayesian twin here: they
+  - padding "valid" and "same" are taken as the numbers they mean (`_explicit_padding`); "same" with an even
+    kernel (it pads unevenly), padding modes other than zeros, other convolutions (Conv3d, transposed) and
+    nn.MultiheadAttention have no Bayesian twin here: they
     stay plain, deterministic and whole, listed in `net.plain_layers` and in one warning (FLOPs ratios count
     them: compressed/structure.py).
 
@@ -173,14 +173,14 @@ def _relative_rho(weight, rho, delta=MOPED_DELTA):
 
 
 def _explicit_padding(conv):
-    """A Conv2d's padding as the numbers the layers take: "valid" is 0, "same" (stride 1) is (k - 1) / 2 on each
-    side where every kernel size is odd; None where it has no such form (an even kernel pads unevenly)."""
+    """A Conv2d's padding as the numbers the layers take: "valid" is 0, "same" (stride 1) is d (k - 1) / 2 on each
+    side where every d (k - 1) is even; None where it has no such form (an even kernel pads unevenly)."""
     if not isinstance(conv.padding, str):
         return conv.padding
     if conv.padding == "valid":
         return (0, 0)
-    if all(k % 2 == 1 for k in conv.kernel_size) and conv.dilation == (1, 1):
-        return tuple((k - 1) // 2 for k in conv.kernel_size)
+    if all(d * (k - 1) % 2 == 0 for d, k in zip(conv.dilation, conv.kernel_size)):
+        return tuple(d * (k - 1) // 2 for d, k in zip(conv.dilation, conv.kernel_size))
     return None
 
 
@@ -285,12 +285,12 @@ def convert(module: nn.Module, factory) -> nn.Module:
             layer = factory.linear(affine.in_features, affine.out_features, prunable=prunable, bias=bias)
         else:
             padding = _explicit_padding(affine)
-            if affine.dilation != (1, 1) or affine.padding_mode != "zeros" or padding is None:
-                plain_layers[name] = "dilated" if affine.dilation != (1, 1) else "padding"
+            if affine.padding_mode != "zeros" or padding is None:
+                plain_layers[name] = "padding"
                 continue
             layer = factory.conv(affine.in_channels, affine.out_channels, affine.kernel_size, stride=affine.stride,
                                  padding=padding, groups=affine.groups, bias=bias, norm=norm is not None,
-                                 prunable=prunable)
+                                 prunable=prunable, dilation=affine.dilation)
         _start_from(layer, affine, norm)
         _replace(net, name, layer)
         if norm is not None:

@@ -31,7 +31,7 @@ class LayerFactory:
 
     The contract every architecture (zoo, a user's builder, bayesianize) relies on, in one place:
       - `linear(in_features, out_features, prunable=True, bias=True)` and `conv(in_channels, out_channels, kernel_size,
-        stride=1, padding=0, groups=1, bias=True, norm=False, prunable=True)` are the only layers with
+        stride=1, padding=0, groups=1, bias=True, norm=False, prunable=True, dilation=1)` are the only layers with
         weights the families treat; `activation()` is the configured activation. Anything else
         (pooling, additions, concatenation, flatten, reshapes) is plain PyTorch in the builder's forward.
       - `prunable=False` marks a layer that is never pruned: no spike-and-slab selection, no nested
@@ -83,14 +83,14 @@ class LayerFactory:
         return SpikeSlabLinear(in_features, out_features, bias=bias, **self._bayesian(prunable, lam))
 
     def conv(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, bias=True, norm=False,
-             prunable=True, truncates=None):
+             prunable=True, truncates=None, dilation=1):
         if self.family == "dnn":
-            conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, groups=groups, bias=bias)
+            conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
             return ConvNorm(conv, nn.BatchNorm2d(out_channels)) if norm else conv
         if self.family in NESTED_FAMILIES:
-            return NestedConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, bias=bias,
+            return NestedConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, dilation, bias=bias,
                                 norm=nn.BatchNorm2d(out_channels) if norm else None, truncates=truncates,
                                 **self._nested(prunable))
-        return SpikeSlabConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, bias=bias,
+        return SpikeSlabConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, dilation, bias=bias,
                                norm=nn.BatchNorm2d(out_channels) if norm else None,
                                **self._bayesian(prunable, self.prior_cfg.conv_inclusion))

@@ -421,25 +421,26 @@ class NestedLinear(NestedLayer):
 class NestedConv2d(NestedLayer):
     """`conv_groups` is the convolution's own groups argument (depthwise: = channels); `groups` is D."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, conv_groups=1, **kw):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, conv_groups=1, dilation=1, **kw):
         k = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
         super().__init__((out_channels, in_channels // conv_groups) + k, in_channels // conv_groups * k[0] * k[1],
                          **kw)
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, k
-        self.stride, self.padding, self.conv_groups = stride, padding, conv_groups
+        self.stride, self.padding, self.conv_groups, self.dilation = stride, padding, conv_groups, dilation
 
     def _affine(self, x, weight, bias):
-        return F.conv2d(x, weight, bias, self.stride, self.padding, 1, self.conv_groups)
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.conv_groups)
 
     def _outputs_per_sample(self, x):
-        return conv2d_outputs_per_sample(x, self.out_channels, self.kernel_size, self.stride, self.padding)
+        return conv2d_outputs_per_sample(x, self.out_channels, self.kernel_size, self.stride, self.padding,
+                                         self.dilation)
 
     def _affine_backward(self, x, weight, grad, needs):
-        return conv2d_backward(x, weight, grad, needs, self.stride, self.padding, self.conv_groups)
+        return conv2d_backward(x, weight, grad, needs, self.stride, self.padding, self.conv_groups, self.dilation)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"groups={self.conv_groups}, nested={self.nested}, bayesian={self.bayesian}")
+                f"dilation={self.dilation}, groups={self.conv_groups}, nested={self.nested}, bayesian={self.bayesian}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,16 +140,17 @@ def linear_backward(x, weight, grad, needs):
             g2.sum(0) if needs[2] else None)
 
 
-def conv2d_outputs_per_sample(x, out_channels, kernel_size, stride, padding):
-    (sh, sw), (ph, pw), (kh, kw) = _pair(stride), _pair(padding), _pair(kernel_size)
-    return out_channels * ((x.shape[-2] + 2 * ph - kh) // sh + 1) * ((x.shape[-1] + 2 * pw - kw) // sw + 1)
+def conv2d_outputs_per_sample(x, out_channels, kernel_size, stride, padding, dilation=1):
+    (sh, sw), (ph, pw), (kh, kw), (dh, dw) = _pair(stride), _pair(padding), _pair(kernel_size), _pair(dilation)
+    return (out_channels * ((x.shape[-2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1)
+            * ((x.shape[-1] + 2 * pw - dw * (kw - 1) - 1) // sw + 1))
 
 
-def conv2d_backward(x, weight, grad, needs, stride, padding, groups):
-    """(d/dx, d/dweight, d/dbias) of F.conv2d(x, weight, bias, stride, padding, 1, groups) for the output
+def conv2d_backward(x, weight, grad, needs, stride, padding, groups, dilation=1):
+    """(d/dx, d/dweight, d/dbias) of F.conv2d(x, weight, bias, stride, padding, dilation, groups) for the output
     gradient `grad`; None where `needs` says not needed."""
     return torch.ops.aten.convolution_backward(
-        grad, x, weight, [weight.shape[0]], list(_pair(stride)), list(_pair(padding)), [1, 1],
+        grad, x, weight, [weight.shape[0]], list(_pair(stride)), list(_pair(padding)), list(_pair(dilation)),
         False, [0, 0], groups, list(needs))
 
 
@@ -647,24 +648,25 @@ class SpikeSlabLinear(SpikeSlabLayer):
 class SpikeSlabConv2d(SpikeSlabLayer):
     """Spike-and-slab over the output channels of a convolution (paper 000, section 5.2-5.3)."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, **kw):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, dilation=1, **kw):
         k = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
         super().__init__((out_channels, in_channels // groups) + k, in_channels // groups * k[0] * k[1], **kw)
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, k
-        self.stride, self.padding, self.groups = stride, padding, groups
+        self.stride, self.padding, self.groups, self.dilation = stride, padding, groups, dilation
 
     def _affine(self, x, weight, bias):
-        return F.conv2d(x, weight, bias, self.stride, self.padding, 1, self.groups)
+        return F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
 
     def _outputs_per_sample(self, x):
-        return conv2d_outputs_per_sample(x, self.out_channels, self.kernel_size, self.stride, self.padding)
+        return conv2d_outputs_per_sample(x, self.out_channels, self.kernel_size, self.stride, self.padding,
+                                         self.dilation)
 
     def _affine_backward(self, x, weight, grad, needs):
-        return conv2d_backward(x, weight, grad, needs, self.stride, self.padding, self.groups)
+        return conv2d_backward(x, weight, grad, needs, self.stride, self.padding, self.groups, self.dilation)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding}, prior={self.prior}, prunable={self.prunable}")
+                f"padding={self.padding}, dilation={self.dilation}, prior={self.prior}, prunable={self.prunable}")
 
 
 def prior_inclusion_probability(fan_in, units, *, n, num_hidden, fan_ins, prior, constant=1e-9, t0=1.0):
