@@ -1,6 +1,6 @@
 """Users' own networks through the whole compression path: bayesianize -> posterior samples -> surgery ->
 MC graph -> ONNX in both layouts, for every torchvision classification CNN builder (and the Linear layers
-of vit_b_16 and swin_t) and a home-made net, on the CPU.
+of vit_b_16 and swin_t), a home-made net and a home-made 1-D (Conv1d) net, on the CPU.
 
 For each network and family, the cases:
   forced   the bayesianized net with 25% of the units of every prunable layer switched off (inclusion
@@ -78,7 +78,31 @@ class Custom(nn.Module):
         return self.fc2(self.relu(self.fc1(flat))) + self.head(F.adaptive_avg_pool2d(c, 1).flatten(1))
 
 
-NETS = ["custom", "alexnet", "vgg11_bn", "resnet18", "resnext50_32x4d", "wide_resnet50_2", "densenet121",
+class Sensor1d(nn.Module):
+    """A home-made 1-D net as sensor and keyword-spotting models are written (TC-ResNet's shape): Conv1d +
+    BatchNorm1d stem, a residual block of "same"-padded convolutions, a dilated one, a strided one, global
+    average pooling and a Linear head. Input (96, 32): an image's rows as time steps, its 3 x 32 pixels of a
+    row as the channels (benchmarks take digits so, as row-sequential MNIST does)."""
+
+    signal_shape = (96, 32)
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.stem, self.bn0 = nn.Conv1d(96, 32, 3, padding=1, bias=False), nn.BatchNorm1d(32)
+        self.res1, self.bn1 = nn.Conv1d(32, 32, 9, padding="same", bias=False), nn.BatchNorm1d(32)
+        self.res2, self.bn2 = nn.Conv1d(32, 32, 9, padding="same", bias=False), nn.BatchNorm1d(32)
+        self.dilated, self.bn3 = nn.Conv1d(32, 48, 3, padding=2, dilation=2, bias=False), nn.BatchNorm1d(48)
+        self.down, self.bn4 = nn.Conv1d(48, 64, 3, stride=2, padding=1, bias=False), nn.BatchNorm1d(64)
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        h = F.relu(self.bn0(self.stem(x)))
+        h = F.relu(self.bn2(self.res2(F.relu(self.bn1(self.res1(h))))) + h)
+        h = F.relu(self.bn4(self.down(F.relu(self.bn3(self.dilated(h))))))
+        return self.fc(h.mean(-1))
+
+
+NETS = ["custom", "sensor1d", "alexnet", "vgg11_bn", "resnet18", "resnext50_32x4d", "wide_resnet50_2", "densenet121",
         "googlenet", "inception_v3", "squeezenet1_1", "mobilenet_v2", "mobilenet_v3_small", "mnasnet0_5",
         "shufflenet_v2_x0_5", "efficientnet_b0", "efficientnet_v2_s", "regnet_x_400mf", "regnet_y_400mf",
         "convnext_tiny", "vit_b_16", "swin_t"]
@@ -88,6 +112,8 @@ SIZES = (32, 64, 75, 96, 128, 160, 224)
 def make_net(name, classes=10):
     if name == "custom":
         return Custom(classes)
+    if name == "sensor1d":
+        return Sensor1d(classes)
     import torchvision
 
     options = {"image_size": 32} if name.startswith("vit_") else {}
@@ -97,7 +123,9 @@ def make_net(name, classes=10):
 
 
 def input_shape(module):
-    """(3, s, s) for the smallest s of SIZES the module runs on in eval mode."""
+    """(3, s, s) for the smallest s of SIZES the module runs on in eval mode; a 1-D net's own (C, L)."""
+    if hasattr(module, "signal_shape"):
+        return module.signal_shape
     for size in SIZES:
         try:
             with torch.no_grad():
@@ -109,12 +137,16 @@ def input_shape(module):
 
 
 def digits(shape, seed=0):
-    """scikit-learn's digits, bilinear to the input size, gray replicated to 3 channels; seeded 80/20 split."""
+    """scikit-learn's digits, bilinear to the input size, gray replicated to 3 channels; seeded 80/20 split. For a
+    1-D shape (3 L, L): the L x L images' rows as L time steps of 3 L channels."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16
-    x = F.interpolate(x, size=shape[1:], mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    size = shape[1:] if len(shape) == 3 else (shape[1], shape[1])
+    x = F.interpolate(x, size=size, mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    if len(shape) == 2:
+        x = x.permute(0, 1, 3, 2).flatten(1, 2)   # (N, 3, H, W) -> (N, 3 W, H): row h is time step h
     y = torch.tensor(d.target)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     k = len(x) // 5
@@ -200,9 +232,9 @@ def run(args, done=()):
                 if (name, family, case) in done:
                     continue
                 row = {"net": name, "family": family, "case": case, "input": "x".join(map(str, shape)),
-                       "batch_norms": sum(isinstance(mod, nn.BatchNorm2d) for mod in module.modules()),
+                       "batch_norms": sum(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in module.modules()),
                        "linear_layers": sum(isinstance(mod, nn.Linear) for mod in module.modules()),
-                       "conv_layers": sum(isinstance(mod, nn.Conv2d) for mod in module.modules())}
+                       "conv_layers": sum(isinstance(mod, (nn.Conv1d, nn.Conv2d)) for mod in module.modules())}
                 t0 = time.perf_counter()
                 try:
                     net = bayesianize(module, family, input_shape=shape, n_train=len(x_train))

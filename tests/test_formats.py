@@ -217,3 +217,30 @@ def test_the_litert_conversion_keeps_its_progress_bars_off_the_log(tmp_path, mon
     monkeypatch.setattr(litert_torch, "convert", convert)
     formats._litert_convert(torch.nn.Identity(), torch.zeros(1, 2), tmp_path / "m.tflite")
     assert "Generating" not in capfd.readouterr().err
+
+
+def test_save_says_when_a_lower_precision_file_is_no_smaller_than_fp32(tmp_path):
+    """On a tiny network the int8 graph's scales, zero points and (de)quantization operators outweigh the bytes
+    its weights save, and eb.save wrote the larger file in silence (the pipeline's report shows every format's
+    bytes; save writes one). A network with enough weights gets no warning: its int8 file is smaller."""
+    import warnings
+
+    import edgebayes as eb
+    from torch import nn
+
+    torch.manual_seed(0)
+    for hidden, expect in ((2, True), (256, False)):
+        module = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+        c = eb.compress(eb.bayesianize(module, "ss-gl", input_shape=(1, 8, 8), n_train=100), m=1)
+        x = torch.rand(32, 1, 8, 8)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            path = eb.save(c, tmp_path / f"h{hidden}.onnx", example=x[:4], fmt="onnx-int8", calib_x=x)
+        fp32 = eb.save(c, tmp_path / f"h{hidden}-fp32.onnx", example=x[:4])
+        told = [str(w.message) for w in said if "no smaller than the same graph in fp32" in str(w.message)]
+        assert (path.stat().st_size >= fp32.stat().st_size) == expect   # the case is what it is meant to be
+        assert bool(told) == expect, told
+        if expect:
+            assert f"{path.stat().st_size:,} bytes" in told[0] and f"({fp32.stat().st_size:,} bytes" in told[0]
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f"h{hidden}")) == \
+            sorted([f"h{hidden}.onnx", f"h{hidden}-fp32.onnx"])   # the comparison's file is not left behind

@@ -467,7 +467,9 @@ def test_conv1d_layers_are_the_familys_and_their_channels_are_cut_out(family, tm
     torch.manual_seed(0)
     module, x = _Sensor(), torch.randn(32, 2, 24)
     with torch.no_grad():
-        module.b1.running_mean.uniform_(-1, 1), module.b1.running_var.uniform_(0.5, 2), module.b1.weight.uniform_(0.5, 2)
+        for t, (lo, hi) in ((module.b1.running_mean, (-1, 1)), (module.b1.running_var, (0.5, 2)),
+                            (module.b1.weight, (0.5, 2))):
+            t.uniform_(lo, hi)
     rewritten = conv1d_as_conv2d(module)
     assert isinstance(module.c1, nn.Conv1d) and isinstance(module.b1, nn.BatchNorm1d)   # the user's own is untouched
     assert isinstance(rewritten.c1.conv, nn.Conv2d) and isinstance(rewritten.c1.norm, nn.BatchNorm2d)
@@ -497,6 +499,30 @@ def test_conv1d_layers_are_the_familys_and_their_channels_are_cut_out(family, tm
     assert first.c1.conv.conv.out_channels < 8   # cut out, not masked
     path = eb.save(compressed, tmp_path / "model.onnx", example=x[:4])
     assert abs(eb.run(path, x) - compressed.mc_model()(x).detach().numpy()).max() < 1e-4
+
+
+def test_the_factorys_conv1d_is_the_familys_layer_of_height_one_and_is_cut_out():
+    """A builder in the zoo's form writes a 1-D network with factory.conv1d (train/layers.py): the family's conv of
+    height 1, the same layer bayesianize makes of an nn.Conv1d, whose switched-off channels surgery cuts out."""
+    from edgebayes.compressed.samples import compress
+    from edgebayes.train.layers import LayerFactory, Signal1d
+
+    def build(factory, input_shape, classes):
+        return nn.Sequential(factory.conv1d(input_shape[0], 8, 5, padding=2, norm=True), factory.activation(),
+                             factory.conv1d(8, 8, 3, padding=2, dilation=2), factory.activation(),
+                             nn.AdaptiveAvgPool1d(1), nn.Flatten(), factory.linear(8, classes, prunable=False))
+
+    plain = LayerFactory("dnn").conv1d(2, 8, 5, stride=2, padding=2, norm=True)
+    assert isinstance(plain, Signal1d) and plain.conv.conv.kernel_size == (1, 5) and plain.conv.conv.stride == (1, 2)
+    torch.manual_seed(0)
+    net = BayesianNet(build, "ss-gl", PriorConfig(), (2, 24), 3, 100)
+    with torch.no_grad():
+        net.net[0].conv.gamma_logit[:3] = -10.0
+    c = compress(net.eval(), 0.5, 2, 0)
+    assert c.samples[0][0].conv.conv.out_channels == 5
+    x = torch.randn(4, 2, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(c.samples[0](x), c.dense_sample(x), rtol=1e-5, atol=1e-6)   # cut, not changed
 
 
 def test_python_api_in_a_few_lines(tmp_path):

@@ -200,8 +200,32 @@ def save(compressed: Compressed, path, *, example, fmt="onnx", layout="packed", 
             warnings.warn(f"save: {path.name}: {facts['packed_refused']}", stacklevel=2)
         if f.precision == "fp32" and f.runtime in ("onnxruntime", "tflite"):   # what the runtime runs here
             _check_fp32_artifact(mc_model, staged, fmt, example)
+        elif f.runtime in ("onnxruntime", "tflite"):
+            _warn_if_not_smaller(compressed, mc_model, staged, f, example, opset, layout)
         os.replace(staged, path)
     return path
+
+
+def _warn_if_not_smaller(compressed, mc_model, staged, f, example, opset, layout):
+    """A warning where a lower-precision file is no smaller than the same graph in fp32: on a tiny network the
+    scales, zero points and (de)quantization operators outweigh what 1- or 2-byte weights save (the pipeline's
+    report shows every format's bytes; `save` writes one, so it says so itself). The fp32 graph is written to
+    compare only where the file is at least 4 bytes per weight it holds, which a network of any size is not."""
+    from edgebayes.compressed.structure import count_weights
+    from edgebayes.export.formats import export_artifact
+
+    weights = sum(count_weights(sample, fold_batch_norm=True) for sample in compressed.samples)
+    size = staged.stat().st_size
+    if size < 4 * weights:
+        return
+    fp32 = "onnx" if f.runtime == "onnxruntime" else "tflite-fp32"
+    twin = staged.with_name("fp32" + staged.suffix)
+    export_artifact(mc_model, fp32, twin, example, None, opset, layout=layout, details={})
+    if size >= twin.stat().st_size:
+        warnings.warn(f"save: {staged.name}: {f.name} is {size:,} bytes, no smaller than the same graph in fp32 "
+                      f"({twin.stat().st_size:,} bytes, fmt={fp32!r}): this network's {weights:,} weights are too few "
+                      f"for lower precision to save space", stacklevel=3)
+    twin.unlink()
 
 
 def _network_inputs(x, shape, where):

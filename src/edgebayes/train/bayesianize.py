@@ -43,7 +43,7 @@ from torch import fx, nn
 
 from edgebayes.compressed.surgery import order_channels
 from edgebayes.errors import ArchError, InputError, warn_once
-from edgebayes.train.layers import ConvNorm, LayerFactory
+from edgebayes.train.layers import ConvNorm, LayerFactory, Signal1d
 from edgebayes.train.nested import NESTED_FAMILIES
 
 AFFINE = (nn.Conv2d, nn.Linear)
@@ -187,21 +187,6 @@ def _explicit_padding(conv):
 def _replace(module, name, new):
     parent, _, attr = name.rpartition(".")
     setattr(module.get_submodule(parent) if parent else module, attr, new)
-
-
-class Signal1d(nn.Module):
-    """A Conv1d (and the BatchNorm1d that alone reads it) as the height-1 Conv2d (and BatchNorm2d) it equals, on
-    (N, C, L) signals: (N, C, 1, L) through the (1, k) kernel, then back. The same outputs, the same FLOPs
-    (structure.py's formula over one kernel row and one output row) and the same channels (dimension 1), so the
-    families' 2-D layers, surgery and the packed export take it as any Conv2d; runtimes run the Unsqueeze /
-    Squeeze around it as reshapes. `norm` is nn.Identity where no batch norm alone reads the convolution."""
-
-    def __init__(self, conv, norm=None):
-        super().__init__()
-        self.conv, self.norm = conv, norm if norm is not None else nn.Identity()
-
-    def forward(self, x):
-        return self.norm(self.conv(x.unsqueeze(-2))).squeeze(-2)
 
 
 @torch.no_grad()

@@ -26,6 +26,21 @@ class ConvNorm(nn.Sequential):
         super().__init__(OrderedDict(conv=conv, norm=norm))
 
 
+class Signal1d(nn.Module):
+    """A Conv1d (and the BatchNorm1d that alone reads it) as the height-1 Conv2d (and BatchNorm2d) it equals, on
+    (N, C, L) signals: (N, C, 1, L) through the (1, k) kernel, then back. The same outputs, the same FLOPs
+    (structure.py's formula over one kernel row and one output row) and the same channels (dimension 1), so the
+    families' 2-D layers, surgery and the packed export take it as any Conv2d; runtimes run the Unsqueeze /
+    Squeeze around it as reshapes. `norm` is nn.Identity where no batch norm alone reads the convolution."""
+
+    def __init__(self, conv, norm=None):
+        super().__init__()
+        self.conv, self.norm = conv, norm if norm is not None else nn.Identity()
+
+    def forward(self, x):
+        return self.norm(self.conv(x.unsqueeze(-2))).squeeze(-2)
+
+
 class LayerFactory:
     """Builds the layers of one family. `linear_inclusion(fan_in, units)` gives lambda_l of FC layers.
 
@@ -42,6 +57,8 @@ class LayerFactory:
         surgery can cut it. Write a batch norm that follows a convolution this way, not as its own module.
       - `truncates` (nested families only) names the layer whose output channels a depthwise layer's mask
         also drops (MobileNetV2, see train/nested.py).
+      - `conv1d(...)`, with conv's arguments in one dimension, is a 1-D convolution on (N, C, L) signals: the
+        family's conv of height 1 in a Signal1d (bayesianize makes a user's nn.Conv1d the same).
     With family dnn the same calls give nn.Linear, nn.Conv2d and ConvNorm(conv, norm): the plain twin that
     posterior samples are copied into, so the names of both nets line up.
     """
@@ -94,3 +111,8 @@ class LayerFactory:
         return SpikeSlabConv2d(in_channels, out_channels, kernel_size, stride, padding, groups, dilation, bias=bias,
                                norm=nn.BatchNorm2d(out_channels) if norm else None,
                                **self._bayesian(prunable, self.prior_cfg.conv_inclusion))
+
+    def conv1d(self, in_channels, out_channels, kernel_size, stride=1, padding=0, groups=1, bias=True, norm=False,
+               prunable=True, truncates=None, dilation=1):
+        return Signal1d(self.conv(in_channels, out_channels, (1, kernel_size), (1, stride), (0, padding), groups, bias,
+                                  norm, prunable, truncates, (1, dilation)))
