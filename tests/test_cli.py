@@ -130,6 +130,12 @@ def test_a_logged_loop_says_its_pace_and_eta(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("train: epoch 1/3: loss=1.0 (") and "s/epoch, ETA " in lines[0]
     assert "ETA" not in lines[-1] and lines[-1].startswith("train: epoch 3/3: loss=1.0 (")
+    # A loop of thousands of short steps (an image folder's decoding) says where it is every `interval` seconds
+    # and at its end, not once per step
+    bar = LineProgress(range(5000), "data: decoding", unit="image", file=sys.stdout, interval=3600)
+    assert sum(1 for _ in bar) == 5000
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("data: decoding: image 5000/5000 (")
 
 
 def test_a_second_interrupt_while_the_program_ends_is_ignored():

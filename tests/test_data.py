@@ -523,6 +523,14 @@ def test_an_image_size_beyond_memory_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"8 images of 10000x10000x1 \(HxWxC\) need 3\.0 GiB as float32 to load, "
                                         r"more than this machine's 1\.0 GiB; set data\.image_size smaller"):
         load_data(_own("image-folder", root, image_size=[10000, 10000]), seed=0)
+    # Within the machine's memory but beyond half of what is available now: loaded, and said (such a run was killed
+    # by the OS in training without a word: probe); decoded once, channels-first, equal to PIL's pixels
+    monkeypatch.setattr(data, "_physical_memory", lambda: 2**40)
+    monkeypatch.setattr(data, "_available_memory", lambda: 2**17)
+    with pytest.warns(UserWarning, match=r"8 images of 40x30x3 \(HxWxC\) need 0\.0 GiB as float32, more than half "
+                                         r"of the 0\.0 GiB this machine has available now; .*set data\.image_size"):
+        splits = load_data(_own("image-folder", root, image_size=[40, 30], channels=3), seed=0)
+    assert tuple(splits.train_x.shape[1:]) == (3, 40, 30) and splits.train_x.is_contiguous()
 
 
 def test_class_names_given_twice_and_a_missing_ood_set_are_named(tmp_path):

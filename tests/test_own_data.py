@@ -141,6 +141,9 @@ def test_a_stage_run_again_for_new_data_says_so(tmp_path, capsys):
     np.savez(path, x=arrays["x"][::-1].copy(), y=arrays["y"])
     os.utime(path, ns=(1, 1))
     capsys.readouterr()
+    assert main(["select", "--config", str(config), "--runs-dir", str(runs)]) == 1   # a stage after it says so too
+    assert "the train stage is out of date for this config and device (what data.path holds changed since the " \
+           "stage ran)" in capsys.readouterr().err
     assert main(["train", "--config", str(config), "--runs-dir", str(runs)]) == 0
     assert "train: running (what data.path holds changed since the stage ran)" in capsys.readouterr().out
     assert main(["train", "--config", str(config), "--runs-dir", str(runs), "--set", "train.epochs=1"]) == 0

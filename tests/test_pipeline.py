@@ -74,7 +74,15 @@ def test_pipeline_meets_the_foundation_targets(run):
     assert "kept / dense weights per sample" in html   # the model-file card's ratio, named for what it is
 
 
-def test_second_run_skips_every_stage(run, capsys):
+def test_second_run_skips_every_stage(run, capsys, monkeypatch):
+    """... and reads no data: a cached pipeline over 50,000 images decoded them all (37 s) only to check them."""
+    from edgebayes import stages
+
+    def no_loading(*_):
+        raise AssertionError("the data was loaded")
+
+    monkeypatch.setattr(stages, "_splits_cache", {})
+    monkeypatch.setattr(stages, "load_data", no_loading)
     checkpoint = run / "train/checkpoint.pt"
     before = checkpoint.stat().st_mtime_ns
     capsys.readouterr()

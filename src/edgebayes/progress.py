@@ -21,26 +21,32 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
-def progress(iterable, desc="", total=None, initial=0, unit="it", disable=False, **kwargs):
-    """tqdm(iterable, ...) on a terminal; a LineProgress (same use: iterate, set_postfix, close) otherwise."""
+def progress(iterable, desc="", total=None, initial=0, unit="it", disable=False, interval=0.0, **kwargs):
+    """tqdm(iterable, ...) on a terminal; a LineProgress (same use: iterate, set_postfix, close) otherwise, a line
+    at most every `interval` seconds (and the last): a loop of thousands of short steps (decoding images) is
+    a few lines of a log, not one per step."""
     if disable or sys.stderr.isatty():
         return tqdm(iterable, desc=desc, total=total, initial=initial, unit=unit, disable=disable, **kwargs)
-    return LineProgress(iterable, desc, total, initial, unit)
+    return LineProgress(iterable, desc, total, initial, unit, interval=interval)
 
 
 class LineProgress:
     """One line per finished step: `train: epoch 12/150: loss=0.123, val_acc=0.951`."""
 
-    def __init__(self, iterable, desc, total=None, initial=0, unit="it", file=None):
-        self.iterable, self.desc, self.unit = iterable, desc, unit
+    def __init__(self, iterable, desc, total=None, initial=0, unit="it", file=None, interval=0.0):
+        self.iterable, self.desc, self.unit, self.interval = iterable, desc, unit, interval
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
         self.n, self.postfix, self.file, self.initial = initial, "", file, initial
 
     def __iter__(self):
-        start = time.monotonic()
+        start = said = time.monotonic()
         for item in self.iterable:
             yield item
             self.n += 1   # the step's body has run: report it
+            now = time.monotonic()
+            if self.interval and now - said < self.interval and self.n != self.total:
+                continue
+            said = now
             of = f"/{self.total}" if self.total is not None else ""
             print(f"{self.desc}: {self.unit} {self.n}{of}" + (f": {self.postfix}" if self.postfix else "")
                   + self._eta(time.monotonic() - start), file=self.file or sys.stderr, flush=True)
