@@ -309,8 +309,9 @@ def profiling(profile, runs_dir, log=print):
                      wait=log)
 
 
-def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
-    """Measure the sweep on the device and write its latency table; returns (path, table)."""
+def profile_device(profile, cfg, transport, runs_dir, bench, log=print, sizes=None):
+    """Measure the sweep on the device and write its latency table; returns (path, table). `sizes` (inputs per
+    example, classes): the data's, where the caller holds it (select), else read from the config's data."""
     from edgebayes.compressed.samples import MCAverage
     from edgebayes.compressed.structure import count_weights, paper_flops
     from edgebayes.export.formats import export_artifact
@@ -318,8 +319,9 @@ def profile_device(profile, cfg, transport, runs_dir, bench, log=print):
     if cfg.model.arch != "mlp":
         raise LatencyModelError(f"devices profile sweeps MLPs (model.arch mlp); for {cfg.model.arch} use "
                                 "latency_model.kind measure (a reachable device) or flops")
-    in_features, classes = IN_FEATURES.get(cfg.data.dataset), 10
-    if in_features is None:  # data of the user's own: size the sweep like its inputs and classes
+    in_features, classes = sizes or (IN_FEATURES.get(cfg.data.dataset), 10)
+    if in_features is None:  # data of the user's own: size the sweep like its inputs and classes (select passes
+        # the data's sizes: reading it again there took 11 s for 20,000 images)
         from edgebayes.data import load_data
 
         splits = load_data(cfg.data, cfg.seed)

@@ -124,13 +124,14 @@ def _val_probs(fmt, path, mc_model, val_x):
         return predict(mc_model, val_x).numpy(), f"PyTorch fp32 ({runtime} is not installed here)"
 
 
-def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log, table_read=None):
+def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log, table_read=None, sizes=None):
     """({id: measured ms or None}, predictor or None, measured-on facts or None).
 
     A reachable `measure` device without a latency table is profiled first, so every report can set the
     latency model's prediction against the measurement; `table_read()` is then called while no other
     profiling can write the table (the run's record of the table it used: Context.pin_latency_table). Only a device that cannot be used (DeviceUnavailable)
     falls back to a prediction; any other failure (the runner crashed, a full disk) stops selection as it is.
+    `sizes` (inputs per example, classes) size the profiling sweep as the data this selection holds.
     """
     key = f"p{profile.budgets.percentile}"
     predictor = predictor_for(profile, runs_dir)
@@ -149,7 +150,7 @@ def _latencies(cfg, profile, transport, models, example, bench, runs_dir, log, t
                         log(f"select: {aside or f'no latency table for {profile.name} yet'}: profiling it first "
                             f"(edgebayes devices profile)")
                         try:
-                            path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log)
+                            path, _ = profile_device(profile, cfg, transport, runs_dir, bench, log=log, sizes=sizes)
                             predictor = TablePredictor.load(path)
                             if table_read is not None:
                                 table_read()
@@ -281,9 +282,10 @@ def score_candidates(model, cfg, profile, val_x, val_y, calib_x, transport, runs
         if not candidates:
             raise SelectionError(f"no candidate leaves a network (each {model.knob} removes a whole layer, or makes "
                                  f"the output the same for every input); change select.knob_values ({model.knob})")
-        measured, predictor, measured_on = _latencies(cfg, profile, transport, models, example.numpy(),
-                                                      select_bench(cfg.benchmark), runs_dir, log, table_read)
         in_features = int(torch.tensor(val_x.shape[1:]).prod())
+        measured, predictor, measured_on = _latencies(cfg, profile, transport, models, example.numpy(),
+                                                      select_bench(cfg.benchmark), runs_dir, log, table_read,
+                                                      sizes=(in_features, probs.shape[1]))
         uncovered = {} if predictor is None else {
             c["id"]: why for c in candidates
             if (why := predictor.covers(c["cost"]["operators"], c["cost"]["flops"], c["cost"]["kept_weights"],
