@@ -103,6 +103,14 @@ def test_processes_are_validated(tmp_path):
     path.write_text(yaml.safe_dump({"model": {"family": "sqs"}, "train": {"processes": 2}}))
     with pytest.raises(ConfigError, match=f"{path}: train.processes"):
         load_pipeline_config(path)
+    # eb.fit took processes=2, then trained in one process without a word (probe)
+    import edgebayes as eb
+    from torch import nn
+
+    net = eb.bayesianize(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)), "ss-gl", input_shape=(4,), n_train=8)
+    with pytest.raises(ConfigError, match=r"fit: processes: fit trains in this process; for 2 processes run "
+                                          r"`edgebayes train` with train.processes: 2"):
+        eb.fit(net, torch.randn(8, 4), torch.arange(8) % 2, epochs=1, processes=2)
 
 
 
@@ -192,3 +200,30 @@ def test_pipeline_json_keeps_stdout_for_the_summary_with_several_processes(tmp_p
     out, err = capfd.readouterr()
     assert json.loads(out)["exit_code"] == 0 and "train: epoch 3/3" in err
     assert leftovers() <= before
+
+
+def test_a_training_process_that_fails_says_why_once_with_its_exit_code(tmp_path, capfd, monkeypatch):
+    """A failure inside the training processes ended with torchrun's error line, a 20-line traceback of
+    ChildFailedError and exit 1, bad input included (probe); two processes' messages ran into one line. Now: the
+    failing process's own line (numbered where it is not process 0), the code it exited with (2: bad input), the
+    launching process's one line, and nothing of torchrun's."""
+    (tmp_path / "rankfail.py").write_text(
+        "import os\nfrom torch import nn\n\n\n"
+        "def build(num_classes=10):\n"
+        "    if os.environ.get('RANK') == '1':   # a module the second process cannot build\n"
+        "        raise ValueError('no weights here')\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"name": "ddp", "model": {"family": "ss-gl", "arch": "rankfail:build"},
+                                    "train": {"epochs": 1, "batch_size": 128, "device": "cpu", "processes": 2,
+                                              "flops_target": None}}))
+    monkeypatch.chdir(tmp_path)   # a module in the working folder imports as it is, in every process
+    code = main(["train", "--config", str(path), "--runs-dir", str(tmp_path / "runs")])
+    out, err = capfd.readouterr()
+    assert code == 2, err
+    assert "edgebayes: process 1: model.arch: rankfail:build(**{'num_classes': 10}) failed (ValueError: no weights " \
+           "here)" in err, err
+    assert "Traceback" not in err and "ChildFailedError" not in err and "exitcode" not in err, err
+    assert "edgebayes: train failed: train: another training process stopped (" in err   # process 0, at a collective
+    assert err.rstrip().splitlines()[-1] == ("edgebayes: train: the 2 training processes refused their input (their "
+                                             "messages are above)")

@@ -275,12 +275,14 @@ def test_names_that_point_elsewhere_are_refused(name, tmp_path, capsys):
 
 @pytest.mark.parametrize("settings, named", [
     (["model.pretrained=garbage.pt"], "model.pretrained"), (["train.device=cuda"], "train.device"),
-    (["model.family=sqs", "sqs.checkpoint=other.pt", "train.flops_target=null"], "sqs.checkpoint")])
+    (["model.family=sqs", "sqs.checkpoint=other.pt", "train.flops_target=null"], "sqs.checkpoint"),
+    (["train.flops_target=0.001"], "train.flops_target: 0.001 of the dense FLOPs cannot be reached")])
 def test_bad_training_input_leaves_the_finished_run_as_it_was(settings, named, base, runs, tmp_path, capsys,
                                                                monkeypatch):
     """A bad model.pretrained, or train.device cuda without CUDA, deleted the finished run's checkpoint, marker
     and report before it was refused (exit 2, probe): what train refuses is checked before anything is touched;
-    an sqs.checkpoint of another network too (review)."""
+    an sqs.checkpoint of another network too (review), and a FLOPs target below the smallest network the
+    architecture allows (its schedule found it at the first step, after the last run was set aside: probe)."""
     import torch
 
     monkeypatch.chdir(tmp_path)

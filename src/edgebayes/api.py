@@ -62,6 +62,9 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     # The keywords as the config's train section validates them: a misspelt one (learning_rate) or a value out
     # of range is refused by name, not ignored
     t = validate(TrainConfig, {"epochs": epochs, **train}, "fit")
+    if t.processes > 1:   # taken, then trained in one process without a word (probe)
+        raise ConfigError(f"fit: processes: fit trains in this process; for {t.processes} processes run `edgebayes "
+                          f"train` with train.processes: {t.processes} in the config")
     check_train(t, getattr(net, "family", None), "fit", prefix="")
     from edgebayes.train.trainer import resolve_device
 

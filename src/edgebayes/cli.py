@@ -581,8 +581,13 @@ def main(argv=None) -> int:
         # exit handlers as a traceback, or killed it by the signal (exit -2) instead of 130
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if not (code in (EXIT_INTERRUPTED, EXIT_TERMINATED) and os.environ.get("EDGEBAYES_RELAUNCHED")):
-        print(f"edgebayes: {message}", file=sys.stderr)   # a training process under `train`: that one says it
+    # Under `train.processes` the launching process says an interruption; a training process's failure is said
+    # with its number where it is not process 0, in one write: the processes share the stream, and two messages
+    # ran into one line (probe)
+    rank = int(os.environ.get("RANK", "0")) if os.environ.get("EDGEBAYES_RELAUNCHED") else None
+    if rank is None or code not in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        sys.stderr.write(f"edgebayes: {f'process {rank}: ' if rank else ''}{message}\n")
+        sys.stderr.flush()
     return code
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from edgebayes import STAGES
 from edgebayes.config import ConfigError, as_dict, fingerprint
 from edgebayes.data import describe as describe_data, inputs_parts, load_data
-from edgebayes.errors import StageError
+from edgebayes.errors import InputError, StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
 from edgebayes.provenance import (code_hash, code_version, exclusive, load_checkpoint, provenance, read_json,
@@ -520,8 +520,10 @@ def train_preflight(ctx):
         for share, where in (shares or {}).values():
             if advice := target_advice(cfg, where, share):
                 ctx.log(f"train: pre-flight: {advice}")
+        _check_reachable(ctx, cfg.train.flops_target)
         return {}
     target = device_flops_target(shares, ctx.profile)
+    _check_reachable(ctx, target)
     unjudged = latency_unjudged(cfg, ctx.profile, facts, ctx.runs_dir)
     ctx.log(f"train: flops target from {ctx.profile.name}'s budgets: "
             + (f"{target:g} ({'; '.join(where for _, where in shares.values())})" if target is not None
@@ -529,6 +531,26 @@ def train_preflight(ctx):
                else "none (the dense network fits those judged here)")
             + (f"; {unjudged}" if unjudged else ""))
     return {"device_flops_target": target}
+
+
+def _check_reachable(ctx, target):
+    """A spike-and-slab FLOPs target below the smallest network the architecture allows, refused here (bad input,
+    exit 2) before run_train sets the last run aside: its schedule found it at the first step, after the finished
+    run of the same name had been deleted (probe). Structure only: an untrained net of the config's architecture."""
+    import torch
+
+    from edgebayes.config import SPIKE_SLAB_FAMILIES
+    from edgebayes.train.families import build
+    from edgebayes.train.flops_target import FlopsTargetSchedule
+
+    if target is None or ctx.cfg.model.family not in SPIKE_SLAB_FAMILIES:
+        return
+    try:
+        with torch.random.fork_rng(devices=[]):   # the training's own draws stay as they were
+            FlopsTargetSchedule(build(ctx.cfg, splits_for(ctx)),
+                                ctx.cfg.train.model_copy(update={"flops_target": target}), 1, log=lambda *_: None)
+    except ConfigError as e:
+        raise ConfigError(f"{ctx.config_path}: {e}") from None
 
 
 def run_train(ctx):
@@ -549,7 +571,14 @@ def run_train(ctx):
         ctx.log(f"train: {cfg.train.processes} processes (DDP) under torchrun")
         args = ["train", "--config", str(ctx.config_path), "--device", ctx.device_arg, *ctx.devices_dir_args(),
                 "--runs-dir", str(ctx.runs_dir), *ctx.set_args()] + (["--force"] if ctx.force else [])
+        if cfg.train.device == "cpu" and cfg.train.processes > (cores := len(os.sched_getaffinity(0))
+                                                                if hasattr(os, "sched_getaffinity") else os.cpu_count()):
+            ctx.log(f"train: {cfg.train.processes} processes on {cores} CPU cores: each waits for the cores the "
+                    f"others hold, slower than one process (8 on 2 cores took 9x the time per epoch: probe)")
         code = distributed.launch(args, cfg.train.processes, stdout=2 if ctx.stdout_is_json else None)   # fd 2: stderr
+        if code == 2:   # the CLI's bad input: the processes said what they refused; the same exit as one process's
+            raise InputError(f"train: the {cfg.train.processes} training processes refused their input (their "
+                             f"messages are above)")
         if code != 0:
             raise StageError(f"train: the {cfg.train.processes} training processes failed (exit code {code}); "
                              f"their messages are above")

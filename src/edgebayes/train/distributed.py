@@ -40,13 +40,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+if __name__ == "__main__":   # torchrun, as `launch` runs it: a Ctrl-C while torch imports (before torchrun sets its
+    signal.signal(signal.SIGINT, signal.SIG_DFL)   # own handlers) ended it in a 15-line traceback (probe)
 
 import torch
 import torch.distributed as dist
 
 import edgebayes
+from edgebayes.errors import StageError
 
 
 @dataclass
@@ -61,18 +66,21 @@ class World:
 
     def barrier(self):
         if self.size > 1:
-            dist.barrier()
+            with _peer_stops():
+                dist.barrier()
 
     def all_reduce_sum(self, tensor):
         if self.size > 1:
-            dist.all_reduce(tensor)
+            with _peer_stops():
+                dist.all_reduce(tensor)
         return tensor
 
     def all_gather_object(self, obj):
         if self.size == 1:
             return [obj]
         out = [None] * self.size
-        dist.all_gather_object(out, obj)
+        with _peer_stops():
+            dist.all_gather_object(out, obj)
         return out
 
     def close(self):
@@ -83,6 +91,18 @@ class World:
             dist.barrier()
             dist.destroy_process_group()
             self.owns_group = False
+
+
+@contextmanager
+def _peer_stops():
+    """A collective that fails because another process stopped (gloo: 'Connection closed by peer') is that
+    process's failure, which it says itself: here a StageError of one line, where it was a traceback of gloo's
+    RuntimeError after the other's message (probe)."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise StageError(f"train: another training process stopped ({str(e).splitlines()[0][:160]}); its message "
+                         f"says why") from None
 
 
 def launched() -> bool:
@@ -207,10 +227,16 @@ if __name__ == "__main__":   # torchrun, as `launch` runs it: the signal that st
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(os.environ["LOGLEVEL"])
+    # A training process that fails says why itself: torchrun's line about it, its traceback and its report of
+    # the failure were 25 lines after the one that mattered (probe)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         main()
     except SignalException as e:
         sys.exit(128 + int(e.sigval))
+    except ChildFailedError as e:   # the first failed process's own exit code (2: bad input), not torchrun's 1
+        code = e.get_first_failure()[1].exitcode
+        sys.exit(code if code > 0 else 128 - code)   # killed by a signal: 128 + its number, as a shell says it
