@@ -417,7 +417,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
             log(f"resuming with {world.size} processes a run checkpointed with {len(state['rng_states'])}: "
                 f"the training noise is reseeded, so the result differs from an uninterrupted run")
         history, start_epoch = state["history"], state["epoch"]
-        log(f"resuming from {checkpoint_path} after epoch {start_epoch}")
+        log(f"train: resuming from {checkpoint_path} after epoch {start_epoch}")
 
     # The weights a diverged first epoch goes back to (restore_last_finite); later ones go back to the checkpoint's
     start_state = None if checkpoint_path.exists() else {k: v.detach().to("cpu", copy=True)
