@@ -571,8 +571,8 @@ def run_train(ctx):
         ctx.log(f"train: {cfg.train.processes} processes (DDP) under torchrun")
         args = ["train", "--config", str(ctx.config_path), "--device", ctx.device_arg, *ctx.devices_dir_args(),
                 "--runs-dir", str(ctx.runs_dir), *ctx.set_args()] + (["--force"] if ctx.force else [])
-        if cfg.train.device == "cpu" and cfg.train.processes > (cores := len(os.sched_getaffinity(0))
-                                                                if hasattr(os, "sched_getaffinity") else os.cpu_count()):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if cfg.train.device == "cpu" and cfg.train.processes > cores:
             ctx.log(f"train: {cfg.train.processes} processes on {cores} CPU cores: each waits for the cores the "
                     f"others hold, slower than one process (8 on 2 cores took 9x the time per epoch: probe)")
         code = distributed.launch(args, cfg.train.processes, stdout=2 if ctx.stdout_is_json else None)   # fd 2: stderr

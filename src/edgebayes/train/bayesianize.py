@@ -68,7 +68,7 @@ def _structure(module):
     for n in calls:
         count[n.target] = count.get(n.target, 0) + 1
     order, pairs = [], {}
-    for n in calls:   # every affine map: those without a Bayesian twin (a Conv1d) are listed as staying plain
+    for n in calls:   # every affine map: those without a Bayesian twin (a Conv3d) are listed as staying plain
         if isinstance(mods[n.target], AFFINE + PLAIN_ONLY) and n.target not in order:
             order.append(n.target)
         norm = next((b for c, b in NORM_OF.items() if isinstance(mods[n.target], c)), None)
@@ -241,12 +241,6 @@ def state_as_built(state, module):
             same_size = new in own and value.shape != own[new].shape and value.numel() == own[new].numel()
             state[new] = value.reshape(own[new].shape) if same_size else value
     return state
-    state = dict(state)
-    for new, old in renamed.items():
-        if new not in state and old in state:
-            value = state.pop(old)
-            state[new] = value.unsqueeze(-2) if new.endswith(".conv.weight") and value.dim() == 3 else value
-    return state
 
 
 def convert(module: nn.Module, factory) -> nn.Module:
@@ -257,7 +251,8 @@ def convert(module: nn.Module, factory) -> nn.Module:
     renamed = {}        # new state-dict key -> the module's (state_as_built)
     for name in order:
         affine = net.get_submodule(name)
-        if type(affine) not in AFFINE:   # a Conv1d / Conv3d, a subclass (a quantization stub, a custom conv)
+        if type(affine) not in AFFINE:   # a Conv3d, a subclass (a quantization stub, a custom conv); a Conv1d
+            # of a module module_builder made is a Conv2d by now (conv1d_as_conv2d)
             plain_layers[name] = type(affine).__name__
             continue
         if name in read:   # the forward also reads layer.weight itself, which the family's layer does not have
