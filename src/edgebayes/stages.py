@@ -512,18 +512,20 @@ def train_preflight(ctx):
     that is set, else {}."""
     from edgebayes.deploy.budget_targets import budget_shares, device_flops_target, latency_unjudged, target_advice
     from edgebayes.export.preflight import preflight
+    from edgebayes.train.families import build
 
     cfg = ctx.cfg
-    facts = preflight(cfg, ctx.profile, splits_for(ctx), ctx.log)
+    model = build(cfg, splits_for(ctx))   # untrained: the pre-flight's exports and the target's reach read it
+    facts = preflight(cfg, ctx.profile, splits_for(ctx), model, ctx.log)
     shares = None if facts is None else budget_shares(cfg, ctx.profile, facts, ctx.runs_dir)
     if cfg.train.flops_target != "device":   # said; with device, they are the target
         for share, where in (shares or {}).values():
             if advice := target_advice(cfg, where, share):
                 ctx.log(f"train: pre-flight: {advice}")
-        _check_reachable(ctx, cfg.train.flops_target)
+        _check_reachable(ctx, model, cfg.train.flops_target)
         return {}
     target = device_flops_target(shares, ctx.profile)
-    _check_reachable(ctx, target)
+    _check_reachable(ctx, model, target)
     unjudged = latency_unjudged(cfg, ctx.profile, facts, ctx.runs_dir)
     ctx.log(f"train: flops target from {ctx.profile.name}'s budgets: "
             + (f"{target:g} ({'; '.join(where for _, where in shares.values())})" if target is not None
@@ -533,22 +535,21 @@ def train_preflight(ctx):
     return {"device_flops_target": target}
 
 
-def _check_reachable(ctx, target):
+def _check_reachable(ctx, model, target):
     """A spike-and-slab FLOPs target below the smallest network the architecture allows, refused here (bad input,
     exit 2) before run_train sets the last run aside: its schedule found it at the first step, after the finished
-    run of the same name had been deleted (probe). Structure only: an untrained net of the config's architecture."""
+    run of the same name had been deleted (probe). Structure only: `model` is the pre-flight's untrained net."""
     import torch
 
     from edgebayes.config import SPIKE_SLAB_FAMILIES
-    from edgebayes.train.families import build
     from edgebayes.train.flops_target import FlopsTargetSchedule
 
     if target is None or ctx.cfg.model.family not in SPIKE_SLAB_FAMILIES:
         return
     try:
         with torch.random.fork_rng(devices=[]):   # the training's own draws stay as they were
-            FlopsTargetSchedule(build(ctx.cfg, splits_for(ctx)),
-                                ctx.cfg.train.model_copy(update={"flops_target": target}), 1, log=lambda *_: None)
+            FlopsTargetSchedule(model, ctx.cfg.train.model_copy(update={"flops_target": target}), 1,
+                                log=lambda *_: None)
     except ConfigError as e:
         raise ConfigError(f"{ctx.config_path}: {e}") from None
 

@@ -30,8 +30,9 @@ def requested_formats(cfg, profile):
     return names + [f for f in cfg.export.formats if f not in names]
 
 
-def preflight(cfg, profile, splits, log=print):
-    """Compress and export the untrained net in every requested format; a StageError saying which and why
+def preflight(cfg, profile, splits, model, log=print):
+    """Compress and export the untrained net `model` (families.build's: the caller checks more of it, the FLOPs
+    target's reach) in every requested format; a StageError saying which and why
     if one fails. Returns what the exported files tell of the network at M = m samples, for the device's
     budgets (deploy/budget_targets.py): {"sizes": {format select scores: bytes}, "operators": {format:
     operators in its file}, "per_sample": {"flops", "weights" of one sample, "in_features"}, "m"}; None where
@@ -39,10 +40,9 @@ def preflight(cfg, profile, splits, log=print):
     from edgebayes.compressed.samples import EmptyLayerError, compress
     from edgebayes.compressed.structure import count_weights, paper_flops
     from edgebayes.export.formats import FORMATS, export_artifact, formats_for, operator_count
-    from edgebayes.train.families import build
 
     formats = requested_formats(cfg, profile)
-    model = build(cfg, splits).cpu().eval()
+    model = model.cpu().eval()
     m = min(2, max(cfg.select.mc_samples))   # the packed graph is rewritten alike for every M >= 2
     x = splits.train_x[:2]
     what = "train: refused before the first epoch (compress and export of the untrained network)"
