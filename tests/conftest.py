@@ -20,6 +20,21 @@ from edgebayes.deploy import localsshd
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def inductor_cache(tmp_path_factory):
+    """torch.compile's cache inside the session's temporary folder (pytest keeps the last three): in the shared
+    /tmp it grew by every run of the suite, 2.3 GB on a developer's machine, and filled a disk."""
+    import os
+
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    if previous is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
 @pytest.fixture(scope="session")
 def pipeline_run(tmp_path_factory):
     """`edgebayes pipeline` on pipeline.yaml and the local device, run once; returns runs/digits-ssgl."""

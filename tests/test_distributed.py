@@ -157,13 +157,15 @@ def _processes_of(runs):
 @pytest.mark.parametrize("signal_name, code", [("SIGTERM", 143), ("SIGKILL", -9), ("SIGINT twice", 130)])
 def test_a_signal_to_the_launching_process_alone_stops_the_training_processes(signal_name, code, tmp_path):
     """SIGTERM (a scheduler's, `kill`) or SIGKILL to `edgebayes train` alone: it exited and its two training
-    processes trained on, orphaned and unlocked, and wrote stage.json after the command said it stopped (probe)."""
+    processes trained on, orphaned and unlocked, and wrote stage.json after the command said it stopped (probe).
+    torchrun's log folder in the temporary directory goes with them: after SIGKILL one was left a run (review)."""
     import signal
     import time
 
-    runs = tmp_path / "runs"
+    runs, temp = tmp_path / "runs", tmp_path / "tmp"
+    temp.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "TMPDIR": str(temp)}
     proc = subprocess.Popen([sys.executable, "-m", "edgebayes.cli", "train", "--config", str(_tiny(tmp_path, 2, 400)),
                              "--runs-dir", str(runs)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -183,6 +185,7 @@ def test_a_signal_to_the_launching_process_alone_stops_the_training_processes(si
         time.sleep(0.5)
     assert _processes_of(runs) == []
     assert not (runs / "ddp/train/stage.json").exists()
+    assert [p.name for p in temp.iterdir() if p.name.startswith("edgebayes-torchrun-")] == []
 
 
 def test_pipeline_json_keeps_stdout_for_the_summary_with_several_processes(tmp_path, capfd):

@@ -233,6 +233,10 @@ if __name__ == "__main__":   # torchrun, as `launch` runs it: the signal that st
     # A training process that fails says why itself: torchrun's line about it, its traceback and its report of
     # the failure were 25 lines after the one that mattered (probe)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # `launch` removes its log folder when torchrun ends, but not when it was killed outright (SIGKILL, the OOM
+    # killer): torchrun, stopped by the parent-death signal, removes it then; one folder a kill was left (review)
+    options = sys.argv[1:sys.argv.index("-m")] if "-m" in sys.argv else []
+    logs = next((a.split("=", 1)[1] for a in options if a.startswith("--log-dir=")), None)
     try:
         main()
     except SignalException as e:
@@ -240,3 +244,6 @@ if __name__ == "__main__":   # torchrun, as `launch` runs it: the signal that st
     except ChildFailedError as e:   # the first failed process's own exit code (2: bad input), not torchrun's 1
         code = e.get_first_failure()[1].exitcode
         sys.exit(code if code > 0 else 128 - code)   # killed by a signal: 128 + its number, as a shell says it
+    finally:
+        if logs:
+            shutil.rmtree(logs, ignore_errors=True)
