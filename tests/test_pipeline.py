@@ -183,7 +183,7 @@ def test_runner_reports_its_own_peak_memory(run):
     import resource
 
     results = json.loads((run / "deploy/local/results.json").read_text())
-    parent_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    parent_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6   # KiB -> MB
     assert 0 < results["peak_rss_mb"] < 0.6 * parent_mb
 
 

@@ -139,6 +139,23 @@ def test_valid_bundle_produces_complete_results(bundle, tmp_path):
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]  # atomic write cleaned up
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_memory_figures_are_in_megabytes_of_a_million_bytes():
+    """/proc's "kB" are KiB: divided by 1024 they gave MiB, 4.9% below the MB (10^6 bytes) the report, the
+    device budgets and the file sizes are in, and a model of 1000 MiB passed a budget of 1024 MB (probe)."""
+    from edgebayes.ondevice.machine import current_rss_mb, peak_rss_mb
+
+    def kib(key):
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+    before, held = current_rss_mb(), np.ones(50_000_000 // 8)   # 50 MB touched
+    grown = current_rss_mb() - before
+    assert 49.0 < grown < 51.5, grown   # in MiB it read 47.7
+    assert abs(current_rss_mb() - kib("VmRSS") * 1024 / 1e6) < 0.5
+    assert abs(peak_rss_mb() - kib("VmHWM") * 1024 / 1e6) < 0.5
+    del held
+
+
 def test_latency_percentiles_are_over_every_timed_run(bundle, tmp_path):
     """50 runs in 5 rounds, all kept in the file: the reported p90 is theirs, the best round's beside it."""
     bundle_dir, _, _ = bundle

@@ -66,7 +66,7 @@ try:
     for line in open("/proc/meminfo"):
         k, v = line.split(":")
         if k in ("MemTotal", "MemAvailable"):
-            mem[k] = int(v.split()[0]) / 1024.0
+            mem[k] = int(v.split()[0]) * 1024 / 1e6   # KiB -> MB (10^6 bytes)
 except OSError:
     pass
 board = None
