@@ -412,12 +412,13 @@ def test_a_predicted_report_says_what_is_predicted(tmp_path):
     assert s["mode"] == "predicted" and s["metrics_measured_on"] == "this machine"
     assert s["budgets"]["latency_ms"] | {} == {**s["budgets"]["latency_ms"], "measured": 0.3, "basis": "predicted",
                                                "verdict": "pass"}
-    assert s["budgets"]["memory_mb"]["measured"] == 700.0 and s["budgets"]["memory_mb"]["verdict"] == "fail"
-    assert s["overall_verdict"] == "fail" and s["ood"]["auroc"] == 0.95
+    # an estimate over the budget: likely fail, not fail (nor pass under it: it is not a measurement)
+    assert s["budgets"]["memory_mb"]["measured"] == 700.0 and s["budgets"]["memory_mb"]["verdict"] == "likely fail"
+    assert s["overall_verdict"] == "likely fail" and s["ood"]["auroc"] == 0.95
     assert s["latency_prediction"]["measured_ms"] is None and s["latency_prediction"]["error"] is None
     html_text = (tmp_path / "report.html").read_text()
     assert "on local (predicted)" in html_text and "PREDICTED, not measured on the device" in html_text
-    assert "--device pi --results results.json" in html_text and "overall (predicted): fail" in html_text
+    assert "--device pi --results results.json" in html_text and "overall (predicted): likely fail" in html_text
     t = report_mod.terminal_summary(rep)
     assert t["mode"] == "predicted" and t["latency_ms"] == {"p50": 0.2, "p90": 0.3, "p99": 0.4}
 
@@ -478,6 +479,17 @@ def test_a_lower_bound_memory_estimate_cannot_pass(tmp_path):
     assert s["budgets"]["memory_mb"]["verdict"] == "n/a" and "lower bound" in s["budgets"]["memory_mb"]["measured_as"]
 
 
+@pytest.mark.parametrize("estimate, lower, verdict", [(0.3, False, "likely pass"), (700.0, False, "likely fail"),
+                                                      (0.3, True, "n/a"), (700.0, True, "fail")])
+def test_an_estimated_memory_is_judged_as_an_estimate(estimate, lower, verdict, tmp_path):
+    """A board not reached: selection's memory estimate is no measurement (a probe's was 84% below the runner's
+    figure), so under the budget it is a likely pass, not a pass; a lower bound over the budget fails for sure."""
+    inputs = predicted_inputs()
+    inputs["candidates"][2]["cost"].update(memory_estimate_mb=estimate, memory_estimate_lower_bound=lower)
+    s = report_mod.write_report(inputs, tmp_path)["summary"]
+    assert s["budgets"]["memory_mb"]["verdict"] == verdict
+
+
 def test_comparison_page(tmp_path):
     measured = report_mod.write_report(make_inputs(), tmp_path / "local")
     predicted = report_mod.write_report(predicted_inputs(), tmp_path / "pi")
@@ -489,6 +501,9 @@ def test_comparison_page(tmp_path):
     html_text = (tmp_path / "devices.html").read_text()
     assert "href='local/report.html'" in html_text and "href='pi/report.html'" in html_text
     assert "50 µs" in html_text and "300 µs" in html_text     # p90 measured / predicted, each device's own
+    # the predicted row's percentiles are not a measured spread, and its memory is an estimate (probe)
+    assert "200 µs / 300 µs / 400 µs (predicted)" in html_text and "40 µs / 50 µs / 80 µs (" not in html_text
+    assert "memory MB (predicted rows: estimated)" in html_text
     assert (tmp_path / "devices.png").read_bytes().startswith(PNG_MAGIC)
     assert json.loads((tmp_path / "devices.json").read_text()) == json.loads(json.dumps(data))
 

@@ -51,3 +51,23 @@ def test_report_renders_its_plots_in_headless_chromium(pipeline_run, tmp_path):
     assert res.returncode == 0 and shot.read_bytes().startswith(b"\x89PNG"), res.stderr[-2000:]
     assert shot.stat().st_size > 50_000   # a blank page compresses to a few kB
     print(f"report screenshot: {shot}")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine (apt-get install chromium; .ci/run does)")
+@pytest.mark.parametrize("width", [375, 320])
+def test_report_fits_a_phone_screen_without_scrolling_sideways(pipeline_run, tmp_path, width):
+    """The latency table's flex cell kept its content's width, so the whole page scrolled sideways on a phone
+    (probe: 421 px of page in 375); wide tables scroll inside themselves instead. Headless Chromium lays out no
+    window below 500 px, so the page is loaded in a frame of the phone's width."""
+    shutil.copy(pipeline_run / "report/local/report.html", tmp_path / "report.html")
+    frame = tmp_path / "phone.html"
+    frame.write_text(f"<html><body style='margin:0'><iframe id='f' src='report.html' style='width:{width}px;"
+                     "height:3000px;border:0'></iframe><script>f.addEventListener('load', () => {const d = f."
+                     "contentDocument.documentElement; document.body.dataset.widths = d.scrollWidth + 'x' + "
+                     "d.clientWidth})</script></body></html>")
+    dom = chromium("--allow-file-access-from-files", "--virtual-time-budget=10000", "--window-size=500,3000",
+                   "--dump-dom", frame.as_uri())
+    match = re.search(r'data-widths="(\d+)x(\d+)"', dom.stdout)
+    assert match, ("the page did not finish loading in chromium", dom.stderr[-2000:])
+    page_width, screen_width = map(int, match.groups())
+    assert page_width <= screen_width, f"the page is {page_width} px wide on a {screen_width} px screen"

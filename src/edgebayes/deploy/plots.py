@@ -8,6 +8,9 @@ from typing import Any
 
 from edgebayes.deploy.summary import dict_or_empty, fmt, fmt_ms, get, knob_label, num, point_label, same_point, time_axis
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "*", "h")   # one shape per series: colour-blind readers tell them apart
+
+
 def _new_fig(w: float, h: float, **kw: Any):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -25,9 +28,9 @@ def _png(fig) -> bytes:
 
 def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
                    budget_mb: float | None = None, percentile: Any = None, batch_size: Any = None) -> bytes | None:
-    """Val accuracy vs latency (left) and vs model size (right) for every candidate; colour = M, marker =
-    fits or not; a predicted latency with its band as a horizontal bar; the Pareto front, the budget lines and
-    the chosen point drawn on both. The legend (the chosen point named in it) sits below the panels, over no
+    """Val accuracy vs latency (left) and vs model size (right) for every candidate; colour and shape = M,
+    faded = violates a budget; a predicted latency with its band as a horizontal bar; the Pareto front, the
+    budget lines and the chosen point drawn on both. The legend (the chosen point named in it) sits below the panels, over no
     data and no tick label."""
     pts = [(c, num(get(c, "cost", "latency_ms")), num(get(c, "val", "accuracy")))
            for c in candidates]
@@ -57,15 +60,16 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
 
     cmap = colormaps["viridis"]
     colours = {m: cmap(0.85 * i / max(1, len(ms) - 1)) for i, m in enumerate(ms)}
+    shapes = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(ms)}   # M told apart by shape, not by hue alone
     for c, x, y in pts:
-        col = colours[c.get("mc_samples")]
+        col, shape = colours[c.get("mc_samples")], shapes[c.get("mc_samples")]
         if id(c) in bands:
             lo, hi = bands[id(c)]
             ax.plot([k * lo, k * hi], [y, y], color=col, linewidth=1, alpha=0.6, zorder=1)
         if c.get("fits"):
-            ax.scatter(k * x, y, s=46, marker="o", color=col, edgecolor="black", linewidth=0.5, zorder=3)
+            ax.scatter(k * x, y, s=46, marker=shape, color=col, edgecolor="black", linewidth=0.5, zorder=3)
         else:
-            ax.scatter(k * x, y, s=46, marker="X", color=col, alpha=0.55, zorder=2)
+            ax.scatter(k * x, y, s=46, marker=shape, color=col, alpha=0.4, zorder=2)   # faded, as on the right
     chosen = [(k * x, y) for c, x, y in pts
               if same_point(c, choice.get("knob_value"), choice.get("mc_samples"), choice.get("format"))]
     for x, y in chosen[:1]:
@@ -73,10 +77,7 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
     xs = [k * x for _, x, _ in pts] + ([budget_ms] if budget_ms is not None else []) + [
         k * v for b in bands.values() for v in b]
     if min(xs) > 0 and max(xs) / min(xs) > 10:  # wide spread: linear axis would squash the points
-        from matplotlib.ticker import NullFormatter
-
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())   # labelled minor ticks ran into each other ("3x10^14x10^1")
+        _log_x(ax)
     if budget_ms is not None:
         ax.axvline(budget_ms, color="crimson", linestyle="--", linewidth=1.3)
     stat = f"p{fmt(num(percentile))} latency" if num(percentile) is not None else "latency"
@@ -87,10 +88,11 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
     ax.set_title("Candidate operating points: accuracy vs latency")
     ax.grid(True, alpha=0.3)
     ax.margins(x=0.08, y=0.12)
-    handles = [Line2D([], [], marker="o", linestyle="", color=colours[m], markeredgecolor="black",
+    handles = [Line2D([], [], marker=shapes[m], linestyle="", color=colours[m], markeredgecolor="black",
                       markeredgewidth=0.5, label=f"M = {m}") for m in ms]
-    handles += [Line2D([], [], marker="o", linestyle="", color="grey", label="fits budget"),
-                Line2D([], [], marker="X", linestyle="", color="grey", alpha=0.55, label="violates budget")]
+    handles += [Line2D([], [], marker="o", linestyle="", color="grey", markeredgecolor="black", markeredgewidth=0.5,
+                       label="fits budget"),
+                Line2D([], [], marker="o", linestyle="", color="grey", alpha=0.4, label="violates budget (faded)")]
     if bands:
         handles.append(Line2D([], [], color="grey", linewidth=1, label="predicted latency's band"))
     if chosen:
@@ -122,7 +124,7 @@ def _size_panel(ax, candidates: list, choice: dict, budget_mb: float | None) -> 
         ax.axvline(budget_mb, color="darkorange", linestyle="--", linewidth=1.3)
     xs = [x for _, x, _ in pts] + ([budget_mb] if budget_mb is not None else [])
     if xs and min(xs) > 0 and max(xs) / min(xs) > 10:
-        ax.set_xscale("log")
+        _log_x(ax)
     ax.set_xlabel("model file size (MB)")
     ax.set_ylabel("validation accuracy")
     ax.set_title("Accuracy vs size (filled: Pareto-optimal)")
@@ -144,10 +146,11 @@ def plot_knob(candidates: list, knob: Any) -> bytes | None:
         return None
     fig = _new_fig(9.0, 3.4)
     a1, a2 = fig.subplots(1, 2)
-    for label, rows in sorted(series.items()):
+    for i, (label, rows) in enumerate(sorted(series.items())):
         rows.sort()
-        a1.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", label=label)
-        a2.plot([r[0] for r in rows], [r[2] for r in rows], marker="o", label=label)
+        shape = MARKERS[i % len(MARKERS)]   # lines told apart by shape too, not by hue alone
+        a1.plot([r[0] for r in rows], [r[1] for r in rows], marker=shape, label=label)
+        a2.plot([r[0] for r in rows], [r[2] for r in rows], marker=shape, label=label)
     for ax, what in ((a1, "validation accuracy"), (a2, "validation ECE")):
         ax.set_xlabel(knob_label(knob))
         ax.set_ylabel(what)
@@ -263,15 +266,9 @@ def plot_latency_hist(samples: Any, lat: dict, budget_ms: float | None, histogra
     fig = _new_fig(5.6, 4.4)
     ax = fig.add_subplot()
     if counts is not None:
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
         ax.stairs(shown, [k * e for e in shown_edges], fill=True, color="#74a9cf")
-        ax.set_xscale("log")
+        _log_x(ax)
         ax.set_xlim(k * lo / 1.03, k * hi * 1.03)
-        # plain numbers at 1, 2, 5 x 10^n, none between: scientific minor labels ran into each other
-        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
     else:
         ax.hist([k * v for v in shown], bins=min(60, max(10, len(shown) // 20)), range=(k * lo, k * hi),
                 color="#74a9cf", edgecolor="white", linewidth=0.3)
@@ -416,6 +413,17 @@ def plot_history(history: Any, layer_names: list[str]) -> bytes | None:
 
 
 
+def _log_x(ax):
+    """A log x axis labelled in plain numbers at 1, 2, 5 x 10^n and nowhere else: matplotlib's labelled minor
+    ticks ran into each other ("3x10^14x10^1"), and a range within one decade showed a single label."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plot_devices(rows: list[dict]) -> bytes | None:
     pts = [(r["device"], num(r["latency_ms"]), num(r["accuracy"]), r["mode"]) for r in rows]
     pts = [p for p in pts if p[1] is not None and p[2] is not None]
@@ -429,7 +437,7 @@ def plot_devices(rows: list[dict]) -> bytes | None:
                    color="#2c7fb8" if mode == "measured" else "#9e9ac8", edgecolor="black", linewidth=0.5, zorder=3)
     xs = [k * x for _, x, _, _ in pts]
     if min(xs) > 0 and max(xs) / min(xs) > 10:
-        ax.set_xscale("log")
+        _log_x(ax)
     mid = (min(xs) + max(xs)) / 2 if ax.get_xscale() == "linear" else (min(xs) * max(xs)) ** 0.5
     for name, x, y, _ in pts:   # a label towards the middle, so that none leaves the axes
         right = k * x > mid
