@@ -548,6 +548,22 @@ def test_full_disk_under_atomic_writes_names_the_file(tiny_disk):
     assert not list(mnt.iterdir())   # no temporary left behind
 
 
+def test_a_full_disk_under_the_tflite_export_is_an_error_not_a_silent_exit(tiny_disk):
+    """litert-torch wrote the file through LLVM, which ends the process on a full disk: export exited 1 and said
+    nothing (probe). Run in a child process, so that a regression ends the child, not the test session."""
+    pytest.importorskip("litert_torch")
+    script = ("import errno, sys, torch\n"
+              "from edgebayes.export.formats import export_tflite\n"
+              "net = torch.nn.Sequential(torch.nn.Linear(64, 1000), torch.nn.Softmax(-1))   # 260 KB of weights\n"
+              "try:\n"
+              "    export_tflite(net.eval(), torch.rand(1, 64), sys.argv[1], 'fp32')\n"
+              "except OSError as e:\n"
+              "    print('ENOSPC' if e.errno == errno.ENOSPC else repr(e))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny_disk / "model.tflite")], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ENOSPC", (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
 # ---------------------------------------------------------------------------------------------
 # The runner and the device
 # ---------------------------------------------------------------------------------------------

@@ -171,8 +171,10 @@ def _litert_convert(module, example, path, quant_config=None):
     with _quiet(), contextlib.redirect_stderr(io.StringIO()):
         import litert_torch
 
-        edge = litert_torch.convert(module, (example,), quant_config=quant_config)
-        edge.export(str(path))
+        # the bytes, written here: edge.export writes through LLVM, whose full disk ends the process at once
+        # ("LLVM ERROR: IO failure on output stream"): exit 1, and that line swallowed here (probe)
+        content = litert_torch.convert(module, (example,), quant_config=quant_config).model_content()
+    Path(path).write_bytes(content)
 
 
 def export_tflite(module, example, path, precision, calib_x=None):
