@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from edgebayes.config import DataConfig
-from edgebayes.data import DataError, load_data
+from edgebayes.data import DataError, load_data, pixels_as_float
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 
@@ -99,7 +99,8 @@ def test_npz_channels_last_uint8_images_with_string_labels_and_a_test_set(tmp_pa
     s = load_data(_own("npz", path, val_fraction=0.25), seed=0)
     assert s.input_shape == (3, 8, 8) and s.classes == ["cat", "dog", "eel"]
     assert (len(s.train_x), len(s.val_x), len(s.test_x)) == (45, 15, 9)
-    assert s.train_x.dtype == torch.float32 and 0 <= float(s.train_x.min()) and float(s.train_x.max()) <= 1
+    # training keeps the uint8 pixels (a quarter of the memory); validation and test are float32 in [0, 1]
+    assert s.train_x.dtype == torch.uint8 and s.val_x.dtype == s.test_x.dtype == torch.float32
     assert torch.equal(s.test_x, torch.tensor(x_test / 255.0, dtype=torch.float32).permute(0, 3, 1, 2))
     assert s.test_y.tolist() == [1, 0, 2] * 3
 
@@ -148,7 +149,7 @@ def test_image_folder_one_set_grayscale_split_with_labels_kept(tmp_path):
     s = load_data(cfg, seed=0)
     assert s.input_shape == (1, 8, 8) and s.classes == ["cat", "dog", "eel"]
     assert len(s.train_x) + len(s.val_x) + len(s.test_x) == 36 and len(s.test_x) == 7
-    for x, y in ((s.train_x, s.train_y), (s.val_x, s.val_y), (s.test_x, s.test_y)):
+    for x, y in ((pixels_as_float(s.train_x), s.train_y), (s.val_x, s.val_y), (s.test_x, s.test_y)):
         values = torch.round(x[:, 0, 0, 0] * 255).long()
         assert torch.equal(values // 40, y)  # each image kept its class
     assert torch.equal(load_data(cfg, seed=0).train_x, s.train_x)
@@ -361,6 +362,57 @@ def test_loader_function_errors(tmp_path, monkeypatch):
         load_data(DataConfig(dataset="userdata:no_argument"), 0)
 
 
+def test_8_bit_pixels_train_as_uint8_and_reach_the_network_as_the_same_floats(tmp_path):
+    """An image folder was held as float32: 4 bytes a value, 30 GB for 50,000 RGB images at 224 x 224. 8-bit
+    pixels now stay uint8 in the training split and are scaled a batch at a time: every batch the network gets
+    is bit for bit the float32 the loader made before (x / 255), and copies of training images in the test set
+    are still found (hashed as those floats)."""
+    from PIL import Image
+
+    from edgebayes.train.accel import DeviceData
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "rgb"
+    expected = {}
+    for k, name in enumerate(("a", "b")):
+        (root / "train" / name).mkdir(parents=True)
+        (root / "test" / name).mkdir(parents=True)
+        for i in range(10):
+            a = rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)
+            Image.fromarray(a, "RGB").save(root / "train" / name / f"{i}.png")
+            expected[a.tobytes()] = (np.asarray(a, dtype=np.float32) / np.float32(255)).transpose(2, 0, 1)
+            if i < 3:   # a copy in the test set
+                Image.fromarray(a, "RGB").save(root / "test" / name / f"{i}.png")
+    with pytest.warns(UserWarning, match=r"6 of the 6 inputs of x_test are also in x_train"):
+        s = load_data(_own("image-folder", root, val_fraction=0.2), seed=0)
+    assert s.train_x.dtype == torch.uint8 and s.val_x.dtype == s.test_x.dtype == torch.float32
+    data = DeviceData(s.train_x, s.train_y, torch.device("cpu"), batch_size=4, seed=0)
+    seen = 0
+    for x, _, _ in data.batches(0):
+        assert x.dtype == torch.float32
+        for row in x:
+            pixels = np.round(row.numpy().transpose(1, 2, 0) * 255).astype(np.uint8)
+            assert np.array_equal(row.numpy(), expected[pixels.tobytes()])   # the very bits of x / 255
+            seen += 1
+    assert seen == len(s.train_x) == 16
+
+
+def test_images_of_more_than_8_bits_stay_float(tmp_path):
+    """16-bit PNGs keep their precision (float32, / 65535); an 8-bit image among them is scaled to [0, 1] too."""
+    from PIL import Image
+
+    root = tmp_path / "deep"
+    for k, name in enumerate(("a", "b")):
+        (root / name).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(np.full((4, 4), 1000 * (k * 6 + i) + 1, dtype=np.uint16)).save(root / name / f"{i}.png")
+    Image.fromarray(np.full((4, 4), 255, dtype=np.uint8), "L").save(root / "a" / "eight.png")
+    s = load_data(_own("image-folder", root, test_fraction=0.2, val_fraction=0.2), seed=0)
+    pool = torch.cat([s.train_x, s.val_x, s.test_x])
+    assert s.train_x.dtype == torch.float32 and float(pool.max()) == 1.0   # the 8-bit 255, not 255.0
+    assert {round(float(v) * 65535) for v in pool[:, 0, 0, 0]} == {1000 * j + 1 for j in range(12)} | {65535}
+
+
 def test_test_inputs_that_are_copies_of_training_inputs_are_named(tmp_path):
     """A test set holding copies of training examples reports figures of the training data: warned, counted."""
     rng = np.random.default_rng(0)
@@ -519,15 +571,15 @@ def test_an_image_size_beyond_memory_is_refused_by_name(tmp_path, monkeypatch):
     import edgebayes.data as data
 
     root = _images(tmp_path / "imgs", classes=("a", "b"), n=4)
-    monkeypatch.setattr(data, "_physical_memory", lambda: 2**30)
-    with pytest.raises(DataError, match=r"8 images of 10000x10000x1 \(HxWxC\) need 3\.0 GiB as float32 to load, "
-                                        r"more than this machine's 1\.0 GiB; set data\.image_size smaller"):
+    monkeypatch.setattr(data, "_physical_memory", lambda: 2**29)
+    with pytest.raises(DataError, match=r"8 images of 10000x10000x1 \(HxWxC\) need 0\.7 GiB as uint8 to load, "
+                                        r"more than this machine's 0\.5 GiB; set data\.image_size smaller"):
         load_data(_own("image-folder", root, image_size=[10000, 10000]), seed=0)
     # Within the machine's memory but beyond half of what is available now: loaded, and said (such a run was killed
     # by the OS in training without a word: probe); decoded once, channels-first, equal to PIL's pixels
     monkeypatch.setattr(data, "_physical_memory", lambda: 2**40)
-    monkeypatch.setattr(data, "_available_memory", lambda: 2**17)
-    with pytest.warns(UserWarning, match=r"8 images of 40x30x3 \(HxWxC\) need 0\.0 GiB as float32, more than half "
+    monkeypatch.setattr(data, "_available_memory", lambda: 2**15)
+    with pytest.warns(UserWarning, match=r"8 images of 40x30x3 \(HxWxC\) need 0\.0 GiB as uint8, more than half "
                                          r"of the 0\.0 GiB this machine has available now; .*set data\.image_size"):
         splits = load_data(_own("image-folder", root, image_size=[40, 30], channels=3), seed=0)
     assert tuple(splits.train_x.shape[1:]) == (3, 40, 30) and splits.train_x.is_contiguous()

@@ -19,7 +19,10 @@ provide are carved out of its training set: test first (data.test_fraction), the
 (data.val_fraction), with a generator seeded by the run's seed, so a split never changes between runs.
 
 Inputs are float32, images (C, H, W), feature vectors (F,), or with data.signals 1-D signals (C, L). Labels
-are int64 class indices into `classes`.
+are int64 class indices into `classes`. One exception, for memory: where the source holds 8-bit pixels (an image
+folder of 8-bit images, uint8 arrays), the training split keeps them as uint8, a quarter of float32's bytes, and
+is scaled to [0, 1] a batch at a time (`pixels_as_float`): the same float32 values, bit for bit. Every reader of
+Splits.train_x converts what it takes; the validation, test and OOD sets are float32.
 """
 
 import csv
@@ -50,7 +53,7 @@ class DataError(InputError, ValueError):
 
 @dataclass
 class Splits:
-    train_x: torch.Tensor
+    train_x: torch.Tensor   # float32, or uint8 pixels (x / 255): read it through pixels_as_float
     train_y: torch.Tensor
     val_x: torch.Tensor
     val_y: torch.Tensor
@@ -196,8 +199,8 @@ def _inputs(a, name, where, signals=False) -> torch.Tensor:
     channels being the axis of size 1, 3 or 4: the last (N, H, W, C) or the second (N, C, H, W). When both are (small images, e.g.
     (N, 1, 4, 4)) the array's own convention decides: a torch tensor is channels first (PyTorch's layout),
     anything else channels last (numpy's and PIL's).
-    uint8 is taken as pixels and scaled to [0, 1]; other numbers are kept as they are (other integer
-    types too: counts and codes of tabular data are not pixels).
+    uint8 is taken as pixels, kept as uint8 (x / 255: pixels_as_float scales them to [0, 1]); other numbers are
+    float32 as they are (other integer types too: counts and codes of tabular data are not pixels).
     """
     tie_channels_first = isinstance(a, torch.Tensor)
     if isinstance(a, torch.Tensor):
@@ -224,11 +227,9 @@ def _inputs(a, name, where, signals=False) -> torch.Tensor:
                         f"or (N, C, H, W)")
     if not a.flags.writeable:
         a = a.copy()
-    # One copy at most: converted to float32 and laid out contiguously (N, C, H, W) at once.
-    x = torch.from_numpy(a).to(torch.float32, memory_format=torch.contiguous_format)
-    if a.dtype == np.uint8:
-        x /= 255.0
-    return x
+    # One copy at most: converted and laid out contiguously (N, C, H, W) at once.
+    dtype = torch.uint8 if a.dtype == np.uint8 else torch.float32
+    return torch.from_numpy(a).to(dtype, memory_format=torch.contiguous_format)
 
 
 def _is_uint8(a):
@@ -321,24 +322,27 @@ def _is_gray(image) -> bool:
     return False
 
 
-def _pixels(image, channels, size) -> np.ndarray:
-    """One decoded image as float32 (H, W[, 3]) in [0, 1], resized to size = (W, H) when it differs.
+WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")   # PIL's modes of more than 8 bits per value
 
-    16-bit and 32-bit grayscale are scaled by 65535 (PNG's 16 bits), float images ('F') kept as they are;
-    other modes are 8-bit and scaled by 255. RGB drops an alpha channel; grayscale among RGB images is
-    repeated over the three channels.
+
+def _pixels(image, channels, size) -> np.ndarray:
+    """One decoded image (H, W[, 3]), resized to size = (W, H) when it differs: 8-bit modes as their uint8
+    values (x / 255 in [0, 1]: pixels_as_float), wider ones as float32 in [0, 1].
+
+    16-bit and 32-bit grayscale are scaled by 65535 (PNG's 16 bits), float images ('F') kept as they are.
+    RGB drops an alpha channel; grayscale among RGB images is repeated over the three channels.
     """
     from PIL import Image
 
-    if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+    if image.mode in WIDE_MODES:
         scale = 1.0 if image.mode == "F" else 65535.0
         image = image.convert("F")
     else:
-        scale = 255.0
+        scale = None
         image = image.convert("L" if channels == 1 else "RGB")
     if image.size != size:
         image = image.resize(size, Image.Resampling.BILINEAR)
-    a = np.asarray(image, dtype=np.float32) / np.float32(scale)
+    a = np.asarray(image, dtype=np.uint8) if scale is None else np.asarray(image, dtype=np.float32) / np.float32(scale)
     if channels == 3 and a.ndim == 2:
         a = np.repeat(a[:, :, None], 3, axis=2)
     return a
@@ -423,10 +427,12 @@ def _image_folder(cfg):
     for f in headers:
         try:
             with Image.open(f) as image:
-                modes[f], sizes[f] = _is_gray(image), image.size
+                modes[f], sizes[f] = (_is_gray(image), image.mode in WIDE_MODES), image.size
         except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
             raise DataError(f"{where}: {f}: not a readable image ({e})") from None
-    channels = cfg.channels or (1 if all(modes.values()) else 3)
+    channels = cfg.channels or (1 if all(gray for gray, _ in modes.values()) else 3)
+    # 8-bit images are held as their uint8 values (a quarter of float32's memory), wider ones as float32
+    dtype = np.float32 if any(wide for _, wide in modes.values()) else np.uint8
     if cfg.image_size:
         size = (cfg.image_size[1], cfg.image_size[0])
     else:
@@ -440,8 +446,9 @@ def _image_folder(cfg):
     # data.image_size [100000, 100000] was "out of memory", exit 1: refused beyond all of the machine's memory (a
     # bound, not a fit); beyond half of what is available now, said (a run of 18 GiB of images beside 19 GiB free
     # was accepted, to be killed by the OS in training without a word: probe)
-    need = n * size[0] * size[1] * channels * 4
-    what = f"{n} images of {size[1]}x{size[0]}x{channels} (HxWxC) need {need / 2**30:.1f} GiB as float32"
+    need = n * size[0] * size[1] * channels * np.dtype(dtype).itemsize
+    what = (f"{n} images of {size[1]}x{size[0]}x{channels} (HxWxC) need {need / 2**30:.1f} GiB as "
+            f"{np.dtype(dtype).name}")
     advice = "set data.image_size smaller" + ("" if cfg.image_size else " (they are read at their own size)")
     if need > (memory := _physical_memory() or need):
         raise DataError(f"{where}: {what} to load, more than this machine's {memory / 2**30:.1f} GiB; {advice}")
@@ -452,12 +459,14 @@ def _image_folder(cfg):
     sets = {}
     for s, pairs in files.items():
         # decoded straight into channels-first rows: one copy of the set at the peak, not two
-        x = np.empty((len(pairs), channels, size[1], size[0]), dtype=np.float32)
+        x = np.empty((len(pairs), channels, size[1], size[0]), dtype=dtype)
         for i, (f, _) in enumerate(progress(pairs, desc=f"data: {cfg.path}: decoding the {s} set", unit="image",
                                             disable=quiet, interval=PROGRESS_INTERVAL)):
             try:   # a file cut after its header decodes only now
                 with Image.open(f) as image:
                     a = _pixels(image, channels, size)
+                if a.dtype != x.dtype:   # an 8-bit image among wider ones: scaled as they are, to [0, 1]
+                    a = a.astype(np.float32) / np.float32(255)
                 x[i] = a[None] if channels == 1 else a.transpose(2, 0, 1)
             except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
                 raise DataError(f"{where}: {f}: not a readable image ({e})") from None
@@ -710,6 +719,12 @@ def _lookup(sorted_values, a, order=None):
     return np.where(found, i, -1)
 
 
+def pixels_as_float(x: torch.Tensor) -> torch.Tensor:
+    """x as float32 on its own device: uint8 pixels scaled to [0, 1] (x / 255, as the loaders scaled them
+    before they kept uint8), float32 as it is."""
+    return x.to(torch.float32) / 255.0 if x.dtype == torch.uint8 else x
+
+
 def as_inputs(a):
     """A user's inputs as a float32 CPU tensor: an array, a list, or a tensor on any device (detached: one that
     requires grad too). eb.fit's x, eb.save's example, eb.run's x, bayesianize's calibration_x. uint8 (pixels) is
@@ -745,8 +760,9 @@ def checked_sets(sets: dict, classes, where):
         # in blocks: torch.isfinite of a float tensor allocates |x| (a float copy) and two bool masks of the whole
         # set; counted only in a block whose sum is not finite (a NaN or an infinity makes it so; an overflow too,
         # then counted as none), 40x faster: 23 s on 30,000 RGB images of 64x64 (probe)
-        bad = sum(int((~torch.isfinite(block)).sum()) for i in range(0, len(x), 4096)
-                  if not torch.isfinite((block := x[i:i + 4096]).sum()))
+        bad = 0 if not x.is_floating_point() else sum(
+            int((~torch.isfinite(block)).sum()) for i in range(0, len(x), 4096)
+            if not torch.isfinite((block := x[i:i + 4096]).sum()))
         if bad:
             raise DataError(f"{where}: x_{s} has {bad} values that are NaN or infinite")
         labels[s] = y
@@ -763,12 +779,14 @@ def checked_sets(sets: dict, classes, where):
 
 def _row_hashes(x, block_words=1 << 22):
     """A 64-bit hash of each input's exact float32 bits (a fixed random multiply-add over its words): equal
-    inputs, equal hashes; unequal ones collide with probability about 2^-64 per pair."""
-    words = np.ascontiguousarray(x.reshape(len(x), -1).numpy(), dtype=np.float32).view(np.uint32)
-    mix = np.random.default_rng(0).integers(1, 2**63, words.shape[1], dtype=np.uint64) | np.uint64(1)
-    block = max(1, block_words // max(1, words.shape[1]))   # ~64 MiB of uint64 temporaries, whatever the row size
-    return np.concatenate([(words[i:i + block].astype(np.uint64) * mix).sum(1, dtype=np.uint64)
-                           for i in range(0, len(words), block)] or [np.zeros(0, np.uint64)])
+    inputs, equal hashes; unequal ones collide with probability about 2^-64 per pair. uint8 pixels are hashed as
+    the float32 values they stand for, a block at a time (a float copy of the whole set is what uint8 saves)."""
+    rows = x.reshape(len(x), -1)
+    mix = np.random.default_rng(0).integers(1, 2**63, rows.shape[1], dtype=np.uint64) | np.uint64(1)
+    block = max(1, block_words // max(1, rows.shape[1]))   # ~64 MiB of uint64 temporaries, whatever the row size
+    return np.concatenate([(np.ascontiguousarray(pixels_as_float(rows[i:i + block]).numpy(), dtype=np.float32)
+                            .view(np.uint32).astype(np.uint64) * mix).sum(1, dtype=np.uint64)
+                           for i in range(0, len(rows), block)] or [np.zeros(0, np.uint64)])
 
 
 def _source(cfg) -> str:
@@ -892,8 +910,9 @@ def load_data(cfg, seed: int) -> Splits:
         shown = ", ".join(repr(classes[i]) for i in left_out[:5]) + (", ..." if len(left_out) > 5 else "")
         warnings.warn(f"{_source(cfg)}: data.train_subset {cfg.train_subset} leaves {len(left_out)} class(es) of the "
                       f"training split without an example ({shown}): the network never learns them")
-    splits = Splits(x[train], y[train], val_x, val_y, test_x, test_y, classes)
-    del x, y, sets   # the whole given set: each split holds its own copy of its rows
+    # training keeps uint8 pixels (a quarter of the bytes, scaled a batch at a time); the others are float32
+    splits = Splits(x[train], y[train], pixels_as_float(val_x), val_y, pixels_as_float(test_x), test_y, classes)
+    del x, y, sets, val_x, test_x   # the whole given set: each split holds its own copy of its rows
     if cfg.ood:
         splits.ood_x = _ood_set(cfg, splits, g)
     return splits
@@ -907,7 +926,7 @@ def _ood_set(cfg, splits, generator):
     """
     n = len(splits.test_x)
     if cfg.ood == "noise":
-        lo, hi = float(splits.train_x.min()), float(splits.train_x.max())
+        lo, hi = (float(pixels_as_float(v)) for v in (splits.train_x.min(), splits.train_x.max()))
         return lo + (hi - lo) * torch.rand((n,) + splits.input_shape, generator=generator)
     if cfg.ood == "digits":
         x = _digits()[0]["train"][0]

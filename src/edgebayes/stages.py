@@ -37,7 +37,7 @@ import numpy as np
 
 from edgebayes import STAGES
 from edgebayes.config import ConfigError, as_dict, fingerprint
-from edgebayes.data import describe as describe_data, inputs_parts, load_data
+from edgebayes.data import describe as describe_data, inputs_parts, load_data, pixels_as_float
 from edgebayes.errors import InputError, StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
@@ -689,7 +689,7 @@ def run_select(ctx):
     model, splits = load_trained_model(ctx), splits_for(ctx)
     out = ctx.stage_dir("select")
     transport = transport_for(ctx.profile, out / "device")
-    calib_x = splits.train_x[: ctx.cfg.export.calibration_size]
+    calib_x = pixels_as_float(splits.train_x[: ctx.cfg.export.calibration_size])
     ctx.pin_latency_table()   # before the table is read: the marker must name the table select used
     candidates, measured_on, evidence = score_candidates(model, ctx.cfg, ctx.profile, splits.val_x, splits.val_y,
                                                          calib_x, transport, ctx.runs_dir, log=ctx.log,
@@ -756,7 +756,7 @@ def run_export(ctx):
         if splits.ood_x is not None:
             before_temperature["ood"] = ood_scores(probs_t1, predict(untempered, splits.ood_x).numpy())
             before_temperature["at_fitted_t"]["ood"] = ood_scores(reference_probs, predict(mc_model, splits.ood_x).numpy())
-    calib_x = splits.train_x[: e.calibration_size]  # the first rows of the (seeded) training split
+    calib_x = pixels_as_float(splits.train_x[: e.calibration_size])  # the first rows of the (seeded) training split
     # The chosen format is the primary artifact (the one deploy must run); export.formats adds others
     # beside it, for the report's fidelity and latency comparison.
     formats = [choice["format"], *(f for f in e.formats if f != choice["format"])]

@@ -19,6 +19,7 @@ them into the share of the network that fits (advice, or the target of train.flo
 import tempfile
 from pathlib import Path
 
+from edgebayes.data import pixels_as_float
 from edgebayes.errors import StageError
 
 
@@ -44,7 +45,7 @@ def preflight(cfg, profile, splits, model, log=print):
     formats = requested_formats(cfg, profile)
     model = model.cpu().eval()
     m = min(2, max(cfg.select.mc_samples))   # the packed graph is rewritten alike for every M >= 2
-    x = splits.train_x[:2]
+    x = pixels_as_float(splits.train_x[:2])
     what = "train: refused before the first epoch (compress and export of the untrained network)"
     try:
         # its weights are untrained, its structure is what is checked: an SQS net's equal keep scores may

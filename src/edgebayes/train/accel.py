@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from edgebayes.data import pixels_as_float
+
 
 def augment(x, padding):
     """Random crop with zero padding and random horizontal flip of a batch (N, C, H, W), on x's device.
@@ -89,7 +91,7 @@ class DeviceData:
             if len(idx) < self.world_size:
                 continue
             shard = idx[self.rank:: self.world_size]
-            x = self.x[shard]
+            x = pixels_as_float(self.x[shard])   # uint8 pixels: scaled a batch at a time
             if self.augment_padding is not None:
                 x = augment(x, self.augment_padding)
             if self.channels_last:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from edgebayes.config import ModelConfig, NestedConfig, PriorConfig
-from edgebayes.data import as_inputs
+from edgebayes.data import as_inputs, pixels_as_float
 from edgebayes.errors import ArchError, warn_once
 from edgebayes.train import sqs
 from edgebayes.train.arch import resolve_arch
@@ -78,7 +78,7 @@ def _wrap_nested(family):
         # epoch of about 90, 8.8 s with these 1,024
         rows = nested.bn_batches * nested.bn_batch_size
         return NestedNet(build, family, nested, input_shape, classes, activation=activation,
-                         calibration_x=None if calibration_x is None else calibration_x[:rows],
+                         calibration_x=None if calibration_x is None else pixels_as_float(calibration_x[:rows]),
                          bn_batch_size=nested.bn_batch_size)
     return wrap
 
