@@ -1048,6 +1048,24 @@ def test_the_python_api_scales_uint8_inputs_as_the_pipeline_does(tmp_path):
         assert np.allclose(eb.run(path, pixels), c.mc_model()(torch.from_numpy(pixels).float() / 255).numpy(), atol=1e-5)
 
 
+def test_fit_on_uint8_pixels_holds_them_as_uint8_and_trains_as_on_their_floats():
+    """eb.fit keeps uint8 pixels as uint8 (a quarter of float32's memory) and scales each batch: the fitted net
+    is the very one fitted on x / 255 as float32."""
+    import copy
+
+    import edgebayes as eb
+
+    torch.manual_seed(0)
+    pixels = np.random.default_rng(2).integers(0, 256, (60, 1, 8, 8)).astype(np.uint8)
+    y = np.arange(60) % 3
+    net = bayesianize(ConvBnFc(4, 8, 3), "ss-gl", input_shape=(1, 8, 8), n_train=60)
+    twin = copy.deepcopy(net)
+    eb.fit(net, pixels, y, epochs=2, seed=3, batch_size=16)
+    eb.fit(twin, pixels.astype(np.float32) / np.float32(255), y, epochs=2, seed=3, batch_size=16)
+    for (name, a), b in zip(net.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_fit_checks_the_validation_split_it_carves_itself():
     """eb.fit carves 10% of x for validation at random: a class can be left out of training altogether."""
     import edgebayes as eb

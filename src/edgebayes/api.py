@@ -49,7 +49,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     and train.max_accuracy_drop's floor is that network's. A missed floor does not raise: the last epoch's
     "flops_target_verdict" says what the target cost.
     """
-    from edgebayes.data import DataError, Splits, checked_sets
+    from edgebayes.data import DataError, Splits, checked_sets, pixels_as_float
     from edgebayes.train.trainer import ELBO, train as run_train
 
     _check_made_by_bayesianize(net, "fit", ("classes", "input_shape", "default_knob"))
@@ -76,7 +76,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     # The data as every source is checked (one label per input, finite inputs, labels that are classes of the
     # net; its messages call them x_train, y_train, x_val, y_val)
     classes = [str(c) for c in range(net.classes)]   # (the trainer moves the data to its device itself)
-    given = {"train": (as_inputs(x), y)}
+    given = {"train": (as_inputs(x, keep_pixels=True), y)}   # uint8 pixels: a quarter of float32's memory
     if val is not None:
         given["val"] = (as_inputs(val[0]), val[1])
     sets, classes = checked_sets(given, classes, "fit")
@@ -92,7 +92,7 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
     if val is None:   # 10% of the training data, carved out with the seed
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
         k = max(1, len(x) // 10)
-        (vx, vy), x, y = (x[perm[:k]], y[perm[:k]]), x[perm[k:]], y[perm[k:]]
+        (vx, vy), x, y = (pixels_as_float(x[perm[:k]]), y[perm[:k]]), x[perm[k:]], y[perm[k:]]
     else:
         vx, vy = sets["val"]
     if val is None:

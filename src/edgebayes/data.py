@@ -725,13 +725,14 @@ def pixels_as_float(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) / 255.0 if x.dtype == torch.uint8 else x
 
 
-def as_inputs(a):
+def as_inputs(a, keep_pixels=False):
     """A user's inputs as a float32 CPU tensor: an array, a list, or a tensor on any device (detached: one that
     requires grad too). eb.fit's x, eb.save's example, eb.run's x, bayesianize's calibration_x. uint8 (pixels) is
     scaled to [0, 1], as every data source of the pipeline scales it (`_inputs`): a net fitted on uint8 arrays
-    through one and run on them through the other sees the same numbers."""
+    through one and run on them through the other sees the same numbers. keep_pixels: uint8 stays uint8, for a
+    training split (scaled a batch at a time: pixels_as_float)."""
     x = torch.as_tensor(a.detach().cpu() if isinstance(a, torch.Tensor) else np.asarray(a))
-    return x.to(torch.float32) / 255.0 if x.dtype == torch.uint8 else x.to(torch.float32)
+    return x if keep_pixels and x.dtype == torch.uint8 else pixels_as_float(x).to(torch.float32)
 
 
 def class_indices(y, name, where) -> torch.Tensor:
