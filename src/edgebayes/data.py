@@ -722,7 +722,7 @@ def _lookup(sorted_values, a, order=None):
 def pixels_as_float(x: torch.Tensor) -> torch.Tensor:
     """x as float32 on its own device: uint8 pixels scaled to [0, 1] (x / 255, as the loaders scaled them
     before they kept uint8), float32 as it is."""
-    return x.to(torch.float32) / 255.0 if x.dtype == torch.uint8 else x
+    return x.to(torch.float32).div_(255.0) if x.dtype == torch.uint8 else x   # in place: one float copy, not two
 
 
 def as_inputs(a, keep_pixels=False):
@@ -911,9 +911,11 @@ def load_data(cfg, seed: int) -> Splits:
         shown = ", ".join(repr(classes[i]) for i in left_out[:5]) + (", ..." if len(left_out) > 5 else "")
         warnings.warn(f"{_source(cfg)}: data.train_subset {cfg.train_subset} leaves {len(left_out)} class(es) of the "
                       f"training split without an example ({shown}): the network never learns them")
-    # training keeps uint8 pixels (a quarter of the bytes, scaled a batch at a time); the others are float32
-    splits = Splits(x[train], y[train], pixels_as_float(val_x), val_y, pixels_as_float(test_x), test_y, classes)
-    del x, y, sets, val_x, test_x   # the whole given set: each split holds its own copy of its rows
+    # training keeps uint8 pixels (a quarter of the bytes, scaled a batch at a time); the others are float32,
+    # made once the whole given set is gone (each split holds its own copy of its rows): a lower peak
+    splits = Splits(x[train], y[train], val_x, val_y, test_x, test_y, classes)
+    del x, y, sets, val_x, test_x
+    splits.val_x, splits.test_x = pixels_as_float(splits.val_x), pixels_as_float(splits.test_x)
     if cfg.ood:
         splits.ood_x = _ood_set(cfg, splits, g)
     return splits
