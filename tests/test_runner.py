@@ -156,6 +156,19 @@ def test_memory_figures_are_in_megabytes_of_a_million_bytes():
     del held
 
 
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or "model name" not in Path("/proc/cpuinfo").read_text(),
+                    reason="no CPU model name in /proc/cpuinfo here")
+def test_the_machine_names_its_processor_where_platform_does_not():
+    """platform.processor() is empty on Linux: the report's and the benchmarks' machine had a blank processor."""
+    import platform
+
+    from edgebayes.ondevice.machine import device_info
+
+    name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name"))
+    assert device_info()["processor"] == (platform.processor() or name) != ""
+
+
 def test_latency_percentiles_are_over_every_timed_run(bundle, tmp_path):
     """50 runs in 5 rounds, all kept in the file: the reported p90 is theirs, the best round's beside it."""
     bundle_dir, _, _ = bundle

@@ -61,6 +61,16 @@ def peak_rss_mb():
     return float(peak / divisor)
 
 
+def _cpu_model():
+    """The CPU's name from Linux's /proc/cpuinfo ("model name": x86, some ARM kernels), where platform.processor()
+    is empty, as it is on Linux: a benchmark's machine read as blank (probe). None where it does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def device_info():
     """Where the numbers came from; the board model helps on Jetson/Pi."""
     board = None
@@ -73,7 +83,7 @@ def device_info():
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "processor": platform.processor() or _cpu_model(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "numpy": np.__version__,
