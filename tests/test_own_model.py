@@ -1066,6 +1066,38 @@ def test_fit_on_uint8_pixels_holds_them_as_uint8_and_trains_as_on_their_floats()
         assert torch.equal(a, b), name
 
 
+def test_uint8_pixels_are_one_run_with_their_floats_and_compile_sees_floats(tmp_path, monkeypatch):
+    """Two regressions of holding pixels as uint8 (review): the run's identity hashed the uint8 bytes, so a
+    checkpoint of x / 255 (or one written before) was "another run"; and torch.compile's trial step got the uint8
+    batch, failed, and training fell back to eager."""
+    import edgebayes as eb
+    import edgebayes.train.trainer as trainer
+
+    examples = []
+    monkeypatch.setattr(trainer, "compile_step", lambda forward, model, example, log: (
+        examples.append(example.dtype), (forward, model.kl))[1])
+    pixels = np.random.default_rng(2).integers(0, 256, (60, 1, 8, 8)).astype(np.uint8)
+    y = np.arange(60) % 3
+    torch.manual_seed(0)
+    net = bayesianize(ConvBnFc(4, 8, 3), "ss-gl", input_shape=(1, 8, 8), n_train=60)
+    eb.fit(net, pixels.astype(np.float32) / np.float32(255), y, epochs=2, seed=3, batch_size=16,
+           checkpoint=tmp_path / "ck.pt", until_epoch=1)
+    eb.fit(net, pixels, y, epochs=2, seed=3, batch_size=16, checkpoint=tmp_path / "ck.pt", compile=True)
+    assert examples == [torch.float32]
+
+
+def test_pixels_become_the_floats_the_loaders_made_on_every_device():
+    """x / 255 in float32, bit for bit, for all 256 values: CUDA divides by a Python number as a multiplication by
+    its reciprocal, one bit off for 126 of them; the divisor is a tensor on the device instead."""
+    from edgebayes.data import pixels_as_float
+
+    expected = np.arange(256, dtype=np.float32) / np.float32(255)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        got = pixels_as_float(torch.arange(256, dtype=torch.uint8, device=device)).cpu().numpy()
+        assert np.array_equal(got, expected), device
+
+
 def test_fit_checks_the_validation_split_it_carves_itself():
     """eb.fit carves 10% of x for validation at random: a class can be left out of training altogether."""
     import edgebayes as eb

@@ -109,7 +109,10 @@ def fit(net, x, y, *, val=None, epochs=10, seed=0, checkpoint=None, until_epoch=
         "family": getattr(net, "family", None), "seed": seed,
         "train": t.model_dump(mode="json", exclude={"device", "threads", "compile", "channels_last", "processes"}),
         "network": _digest(repr([(k, tuple(v.shape)) for k, v in net.state_dict().items()]).encode()),
-        "data": _digest(*(a.numpy().tobytes() for a in (x, y, vx, vy)))}
+        # the values the network is trained on: uint8 pixels as their floats, a block at a time, so that the
+        # same data as uint8 or as float32 / 255 is one run (and a checkpoint written before uint8 resumes)
+        "data": _digest(*(pixels_as_float(a[i:i + 4096]).numpy().tobytes() for a in (x, y, vx, vy)
+                          for i in range(0, len(a), 4096)))}
     if path is None:
         with tempfile.TemporaryDirectory() as tmp:
             _, history = run_train(cfg, splits, Path(tmp) / "checkpoint.pt", lambda: net, ELBO(), log)

@@ -721,8 +721,11 @@ def _lookup(sorted_values, a, order=None):
 
 def pixels_as_float(x: torch.Tensor) -> torch.Tensor:
     """x as float32 on its own device: uint8 pixels scaled to [0, 1] (x / 255, as the loaders scaled them
-    before they kept uint8), float32 as it is."""
-    return x.to(torch.float32).div_(255.0) if x.dtype == torch.uint8 else x   # in place: one float copy, not two
+    before they kept uint8, bit for bit), float32 as it is. The divisor is a tensor on x's device: CUDA divides
+    by a Python number as a multiplication by its reciprocal, one bit off for 126 of the 256 values (review)."""
+    if x.dtype != torch.uint8:
+        return x
+    return x.to(torch.float32).div_(torch.tensor(255.0, device=x.device))   # in place: one float copy, not two
 
 
 def as_inputs(a, keep_pixels=False):

@@ -93,6 +93,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from edgebayes.compressed.samples import compress, predict
 from edgebayes.config import ConfigError
+from edgebayes.data import pixels_as_float
 from edgebayes.errors import StageError
 from edgebayes.progress import progress as tqdm  # a bar on a terminal, one line per epoch in a log
 from edgebayes.provenance import atomic_torch_save, load_checkpoint
@@ -428,7 +429,7 @@ def train(cfg, splits, checkpoint_path, build, objective=None, log=print, until_
                       t.augment_padding if t.augment else None, t.channels_last)
     n = len(data)
     steps_per_epoch = math.ceil(n / t.batch_size)
-    forward, kl_term = objective.prepare(model, forward, data.x[: t.batch_size], t, log)
+    forward, kl_term = objective.prepare(model, forward, pixels_as_float(data.x[: t.batch_size]), t, log)
     warmup_steps = t.kl_warmup_epochs * steps_per_epoch   # KL warm-up (module docstring); 0: none
     flops_target = None if t.flops_target is None or nested else FlopsTargetSchedule(   # train/flops_target.py
         model, t, t.epochs * steps_per_epoch, log if world.main else (lambda *_: None),
