@@ -1,6 +1,7 @@
 """Data loading: IDX files (MNIST format, gzipped or not), seeded splits, OOD set."""
 
 import gzip
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -608,3 +609,25 @@ def test_describe_says_the_source_and_the_preprocessing_of_each_kind(tmp_path, m
     assert describe(DataConfig(), (1, 8, 8)) == {
         "source": "data set 'digits'", "fingerprint": None,
         "preprocessing": "scikit-learn's 8x8 digits, values 0..16 divided by 16; float32, shape (N, 1, 8, 8)"}
+
+
+def test_a_changed_folder_says_how_its_files_changed(tmp_path):
+    """The message of a training run again for new data: the files' count and size then and now, or the same
+    files touched (a sync that does not keep modification times retrained with no clue why: review)."""
+    import os
+
+    from edgebayes.config import DataConfig
+    from edgebayes.data import data_change, data_fingerprint
+
+    root = _images(tmp_path / "imgs", classes=("a", "b"), n=3)
+    cfg = DataConfig(dataset="image-folder", path=str(root))
+    before = data_fingerprint(cfg)
+    assert data_change(before, data_fingerprint(cfg)).startswith("the same 6 files and bytes")
+    _images(root, classes=("c",), n=2)
+    grown = data_fingerprint(cfg)
+    assert re.fullmatch(r"8 files of [0-9.]+ MB now, 6 of [0-9.]+ MB when the stage ran", data_change(before, grown))
+    for f in root.rglob("*.png"):
+        os.utime(f, ns=(1, 1))
+    touched = data_fingerprint(cfg)
+    assert touched != grown and data_change(grown, touched).startswith("the same 8 files and bytes, but rewritten")
+    assert data_change("0123abcd", touched) == ""   # a marker's fingerprint of the older form: no detail

@@ -2,6 +2,7 @@
 input (exit 2) before any work, and the whole pipeline on a tiny npz and a tiny image folder."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -154,10 +155,16 @@ def test_a_stage_run_again_for_new_data_says_so(tmp_path, capsys):
     os.utime(path, ns=(1, 1))
     capsys.readouterr()
     assert main(["select", "--config", str(config), "--runs-dir", str(runs)]) == 1   # a stage after it says so too
-    assert "the train stage is out of date for this config and device (what data.path holds changed since the " \
-           "stage ran)" in capsys.readouterr().err
+    # what changed in it, as far as the files' stat says (review: a sync that touched every file retrained in silence)
+    why = ("what data.path holds (its size is the same, but rewritten or with other modification times (a copy or "
+           "sync that does not keep them makes every file new)) changed since the stage ran")
+    assert f"the train stage is out of date for this config and device ({why})" in capsys.readouterr().err
     assert main(["train", "--config", str(config), "--runs-dir", str(runs)]) == 0
-    assert "train: running (what data.path holds changed since the stage ran)" in capsys.readouterr().out
+    assert f"train: running ({why})" in capsys.readouterr().out
+    np.savez(path, x=arrays["x"][:-5], y=arrays["y"][:-5])
+    assert main(["train", "--config", str(config), "--runs-dir", str(runs)]) == 0
+    assert re.search(r"train: running \(what data.path holds \(1 file of [0-9.]+ MB now, 1 of [0-9.]+ MB when the "
+                     r"stage ran\) changed since the stage ran\)", capsys.readouterr().out)
     assert main(["train", "--config", str(config), "--runs-dir", str(runs), "--set", "train.epochs=1"]) == 0
     assert "train: running (config, device profile or code changed)" in capsys.readouterr().out
     # a marker edited by hand: the plain reason, not a traceback

@@ -28,6 +28,7 @@ Splits.train_x converts what it takes; the validation, test and OOD sets are flo
 import csv
 import gzip
 import os
+import re
 import struct
 import unicodedata
 import warnings
@@ -43,7 +44,7 @@ import torch
 from edgebayes.errors import InputError
 from edgebayes.plugins import IMPORT_PATH, load_callable, source_files
 from edgebayes.progress import progress
-from edgebayes.provenance import stat_fingerprint, walk_files
+from edgebayes.provenance import stat_fingerprint, stat_summary, walk_files
 
 
 class DataError(InputError, ValueError):
@@ -822,7 +823,25 @@ def data_fingerprint(cfg) -> Optional[str]:
     if not cfg.path or not (cfg.dataset in ("npz", "image-folder", "csv") or IMPORT_PATH.match(cfg.dataset)):
         return None
     # a loader of the user's own is handed data.path: what it holds counts, every file (its formats are its own)
-    return stat_fingerprint(Path(cfg.path).expanduser(), IMAGE_EXTENSIONS if cfg.dataset == "image-folder" else None)
+    fingerprint, files, size = stat_summary(Path(cfg.path).expanduser(),
+                                            IMAGE_EXTENSIONS if cfg.dataset == "image-folder" else None)
+    return f"{fingerprint}: {files} files, {size} bytes"   # the counts: data_change says what changed
+
+
+def data_change(was, now) -> str:
+    """What changed between two data_fingerprints, for the message of a training that runs again: the files'
+    count and size then and now, or, with both equal, files rewritten or touched (a copy or sync that does not
+    keep modification times makes every file new). "" for a fingerprint of another form (older markers)."""
+    counts = [re.fullmatch(r"[0-9a-f]+: (\d+) files, (\d+) bytes", str(v)) for v in (was, now)]
+    if None in counts:
+        return ""
+    (n_was, b_was), (n_now, b_now) = ((int(m[1]), int(m[2])) for m in counts)
+    if (n_was, b_was) == (n_now, b_now):
+        what = "its size is the same" if n_now == 1 else f"the same {n_now:,} files and bytes"
+        return (f"{what}, but rewritten or with other modification times (a copy or sync that does not keep "
+                f"them makes every file new)")
+    files = "files" if n_now != 1 or n_was != 1 else "file"
+    return f"{n_now:,} {files} of {b_now / 1e6:,.3g} MB now, {n_was:,} of {b_was / 1e6:,.3g} MB when the stage ran"
 
 
 def describe(cfg, input_shape) -> dict:

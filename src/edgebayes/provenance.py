@@ -163,15 +163,21 @@ def stat_fingerprint(path: Path, suffixes=None) -> str:
     """A hash of what a file, or a folder's files (those ending in `suffixes`, if given), hold now: each
     relative path, size and modification time (stat only, no reading). Size and mtime change with any
     rewrite; a copy that keeps both (rsync -a) counts as the same."""
+    return stat_summary(path, suffixes)[0]
+
+
+def stat_summary(path: Path, suffixes=None):
+    """(stat_fingerprint, number of files, their total bytes): the two counts let a message say what changed."""
     if path.is_dir():
         files = sorted(f for f in walk_files(path) if suffixes is None or f.suffix.lower() in suffixes)
     else:
         files = [path] if path.is_file() else []
-    h = hashlib.sha256()
+    h, total = hashlib.sha256(), 0
     for f in files:
         st = f.stat()
+        total += st.st_size
         h.update(f"{f.relative_to(path) if f != path else f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:16], len(files), total
 
 
 def provenance(config_hash: str) -> dict:

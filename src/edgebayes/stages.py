@@ -37,7 +37,7 @@ import numpy as np
 
 from edgebayes import STAGES
 from edgebayes.config import ConfigError, as_dict, fingerprint
-from edgebayes.data import describe as describe_data, inputs_parts, load_data, pixels_as_float
+from edgebayes.data import data_change, describe as describe_data, inputs_parts, load_data, pixels_as_float
 from edgebayes.errors import InputError, StageError
 from edgebayes.ondevice.bundle import RUNNER_FILE, sha256_file
 from edgebayes.ondevice.cli import command_line
@@ -326,7 +326,8 @@ class Context:
             if explained:
                 from edgebayes.deploy.latency_model import table_path
 
-                said = [f"what {k} holds" for k in moved + added] + (
+                detail = {k: f" ({change})" for k in moved if (change := data_change(was[k], now["inputs"][k]))}
+                said = [f"what {k} holds{detail.get(k, '')}" for k in moved + added] + (
                     [f"the device's latency table {table_path(self.profile, self.runs_dir)} (`devices profile` "
                      f"wrote it again, or it was moved)"] if table else [])
                 return f"{' and '.join(said)} changed since the stage ran"
