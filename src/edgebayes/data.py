@@ -467,7 +467,7 @@ def _image_folder(cfg):
                 with Image.open(f) as image:
                     a = _pixels(image, channels, size)
                 if a.dtype != x.dtype:   # an 8-bit image among wider ones: scaled as they are, to [0, 1]
-                    a = a.astype(np.float32) / np.float32(255)
+                    a = pixels_as_float(torch.from_numpy(a)).numpy()
                 x[i] = a[None] if channels == 1 else a.transpose(2, 0, 1)
             except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
                 raise DataError(f"{where}: {f}: not a readable image ({e})") from None

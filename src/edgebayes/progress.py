@@ -49,7 +49,7 @@ class LineProgress:
             said = now
             of = f"/{self.total}" if self.total is not None else ""
             print(f"{self.desc}: {self.unit} {self.n}{of}" + (f": {self.postfix}" if self.postfix else "")
-                  + self._eta(time.monotonic() - start), file=self.file or sys.stderr, flush=True)
+                  + self._eta(now - start), file=self.file or sys.stderr, flush=True)
 
     def _eta(self, spent):
         """`, 2.1 s/epoch, ETA 5 min` from the steps done in this process (a resumed run's earlier ones not)."""

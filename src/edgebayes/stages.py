@@ -515,9 +515,9 @@ def train_preflight(ctx):
     from edgebayes.export.preflight import preflight
     from edgebayes.train.families import build
 
-    cfg = ctx.cfg
-    model = build(cfg, splits_for(ctx))   # untrained: the pre-flight's exports and the target's reach read it
-    facts = preflight(cfg, ctx.profile, splits_for(ctx), model, ctx.log)
+    cfg, splits = ctx.cfg, splits_for(ctx)
+    model = build(cfg, splits)   # untrained: the pre-flight's exports and the target's reach read it
+    facts = preflight(cfg, ctx.profile, splits, model, ctx.log)
     shares = None if facts is None else budget_shares(cfg, ctx.profile, facts, ctx.runs_dir)
     if cfg.train.flops_target != "device":   # said; with device, they are the target
         for share, where in (shares or {}).values():

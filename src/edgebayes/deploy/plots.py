@@ -30,8 +30,8 @@ def plot_tradeoff(candidates: list, choice: dict, budget_ms: float | None,
                    budget_mb: float | None = None, percentile: Any = None, batch_size: Any = None) -> bytes | None:
     """Val accuracy vs latency (left) and vs model size (right) for every candidate; colour and shape = M,
     faded = violates a budget; a predicted latency with its band as a horizontal bar; the Pareto front, the
-    budget lines and the chosen point drawn on both. The legend (the chosen point named in it) sits below the panels, over no
-    data and no tick label."""
+    budget lines and the chosen point drawn on both. The legend (the chosen point named in it) sits below the
+    panels, over no data and no tick label."""
     pts = [(c, num(get(c, "cost", "latency_ms")), num(get(c, "val", "accuracy")))
            for c in candidates]
     pts = [p for p in pts if p[1] is not None and p[2] is not None]
