@@ -323,7 +323,7 @@ def summarize(d: dict) -> dict:
         verdict = verdict_of(limit, value, band if key == "latency_ms" and basis[key] == "predicted" and spec_sheet
                              else None)
         if key == "memory_mb" and predicted_in is not None and verdict in ("pass", "fail"):
-            # an estimate, not a measurement (a probe's was 84% below the runner's figure): likely pass / fail;
+            # an estimate, not a measurement (the embedded default's was 85% below the runner's figure): likely pass / fail;
             # a lower bound under the budget says nothing, over it the budget fails for sure
             verdict = (NA if lower else "likely pass") if verdict == "pass" else ("fail" if lower else "likely fail")
         budget_rows[key] = {"label": label, "unit": unit, "limit": limit, "measured": value,
